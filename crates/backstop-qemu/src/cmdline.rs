@@ -1,0 +1,159 @@
+//! QEMU's command line and the VM's shape fingerprint, built from config. Pure functions.
+
+use backstop_hypervisor::{BootMode, DiskAttachment};
+use sha2::{Digest, Sha256};
+
+use crate::QemuConfig;
+
+/// Node name of a disk's active layer at launch.
+pub fn node_name(disk_id: &str) -> String {
+    format!("disk-{disk_id}")
+}
+
+/// Node name for a new top layer created by a capture (unique per file).
+pub fn fresh_node_name(disk_id: &str, path: &std::path::Path) -> String {
+    let h = Sha256::digest(path.as_os_str().as_encoded_bytes());
+    format!("disk-{disk_id}-{}", hex::encode(&h[..6]))
+}
+
+/// qdev id of a disk's virtio-blk device.
+pub fn device_id(disk_id: &str) -> String {
+    format!("dev-{disk_id}")
+}
+
+/// qdev id of a NIC.
+pub fn nic_id(nic: &str) -> String {
+    format!("nic-{nic}")
+}
+
+/// The full argument list (without the binary).
+pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) -> Vec<String> {
+    let run = &cfg.run_dir;
+    let mut a: Vec<String> = Vec::new();
+    let mut push = |parts: &[&str]| a.extend(parts.iter().map(|s| s.to_string()));
+    push(&["-name", &cfg.vm_name]);
+    push(&["-machine", &format!("{},accel={}", cfg.machine, cfg.accel.as_str())]);
+    push(&["-m", &cfg.memory_mib.to_string(), "-smp", &cfg.vcpus.to_string()]);
+    push(&["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]);
+    push(&["-kernel", &cfg.kernel.to_string_lossy()]);
+    if let Some(initrd) = &cfg.initrd {
+        push(&["-initrd", &initrd.to_string_lossy()]);
+    }
+    push(&["-append", &cfg.append]);
+    push(&[
+        "-chardev",
+        &format!("file,id=serial0,path={},append=on", cfg.serial_log.display()),
+        "-serial",
+        "chardev:serial0",
+    ]);
+    push(&[
+        "-device",
+        "virtio-serial-pci,id=vser0",
+        "-chardev",
+        &format!("socket,id=agent0,path={},server=on,wait=off", run.join("agent.sock").display()),
+        "-device",
+        "virtserialport,bus=vser0.0,chardev=agent0,name=org.backstop.agent.0",
+    ]);
+    for d in disks {
+        push(&[
+            "-blockdev",
+            &format!(
+                "driver=qcow2,node-name={},file.driver=file,file.filename={}",
+                node_name(&d.id),
+                d.active.display()
+            ),
+            "-device",
+            &format!("virtio-blk-pci,drive={},id={}", node_name(&d.id), device_id(&d.id)),
+        ]);
+    }
+    if cfg.watchdog {
+        push(&["-device", "i6300esb,id=watchdog0"]);
+    }
+    for nic in &cfg.nics {
+        push(&[
+            "-netdev",
+            &format!("user,id=net-{nic},restrict=on"),
+            "-device",
+            &format!("virtio-net-pci,netdev=net-{nic},id={}", nic_id(nic)),
+        ]);
+    }
+    push(&["-qmp", &format!("unix:{},server=on,wait=off", run.join("qmp.sock").display())]);
+    push(&["-pidfile", &run.join("qemu.pid").to_string_lossy()]);
+    if mode == BootMode::Incoming {
+        push(&["-incoming", "defer", "-S"]);
+    }
+    a
+}
+
+/// Digest of the VM's shape: a restore into a VM of another shape would fail or, worse, load.
+/// Paths are left out (layers move); ids, sizes and device kinds are in.
+pub fn fingerprint(cfg: &QemuConfig, disks: &[DiskAttachment]) -> String {
+    let mut h = Sha256::new();
+    let mut line = |s: String| {
+        h.update(s.as_bytes());
+        h.update(b"\n");
+    };
+    line(format!("machine={} accel={}", cfg.machine, cfg.accel.as_str()));
+    line(format!("memory_mib={} vcpus={}", cfg.memory_mib, cfg.vcpus));
+    line(format!("watchdog={}", cfg.watchdog));
+    for d in disks {
+        line(format!("disk={} captured={}", d.id, d.captured));
+    }
+    for n in &cfg.nics {
+        line(format!("nic={n}"));
+    }
+    line("agent=virtserialport".into());
+    hex::encode(h.finalize())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::Accel;
+
+    fn cfg() -> QemuConfig {
+        QemuConfig {
+            vm_name: "t".into(),
+            binary: "qemu-system-x86_64".into(),
+            machine: "q35".into(),
+            accel: Accel::Tcg,
+            memory_mib: 256,
+            vcpus: 1,
+            kernel: "/k".into(),
+            initrd: Some("/i".into()),
+            append: "console=ttyS0".into(),
+            run_dir: "/run/x".into(),
+            serial_log: "/run/x/serial.log".into(),
+            nics: vec!["net0".into()],
+            watchdog: true,
+            max_bandwidth: 1 << 33,
+            qmp_timeout: Duration::from_secs(5),
+        }
+    }
+
+    #[test]
+    fn incoming_mode_starts_paused_and_deferred() {
+        let disks = vec![DiskAttachment { id: "data".into(), active: PathBuf::from("/l/1.qcow2"), captured: true }];
+        let cold = command_line(&cfg(), &disks, BootMode::Cold);
+        assert!(!cold.iter().any(|a| a == "-incoming"));
+        let inc = command_line(&cfg(), &disks, BootMode::Incoming);
+        let joined = inc.join(" ");
+        assert!(joined.contains("-incoming defer -S"), "{joined}");
+        assert!(joined.contains("node-name=disk-data,file.driver=file,file.filename=/l/1.qcow2"));
+        assert!(joined.contains("accel=tcg"));
+        assert!(joined.contains("i6300esb"));
+    }
+
+    #[test]
+    fn fingerprint_ignores_layer_paths_but_not_shape() {
+        let a = vec![DiskAttachment { id: "data".into(), active: "/l/1.qcow2".into(), captured: true }];
+        let b = vec![DiskAttachment { id: "data".into(), active: "/l/9.qcow2".into(), captured: true }];
+        assert_eq!(fingerprint(&cfg(), &a), fingerprint(&cfg(), &b));
+        let mut bigger = cfg();
+        bigger.memory_mib = 512;
+        assert_ne!(fingerprint(&cfg(), &a), fingerprint(&bigger, &a));
+    }
+}

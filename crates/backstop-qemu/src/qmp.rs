@@ -1,0 +1,305 @@
+//! A small, strict QMP client: one command at a time, replies matched by `id`, events queued.
+//!
+//! QEMU is trusted more than the guest, but its replies are still parsed strictly and bounded:
+//! a line longer than [`MAX_QMP_LINE`] or a reply that is not a JSON object is a protocol error,
+//! never a panic or an unbounded buffer.
+
+use std::collections::VecDeque;
+use std::io::{IoSlice, Read, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags, UnixAddr};
+use serde_json::{json, Map, Value};
+
+use backstop_hypervisor::{BackendError, Result};
+
+/// Largest QMP line accepted (query-pci on a big machine is a few hundred KiB).
+pub const MAX_QMP_LINE: usize = 8 << 20;
+
+/// A QMP event with QEMU's own timestamp.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QmpEvent {
+    pub name: String,
+    pub data: Value,
+    /// QEMU's timestamp, microseconds since the Unix epoch.
+    pub timestamp_us: u64,
+}
+
+pub struct Qmp {
+    stream: UnixStream,
+    buf: Vec<u8>,
+    events: VecDeque<QmpEvent>,
+    next_id: u64,
+}
+
+impl Qmp {
+    /// Connects (retrying until `timeout`, QEMU creates the socket shortly after it starts),
+    /// reads the greeting and negotiates capabilities.
+    pub fn connect(path: &Path, timeout: Duration) -> Result<Qmp> {
+        let deadline = Instant::now() + timeout;
+        let stream = loop {
+            match UnixStream::connect(path) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    let _ = e;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(source) => return Err(BackendError::Io { step: "qmp connect", source }),
+            }
+        };
+        let mut qmp = Qmp { stream, buf: Vec::with_capacity(4096), events: VecDeque::new(), next_id: 1 };
+        let greeting = qmp.read_message("qmp greeting", timeout)?;
+        if greeting.get("QMP").is_none() {
+            return Err(BackendError::Protocol {
+                step: "qmp greeting",
+                detail: truncate(&greeting.to_string()),
+            });
+        }
+        qmp.execute("qmp_capabilities", None, timeout)?;
+        Ok(qmp)
+    }
+
+    /// Runs one command and returns its `return` value. A QMP `error` becomes
+    /// [`BackendError::Command`] carrying QEMU's description.
+    pub fn execute(&mut self, command: &'static str, args: Option<Value>, timeout: Duration) -> Result<Value> {
+        self.execute_with_fd(command, args, None, timeout)
+    }
+
+    /// Like [`Qmp::execute`], passing `fd` to QEMU with SCM_RIGHTS in the same message
+    /// (what `getfd` and `add-fd` expect).
+    pub fn execute_with_fd(
+        &mut self,
+        command: &'static str,
+        args: Option<Value>,
+        fd: Option<RawFd>,
+        timeout: Duration,
+    ) -> Result<Value> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let mut msg = Map::new();
+        msg.insert("execute".into(), Value::String(command.into()));
+        if let Some(args) = args {
+            msg.insert("arguments".into(), args);
+        }
+        msg.insert("id".into(), json!(id));
+        let mut line = Value::Object(msg).to_string().into_bytes();
+        line.push(b'\n');
+        self.send(command, &line, fd)?;
+
+        let deadline = Instant::now() + timeout;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(BackendError::Timeout { step: command, timeout });
+            }
+            let msg = self.read_message(command, remaining)?;
+            if self.queue_if_event(&msg) {
+                continue;
+            }
+            if msg.get("id").and_then(Value::as_u64) != Some(id) {
+                // A reply to some earlier, timed-out command: drop it.
+                continue;
+            }
+            if let Some(ret) = msg.get("return") {
+                return Ok(ret.clone());
+            }
+            if let Some(err) = msg.get("error") {
+                let desc = err.get("desc").and_then(Value::as_str).unwrap_or("unknown error");
+                return Err(BackendError::Command { step: command, message: desc.to_string() });
+            }
+            return Err(BackendError::Protocol { step: command, detail: truncate(&msg.to_string()) });
+        }
+    }
+
+    fn send(&mut self, step: &'static str, bytes: &[u8], fd: Option<RawFd>) -> Result<()> {
+        match fd {
+            None => self.stream.write_all(bytes).map_err(|source| BackendError::Io { step, source }),
+            Some(fd) => {
+                let fds = [fd];
+                let cmsg = [ControlMessage::ScmRights(&fds)];
+                let iov = [IoSlice::new(bytes)];
+                let sent = sendmsg::<UnixAddr>(self.stream.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None)
+                    .map_err(|e| BackendError::Io { step, source: e.into() })?;
+                if sent != bytes.len() {
+                    // The fd went with the first byte; the rest is plain data.
+                    self.stream.write_all(&bytes[sent..]).map_err(|source| BackendError::Io { step, source })?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Waits for an event named `name` (checking queued ones first) and removes it from the queue.
+    pub fn wait_event(&mut self, name: &str, timeout: Duration, step: &'static str) -> Result<QmpEvent> {
+        self.wait_event_matching(step, timeout, |e| e.name == name)
+    }
+
+    /// Waits for the first event for which `pred` holds.
+    pub fn wait_event_matching(
+        &mut self,
+        step: &'static str,
+        timeout: Duration,
+        mut pred: impl FnMut(&QmpEvent) -> bool,
+    ) -> Result<QmpEvent> {
+        if let Some(pos) = self.events.iter().position(&mut pred) {
+            return Ok(self.events.remove(pos).unwrap_or_else(|| unreachable!()));
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(BackendError::Timeout { step, timeout });
+            }
+            let msg = self.read_message(step, remaining)?;
+            if let Some(ev) = parse_event(&msg) {
+                if pred(&ev) {
+                    return Ok(ev);
+                }
+                self.events.push_back(ev);
+            }
+        }
+    }
+
+    /// Reads whatever events are already waiting, without blocking for long.
+    pub fn drain_events(&mut self) -> Result<Vec<QmpEvent>> {
+        loop {
+            match self.read_message("qmp events", Duration::from_millis(1)) {
+                Ok(msg) => {
+                    self.queue_if_event(&msg);
+                }
+                Err(BackendError::Timeout { .. }) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(self.events.drain(..).collect())
+    }
+
+    fn queue_if_event(&mut self, msg: &Value) -> bool {
+        match parse_event(msg) {
+            Some(ev) => {
+                self.events.push_back(ev);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Reads one complete JSON line. A partial line stays buffered across timeouts.
+    fn read_message(&mut self, step: &'static str, timeout: Duration) -> Result<Value> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=pos).collect();
+                let text = std::str::from_utf8(&line)
+                    .map_err(|_| BackendError::Protocol { step, detail: "reply is not UTF-8".into() })?
+                    .trim();
+                if text.is_empty() {
+                    continue;
+                }
+                let value: Value = serde_json::from_str(text)
+                    .map_err(|e| BackendError::Protocol { step, detail: format!("bad JSON: {e}") })?;
+                if !value.is_object() {
+                    return Err(BackendError::Protocol { step, detail: "reply is not an object".into() });
+                }
+                return Ok(value);
+            }
+            if self.buf.len() > MAX_QMP_LINE {
+                return Err(BackendError::Protocol { step, detail: format!("line over {MAX_QMP_LINE} bytes") });
+            }
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(BackendError::Timeout { step, timeout });
+            }
+            self.stream
+                .set_read_timeout(Some(remaining))
+                .map_err(|source| BackendError::Io { step, source })?;
+            let mut chunk = [0u8; 16 * 1024];
+            match self.stream.read(&mut chunk) {
+                Ok(0) => {
+                    return Err(BackendError::Io {
+                        step,
+                        source: std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "QEMU closed the QMP socket"),
+                    })
+                }
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    return Err(BackendError::Timeout { step, timeout });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(source) => return Err(BackendError::Io { step, source }),
+            }
+        }
+    }
+}
+
+/// Parses `{"event": .., "data": .., "timestamp": {"seconds": s, "microseconds": us}}`.
+pub fn parse_event(msg: &Value) -> Option<QmpEvent> {
+    let name = msg.get("event")?.as_str()?.to_string();
+    let ts = msg.get("timestamp");
+    let secs = ts.and_then(|t| t.get("seconds")).and_then(Value::as_u64).unwrap_or(0);
+    let us = ts.and_then(|t| t.get("microseconds")).and_then(Value::as_u64).unwrap_or(0);
+    Some(QmpEvent {
+        name,
+        data: msg.get("data").cloned().unwrap_or(Value::Null),
+        timestamp_us: secs.saturating_mul(1_000_000).saturating_add(us),
+    })
+}
+
+fn truncate(s: &str) -> String {
+    s.chars().take(200).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_carry_qemu_timestamps() {
+        let v: Value = serde_json::from_str(
+            r#"{"event":"STOP","timestamp":{"seconds":10,"microseconds":250}}"#,
+        )
+        .unwrap();
+        let e = parse_event(&v).unwrap();
+        assert_eq!(e.name, "STOP");
+        assert_eq!(e.timestamp_us, 10_000_250);
+        assert!(parse_event(&serde_json::json!({"return":{}})).is_none());
+    }
+
+    /// A fake QMP peer on a socketpair: checks framing, id matching, event queuing and errors.
+    #[test]
+    fn replies_are_matched_by_id_and_events_queued() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let server = std::thread::spawn(move || {
+            b.write_all(b"{\"QMP\":{\"version\":{}}}\r\n").unwrap();
+            let mut r = std::io::BufReader::new(b.try_clone().unwrap());
+            let mut line = String::new();
+            use std::io::BufRead;
+            r.read_line(&mut line).unwrap(); // qmp_capabilities id 1
+            b.write_all(b"{\"return\":{},\"id\":1}\r\n").unwrap();
+            line.clear();
+            r.read_line(&mut line).unwrap(); // stop id 2
+            b.write_all(b"{\"event\":\"STOP\",\"timestamp\":{\"seconds\":1,\"microseconds\":2}}\r\n{\"return\":{},\"id\":2}\r\n").unwrap();
+            line.clear();
+            r.read_line(&mut line).unwrap(); // bogus id 3
+            b.write_all(b"{\"error\":{\"class\":\"GenericError\",\"desc\":\"nope\"},\"id\":3}\r\n").unwrap();
+            line.clear();
+            r.read_line(&mut line).unwrap(); // id 4: huge junk then nothing
+            b.write_all(b"[1,2]\r\n").unwrap();
+        });
+        let mut q = Qmp { stream: a, buf: Vec::new(), events: VecDeque::new(), next_id: 1 };
+        let g = q.read_message("greeting", Duration::from_secs(5)).unwrap();
+        assert!(g.get("QMP").is_some());
+        q.execute("qmp_capabilities", None, Duration::from_secs(5)).unwrap();
+        q.execute("stop", None, Duration::from_secs(5)).unwrap();
+        let ev = q.wait_event("STOP", Duration::from_secs(1), "test").unwrap();
+        assert_eq!(ev.timestamp_us, 1_000_002);
+        let err = q.execute("bogus", None, Duration::from_secs(5)).unwrap_err();
+        assert!(err.to_string().contains("nope"), "{err}");
+        let err = q.execute("junk", None, Duration::from_secs(5)).unwrap_err();
+        assert!(matches!(err, BackendError::Protocol { .. }), "{err}");
+        server.join().unwrap();
+    }
+}
