@@ -1,0 +1,159 @@
+//! Property: after any number of appends and one tampering, `verify` names exactly the line
+//! where the chain was first broken.
+
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use backstop_integrity::canonical;
+use backstop_journal::{events, verify, Journal};
+use common::{key, lines, write_lines};
+use proptest::prelude::*;
+use proptest::sample::Index;
+use serde_json::{json, Map, Value};
+
+#[derive(Debug, Clone)]
+enum EditKind {
+    AddField,
+    ChangeField,
+    Event,
+    Ts,
+    Seq,
+    Prev,
+    Hash,
+    Mac,
+}
+
+#[derive(Debug, Clone)]
+enum Mutation {
+    Edit(Index, EditKind),
+    Delete(Index),
+    SwapWithNext(Index),
+}
+
+fn value() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        any::<i64>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        any::<bool>().prop_map(Value::from),
+        "\\PC{0,12}".prop_map(Value::from),
+        any::<f64>()
+            .prop_filter("finite", |f| f.is_finite())
+            .prop_map(|f| json!(f)),
+        prop::collection::vec(any::<i32>(), 0..4).prop_map(|v| json!(v)),
+    ]
+}
+
+fn fields() -> impl Strategy<Value = Map<String, Value>> {
+    prop::collection::btree_map("[a-z]{1,6}", value(), 0..5).prop_map(|m| m.into_iter().collect())
+}
+
+fn edit_kind() -> impl Strategy<Value = EditKind> {
+    prop_oneof![
+        Just(EditKind::AddField),
+        Just(EditKind::ChangeField),
+        Just(EditKind::Event),
+        Just(EditKind::Ts),
+        Just(EditKind::Seq),
+        Just(EditKind::Prev),
+        Just(EditKind::Hash),
+        Just(EditKind::Mac),
+    ]
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    prop_oneof![
+        (any::<Index>(), edit_kind()).prop_map(|(i, k)| Mutation::Edit(i, k)),
+        any::<Index>().prop_map(Mutation::Delete),
+        any::<Index>().prop_map(Mutation::SwapWithNext),
+    ]
+}
+
+/// Changes one thing in the entry; the line stays canonical so only the seal or chain can fail.
+fn edit(line: &str, kind: &EditKind) -> String {
+    let mut v: Value = serde_json::from_str(line).unwrap();
+    let flip_hex = |s: &Value| {
+        let s = s.as_str().unwrap();
+        let first = if s.starts_with('0') { "1" } else { "0" };
+        Value::from(format!("{first}{}", &s[1..]))
+    };
+    match kind {
+        EditKind::AddField => v["fields"]["zz_tampered"] = json!(true),
+        EditKind::ChangeField => {
+            let fields = v["fields"].as_object_mut().unwrap();
+            match fields.iter_mut().next() {
+                Some((_, old)) => *old = json!(format!("{old}-changed")),
+                None => {
+                    fields.insert("added".into(), json!(1));
+                }
+            }
+        }
+        EditKind::Event => {
+            let e = v["event"].as_str().unwrap();
+            v["event"] = json!(if e == events::VM_HALTED {
+                events::VM_STARTED
+            } else {
+                events::VM_HALTED
+            });
+        }
+        EditKind::Ts => v["ts"] = json!("1999-01-01T00:00:00.000Z"),
+        EditKind::Seq => v["seq"] = json!(v["seq"].as_u64().unwrap() + 1000),
+        EditKind::Prev => v["prev"] = flip_hex(&v["prev"]),
+        EditKind::Hash => v["hash"] = flip_hex(&v["hash"]),
+        EditKind::Mac => v["mac"] = flip_hex(&v["mac"]),
+    }
+    canonical::to_string(&v).unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn verify_points_at_the_first_tampered_line(
+        entries in prop::collection::vec((prop::sample::select(events::ALL), fields()), 1..40),
+        mutation in mutation(),
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.jsonl");
+        let mut j = Journal::open(&path, key()).unwrap();
+        for (event, f) in &entries {
+            j.append(event, f.clone()).unwrap();
+        }
+        drop(j);
+        let clean = verify(&path, &key()).unwrap();
+        prop_assert_eq!(clean.entries, entries.len() as u64);
+        prop_assert_eq!(clean.first_bad, None);
+
+        let mut l = lines(&path);
+        let n = l.len();
+        // 0-based index of the first line that must be reported.
+        let bad = match &mutation {
+            Mutation::Edit(i, kind) => {
+                let i = i.index(n);
+                l[i] = edit(&l[i], kind);
+                i
+            }
+            Mutation::Delete(i) => {
+                let i = i.index(n);
+                l.remove(i);
+                i
+            }
+            Mutation::SwapWithNext(i) => {
+                if n < 2 {
+                    return Ok(());
+                }
+                let i = i.index(n - 1);
+                l.swap(i, i + 1);
+                i
+            }
+        };
+        write_lines(&path, &l);
+        let out = verify(&path, &key()).unwrap();
+        let fault = out.first_bad.clone();
+        prop_assert!(fault.is_some(), "tampering went unnoticed: {:?}", mutation);
+        let fault = fault.unwrap();
+        prop_assert_eq!(fault.line, bad as u64 + 1, "{:?} -> {:?}", mutation, fault);
+        prop_assert_eq!(out.entries, bad as u64);
+    }
+}
