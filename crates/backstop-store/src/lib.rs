@@ -1,1 +1,648 @@
-//! (being written)
+//! The snapshot store: content-addressed, checksummed chunks shared by all snapshots, one signed
+//! manifest per snapshot, atomic publication by a single directory rename, and full verification
+//! before anything is trusted. It knows nothing of hypervisors: a snapshot is a set of named
+//! payloads (a chunked RAM/device stream, disk layer chains living outside the store) plus the
+//! caller's metadata.
+//!
+//! It must never modify a published snapshot (a published directory is only ever read, and chunk
+//! files are immutable once renamed into place), and never trust bytes before checking them: a
+//! manifest is not decoded before its HMAC matches, an index is not parsed before its checksums
+//! match the signed manifest, and every chunk is checked again as it is streamed out.
+//!
+//! Layout under the root (directories 0700, files 0600):
+//!
+//! ```text
+//! chunks/<first 2 hex>/<sha256 hex>               chunk files, shared by all snapshots
+//! tmp/<random>/                                   snapshots being built; swept at open
+//! snapshots/<snapshot_id>/manifest.json           canonical JSON
+//! snapshots/<snapshot_id>/manifest.sig            HMAC-SHA256 of manifest.json, hex + "\n"
+//! snapshots/<snapshot_id>/<payload>.index         chunk index of each chunked payload
+//! ```
+//!
+//! One process owns a store at a time: [`Store::open`] sweeps `tmp/` and collects unreferenced
+//! chunks, which would break a build running in another process.
+
+mod builder;
+mod error;
+mod fsutil;
+mod index;
+mod manifest;
+mod reader;
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::fs::{self, File};
+use std::io;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use backstop_integrity::HostKey;
+
+pub use crate::builder::SnapshotBuilder;
+pub use crate::error::{codes, StoreError};
+use crate::fsutil::{
+    create_private_dir, digests_of, digests_of_reader, fsync_dir, random_hex, read_capped,
+    read_capped_from, Capped,
+};
+pub use crate::index::{ChunkIndex, ChunkRef, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES, CHUNK_MIN_BYTES};
+use crate::manifest::parse_created_at;
+pub use crate::manifest::{
+    check_signature, decode_manifest, is_snapshot_id, parse_version, Checksum, DiskLayer, Manifest,
+    ManifestInput, PayloadRef, VerifyOptions, DISK_PAYLOAD_PREFIX, INDEX_VERSION,
+    KIND_DISK_LAYER_CHAIN, KIND_RAM_DEVICE, MANIFEST_MAX_BYTES, SCHEMA_VERSION, SCOPE_FULL,
+    SUPPORTED_INDEX, SUPPORTED_SCHEMA,
+};
+pub use crate::reader::PayloadReader;
+
+/// Name of the manifest file in a snapshot directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// Name of the signature file in a snapshot directory.
+pub const SIGNATURE_FILE: &str = "manifest.sig";
+/// Largest index file read (≈ 2.5 million chunks).
+pub const INDEX_MAX_BYTES: u64 = 256 * 1024 * 1024;
+const SIGNATURE_MAX_BYTES: u64 = 256;
+
+/// The store's directories and key, shared with its builders.
+pub(crate) struct Paths {
+    root: PathBuf,
+    chunks: PathBuf,
+    tmp: PathBuf,
+    snapshots: PathBuf,
+    key: HostKey,
+}
+
+/// What [`Store::open`] cleaned up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SweepReport {
+    /// Entries removed from `tmp/` (builds interrupted by a crash).
+    pub tmp_removed: u64,
+    /// Chunk files no published snapshot refers to (left by abandoned builds).
+    pub chunks_removed: u64,
+}
+
+/// One row of [`Store::list`].
+// Rows are few and short-lived; boxing the manifest would only make matching on them clumsier.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum ListEntry {
+    /// Signature and manifest fields check out (payloads were not read).
+    Valid(Manifest),
+    /// The manifest could not be trusted or read; `code` is the [`StoreError::code`].
+    Corrupt {
+        snapshot_id: String,
+        code: &'static str,
+        message: String,
+    },
+}
+
+impl ListEntry {
+    pub fn snapshot_id(&self) -> &str {
+        match self {
+            ListEntry::Valid(m) => &m.snapshot_id,
+            ListEntry::Corrupt { snapshot_id, .. } => snapshot_id,
+        }
+    }
+}
+
+/// What a full verification read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// Distinct chunk files read and checked (a chunk repeated in a stream is read once).
+    pub chunks_checked: u64,
+    /// Bytes read and checked: chunks and disk layers.
+    pub bytes_checked: u64,
+    pub disk_layers_checked: u64,
+}
+
+/// A snapshot that passed [`Store::verify`]. Only `verify` makes one; it carries the checked
+/// chunk indexes that [`Store::open_payload`] streams from.
+#[derive(Debug, Clone)]
+pub struct VerifiedSnapshot {
+    pub manifest: Manifest,
+    pub report: VerifyReport,
+    indexes: BTreeMap<String, ChunkIndex>,
+}
+
+/// The snapshot store rooted at one directory.
+#[derive(Clone)]
+pub struct Store {
+    paths: Arc<Paths>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("root", &self.paths.root)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// Creates the directories (0700), removes every leftover under `tmp/` (a crash mid-build),
+    /// then deletes chunk files that no published snapshot's index refers to. If any published
+    /// index cannot be read or parsed, no chunk is deleted (its chunks are unknown).
+    pub fn open(root: &Path, key: HostKey) -> Result<(Store, SweepReport), StoreError> {
+        let paths = Paths {
+            root: root.into(),
+            chunks: root.join("chunks"),
+            tmp: root.join("tmp"),
+            snapshots: root.join("snapshots"),
+            key,
+        };
+        for dir in [&paths.root, &paths.chunks, &paths.tmp, &paths.snapshots] {
+            create_private_dir(dir)?;
+        }
+        let store = Store {
+            paths: Arc::new(paths),
+        };
+        let tmp_removed = store.sweep_tmp()?;
+        let chunks_removed = store.collect_chunks()?;
+        let report = SweepReport {
+            tmp_removed,
+            chunks_removed,
+        };
+        if tmp_removed > 0 || chunks_removed > 0 {
+            tracing::info!(
+                tmp_removed,
+                chunks_removed,
+                "swept leftovers of interrupted builds"
+            );
+        }
+        Ok((store, report))
+    }
+
+    /// The store's root directory.
+    pub fn root(&self) -> &Path {
+        &self.paths.root
+    }
+
+    /// Starts a new snapshot in a fresh `tmp/<random>/` directory.
+    pub fn begin(&self) -> Result<SnapshotBuilder, StoreError> {
+        let dir = self.paths.tmp.join(random_hex(16)?);
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(|source| StoreError::CreateDir {
+                path: dir.clone(),
+                source,
+            })?;
+        Ok(SnapshotBuilder::new(Arc::clone(&self.paths), dir))
+    }
+
+    /// Every published snapshot, oldest first by `created_at` (ties by id); entries whose
+    /// manifest does not check out come last, by id. Only manifests and signatures are read.
+    /// Newer minor versions are listed as valid; [`Store::verify`] decides whether to use them.
+    pub fn list(&self) -> Result<Vec<ListEntry>, StoreError> {
+        let mut valid = Vec::new();
+        let mut corrupt = Vec::new();
+        let lenient = VerifyOptions {
+            allow_newer_minor: true,
+        };
+        for name in self.snapshot_dirs()? {
+            if !is_snapshot_id(&name) {
+                corrupt.push(ListEntry::Corrupt {
+                    snapshot_id: name,
+                    code: codes::INTEGRITY_CHECK_FAILED,
+                    message: "directory name is not a snapshot id".into(),
+                });
+                continue;
+            }
+            match self.load_manifest(&name, &lenient) {
+                Ok(m) => valid.push(m),
+                Err(e) => corrupt.push(ListEntry::Corrupt {
+                    snapshot_id: name,
+                    code: e.code(),
+                    message: e.to_string(),
+                }),
+            }
+        }
+        valid.sort_by(|a, b| {
+            let key = |m: &Manifest| (parse_created_at(&m.created_at), m.snapshot_id.clone());
+            key(a).cmp(&key(b))
+        });
+        corrupt.sort_by(|a, b| a.snapshot_id().cmp(b.snapshot_id()));
+        Ok(valid
+            .into_iter()
+            .map(ListEntry::Valid)
+            .chain(corrupt)
+            .collect())
+    }
+
+    /// The full id of the one snapshot whose id is `id_or_prefix` or starts with it.
+    /// None → `MISSING_SNAPSHOT`; several → `AmbiguousPrefix` (also `MISSING_SNAPSHOT`).
+    pub fn resolve(&self, id_or_prefix: &str) -> Result<String, StoreError> {
+        let missing = || StoreError::MissingSnapshot {
+            given: id_or_prefix.into(),
+        };
+        let plausible = !id_or_prefix.is_empty()
+            && id_or_prefix.len() <= manifest::SNAPSHOT_ID_LEN
+            && id_or_prefix
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        if !plausible {
+            return Err(missing());
+        }
+        let mut matches: Vec<String> = self
+            .snapshot_dirs()?
+            .into_iter()
+            .filter(|n| is_snapshot_id(n) && n.starts_with(id_or_prefix))
+            .collect();
+        match matches.len() {
+            0 => Err(missing()),
+            1 => Ok(matches.remove(0)),
+            _ => {
+                matches.sort();
+                Err(StoreError::AmbiguousPrefix {
+                    given: id_or_prefix.into(),
+                    matches,
+                })
+            }
+        }
+    }
+
+    /// Verifies snapshot `id` completely, in this order: manifest size cap → signature over the
+    /// raw bytes → required fields → versions → id (directory name and content hash) →
+    /// consistency → every index file's sha256 and crc32 → every chunk (presence, length,
+    /// sha256, crc32) → every disk layer (size, sha256, crc32).
+    pub fn verify(&self, id: &str, opts: &VerifyOptions) -> Result<VerifiedSnapshot, StoreError> {
+        let manifest = self.load_manifest(id, opts)?;
+        let dir = self.paths.snapshots.join(id);
+        let checksums: BTreeMap<&str, &Checksum> = manifest
+            .checksums
+            .iter()
+            .map(|c| (c.reference.as_str(), c))
+            .collect();
+        let mut report = VerifyReport::default();
+        let mut indexes = BTreeMap::new();
+        let mut seen_chunks: HashSet<String> = HashSet::new();
+
+        for payload in &manifest.payload_refs {
+            let Some(file) = &payload.index else { continue };
+            let index = self.verify_index(id, &dir, file, checksums.get(file.as_str()).copied())?;
+            if index.total_bytes != payload.total_bytes
+                || index.chunks.len() as u64 != payload.chunks
+            {
+                return Err(StoreError::IndexInvalid {
+                    id: id.into(),
+                    file: file.clone(),
+                    reason: "chunk count or total bytes differ from the manifest".into(),
+                });
+            }
+            for chunk in &index.chunks {
+                if seen_chunks.contains(&chunk.sha256) {
+                    continue;
+                }
+                self.verify_chunk(id, chunk)?;
+                seen_chunks.insert(chunk.sha256.clone());
+                report.chunks_checked += 1;
+                report.bytes_checked += chunk.len;
+            }
+            indexes.insert(payload.name.clone(), index);
+        }
+        for payload in &manifest.payload_refs {
+            for layer in &payload.layers {
+                verify_layer(id, layer)?;
+                report.disk_layers_checked += 1;
+                report.bytes_checked += layer.bytes;
+            }
+        }
+        Ok(VerifiedSnapshot {
+            manifest,
+            report,
+            indexes,
+        })
+    }
+
+    /// Streams the chunked payload `name` of a verified snapshot.
+    pub fn open_payload(
+        &self,
+        snap: &VerifiedSnapshot,
+        name: &str,
+    ) -> Result<PayloadReader, StoreError> {
+        let id = &snap.manifest.snapshot_id;
+        if !snap.manifest.payload_refs.iter().any(|p| p.name == name) {
+            return Err(StoreError::NoSuchPayload {
+                id: id.clone(),
+                name: name.into(),
+            });
+        }
+        let Some(index) = snap.indexes.get(name) else {
+            return Err(StoreError::NotChunked {
+                id: id.clone(),
+                name: name.into(),
+            });
+        };
+        Ok(PayloadReader::new(
+            self.paths.chunks.clone(),
+            index.chunks.clone(),
+            index.total_bytes,
+        ))
+    }
+
+    // --- internals ---
+
+    /// Reads, authenticates and decodes `snapshots/<id>/manifest.json`.
+    fn load_manifest(&self, id: &str, opts: &VerifyOptions) -> Result<Manifest, StoreError> {
+        if !is_snapshot_id(id) {
+            return Err(StoreError::MissingSnapshot { given: id.into() });
+        }
+        let dir = self.paths.snapshots.join(id);
+        match fs::symlink_metadata(&dir) {
+            Ok(meta) if meta.is_dir() => {}
+            Ok(_) => return Err(StoreError::MissingSnapshot { given: id.into() }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::MissingSnapshot { given: id.into() })
+            }
+            Err(source) => return Err(StoreError::ReadDir { path: dir, source }),
+        }
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let bytes = match read_capped(&manifest_path, MANIFEST_MAX_BYTES) {
+            Ok(Capped::Bytes(b)) => b,
+            Ok(Capped::TooLarge) => {
+                return Err(StoreError::TooLarge {
+                    id: id.into(),
+                    file: MANIFEST_FILE.into(),
+                    limit: MANIFEST_MAX_BYTES,
+                })
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::ManifestMissing { id: id.into() })
+            }
+            Err(source) => {
+                return Err(StoreError::ReadManifest {
+                    path: manifest_path,
+                    source,
+                })
+            }
+        };
+        let sig_path = dir.join(SIGNATURE_FILE);
+        let sig = match read_capped(&sig_path, SIGNATURE_MAX_BYTES) {
+            Ok(Capped::Bytes(b)) => b,
+            Ok(Capped::TooLarge) => return Err(StoreError::SignatureMismatch { id: id.into() }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::SignatureMissing { id: id.into() })
+            }
+            Err(source) => {
+                return Err(StoreError::ReadManifest {
+                    path: sig_path,
+                    source,
+                })
+            }
+        };
+        check_signature(&self.paths.key, id, &bytes, &sig)?;
+        decode_manifest(id, &bytes, opts)
+    }
+
+    fn verify_index(
+        &self,
+        id: &str,
+        dir: &Path,
+        file: &str,
+        expected: Option<&Checksum>,
+    ) -> Result<ChunkIndex, StoreError> {
+        let path = dir.join(file);
+        let bytes = match read_capped(&path, INDEX_MAX_BYTES) {
+            Ok(Capped::Bytes(b)) => b,
+            Ok(Capped::TooLarge) => {
+                return Err(StoreError::TooLarge {
+                    id: id.into(),
+                    file: file.into(),
+                    limit: INDEX_MAX_BYTES,
+                })
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::IndexMissing {
+                    id: id.into(),
+                    file: file.into(),
+                })
+            }
+            Err(source) => return Err(StoreError::ReadIndex { path, source }),
+        };
+        let digests = digests_of(&bytes);
+        match expected {
+            Some(c) if c.sha256 == digests.sha256 && c.crc32 == digests.crc32 => {}
+            _ => {
+                return Err(StoreError::ChecksumMismatch {
+                    id: id.into(),
+                    what: format!("index file {file}"),
+                })
+            }
+        }
+        ChunkIndex::parse(&bytes).map_err(|reason| StoreError::IndexInvalid {
+            id: id.into(),
+            file: file.into(),
+            reason,
+        })
+    }
+
+    fn verify_chunk(&self, id: &str, chunk: &ChunkRef) -> Result<(), StoreError> {
+        let path = chunk_path(&self.paths.chunks, &chunk.sha256);
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(StoreError::ChunkMissing {
+                    id: id.into(),
+                    sha256: chunk.sha256.clone(),
+                })
+            }
+            Err(source) => return Err(StoreError::ReadChunk { path, source }),
+        };
+        let size_err = |found: u64| StoreError::ChunkSizeMismatch {
+            id: id.into(),
+            sha256: chunk.sha256.clone(),
+            expected: chunk.len,
+            found,
+        };
+        let bytes = match read_capped_from(file, chunk.len) {
+            Ok(Capped::Bytes(b)) if b.len() as u64 == chunk.len => b,
+            Ok(Capped::Bytes(b)) => return Err(size_err(b.len() as u64)),
+            Ok(Capped::TooLarge) => {
+                let found = fs::metadata(&path)
+                    .map(|m| m.len())
+                    .unwrap_or(chunk.len + 1);
+                return Err(size_err(found));
+            }
+            Err(source) => return Err(StoreError::ReadChunk { path, source }),
+        };
+        let digests = digests_of(&bytes);
+        if digests.sha256 != chunk.sha256 || digests.crc32 != chunk.crc32 {
+            return Err(StoreError::ChecksumMismatch {
+                id: id.into(),
+                what: format!("chunk {}", chunk.sha256),
+            });
+        }
+        Ok(())
+    }
+
+    /// Names of the entries of `snapshots/` that are directories.
+    fn snapshot_dirs(&self) -> Result<Vec<String>, StoreError> {
+        let dir = &self.paths.snapshots;
+        let err = |source| StoreError::ReadDir {
+            path: dir.clone(),
+            source,
+        };
+        let mut names = Vec::new();
+        for entry in fs::read_dir(dir).map_err(err)? {
+            let entry = entry.map_err(err)?;
+            if !entry.file_type().map_err(err)?.is_dir() {
+                continue;
+            }
+            names.push(entry.file_name().to_string_lossy().into_owned());
+        }
+        Ok(names)
+    }
+
+    fn sweep_tmp(&self) -> Result<u64, StoreError> {
+        let dir = &self.paths.tmp;
+        let err = |source| StoreError::ReadDir {
+            path: dir.clone(),
+            source,
+        };
+        let mut removed = 0;
+        for entry in fs::read_dir(dir).map_err(err)? {
+            let entry = entry.map_err(err)?;
+            let path = entry.path();
+            let result = if entry.file_type().map_err(err)?.is_dir() {
+                fs::remove_dir_all(&path)
+            } else {
+                fs::remove_file(&path)
+            };
+            result.map_err(|source| StoreError::Remove { path, source })?;
+            removed += 1;
+        }
+        if removed > 0 {
+            fsync_dir(dir)?;
+        }
+        Ok(removed)
+    }
+
+    /// Deletes chunk files (and temporary chunk files) that no published index refers to.
+    fn collect_chunks(&self) -> Result<u64, StoreError> {
+        let Some(live) = self.referenced_chunks()? else {
+            return Ok(0);
+        };
+        let chunks = &self.paths.chunks;
+        let err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| StoreError::ReadDir { path, source }
+        };
+        let mut removed = 0;
+        for sub in fs::read_dir(chunks).map_err(err(chunks))? {
+            let sub = sub.map_err(err(chunks))?;
+            let prefix = sub.file_name().to_string_lossy().into_owned();
+            if !sub.file_type().map_err(err(chunks))?.is_dir() || !fsutil::is_lower_hex(&prefix, 2)
+            {
+                continue; // not ours: leave it alone
+            }
+            let sub_path = sub.path();
+            let mut removed_here = 0;
+            for entry in fs::read_dir(&sub_path).map_err(err(&sub_path))? {
+                let entry = entry.map_err(err(&sub_path))?;
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let ours = fsutil::is_lower_hex(&name, 64) || name.starts_with(".tmp-");
+                let is_file = entry.file_type().map_err(err(&sub_path))?.is_file();
+                if !ours || !is_file || (live.contains(&name) && name.starts_with(&prefix)) {
+                    continue;
+                }
+                let path = entry.path();
+                fs::remove_file(&path).map_err(|source| StoreError::Remove { path, source })?;
+                removed_here += 1;
+            }
+            if removed_here > 0 {
+                fsync_dir(&sub_path)?;
+            }
+            removed += removed_here;
+        }
+        Ok(removed)
+    }
+
+    /// The chunks named by every published index, or `None` if some index cannot be read or
+    /// parsed (then nothing may be collected).
+    fn referenced_chunks(&self) -> Result<Option<BTreeSet<String>>, StoreError> {
+        let mut live = BTreeSet::new();
+        for name in self.snapshot_dirs()? {
+            let dir = self.paths.snapshots.join(&name);
+            let err = |source| StoreError::ReadDir {
+                path: dir.clone(),
+                source,
+            };
+            for entry in fs::read_dir(&dir).map_err(err)? {
+                let entry = entry.map_err(err)?;
+                let path = entry.path();
+                if path.extension().and_then(|e| e.to_str()) != Some("index") {
+                    continue;
+                }
+                let parsed = match read_capped(&path, INDEX_MAX_BYTES) {
+                    Ok(Capped::Bytes(b)) => ChunkIndex::parse(&b).ok(),
+                    _ => None,
+                };
+                let Some(index) = parsed else {
+                    tracing::warn!(
+                        path = %path.display(),
+                        "unreadable chunk index in a published snapshot; keeping every chunk"
+                    );
+                    return Ok(None);
+                };
+                live.extend(index.chunks.into_iter().map(|c| c.sha256));
+            }
+        }
+        Ok(Some(live))
+    }
+}
+
+/// `chunks/<first 2 hex>/<sha256>`.
+pub(crate) fn chunk_path(chunks: &Path, sha256: &str) -> PathBuf {
+    chunks.join(sha256.get(..2).unwrap_or("xx")).join(sha256)
+}
+
+fn verify_layer(id: &str, layer: &DiskLayer) -> Result<(), StoreError> {
+    let path = &layer.path;
+    let mut file = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(StoreError::LayerMissing {
+                id: id.into(),
+                path: path.clone(),
+            })
+        }
+        Err(source) => {
+            return Err(StoreError::ReadLayer {
+                path: path.clone(),
+                source,
+            })
+        }
+    };
+    let size_err = |found| StoreError::LayerSizeMismatch {
+        id: id.into(),
+        path: path.clone(),
+        expected: layer.bytes,
+        found,
+    };
+    let len = file
+        .metadata()
+        .map_err(|source| StoreError::ReadLayer {
+            path: path.clone(),
+            source,
+        })?
+        .len();
+    if len != layer.bytes {
+        return Err(size_err(len));
+    }
+    let digests = digests_of_reader(&mut file).map_err(|source| StoreError::ReadLayer {
+        path: path.clone(),
+        source,
+    })?;
+    if digests.len != layer.bytes {
+        return Err(size_err(digests.len));
+    }
+    if digests.sha256 != layer.sha256 || digests.crc32 != layer.crc32 {
+        return Err(StoreError::ChecksumMismatch {
+            id: id.into(),
+            what: format!("disk layer {}", path.display()),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

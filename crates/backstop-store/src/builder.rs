@@ -1,0 +1,396 @@
+//! Building a snapshot in `tmp/<random>/` and publishing it with one rename.
+
+use std::collections::BTreeSet;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use fastcdc::v2020::{Error as CdcError, StreamCDC};
+
+use crate::error::StoreError;
+use crate::fsutil::{
+    create_private_subdir, digests_of, digests_of_reader, fsync_dir, fsync_file, random_hex,
+    write_new_synced,
+};
+use crate::index::{ChunkIndex, ChunkRef, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES, CHUNK_MIN_BYTES};
+use crate::manifest::{
+    decode_manifest, index_file_name, is_valid_kind, is_valid_name, layer_ref, now_rfc3339_ms,
+    seal, signature_file, Checksum, DiskLayer, Manifest, ManifestInput, PayloadRef, VerifyOptions,
+    DISK_PAYLOAD_PREFIX, INDEX_VERSION, KIND_DISK_LAYER_CHAIN, SCHEMA_VERSION, SCOPE_FULL,
+};
+use crate::{Paths, MANIFEST_FILE, SIGNATURE_FILE};
+
+/// A snapshot being built. Nothing it writes is visible as a snapshot until [`publish`]
+/// renames its directory into `snapshots/`; dropping it unpublished removes the directory.
+///
+/// [`publish`]: SnapshotBuilder::publish
+pub struct SnapshotBuilder {
+    paths: Arc<Paths>,
+    dir: PathBuf,
+    payloads: Vec<PayloadRef>,
+    checksums: Vec<Checksum>,
+    /// Chunk directories that gained entries and must be fsynced before publishing.
+    dirty_dirs: BTreeSet<PathBuf>,
+    published: bool,
+}
+
+impl std::fmt::Debug for SnapshotBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotBuilder")
+            .field("dir", &self.dir)
+            .field("payloads", &self.payloads.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SnapshotBuilder {
+    pub(crate) fn new(paths: Arc<Paths>, dir: PathBuf) -> Self {
+        Self {
+            paths,
+            dir,
+            payloads: Vec::new(),
+            checksums: Vec::new(),
+            dirty_dirs: BTreeSet::new(),
+            published: false,
+        }
+    }
+
+    /// The build directory (`tmp/<random>/`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Reads `reader` to EOF, cuts it with FastCDC (min 256 KiB / avg 1 MiB / max 4 MiB), stores
+    /// each chunk under `chunks/` unless already present (dedup), and writes `<name>.index` into
+    /// the build directory. `progress(bytes_so_far)` is called after every chunk.
+    pub fn write_chunked(
+        &mut self,
+        name: &str,
+        kind: &str,
+        reader: &mut dyn Read,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<PayloadRef, StoreError> {
+        if !is_valid_name(name) {
+            return Err(StoreError::InvalidInput {
+                what: "payload name",
+                value: name.into(),
+                reason: "use 1-128 of [A-Za-z0-9._-], not starting with a dot",
+            });
+        }
+        if !is_valid_kind(kind) || kind == KIND_DISK_LAYER_CHAIN {
+            return Err(StoreError::InvalidInput {
+                what: "payload kind",
+                value: kind.into(),
+                reason: "use 1-64 of [a-z0-9+._-], and not the disk chain kind",
+            });
+        }
+        self.claim_name(name)?;
+
+        let mut chunks = Vec::new();
+        let mut total_bytes = 0u64;
+        let mut new_bytes = 0u64;
+        let cdc = StreamCDC::new(reader, CHUNK_MIN_BYTES, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES);
+        for item in cdc {
+            let chunk = item.map_err(|e| match e {
+                CdcError::IoError(source) => StoreError::ReadSource {
+                    name: name.into(),
+                    source,
+                },
+                other => StoreError::Chunker {
+                    name: name.into(),
+                    message: other.to_string(),
+                },
+            })?;
+            let digests = digests_of(&chunk.data);
+            if self.store_chunk(&digests.sha256, &chunk.data)? {
+                new_bytes += digests.len;
+            }
+            total_bytes += digests.len;
+            chunks.push(ChunkRef {
+                sha256: digests.sha256,
+                crc32: digests.crc32,
+                len: digests.len,
+            });
+            progress(total_bytes);
+        }
+
+        let index = ChunkIndex {
+            chunks,
+            total_bytes,
+        };
+        let bytes = index
+            .to_canonical()
+            .map_err(|e| StoreError::Encode(e.to_string()))?;
+        let file = index_file_name(name);
+        write_new_synced(&self.dir.join(&file), &bytes)?;
+        let digests = digests_of(&bytes);
+        self.checksums.push(Checksum {
+            reference: file.clone(),
+            sha256: digests.sha256,
+            crc32: digests.crc32,
+        });
+        let payload = PayloadRef {
+            name: name.into(),
+            kind: kind.into(),
+            index: Some(file),
+            layers: Vec::new(),
+            total_bytes,
+            new_bytes,
+            chunks: index.chunks.len() as u64,
+        };
+        self.payloads.push(payload.clone());
+        Ok(payload)
+    }
+
+    /// Records a disk's layer chain (base first): files outside the store that are already
+    /// immutable. Each layer is streamed once for its sha256, crc32 and size. The payload is
+    /// named `disk:<disk_id>`.
+    pub fn add_disk_chain(
+        &mut self,
+        disk_id: &str,
+        layers: &[PathBuf],
+    ) -> Result<PayloadRef, StoreError> {
+        if !is_valid_name(disk_id) {
+            return Err(StoreError::InvalidInput {
+                what: "disk id",
+                value: disk_id.into(),
+                reason: "use 1-128 of [A-Za-z0-9._-], not starting with a dot",
+            });
+        }
+        if layers.is_empty() {
+            return Err(StoreError::InvalidInput {
+                what: "disk chain",
+                value: disk_id.into(),
+                reason: "a chain has at least one layer",
+            });
+        }
+        let name = format!("{DISK_PAYLOAD_PREFIX}{disk_id}");
+        let mut entries = Vec::with_capacity(layers.len());
+        let mut refs = BTreeSet::new();
+        let mut total_bytes = 0u64;
+        for path in layers {
+            let shown = path.display().to_string();
+            if !path.is_absolute() {
+                return Err(StoreError::InvalidInput {
+                    what: "layer path",
+                    value: shown,
+                    reason: "must be absolute",
+                });
+            }
+            let probe = DiskLayer {
+                path: path.clone(),
+                bytes: 0,
+                sha256: String::new(),
+                crc32: String::new(),
+            };
+            let Some(reference) = layer_ref(&name, &probe) else {
+                return Err(StoreError::InvalidInput {
+                    what: "layer path",
+                    value: shown,
+                    reason: "must be valid UTF-8 and end in a file name",
+                });
+            };
+            if !refs.insert(reference.clone()) {
+                return Err(StoreError::InvalidInput {
+                    what: "layer path",
+                    value: shown,
+                    reason: "two layers of one chain share a file name",
+                });
+            }
+            let read_err = |source| StoreError::ReadLayer {
+                path: path.clone(),
+                source,
+            };
+            let mut file = File::open(path).map_err(read_err)?;
+            let digests = digests_of_reader(&mut file).map_err(read_err)?;
+            total_bytes += digests.len;
+            entries.push((
+                reference,
+                DiskLayer {
+                    bytes: digests.len,
+                    ..probe
+                },
+                digests,
+            ));
+        }
+        self.claim_name(&name)?;
+        let mut layers_out = Vec::with_capacity(entries.len());
+        for (reference, mut layer, digests) in entries {
+            layer.sha256 = digests.sha256.clone();
+            layer.crc32 = digests.crc32.clone();
+            self.checksums.push(Checksum {
+                reference,
+                sha256: digests.sha256,
+                crc32: digests.crc32,
+            });
+            layers_out.push(layer);
+        }
+        let payload = PayloadRef {
+            name,
+            kind: KIND_DISK_LAYER_CHAIN.into(),
+            index: None,
+            layers: layers_out,
+            total_bytes,
+            new_bytes: 0,
+            chunks: 0,
+        };
+        self.payloads.push(payload.clone());
+        Ok(payload)
+    }
+
+    /// Builds and signs the manifest, makes every file durable, and renames the build directory
+    /// to `snapshots/<snapshot_id>/`. Only after the rename does the snapshot exist.
+    pub fn publish(mut self, input: ManifestInput) -> Result<Manifest, StoreError> {
+        for (what, value) in [
+            ("created_by", &input.created_by),
+            ("reason", &input.reason),
+            ("vm", &input.vm),
+            ("trigger", &input.trigger),
+        ] {
+            if value.is_empty() {
+                return Err(StoreError::InvalidInput {
+                    what,
+                    value: String::new(),
+                    reason: "must not be empty",
+                });
+            }
+        }
+        if input.scope != SCOPE_FULL {
+            return Err(StoreError::InvalidInput {
+                what: "scope",
+                value: input.scope,
+                reason: "only \"full\" is supported",
+            });
+        }
+        if self.payloads.is_empty() {
+            return Err(StoreError::EmptySnapshot);
+        }
+        let bytes_stored = self.payloads.iter().map(|p| p.new_bytes).sum();
+        let draft = Manifest {
+            snapshot_id: String::new(),
+            created_at: now_rfc3339_ms()?,
+            created_by: input.created_by,
+            schema_version: SCHEMA_VERSION.into(),
+            index_version: INDEX_VERSION.into(),
+            scope: input.scope,
+            reason: input.reason,
+            checksums: std::mem::take(&mut self.checksums),
+            payload_refs: std::mem::take(&mut self.payloads),
+            vm: input.vm,
+            trigger: input.trigger,
+            epoch: input.epoch,
+            config_fingerprint: input.config_fingerprint,
+            capture: input.capture,
+            bytes_stored,
+        };
+        let (manifest, bytes) = seal(&draft)?;
+        // What we publish must pass the same checks a reader applies.
+        decode_manifest(&manifest.snapshot_id, &bytes, &VerifyOptions::default())?;
+
+        write_new_synced(&self.dir.join(MANIFEST_FILE), &bytes)?;
+        let sig = signature_file(&self.paths.key, &bytes);
+        write_new_synced(&self.dir.join(SIGNATURE_FILE), sig.as_bytes())?;
+
+        // Every file of the snapshot, then its directory, then the chunk directories.
+        let entries = fs::read_dir(&self.dir).map_err(|source| StoreError::ReadDir {
+            path: self.dir.clone(),
+            source,
+        })?;
+        for entry in entries {
+            let entry = entry.map_err(|source| StoreError::ReadDir {
+                path: self.dir.clone(),
+                source,
+            })?;
+            fsync_file(&entry.path())?;
+        }
+        fsync_dir(&self.dir)?;
+        for dir in &self.dirty_dirs {
+            fsync_dir(dir)?;
+        }
+
+        let target = self.paths.snapshots.join(&manifest.snapshot_id);
+        fs::rename(&self.dir, &target).map_err(|source| StoreError::Rename {
+            from: self.dir.clone(),
+            to: target.clone(),
+            source,
+        })?;
+        self.published = true;
+        fsync_dir(&self.paths.snapshots)?;
+        fsync_dir(&self.paths.tmp)?;
+        tracing::debug!(
+            snapshot_id = %manifest.snapshot_id,
+            bytes_stored = manifest.bytes_stored,
+            "snapshot published"
+        );
+        Ok(manifest)
+    }
+
+    fn claim_name(&self, name: &str) -> Result<(), StoreError> {
+        if self.payloads.iter().any(|p| p.name == name) {
+            return Err(StoreError::DuplicatePayload { name: name.into() });
+        }
+        Ok(())
+    }
+
+    /// Stores one chunk unless an intact-looking copy (right length) is already there.
+    /// Returns whether bytes were written.
+    fn store_chunk(&mut self, sha256: &str, data: &[u8]) -> Result<bool, StoreError> {
+        let (prefix, _) = sha256.split_at(2);
+        let dir = self.paths.chunks.join(prefix);
+        if create_private_subdir(&dir)? {
+            self.dirty_dirs.insert(self.paths.chunks.clone());
+        }
+        let path = dir.join(sha256);
+        match fs::symlink_metadata(&path) {
+            Ok(meta) if meta.is_file() && meta.len() == data.len() as u64 => return Ok(false),
+            // A chunk of the wrong length is damaged: replace it with the right bytes.
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => return Err(StoreError::ReadChunk { path, source }),
+        }
+        let tmp = dir.join(format!(".tmp-{}", random_hex(8)?));
+        let result = write_chunk_file(&tmp, data).and_then(|()| {
+            fs::rename(&tmp, &path).map_err(|source| StoreError::Rename {
+                from: tmp.clone(),
+                to: path.clone(),
+                source,
+            })
+        });
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result?;
+        self.dirty_dirs.insert(dir);
+        Ok(true)
+    }
+}
+
+fn write_chunk_file(path: &Path, data: &[u8]) -> Result<(), StoreError> {
+    let err = |source| StoreError::Write {
+        path: path.into(),
+        source,
+    };
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(err)?;
+    file.write_all(data).map_err(err)?;
+    file.sync_all().map_err(|source| StoreError::Fsync {
+        path: path.into(),
+        source,
+    })?;
+    Ok(())
+}
+
+impl Drop for SnapshotBuilder {
+    fn drop(&mut self) {
+        if !self.published {
+            // Best effort: whatever is left is swept at the next open.
+            let _ = fs::remove_dir_all(&self.dir);
+        }
+    }
+}

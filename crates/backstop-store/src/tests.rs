@@ -1,0 +1,1058 @@
+//! Store tests: round trip, dedup, one test per rejection, crash safety, resolve.
+
+#![allow(clippy::unwrap_used)] // a test may panic on what it sets up itself
+
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use backstop_integrity::{canonical, HostKey};
+use serde_json::{json, Value};
+use tempfile::TempDir;
+
+use super::*;
+
+const MIB: usize = 1024 * 1024;
+
+/// Deterministic pseudo-random bytes (xorshift64*).
+fn random_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        out.extend_from_slice(&state.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn key() -> HostKey {
+    HostKey::from_bytes([7; 32])
+}
+
+fn input(reason: &str) -> ManifestInput {
+    ManifestInput {
+        created_by: "operator:test".into(),
+        reason: reason.into(),
+        scope: "full".into(),
+        vm: "vm1".into(),
+        trigger: "console".into(),
+        epoch: 1,
+        config_fingerprint: "fp-1".into(),
+        capture: json!({"pause_us": 3000, "capture_ms": 12}),
+    }
+}
+
+struct Fixture {
+    dir: TempDir,
+    store: Store,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, report) = Store::open(&dir.path().join("store"), key()).unwrap();
+        assert_eq!(report, SweepReport::default());
+        Self { dir, store }
+    }
+
+    fn root(&self) -> PathBuf {
+        self.dir.path().join("store")
+    }
+
+    fn reopen(&mut self) -> SweepReport {
+        let (store, report) = Store::open(&self.root(), key()).unwrap();
+        self.store = store;
+        report
+    }
+
+    /// Two small disk layers outside the store.
+    fn layers(&self, seed: u64) -> Vec<PathBuf> {
+        let disks = self.dir.path().join(format!("disks-{seed}"));
+        fs::create_dir_all(&disks).unwrap();
+        let base = disks.join("base.qcow2");
+        let top = disks.join("top.qcow2");
+        fs::write(&base, random_bytes(seed, 70_000)).unwrap();
+        fs::write(&top, random_bytes(seed + 1, 3_000)).unwrap();
+        vec![base, top]
+    }
+
+    fn snapshot(&self, data: &[u8], layers: &[PathBuf], reason: &str) -> Manifest {
+        let mut b = self.store.begin().unwrap();
+        b.write_chunked("vmstate", KIND_RAM_DEVICE, &mut &data[..], &mut |_| {})
+            .unwrap();
+        if !layers.is_empty() {
+            b.add_disk_chain("root", layers).unwrap();
+        }
+        b.publish(input(reason)).unwrap()
+    }
+
+    /// A published snapshot of 1.5 MiB of state and a 2-layer disk.
+    fn small_snapshot(&self) -> Manifest {
+        let layers = self.layers(100);
+        self.snapshot(&random_bytes(1, 3 * MIB / 2), &layers, "small")
+    }
+
+    fn snap_dir(&self, id: &str) -> PathBuf {
+        self.root().join("snapshots").join(id)
+    }
+
+    fn chunk_file(&self, sha256: &str) -> PathBuf {
+        self.root().join("chunks").join(&sha256[..2]).join(sha256)
+    }
+
+    fn first_chunk(&self, id: &str) -> ChunkRef {
+        let bytes = fs::read(self.snap_dir(id).join("vmstate.index")).unwrap();
+        ChunkIndex::parse(&bytes).unwrap().chunks.remove(0)
+    }
+
+    fn verify_err(&self, id: &str) -> StoreError {
+        self.store
+            .verify(id, &VerifyOptions::default())
+            .unwrap_err()
+    }
+
+    fn tmp_entries(&self) -> usize {
+        fs::read_dir(self.root().join("tmp")).unwrap().count()
+    }
+
+    fn chunk_files(&self) -> usize {
+        let mut n = 0;
+        for sub in fs::read_dir(self.root().join("chunks")).unwrap() {
+            n += fs::read_dir(sub.unwrap().path()).unwrap().count();
+        }
+        n
+    }
+
+    /// Rewrites a manifest with the host key, as a key holder could. With `rehash`, the id is
+    /// derived again and the directory renamed, so the change reaches past the id check.
+    fn reseal(&self, id: &str, rehash: bool, change: impl FnOnce(&mut Value)) -> String {
+        let dir = self.snap_dir(id);
+        let mut value: Value =
+            serde_json::from_slice(&fs::read(dir.join(MANIFEST_FILE)).unwrap()).unwrap();
+        change(&mut value);
+        let mut new_id = id.to_string();
+        if rehash {
+            new_id = manifest::content_id(&value).unwrap();
+            value["snapshot_id"] = json!(new_id);
+            fs::rename(&dir, self.snap_dir(&new_id)).unwrap();
+        }
+        let dir = self.snap_dir(&new_id);
+        let bytes = canonical::to_vec(&value).unwrap();
+        fs::write(dir.join(MANIFEST_FILE), &bytes).unwrap();
+        fs::write(
+            dir.join(SIGNATURE_FILE),
+            format!("{}\n", key().sign_hex(&bytes)),
+        )
+        .unwrap();
+        new_id
+    }
+}
+
+fn flip_byte(path: &Path, offset: usize) {
+    let mut bytes = fs::read(path).unwrap();
+    let i = offset % bytes.len();
+    bytes[i] ^= 0x01;
+    fs::write(path, bytes).unwrap();
+}
+
+fn assert_code(err: &StoreError, code: &str) {
+    assert_eq!(err.code(), code, "{err}");
+}
+
+const INTEGRITY: &str = "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED";
+const MANIFEST_INVALID: &str = "ERR_SNAPSHOT_MANIFEST_INVALID";
+const BLOCKED: &str = "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED";
+const MISSING: &str = "MISSING_SNAPSHOT";
+
+// ---------------------------------------------------------------- round trip and layout
+
+#[test]
+fn round_trip_publish_list_verify_and_stream_back() {
+    let fx = Fixture::new();
+    let data = random_bytes(42, 5 * MIB);
+    let layers = fx.layers(7);
+
+    let mut b = fx.store.begin().unwrap();
+    let build_dir = b.dir().to_path_buf();
+    assert!(build_dir.starts_with(fx.root().join("tmp")));
+    let mut seen = Vec::new();
+    let payload = b
+        .write_chunked("vmstate", KIND_RAM_DEVICE, &mut &data[..], &mut |n| {
+            seen.push(n)
+        })
+        .unwrap();
+    assert_eq!(payload.total_bytes, data.len() as u64);
+    assert_eq!(payload.new_bytes, data.len() as u64);
+    assert_eq!(payload.index.as_deref(), Some("vmstate.index"));
+    assert!(
+        payload.chunks >= 2,
+        "5 MiB should be cut into several chunks"
+    );
+    assert_eq!(seen.len() as u64, payload.chunks);
+    assert!(seen.windows(2).all(|w| w[0] < w[1]));
+    assert_eq!(seen.last().copied(), Some(data.len() as u64));
+    let disk = b.add_disk_chain("root", &layers).unwrap();
+    assert_eq!(disk.name, "disk:root");
+    assert_eq!(disk.total_bytes, 73_000);
+
+    // Nothing is visible before publish.
+    assert!(fx.store.list().unwrap().is_empty());
+    let m = b.publish(input("round trip")).unwrap();
+    assert!(!build_dir.exists());
+    assert_eq!(fx.tmp_entries(), 0);
+    assert!(is_snapshot_id(&m.snapshot_id));
+    assert_eq!(m.bytes_stored, data.len() as u64);
+    assert_eq!(m.checksums.len(), 3);
+    assert_eq!(m.checksums[1].reference, "disk:root/base.qcow2");
+    assert_eq!(m.checksums[2].reference, "disk:root/top.qcow2");
+
+    let listed = fx.store.list().unwrap();
+    assert_eq!(listed, vec![ListEntry::Valid(m.clone())]);
+
+    let v = fx
+        .store
+        .verify(&m.snapshot_id, &VerifyOptions::default())
+        .unwrap();
+    assert_eq!(v.manifest, m);
+    assert_eq!(v.report.chunks_checked, payload.chunks);
+    assert_eq!(v.report.disk_layers_checked, 2);
+    assert_eq!(v.report.bytes_checked, data.len() as u64 + 73_000);
+
+    let mut reader = fx.store.open_payload(&v, "vmstate").unwrap();
+    assert_eq!(reader.total_bytes(), data.len() as u64);
+    let mut back = Vec::new();
+    reader.read_to_end(&mut back).unwrap();
+    assert!(back == data, "payload differs from the stream written");
+}
+
+#[test]
+fn layout_is_private_and_manifest_is_canonical_and_signed() {
+    let fx = Fixture::new();
+    let m = fx.small_snapshot();
+    for dir in ["", "chunks", "tmp", "snapshots"] {
+        let mode = fs::metadata(fx.root().join(dir))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o700, "{dir}");
+    }
+    let chunk = fx.first_chunk(&m.snapshot_id);
+    let mode = fs::metadata(fx.chunk_file(&chunk.sha256))
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600);
+
+    let dir = fx.snap_dir(&m.snapshot_id);
+    let bytes = fs::read(dir.join(MANIFEST_FILE)).unwrap();
+    let value: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(
+        canonical::to_vec(&value).unwrap(),
+        bytes,
+        "manifest.json is canonical"
+    );
+    for field in [
+        "snapshot_id",
+        "created_at",
+        "created_by",
+        "schema_version",
+        "index_version",
+        "scope",
+        "reason",
+        "checksums",
+        "payload_refs",
+        "vm",
+        "trigger",
+        "epoch",
+        "config_fingerprint",
+        "capture",
+        "bytes_stored",
+    ] {
+        assert!(value.get(field).is_some(), "{field} missing");
+    }
+    assert_eq!(value["schema_version"], "1.0");
+    assert_eq!(value["index_version"], "1.0");
+    assert_eq!(value["checksums"][0]["ref"], "vmstate.index");
+    assert_eq!(value["payload_refs"][1]["kind"], "disk-layer-chain");
+    assert!(value["payload_refs"][1]["index"].is_null());
+    let created = value["created_at"].as_str().unwrap();
+    assert_eq!(created.len(), "2026-01-01T00:00:00.000Z".len(), "{created}");
+    assert!(created.ends_with('Z'));
+    let sig = fs::read_to_string(dir.join(SIGNATURE_FILE)).unwrap();
+    assert_eq!(sig, format!("{}\n", key().sign_hex(&bytes)));
+    // The id is the content hash with the id blanked.
+    let mut blank = value.clone();
+    blank["snapshot_id"] = json!("");
+    let hash = backstop_integrity::sha256_hex(&canonical::to_vec(&blank).unwrap());
+    assert_eq!(m.snapshot_id, hash[..32]);
+}
+
+#[test]
+fn empty_stream_round_trips() {
+    let fx = Fixture::new();
+    let m = fx.snapshot(&[], &[], "empty state");
+    let v = fx
+        .store
+        .verify(&m.snapshot_id, &VerifyOptions::default())
+        .unwrap();
+    let mut back = Vec::new();
+    fx.store
+        .open_payload(&v, "vmstate")
+        .unwrap()
+        .read_to_end(&mut back)
+        .unwrap();
+    assert!(back.is_empty());
+}
+
+// ---------------------------------------------------------------- dedup
+
+#[test]
+fn same_stream_again_adds_nothing() {
+    let fx = Fixture::new();
+    let data = random_bytes(5, 5 * MIB);
+    let first = fx.snapshot(&data, &[], "first");
+    assert_eq!(first.bytes_stored, data.len() as u64);
+    let chunks_before = fx.chunk_files();
+    let second = fx.snapshot(&data, &[], "second");
+    assert_ne!(first.snapshot_id, second.snapshot_id);
+    assert_eq!(second.bytes_stored, 0);
+    assert_eq!(second.payload_refs[0].new_bytes, 0);
+    assert_eq!(fx.chunk_files(), chunks_before);
+    fx.store
+        .verify(&second.snapshot_id, &VerifyOptions::default())
+        .unwrap();
+}
+
+#[test]
+fn stream_with_ten_percent_changed_adds_a_small_fraction() {
+    let fx = Fixture::new();
+    let len = 32 * MIB;
+    let mut data = random_bytes(6, len);
+    let before = fx.snapshot(&data, &[], "before");
+    // The guest rewrote 10 % of its memory, in one region in the middle.
+    let changed = len / 10;
+    let start = len / 2;
+    data[start..start + changed].copy_from_slice(&random_bytes(99, changed));
+    let after = fx.snapshot(&data, &[], "after");
+    let new = after.bytes_stored;
+    eprintln!(
+        "chunks {} -> {}, new bytes {new} of {len} ({:.1} %)",
+        before.payload_refs[0].chunks,
+        after.payload_refs[0].chunks,
+        new as f64 * 100.0 / len as f64
+    );
+    assert!(
+        new >= changed as u64,
+        "the changed bytes must be stored, got {new}"
+    );
+    // The changed region plus at most a few chunks around its edges.
+    assert!(
+        new <= (changed + 4 * CHUNK_AVG_BYTES as usize) as u64,
+        "{new} of {len} stored again"
+    );
+    assert!(new < len as u64 / 4, "{new} of {len} stored again");
+    let v = fx
+        .store
+        .verify(&after.snapshot_id, &VerifyOptions::default())
+        .unwrap();
+    let mut back = Vec::new();
+    fx.store
+        .open_payload(&v, "vmstate")
+        .unwrap()
+        .read_to_end(&mut back)
+        .unwrap();
+    assert!(back == data);
+}
+
+// ---------------------------------------------------------------- rejections
+
+#[test]
+fn flipped_byte_in_manifest_fails_the_signature() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    flip_byte(&fx.snap_dir(&id).join(MANIFEST_FILE), 40);
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(err, StoreError::SignatureMismatch { .. }), "{err}");
+    // list reports it without trusting it.
+    match &fx.store.list().unwrap()[..] {
+        [ListEntry::Corrupt {
+            snapshot_id, code, ..
+        }] => {
+            assert_eq!(snapshot_id, &id);
+            assert_eq!(*code, INTEGRITY);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn flipped_byte_in_signature_fails() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    flip_byte(&fx.snap_dir(&id).join(SIGNATURE_FILE), 10);
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(err, StoreError::SignatureMismatch { .. }), "{err}");
+}
+
+#[test]
+fn missing_signature_fails() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    fs::remove_file(fx.snap_dir(&id).join(SIGNATURE_FILE)).unwrap();
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(err, StoreError::SignatureMissing { .. }), "{err}");
+}
+
+#[test]
+fn missing_or_oversized_manifest_fails() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let path = fx.snap_dir(&id).join(MANIFEST_FILE);
+    let original = fs::read(&path).unwrap();
+    fs::remove_file(&path).unwrap();
+    assert!(matches!(
+        fx.verify_err(&id),
+        StoreError::ManifestMissing { .. }
+    ));
+    assert_code(&fx.verify_err(&id), INTEGRITY);
+    let mut big = original;
+    big.resize(MANIFEST_MAX_BYTES as usize + 1, b' ');
+    fs::write(&path, big).unwrap();
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(err, StoreError::TooLarge { .. }), "{err}");
+}
+
+#[test]
+fn another_hosts_key_fails() {
+    let mut fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let (store, _) = Store::open(&fx.root(), HostKey::from_bytes([8; 32])).unwrap();
+    fx.store = store;
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(err, StoreError::SignatureMismatch { .. }), "{err}");
+}
+
+#[test]
+fn flipped_byte_in_index_fails() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    flip_byte(&fx.snap_dir(&id).join("vmstate.index"), 30);
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(
+        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains("vmstate.index")),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_index_fails() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    fs::remove_file(fx.snap_dir(&id).join("vmstate.index")).unwrap();
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(err, StoreError::IndexMissing { .. }), "{err}");
+}
+
+#[test]
+fn flipped_byte_in_chunk_fails() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let chunk = fx.first_chunk(&id);
+    flip_byte(&fx.chunk_file(&chunk.sha256), 12_345);
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(
+        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunk.sha256)),
+        "{err}"
+    );
+}
+
+#[test]
+fn deleted_chunk_fails() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let chunk = fx.first_chunk(&id);
+    fs::remove_file(fx.chunk_file(&chunk.sha256)).unwrap();
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(&err, StoreError::ChunkMissing { sha256, .. } if *sha256 == chunk.sha256));
+}
+
+#[test]
+fn truncated_or_extended_chunk_fails() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let chunk = fx.first_chunk(&id);
+    let path = fx.chunk_file(&chunk.sha256);
+    let original = fs::read(&path).unwrap();
+    fs::write(&path, &original[..original.len() - 1]).unwrap();
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(
+        matches!(err, StoreError::ChunkSizeMismatch { expected, found, .. }
+            if expected == chunk.len && found == chunk.len - 1),
+        "{err}"
+    );
+    let mut longer = original;
+    longer.push(0);
+    fs::write(&path, longer).unwrap();
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(err, StoreError::ChunkSizeMismatch { .. }), "{err}");
+}
+
+#[test]
+fn flipped_byte_in_disk_layer_fails() {
+    let fx = Fixture::new();
+    let layers = fx.layers(3);
+    let id = fx
+        .snapshot(&random_bytes(2, 1000), &layers, "disk")
+        .snapshot_id;
+    flip_byte(&layers[0], 500);
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(
+        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains("base.qcow2")),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_or_resized_disk_layer_fails() {
+    let fx = Fixture::new();
+    let layers = fx.layers(3);
+    let id = fx
+        .snapshot(&random_bytes(2, 1000), &layers, "disk")
+        .snapshot_id;
+    let top = fs::read(&layers[1]).unwrap();
+    fs::write(&layers[1], &top[..100]).unwrap();
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(
+        matches!(err, StoreError::LayerSizeMismatch { found: 100, .. }),
+        "{err}"
+    );
+    fs::remove_file(&layers[1]).unwrap();
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(err, StoreError::LayerMissing { .. }), "{err}");
+}
+
+#[test]
+fn each_missing_or_empty_required_field_is_manifest_invalid() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let manifest_path = fx.snap_dir(&id).join(MANIFEST_FILE);
+    let sig_path = fx.snap_dir(&id).join(SIGNATURE_FILE);
+    let original = (
+        fs::read(&manifest_path).unwrap(),
+        fs::read(&sig_path).unwrap(),
+    );
+    let fields = [
+        "snapshot_id",
+        "created_at",
+        "created_by",
+        "schema_version",
+        "index_version",
+        "scope",
+        "reason",
+        "checksums",
+        "payload_refs",
+    ];
+    for field in fields {
+        for empty in [false, true] {
+            fx.reseal(&id, false, |v| {
+                let obj = v.as_object_mut().unwrap();
+                if empty {
+                    let blank = if obj[field].is_array() {
+                        json!([])
+                    } else {
+                        json!("")
+                    };
+                    obj.insert(field.into(), blank);
+                } else {
+                    obj.remove(field);
+                }
+            });
+            let err = fx.verify_err(&id);
+            assert_code(&err, MANIFEST_INVALID);
+            assert!(
+                matches!(&err, StoreError::ManifestInvalid { field: f, .. } if f == field),
+                "{field}: {err}"
+            );
+            fs::write(&manifest_path, &original.0).unwrap();
+            fs::write(&sig_path, &original.1).unwrap();
+        }
+    }
+    fx.store.verify(&id, &VerifyOptions::default()).unwrap();
+}
+
+#[test]
+fn our_own_fields_are_required_too() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let id = fx.reseal(&id, true, |v| {
+        v.as_object_mut().unwrap().remove("config_fingerprint");
+    });
+    let err = fx.verify_err(&id);
+    assert_code(&err, MANIFEST_INVALID);
+    assert!(err.to_string().contains("config_fingerprint"), "{err}");
+}
+
+#[test]
+fn major_version_2_is_blocked() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let id = fx.reseal(&id, true, |v| v["schema_version"] = json!("2.0"));
+    let err = fx.verify_err(&id);
+    assert_code(&err, BLOCKED);
+    let allowed = VerifyOptions {
+        allow_newer_minor: true,
+    };
+    assert_code(&fx.store.verify(&id, &allowed).unwrap_err(), BLOCKED);
+
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    // Blocked before the id is checked: a new major may derive ids differently.
+    fx.reseal(&id, false, |v| v["index_version"] = json!("2.0"));
+    let err = fx.verify_err(&id);
+    assert_code(&err, BLOCKED);
+    assert!(matches!(
+        err,
+        StoreError::CompatibilityBlocked {
+            field: "index_version",
+            ..
+        }
+    ));
+}
+
+#[test]
+fn newer_minor_is_blocked_unless_allowed() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let id = fx.reseal(&id, true, |v| {
+        v["schema_version"] = json!("1.1");
+        // A newer minor may add fields this build does not know.
+        v["future_field"] = json!({"x": 1});
+    });
+    let err = fx.verify_err(&id);
+    assert_code(&err, BLOCKED);
+    assert!(matches!(
+        err,
+        StoreError::CompatibilityBlocked {
+            field: "schema_version",
+            ..
+        }
+    ));
+    let v = fx
+        .store
+        .verify(
+            &id,
+            &VerifyOptions {
+                allow_newer_minor: true,
+            },
+        )
+        .unwrap();
+    assert_eq!(v.manifest.schema_version, "1.1");
+    // list shows it (verify decides whether it may be used).
+    assert!(matches!(
+        &fx.store.list().unwrap()[..],
+        [ListEntry::Valid(_)]
+    ));
+}
+
+#[test]
+fn malformed_version_is_manifest_invalid() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    for bad in ["1", "one.zero", "1.0.0", ""] {
+        fx.reseal(&id, false, |v| v["index_version"] = json!(bad));
+        let err = fx.verify_err(&id);
+        assert_code(&err, MANIFEST_INVALID);
+        assert!(
+            matches!(&err, StoreError::ManifestInvalid { field, .. } if field == "index_version"),
+            "{bad:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn id_must_match_directory_and_content() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    // Signed, but the content no longer hashes to the id.
+    fx.reseal(&id, false, |v| v["reason"] = json!("rewritten"));
+    let err = fx.verify_err(&id);
+    assert_code(&err, INTEGRITY);
+    assert!(
+        matches!(err, StoreError::ContentHashMismatch { .. }),
+        "{err}"
+    );
+
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let other = "0123456789abcdef0123456789abcdef";
+    fs::rename(fx.snap_dir(&id), fx.snap_dir(other)).unwrap();
+    let err = fx.verify_err(other);
+    assert_code(&err, INTEGRITY);
+    assert!(matches!(err, StoreError::IdMismatch { .. }), "{err}");
+}
+
+#[test]
+fn unknown_snapshot_is_missing() {
+    let fx = Fixture::new();
+    for id in ["0123456789abcdef0123456789abcdef", "../../etc", ""] {
+        assert_code(&fx.verify_err(id), MISSING);
+    }
+}
+
+// ---------------------------------------------------------------- streaming after verify
+
+#[test]
+fn payload_reader_rechecks_chunks_changed_after_verify() {
+    let fx = Fixture::new();
+    let data = random_bytes(11, 3 * MIB);
+    let id = fx.snapshot(&data, &[], "stream").snapshot_id;
+    let v = fx.store.verify(&id, &VerifyOptions::default()).unwrap();
+    let chunk = fx.first_chunk(&id);
+    flip_byte(&fx.chunk_file(&chunk.sha256), 77);
+    let mut back = Vec::new();
+    let err = fx
+        .store
+        .open_payload(&v, "vmstate")
+        .unwrap()
+        .read_to_end(&mut back)
+        .unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+    assert!(
+        back.is_empty(),
+        "no byte of a changed chunk may be returned"
+    );
+
+    fs::remove_file(fx.chunk_file(&chunk.sha256)).unwrap();
+    let err = fx
+        .store
+        .open_payload(&v, "vmstate")
+        .unwrap()
+        .read_to_end(&mut back)
+        .unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+}
+
+#[test]
+fn open_payload_refuses_unknown_and_unchunked_payloads() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let v = fx.store.verify(&id, &VerifyOptions::default()).unwrap();
+    let err = fx.store.open_payload(&v, "nope").unwrap_err();
+    assert!(matches!(err, StoreError::NoSuchPayload { .. }), "{err}");
+    let err = fx.store.open_payload(&v, "disk:root").unwrap_err();
+    assert!(matches!(err, StoreError::NotChunked { .. }), "{err}");
+}
+
+// ---------------------------------------------------------------- building with bad input
+
+#[test]
+fn bad_build_input_is_refused() {
+    let fx = Fixture::new();
+    let mut b = fx.store.begin().unwrap();
+    for name in ["", "../x", ".hidden", "a/b", "disk:root"] {
+        let err = b.write_chunked(name, KIND_RAM_DEVICE, &mut &b"x"[..], &mut |_| {});
+        assert_code(&err.unwrap_err(), MANIFEST_INVALID);
+    }
+    let err = b.write_chunked(
+        "vmstate",
+        KIND_DISK_LAYER_CHAIN,
+        &mut &b"x"[..],
+        &mut |_| {},
+    );
+    assert_code(&err.unwrap_err(), MANIFEST_INVALID);
+    assert_code(
+        &b.add_disk_chain("root", &[PathBuf::from("rel.qcow2")])
+            .unwrap_err(),
+        MANIFEST_INVALID,
+    );
+    assert_code(
+        &b.add_disk_chain("root", &[]).unwrap_err(),
+        MANIFEST_INVALID,
+    );
+    let missing = fx.dir.path().join("no-such-layer");
+    assert_code(
+        &b.add_disk_chain("root", &[missing]).unwrap_err(),
+        "ERR_STORE_IO",
+    );
+    b.write_chunked("vmstate", KIND_RAM_DEVICE, &mut &b"x"[..], &mut |_| {})
+        .unwrap();
+    let err = b.write_chunked("vmstate", KIND_RAM_DEVICE, &mut &b"x"[..], &mut |_| {});
+    assert!(matches!(
+        err.unwrap_err(),
+        StoreError::DuplicatePayload { .. }
+    ));
+    let mut partial = input("x");
+    partial.scope = "partial".into();
+    assert_code(&b.publish(partial).unwrap_err(), MANIFEST_INVALID);
+
+    let b = fx.store.begin().unwrap();
+    assert!(matches!(
+        b.publish(input("nothing")).unwrap_err(),
+        StoreError::EmptySnapshot
+    ));
+    assert!(fx.store.list().unwrap().is_empty());
+    assert_eq!(fx.tmp_entries(), 0);
+}
+
+#[test]
+fn a_failing_source_fails_the_payload() {
+    struct Failing(usize);
+    impl Read for Failing {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.0 == 0 {
+                return Err(std::io::Error::other("capture died"));
+            }
+            let n = buf.len().min(self.0);
+            buf[..n].fill(1);
+            self.0 -= n;
+            Ok(n)
+        }
+    }
+    let fx = Fixture::new();
+    let mut b = fx.store.begin().unwrap();
+    let err = b.write_chunked("vmstate", KIND_RAM_DEVICE, &mut Failing(MIB), &mut |_| {});
+    let err = err.unwrap_err();
+    assert!(matches!(err, StoreError::ReadSource { .. }), "{err}");
+    assert_code(&err, "ERR_STORE_IO");
+}
+
+// ---------------------------------------------------------------- crash safety
+
+#[test]
+fn dropped_builder_leaves_nothing_after_reopen() {
+    let mut fx = Fixture::new();
+    let earlier = fx.small_snapshot();
+    let chunks_before = fx.chunk_files();
+
+    let mut b = fx.store.begin().unwrap();
+    let p = b
+        .write_chunked(
+            "vmstate",
+            KIND_RAM_DEVICE,
+            &mut &random_bytes(77, 2 * MIB)[..],
+            &mut |_| {},
+        )
+        .unwrap();
+    assert!(fx.chunk_files() > chunks_before);
+    drop(b);
+    assert_eq!(fx.tmp_entries(), 0, "drop removes the build directory");
+
+    let report = fx.reopen();
+    assert_eq!(report.tmp_removed, 0);
+    assert_eq!(report.chunks_removed, p.chunks);
+    assert_eq!(fx.chunk_files(), chunks_before);
+    assert_eq!(
+        fx.store.list().unwrap(),
+        vec![ListEntry::Valid(earlier.clone())]
+    );
+    fx.store
+        .verify(&earlier.snapshot_id, &VerifyOptions::default())
+        .unwrap();
+}
+
+#[test]
+fn build_interrupted_by_a_crash_is_swept_at_open() {
+    let mut fx = Fixture::new();
+    let shared = random_bytes(8, 2 * MIB);
+    let earlier = fx.snapshot(&shared, &fx.layers(1), "earlier");
+    let chunks_before = fx.chunk_files();
+
+    // The process "dies" mid-build: the builder never runs its Drop.
+    let mut b = fx.store.begin().unwrap();
+    let mut data = shared.clone();
+    data.extend(random_bytes(9, 2 * MIB));
+    let p = b
+        .write_chunked("vmstate", KIND_RAM_DEVICE, &mut &data[..], &mut |_| {})
+        .unwrap();
+    assert!(
+        p.new_bytes > 0 && p.new_bytes < p.total_bytes,
+        "shares chunks with earlier"
+    );
+    std::mem::forget(b);
+    // ...and a chunk was half written when it died.
+    let stray = fx.root().join("chunks/ab/.tmp-0011223344556677");
+    fs::create_dir_all(stray.parent().unwrap()).unwrap();
+    fs::write(&stray, b"partial").unwrap();
+    // ...and another build had got as far as writing its manifest.
+    let copy = fx.root().join("tmp/abandoned");
+    fs::create_dir(&copy).unwrap();
+    for name in [MANIFEST_FILE, SIGNATURE_FILE, "vmstate.index"] {
+        fs::copy(
+            fx.snap_dir(&earlier.snapshot_id).join(name),
+            copy.join(name),
+        )
+        .unwrap();
+    }
+    assert_eq!(fx.tmp_entries(), 2);
+
+    let report = fx.reopen();
+    assert_eq!(report.tmp_removed, 2);
+    assert!(report.chunks_removed >= 2, "{report:?}");
+    assert_eq!(fx.tmp_entries(), 0);
+    assert!(!stray.exists());
+    assert_eq!(fx.chunk_files(), chunks_before, "only the orphans are gone");
+    assert_eq!(
+        fx.store.list().unwrap(),
+        vec![ListEntry::Valid(earlier.clone())]
+    );
+    fx.store
+        .verify(&earlier.snapshot_id, &VerifyOptions::default())
+        .unwrap();
+    // A second open finds nothing more to do.
+    assert_eq!(fx.reopen(), SweepReport::default());
+}
+
+#[test]
+fn unreadable_published_index_stops_chunk_collection() {
+    let mut fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let mut b = fx.store.begin().unwrap();
+    b.write_chunked(
+        "vmstate",
+        KIND_RAM_DEVICE,
+        &mut &random_bytes(3, MIB)[..],
+        &mut |_| {},
+    )
+    .unwrap();
+    drop(b);
+    let chunks = fx.chunk_files();
+    fs::write(fx.snap_dir(&id).join("vmstate.index"), b"{garbage").unwrap();
+    let report = fx.reopen();
+    assert_eq!(
+        report.chunks_removed, 0,
+        "unknown references: keep every chunk"
+    );
+    assert_eq!(fx.chunk_files(), chunks);
+}
+
+// ---------------------------------------------------------------- resolve and list order
+
+#[test]
+fn resolve_by_id_and_prefix_ambiguous_and_missing() {
+    let fx = Fixture::new();
+    // 17 ids over 16 hex digits: two must share their first digit.
+    let ids: Vec<String> = (0..17)
+        .map(|i| {
+            fx.snapshot(&random_bytes(i, 1000), &[], &format!("r{i}"))
+                .snapshot_id
+        })
+        .collect();
+    for id in &ids {
+        assert_eq!(&fx.store.resolve(id).unwrap(), id);
+        let unique = (1..=32)
+            .map(|n| &id[..n])
+            .find(|p| ids.iter().filter(|o| o.starts_with(p)).count() == 1)
+            .unwrap();
+        assert_eq!(&fx.store.resolve(unique).unwrap(), id);
+    }
+    let shared = (b'0'..=b'f')
+        .filter(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+        .map(|c| (c as char).to_string())
+        .find(|p| ids.iter().filter(|o| o.starts_with(p.as_str())).count() > 1)
+        .unwrap();
+    let err = fx.store.resolve(&shared).unwrap_err();
+    assert_code(&err, MISSING);
+    assert!(matches!(&err, StoreError::AmbiguousPrefix { matches, .. } if matches.len() > 1));
+
+    let absent = (0..)
+        .map(|i: u32| format!("{i:032x}"))
+        .find(|c| !ids.contains(c))
+        .unwrap();
+    for bad in [
+        absent.as_str(),
+        "",
+        "XYZ",
+        "../snapshots",
+        &format!("{}0", ids[0]),
+    ] {
+        let err = fx.store.resolve(bad).unwrap_err();
+        assert_code(&err, MISSING);
+        assert!(matches!(err, StoreError::MissingSnapshot { .. }), "{bad:?}");
+    }
+
+    let listed = fx.store.list().unwrap();
+    assert_eq!(listed.len(), 17);
+    let times: Vec<String> = listed
+        .iter()
+        .map(|e| match e {
+            ListEntry::Valid(m) => m.created_at.clone(),
+            ListEntry::Corrupt { .. } => panic!("{e:?}"),
+        })
+        .collect();
+    assert!(
+        times.windows(2).all(|w| w[0] <= w[1]),
+        "oldest first: {times:?}"
+    );
+    let mut listed_ids: Vec<&str> = listed.iter().map(ListEntry::snapshot_id).collect();
+    let mut all: Vec<&str> = ids.iter().map(String::as_str).collect();
+    listed_ids.sort();
+    all.sort();
+    assert_eq!(listed_ids, all);
+}
+
+#[test]
+fn list_puts_unusable_entries_last() {
+    let fx = Fixture::new();
+    let a = fx.small_snapshot();
+    let b = fx.snapshot(&random_bytes(4, 1000), &[], "later");
+    flip_byte(&fx.snap_dir(&a.snapshot_id).join(MANIFEST_FILE), 3);
+    fs::create_dir(fx.root().join("snapshots/not-an-id")).unwrap();
+    let listed = fx.store.list().unwrap();
+    assert_eq!(listed.len(), 3);
+    assert_eq!(listed[0], ListEntry::Valid(b));
+    assert!(listed[1..].iter().all(|e| matches!(
+        e,
+        ListEntry::Corrupt {
+            code: INTEGRITY,
+            ..
+        }
+    )));
+}
+
+// ---------------------------------------------------------------- never panics on file content
+
+mod never_panics {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Arbitrary manifest bytes, signed with the right key so they reach the decoder.
+        #[test]
+        fn signed_garbage_manifest_is_an_error_not_a_panic(
+            bytes in proptest::collection::vec(any::<u8>(), 0..1024)
+        ) {
+            let fx = Fixture::new();
+            let id = "00112233445566778899aabbccddeeff";
+            let dir = fx.snap_dir(id);
+            fs::create_dir(&dir).unwrap();
+            fs::write(dir.join(MANIFEST_FILE), &bytes).unwrap();
+            fs::write(dir.join(SIGNATURE_FILE), format!("{}\n", key().sign_hex(&bytes))).unwrap();
+            prop_assert!(fx.store.verify(id, &VerifyOptions::default()).is_err());
+            let corrupt = matches!(&fx.store.list().unwrap()[..], [ListEntry::Corrupt { .. }]);
+            prop_assert!(corrupt);
+        }
+    }
+}
