@@ -15,7 +15,7 @@ pub const PROTOCOL_VERSION: u32 = 1;
 
 /// What a client asks of the daemon.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(tag = "op", rename_all = "snake_case", from = "StrictRequest")]
 pub enum Request {
     /// State of the guarded VM. Always answered, even when HALTED.
     Status,
@@ -41,6 +41,64 @@ pub enum Request {
     AuditTail { count: usize },
     /// Walk the whole audit chain.
     AuditVerify,
+}
+
+/// The wire form of [`Request`], decoded strictly.
+///
+/// serde ignores `deny_unknown_fields` for the *unit* variants of an internally tagged enum
+/// (`{"op":"status","x":1}` would pass), so requests are decoded through this mirror whose
+/// variants are all structs, then converted. The wire format is the same.
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+enum StrictRequest {
+    Status {},
+    SnapshotCreate {
+        reason: String,
+    },
+    SnapshotList {},
+    SnapshotShow {
+        id: String,
+    },
+    SnapshotVerify {
+        id: String,
+    },
+    Rollback {
+        to: Option<String>,
+        reason: String,
+        #[serde(default)]
+        emergency: bool,
+    },
+    HaltClear {
+        reason: String,
+    },
+    AuditTail {
+        count: usize,
+    },
+    AuditVerify {},
+}
+
+impl From<StrictRequest> for Request {
+    fn from(wire: StrictRequest) -> Request {
+        match wire {
+            StrictRequest::Status {} => Request::Status,
+            StrictRequest::SnapshotCreate { reason } => Request::SnapshotCreate { reason },
+            StrictRequest::SnapshotList {} => Request::SnapshotList,
+            StrictRequest::SnapshotShow { id } => Request::SnapshotShow { id },
+            StrictRequest::SnapshotVerify { id } => Request::SnapshotVerify { id },
+            StrictRequest::Rollback {
+                to,
+                reason,
+                emergency,
+            } => Request::Rollback {
+                to,
+                reason,
+                emergency,
+            },
+            StrictRequest::HaltClear { reason } => Request::HaltClear { reason },
+            StrictRequest::AuditTail { count } => Request::AuditTail { count },
+            StrictRequest::AuditVerify {} => Request::AuditVerify,
+        }
+    }
 }
 
 impl Request {
@@ -89,11 +147,18 @@ pub struct Progress {
 pub enum Response {
     Status(StatusView),
     Snapshot(SnapshotView),
-    SnapshotList { snapshots: Vec<SnapshotSummary> },
+    SnapshotList {
+        snapshots: Vec<SnapshotSummary>,
+    },
     Verified(VerifyReport),
     RolledBack(RollbackReport),
-    HaltCleared { epoch: u64, restored_from: Option<String> },
-    AuditEntries { entries: Vec<Value> },
+    HaltCleared {
+        epoch: u64,
+        restored_from: Option<String>,
+    },
+    AuditEntries {
+        entries: Vec<Value>,
+    },
     AuditVerified(AuditVerifyReport),
 }
 
@@ -198,9 +263,16 @@ mod tests {
 
     #[test]
     fn requests_round_trip_through_their_wire_form() {
-        let r = Request::Rollback { to: Some("ab".into()), reason: "x".into(), emergency: true };
+        let r = Request::Rollback {
+            to: Some("ab".into()),
+            reason: "x".into(),
+            emergency: true,
+        };
         let line = serde_json::to_string(&r).unwrap();
-        assert_eq!(line, r#"{"op":"rollback","to":"ab","reason":"x","emergency":true}"#);
+        assert_eq!(
+            line,
+            r#"{"op":"rollback","to":"ab","reason":"x","emergency":true}"#
+        );
         assert_eq!(serde_json::from_str::<Request>(&line).unwrap(), r);
     }
 
@@ -208,5 +280,48 @@ mod tests {
     fn unknown_fields_and_ops_are_refused() {
         assert!(serde_json::from_str::<Request>(r#"{"op":"status","x":1}"#).is_err());
         assert!(serde_json::from_str::<Request>(r#"{"op":"format_disk"}"#).is_err());
+        assert!(serde_json::from_str::<Request>(r#"{"op":"audit_verify","x":1}"#).is_err());
+        assert!(
+            serde_json::from_str::<Request>(r#"{"op":"halt_clear","reason":"r","x":1}"#).is_err()
+        );
+        assert!(
+            serde_json::from_str::<Request>(r#"{"op":"rollback","reason":"r","emergency":1}"#)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn every_request_round_trips_and_optional_fields_may_be_omitted() {
+        let all = [
+            Request::Status,
+            Request::SnapshotCreate { reason: "r".into() },
+            Request::SnapshotList,
+            Request::SnapshotShow { id: "a".into() },
+            Request::SnapshotVerify { id: "a".into() },
+            Request::Rollback {
+                to: None,
+                reason: "r".into(),
+                emergency: false,
+            },
+            Request::HaltClear { reason: "r".into() },
+            Request::AuditTail { count: 20 },
+            Request::AuditVerify,
+        ];
+        for r in all {
+            let line = serde_json::to_string(&r).unwrap();
+            assert_eq!(serde_json::from_str::<Request>(&line).unwrap(), r, "{line}");
+        }
+        assert_eq!(
+            serde_json::to_string(&Request::Status).unwrap(),
+            r#"{"op":"status"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"rollback","reason":"r"}"#).unwrap(),
+            Request::Rollback {
+                to: None,
+                reason: "r".into(),
+                emergency: false
+            }
+        );
     }
 }

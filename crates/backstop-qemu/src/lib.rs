@@ -163,10 +163,16 @@ impl QemuBackend {
         let args = command_line(&self.cfg, &self.disks, mode);
         let mut cmd = Command::new(&self.cfg.binary);
         cmd.args(&args).stdin(Stdio::null()).stdout(log).stderr(log2);
-        // SAFETY: the closure runs in the child between fork and exec and only calls prctl(2),
-        // which is async-signal-safe; it touches no memory of the parent.
+        // SAFETY: the closure runs in the child between fork and exec and only calls
+        // sigemptyset(3), pthread_sigmask(3) and prctl(2), which are async-signal-safe; the
+        // sigset lives on the child's stack.
         unsafe {
             cmd.pre_exec(|| {
+                // The daemon blocks SIGTERM/SIGINT for its sigwait thread; QEMU must not inherit that.
+                let mut none: libc::sigset_t = std::mem::zeroed();
+                libc::sigemptyset(&mut none);
+                libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+                // A guest never runs unsupervised: QEMU dies with the thread that launched it.
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }

@@ -1,0 +1,120 @@
+//! Exit status of `backstop`, so scripts can tell failures apart (also in `backstop --help`).
+
+use backstop_control::{codes, ClientError, Response};
+
+/// The operation succeeded.
+pub const OK: u8 = 0;
+/// The operation failed, for any reason not listed below.
+pub const FAILED: u8 = 1;
+/// Usage error (clap's own exit status for a bad command line).
+pub const USAGE: u8 = 2;
+/// backstopd cannot be reached, or this user may not use it.
+pub const UNREACHABLE: u8 = 3;
+/// The VM is HALTED; a person must clear it.
+pub const HALTED: u8 = 4;
+/// A snapshot or the audit journal failed verification.
+pub const INTEGRITY: u8 = 5;
+
+/// Codes that mean "what is stored cannot be trusted or used".
+pub const INTEGRITY_CODES: [&str; 4] = [
+    "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED",
+    "ERR_SNAPSHOT_MANIFEST_INVALID",
+    "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED",
+    "MISSING_SNAPSHOT",
+];
+
+/// Codes that mean "the VM is HALTED now": a request refused because it was, or a rollback
+/// that failed and halted it.
+pub const HALTED_CODES: [&str; 2] = ["ERR_VM_HALTED", "ERR_ROLLBACK_FAILED_HALTED"];
+
+/// Exit status for a failed call.
+pub fn for_error(err: &ClientError) -> u8 {
+    match err {
+        ClientError::Connect { .. } => UNREACHABLE,
+        other => for_code(other.code()),
+    }
+}
+
+/// Exit status for an error code.
+pub fn for_code(code: &str) -> u8 {
+    match code {
+        codes::PERMISSION_DENIED | codes::UNAVAILABLE => UNREACHABLE,
+        c if HALTED_CODES.contains(&c) => HALTED,
+        c if INTEGRITY_CODES.contains(&c) => INTEGRITY,
+        _ => FAILED,
+    }
+}
+
+/// Exit status for a successful call: the daemon answered, but the answer may be bad news.
+pub fn for_response(response: &Response) -> u8 {
+    match response {
+        Response::AuditVerified(report) if report.first_bad.is_some() => INTEGRITY,
+        _ => OK,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::path::PathBuf;
+
+    use backstop_control::{AuditFault, AuditVerifyReport};
+
+    use super::*;
+
+    fn failed(code: &str) -> ClientError {
+        ClientError::Failed {
+            code: code.into(),
+            message: "m".into(),
+        }
+    }
+
+    #[test]
+    fn errors_map_to_their_exit_status() {
+        let connect = |kind: io::ErrorKind| ClientError::Connect {
+            path: PathBuf::from("/run/backstop/control.sock"),
+            source: kind.into(),
+        };
+        assert_eq!(for_error(&connect(io::ErrorKind::NotFound)), UNREACHABLE);
+        assert_eq!(
+            for_error(&connect(io::ErrorKind::PermissionDenied)),
+            UNREACHABLE
+        );
+        assert_eq!(
+            for_error(&connect(io::ErrorKind::ConnectionRefused)),
+            UNREACHABLE
+        );
+        assert_eq!(
+            for_error(&failed("ERR_CONTROL_PERMISSION_DENIED")),
+            UNREACHABLE
+        );
+        assert_eq!(for_error(&failed("ERR_VM_HALTED")), HALTED);
+        assert_eq!(for_error(&failed("ERR_ROLLBACK_FAILED_HALTED")), HALTED);
+        for code in INTEGRITY_CODES {
+            assert_eq!(for_error(&failed(code)), INTEGRITY, "{code}");
+        }
+        assert_eq!(
+            for_error(&failed("ERR_SNAPSHOT_RESTORE_POLICY_BLOCKED")),
+            FAILED
+        );
+        assert_eq!(for_error(&failed("ERR_CONTROL_BAD_REQUEST")), FAILED);
+        assert_eq!(for_error(&ClientError::Closed), FAILED);
+    }
+
+    #[test]
+    fn a_broken_audit_chain_is_an_integrity_failure() {
+        let report = |first_bad| {
+            Response::AuditVerified(AuditVerifyReport {
+                entries: 9,
+                first_bad,
+            })
+        };
+        assert_eq!(for_response(&report(None)), OK);
+        let fault = AuditFault {
+            line: 3,
+            seq: Some(2),
+            reason: "hash mismatch".into(),
+        };
+        assert_eq!(for_response(&report(Some(fault))), INTEGRITY);
+    }
+}

@@ -1,0 +1,128 @@
+//! `backstop`, the console of backstopd.
+//!
+//! It turns a command line into one control [`Request`], waits for the daemon's answer while
+//! showing its progress, and prints the result for a person (or as JSON for a script), with an
+//! exit status a script can act on ([`exit`]). It holds no state and never touches a VM, a
+//! snapshot or the journal itself: everything goes through the control socket.
+
+pub mod cli;
+pub mod exit;
+pub mod progress;
+pub mod render;
+
+use backstop_control::{ClientError, Request, Response};
+
+/// Everything a finished call prints, and how the process ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub stdout: String,
+    pub stderr: String,
+    pub exit_code: u8,
+}
+
+/// What to print for the result of `request`. Pure, so every case is unit-tested.
+///
+/// Success: the rendering (human or JSON) on stdout. Failure: one `backstop: <CODE>: <message>`
+/// line on stderr, and with `json` also `{"error":{..}}` on stdout.
+pub fn outcome(request: &Request, result: &Result<Response, ClientError>, json: bool) -> Outcome {
+    match result {
+        Ok(response) => Outcome {
+            stdout: if json {
+                render::json(response)
+            } else {
+                render::human(request, response)
+            },
+            stderr: String::new(),
+            exit_code: exit::for_response(response),
+        },
+        Err(err) => {
+            let (code, message) = (err.code(), err.message());
+            Outcome {
+                stdout: if json {
+                    render::error_json(code, &message)
+                } else {
+                    String::new()
+                },
+                stderr: render::error_line(code, &message),
+                exit_code: exit::for_error(err),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io;
+    use std::path::PathBuf;
+
+    use backstop_control::AuditVerifyReport;
+
+    use super::*;
+
+    #[test]
+    fn success_goes_to_stdout_and_failure_to_one_stderr_line() {
+        let ok: Result<Response, ClientError> = Ok(Response::HaltCleared {
+            epoch: 2,
+            restored_from: None,
+        });
+        let out = outcome(&Request::HaltClear { reason: "r".into() }, &ok, false);
+        assert_eq!(out.exit_code, exit::OK);
+        assert!(out.stdout.starts_with("halt cleared"));
+        assert!(out.stderr.is_empty());
+
+        let halted: Result<Response, ClientError> = Err(ClientError::Failed {
+            code: "ERR_VM_HALTED".into(),
+            message: "VM is halted: restore failed".into(),
+        });
+        let req = Request::Rollback {
+            to: None,
+            reason: "r".into(),
+            emergency: false,
+        };
+        let out = outcome(&req, &halted, false);
+        assert_eq!(out.exit_code, exit::HALTED);
+        assert_eq!(out.stdout, "");
+        assert_eq!(
+            out.stderr,
+            "backstop: ERR_VM_HALTED: VM is halted: restore failed\n"
+        );
+
+        let out = outcome(&req, &halted, true);
+        let doc: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+        assert_eq!(doc["error"]["code"], "ERR_VM_HALTED");
+        assert_eq!(out.stderr.lines().count(), 1);
+    }
+
+    #[test]
+    fn no_daemon_is_exit_3_with_a_plain_explanation() {
+        let err: Result<Response, ClientError> = Err(ClientError::Connect {
+            path: PathBuf::from("/run/backstop/control.sock"),
+            source: io::ErrorKind::NotFound.into(),
+        });
+        let out = outcome(&Request::Status, &err, false);
+        assert_eq!(out.exit_code, exit::UNREACHABLE);
+        assert_eq!(
+            out.stderr,
+            "backstop: ERR_CONTROL_UNAVAILABLE: backstopd is not running \
+             (no socket at /run/backstop/control.sock)\n"
+        );
+    }
+
+    #[test]
+    fn a_broken_audit_chain_prints_the_report_and_exits_5() {
+        let fault = backstop_control::AuditFault {
+            line: 3,
+            seq: Some(2),
+            reason: "bad mac".into(),
+        };
+        let report = Ok(Response::AuditVerified(AuditVerifyReport {
+            entries: 5,
+            first_bad: Some(fault),
+        }));
+        for json in [false, true] {
+            let out = outcome(&Request::AuditVerify, &report, json);
+            assert_eq!(out.exit_code, exit::INTEGRITY);
+            assert!(out.stderr.is_empty());
+        }
+    }
+}

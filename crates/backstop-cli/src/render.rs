@@ -1,0 +1,723 @@
+//! What the console prints. Every function here is pure: data in, text out.
+
+use std::fmt::Write as _;
+
+use backstop_control::{
+    AuditVerifyReport, Progress, Request, Response, RollbackReport, SnapshotSummary, SnapshotView,
+    StatusView, VerifyReport,
+};
+use serde_json::{json, Value};
+use time::format_description::well_known::Rfc3339;
+use time::macros::format_description;
+use time::OffsetDateTime;
+
+/// Characters of a snapshot id shown in tables.
+pub const SHORT_ID_LEN: usize = 12;
+
+/// Audit entry fields that hold the chain itself, not news for a person.
+const CHAIN_FIELDS: [&str; 8] = [
+    "prev",
+    "prev_hash",
+    "hash",
+    "entry_hash",
+    "mac",
+    "hmac",
+    "sig",
+    "signature",
+];
+const SEQ_FIELDS: [&str; 1] = ["seq"];
+const TIME_FIELDS: [&str; 4] = ["ts", "timestamp", "time", "at"];
+const EVENT_FIELDS: [&str; 3] = ["event", "event_type", "type"];
+/// The journal's object of per-event data (`{seq, ts, event, fields, prev, hash, mac}`).
+const NESTED_FIELDS: &str = "fields";
+
+/// The human rendering of a successful response, newline-terminated. `request` tells a
+/// created snapshot from a shown one (both come back as [`Response::Snapshot`]).
+pub fn human(request: &Request, response: &Response) -> String {
+    match response {
+        Response::Status(status) => status_text(status),
+        Response::Snapshot(view) => match request {
+            Request::SnapshotCreate { .. } => created_text(view),
+            _ => snapshot_text(view),
+        },
+        Response::SnapshotList { snapshots } => list_text(snapshots),
+        Response::Verified(report) => verified_text(report),
+        Response::RolledBack(report) => rolled_back_text(report),
+        Response::HaltCleared {
+            epoch,
+            restored_from,
+        } => match restored_from {
+            Some(id) => format!("halt cleared; epoch {epoch}; restored from {}\n", clean(id)),
+            None => format!("halt cleared; epoch {epoch}; no verified snapshot, VM cold-booted\n"),
+        },
+        Response::AuditEntries { entries } => audit_entries_text(entries),
+        Response::AuditVerified(report) => audit_verified_text(report),
+    }
+}
+
+/// `--json`: the response as one pretty-printed JSON document, newline-terminated.
+pub fn json(response: &Response) -> String {
+    let mut text = serde_json::to_string_pretty(response).unwrap_or_else(|e| {
+        error_json("ERR_CONSOLE_ENCODE", &format!("encoding the response: {e}"))
+    });
+    if !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text
+}
+
+/// `--json` on failure: `{"error":{"code":..,"message":..}}`, pretty-printed, newline-terminated.
+pub fn error_json(code: &str, message: &str) -> String {
+    let doc = json!({ "error": { "code": code, "message": message } });
+    let mut text = serde_json::to_string_pretty(&doc).unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+/// The one stderr line of a failure: `backstop: <CODE>: <message>`.
+pub fn error_line(code: &str, message: &str) -> String {
+    format!("backstop: {}: {}\n", clean(code), clean(message))
+}
+
+/// A progress line when stderr is not a terminal: `backstop: <step>: <message>`.
+pub fn progress_line(progress: &Progress) -> String {
+    format!("backstop: {}\n", progress_text(progress))
+}
+
+/// Step, message and bytes of a progress report, on one line.
+pub fn progress_text(progress: &Progress) -> String {
+    let mut text = format!("{}: {}", clean(&progress.step), clean(&progress.message));
+    if let Some(bytes) = progress.bytes {
+        let _ = write!(text, " ({})", human_bytes(bytes));
+    }
+    text
+}
+
+fn status_text(s: &StatusView) -> String {
+    let mut rows = vec![
+        ("vm", clean(&s.vm)),
+        ("state", clean(&s.state)),
+        ("epoch", s.epoch.to_string()),
+        ("backend", clean(&s.backend)),
+        ("accel", clean(&s.accel)),
+        (
+            "pid",
+            s.pid.map_or_else(|| "-".to_string(), |pid| pid.to_string()),
+        ),
+        ("snapshots", s.snapshots.to_string()),
+        (
+            "newest snapshot",
+            s.newest_snapshot
+                .as_deref()
+                .map_or_else(|| "-".into(), clean),
+        ),
+        ("session", clean(&s.session_id)),
+    ];
+    if let Some(halt) = &s.halted {
+        rows.push(("halted since", clean(&halt.since)));
+        rows.push(("halt code", clean(&halt.code)));
+        rows.push(("halt reason", clean(&halt.reason)));
+    }
+    key_values(&rows)
+}
+
+fn created_text(view: &SnapshotView) -> String {
+    let s = &view.summary;
+    format!(
+        "snapshot {} created: guest paused {}, capture {} ms, stored {}\n",
+        clean(&s.snapshot_id),
+        human_pause(s.pause_us),
+        view.capture_ms,
+        human_bytes(s.bytes_stored)
+    )
+}
+
+fn snapshot_text(view: &SnapshotView) -> String {
+    let s = &view.summary;
+    let mut text = key_values(&[
+        ("snapshot", clean(&s.snapshot_id)),
+        (
+            "created",
+            format!("{} by {}", clean(&s.created_at), clean(&s.created_by)),
+        ),
+        ("scope", clean(&s.scope)),
+        (
+            "schema",
+            format!(
+                "{}, index {}",
+                clean(&s.schema_version),
+                clean(&s.index_version)
+            ),
+        ),
+        ("reason", clean(&s.reason)),
+        ("pause", human_pause(s.pause_us)),
+        ("capture", format!("{} ms", view.capture_ms)),
+        ("stored", human_bytes(s.bytes_stored)),
+    ]);
+    text.push_str("manifest:\n");
+    // Pretty JSON escapes every control character, so the manifest is safe to print as is.
+    text.push_str(&serde_json::to_string_pretty(&view.manifest).unwrap_or_default());
+    text.push('\n');
+    text
+}
+
+fn list_text(snapshots: &[SnapshotSummary]) -> String {
+    if snapshots.is_empty() {
+        return "no snapshots\n".to_string();
+    }
+    let header = ["ID", "CREATED", "BY", "SCOPE", "PAUSE", "STORED", "REASON"];
+    let rows: Vec<[String; 7]> = snapshots
+        .iter()
+        .map(|s| {
+            [
+                short_id(&s.snapshot_id),
+                short_time(&s.created_at),
+                clean(&s.created_by),
+                clean(&s.scope),
+                human_pause(s.pause_us),
+                human_bytes(s.bytes_stored),
+                clean(&s.reason),
+            ]
+        })
+        .collect();
+    let right_aligned = [false, false, false, false, true, true, false];
+    let mut widths = header.map(str::len);
+    for row in &rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let mut text = String::new();
+    let header = header.map(String::from);
+    for row in std::iter::once(&header).chain(&rows) {
+        let mut line = String::new();
+        for (i, cell) in row.iter().enumerate() {
+            if i > 0 {
+                line.push_str("  ");
+            }
+            let pad = widths[i].saturating_sub(cell.chars().count());
+            let last = i == row.len() - 1;
+            if right_aligned[i] {
+                line.push_str(&" ".repeat(pad));
+                line.push_str(cell);
+            } else {
+                line.push_str(cell);
+                if !last {
+                    line.push_str(&" ".repeat(pad));
+                }
+            }
+        }
+        text.push_str(line.trim_end());
+        text.push('\n');
+    }
+    text
+}
+
+fn verified_text(r: &VerifyReport) -> String {
+    format!(
+        "snapshot {} verified: {} chunks, {} bytes, {} disk layers\n",
+        clean(&r.snapshot_id),
+        r.chunks_checked,
+        r.bytes_checked,
+        r.disk_layers_checked
+    )
+}
+
+fn rolled_back_text(r: &RollbackReport) -> String {
+    let revoked = if r.revoked.is_empty() {
+        "none".to_string()
+    } else {
+        r.revoked
+            .iter()
+            .map(|s| clean(s))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let skipped = if r.skipped.is_empty() {
+        "none".to_string()
+    } else {
+        r.skipped
+            .iter()
+            .map(|s| format!("{} ({})", clean(&s.snapshot_id), clean(&s.code)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "rolled back to {} ({}, {}) in {} ms, restore {} ms; epoch {}; revoked: {}; skipped: {}\n",
+        clean(&r.snapshot_id),
+        clean(&r.rollback_type),
+        clean(&r.trigger),
+        r.total_ms,
+        r.restore_ms,
+        r.epoch,
+        revoked,
+        skipped
+    )
+}
+
+fn audit_entries_text(entries: &[Value]) -> String {
+    if entries.is_empty() {
+        return "no audit entries\n".to_string();
+    }
+    entries.iter().map(|e| audit_entry_line(e) + "\n").collect()
+}
+
+/// `seq ts event key=val ...`: the event's `fields` flattened (keys sorted), the chain's own
+/// fields (`prev`, `hash`, `mac`) left out.
+fn audit_entry_line(entry: &Value) -> String {
+    let Some(fields) = entry.as_object() else {
+        return clean(&entry.to_string());
+    };
+    let first = |names: &[&str]| {
+        names
+            .iter()
+            .find_map(|n| fields.get(*n))
+            .map_or_else(|| "-".to_string(), bare_value)
+    };
+    let mut parts = vec![
+        first(&SEQ_FIELDS),
+        first(&TIME_FIELDS),
+        first(&EVENT_FIELDS),
+    ];
+    let taken = |name: &str| {
+        CHAIN_FIELDS.contains(&name)
+            || SEQ_FIELDS.iter().find(|n| fields.contains_key(**n)) == Some(&name)
+            || TIME_FIELDS.iter().find(|n| fields.contains_key(**n)) == Some(&name)
+            || EVENT_FIELDS.iter().find(|n| fields.contains_key(**n)) == Some(&name)
+    };
+    for (key, value) in fields {
+        match value {
+            // The journal keeps an event's own data in `fields`: show it flat.
+            Value::Object(inner) if key == NESTED_FIELDS => {
+                for (key, value) in inner {
+                    parts.push(format!("{}={}", clean(key), quoted_value(value)));
+                }
+            }
+            _ if taken(key) => {}
+            _ => parts.push(format!("{}={}", clean(key), quoted_value(value))),
+        }
+    }
+    parts.join(" ")
+}
+
+fn audit_verified_text(r: &AuditVerifyReport) -> String {
+    match &r.first_bad {
+        None => format!("audit chain OK: {} entries\n", r.entries),
+        Some(fault) => {
+            let seq = fault
+                .seq
+                .map_or_else(|| "unknown".to_string(), |s| s.to_string());
+            format!(
+                "audit chain BROKEN at line {} (seq {}): {}\n",
+                fault.line,
+                seq,
+                clean(&fault.reason)
+            )
+        }
+    }
+}
+
+/// A value as a word: strings without quotes, everything else as compact JSON.
+fn bare_value(value: &Value) -> String {
+    match value {
+        Value::String(s) => clean(s),
+        other => other.to_string(),
+    }
+}
+
+/// A value for `key=value`: strings quoted (JSON-escaped) only when they need it.
+fn quoted_value(value: &Value) -> String {
+    match value {
+        Value::String(s)
+            if !s.is_empty()
+                && !s
+                    .chars()
+                    .any(|c| c.is_whitespace() || c.is_control() || c == '"' || c == '=') =>
+        {
+            s.clone()
+        }
+        other => other.to_string(),
+    }
+}
+
+fn key_values(rows: &[(&str, String)]) -> String {
+    let width = rows.iter().map(|(key, _)| key.len() + 1).max().unwrap_or(0);
+    rows.iter()
+        .map(|(key, value)| format!("{:<width$}  {value}\n", format!("{key}:")))
+        .collect()
+}
+
+/// The first [`SHORT_ID_LEN`] characters of an id.
+pub fn short_id(id: &str) -> String {
+    clean(&id.chars().take(SHORT_ID_LEN).collect::<String>())
+}
+
+/// An RFC 3339 time as `YYYY-MM-DD HH:MM:SS` UTC; anything else as given.
+pub fn short_time(rfc3339: &str) -> String {
+    let format = format_description!("[year]-[month]-[day] [hour]:[minute]:[second]");
+    OffsetDateTime::parse(rfc3339, &Rfc3339)
+        .ok()
+        .and_then(|t| t.to_offset(time::UtcOffset::UTC).format(&format).ok())
+        .unwrap_or_else(|| clean(rfc3339))
+}
+
+/// Bytes in IEC units: `512 B`, `1.5 KiB`, `3.2 GiB`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut value = bytes as f64 / 1024.0;
+    let mut unit = 0;
+    while value >= 1024.0 && unit < UNITS.len() - 1 {
+        value /= 1024.0;
+        unit += 1;
+    }
+    format!("{value:.1} {}", UNITS[unit])
+}
+
+/// A guest pause: `850us`, `3.2ms`, `1.25s`.
+pub fn human_pause(pause_us: u64) -> String {
+    if pause_us < 1_000 {
+        format!("{pause_us}us")
+    } else if pause_us < 1_000_000 {
+        format!("{:.1}ms", pause_us as f64 / 1e3)
+    } else {
+        format!("{:.2}s", pause_us as f64 / 1e6)
+    }
+}
+
+/// Makes text safe for one terminal line: control characters are shown escaped, never obeyed.
+pub fn clean(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use backstop_control::{AuditFault, HaltView, SkippedSnapshot};
+
+    use super::*;
+
+    fn summary(id: &str, reason: &str) -> SnapshotSummary {
+        SnapshotSummary {
+            snapshot_id: id.into(),
+            created_at: "2026-05-01T12:00:03.5Z".into(),
+            created_by: "console".into(),
+            schema_version: "1.0".into(),
+            index_version: "1".into(),
+            scope: "full".into(),
+            reason: reason.into(),
+            pause_us: 3_200,
+            bytes_stored: 1536,
+        }
+    }
+
+    fn status(halted: Option<HaltView>) -> StatusView {
+        StatusView {
+            vm: "guest".into(),
+            state: "running".into(),
+            epoch: 3,
+            backend: "qemu".into(),
+            accel: "tcg".into(),
+            pid: Some(4321),
+            snapshots: 2,
+            newest_snapshot: Some("abcdef0123456789".into()),
+            halted,
+            session_id: "sess-1".into(),
+        }
+    }
+
+    #[test]
+    fn status_is_aligned_key_values() {
+        let text = human(&Request::Status, &Response::Status(status(None)));
+        assert_eq!(
+            text,
+            "vm:               guest\n\
+             state:            running\n\
+             epoch:            3\n\
+             backend:          qemu\n\
+             accel:            tcg\n\
+             pid:              4321\n\
+             snapshots:        2\n\
+             newest snapshot:  abcdef0123456789\n\
+             session:          sess-1\n"
+        );
+    }
+
+    #[test]
+    fn a_halted_status_says_why() {
+        let halt = HaltView {
+            reason: "restore failed".into(),
+            code: "ERR_ROLLBACK_RESTORE".into(),
+            since: "2026-05-01T12:00:00Z".into(),
+        };
+        let mut view = status(Some(halt));
+        view.state = "halted".into();
+        view.pid = None;
+        let text = human(&Request::Status, &Response::Status(view));
+        assert!(text.contains("state:            halted\n"), "{text}");
+        assert!(text.contains("pid:              -\n"), "{text}");
+        assert!(
+            text.contains("halt code:        ERR_ROLLBACK_RESTORE\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("halt reason:      restore failed\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_snapshot_list_is_a_table_with_short_ids() {
+        let mut big = summary("0123456789abcdef0123", "before update");
+        big.bytes_stored = 3 * 1024 * 1024 * 1024 + 200 * 1024 * 1024;
+        big.pause_us = 1_250_000;
+        let list = Response::SnapshotList {
+            snapshots: vec![summary("ffff0000ffff0000", "x"), big],
+        };
+        let text = human(&Request::SnapshotList, &list);
+        assert_eq!(
+            text,
+            "ID            CREATED              BY       SCOPE  PAUSE   STORED  REASON\n\
+             ffff0000ffff  2026-05-01 12:00:03  console  full   3.2ms  1.5 KiB  x\n\
+             0123456789ab  2026-05-01 12:00:03  console  full   1.25s  3.2 GiB  before update\n"
+        );
+        let empty = Response::SnapshotList { snapshots: vec![] };
+        assert_eq!(human(&Request::SnapshotList, &empty), "no snapshots\n");
+    }
+
+    #[test]
+    fn snapshot_show_prints_summary_and_pretty_manifest() {
+        let view = SnapshotView {
+            summary: summary("abc", "r"),
+            manifest: json!({"snapshot_id": "abc", "checksums": ["x"]}),
+            capture_ms: 2100,
+        };
+        let text = human(
+            &Request::SnapshotShow { id: "abc".into() },
+            &Response::Snapshot(view),
+        );
+        assert!(text.starts_with("snapshot:  abc\n"), "{text}");
+        assert!(
+            text.contains("created:   2026-05-01T12:00:03.5Z by console\n"),
+            "{text}"
+        );
+        assert!(text.contains("capture:   2100 ms\n"), "{text}");
+        assert!(
+            text.contains("manifest:\n{\n  \"checksums\": [\n    \"x\"\n  ],\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn snapshot_create_prints_one_line() {
+        let view = SnapshotView {
+            summary: summary("abc", "r"),
+            manifest: json!({}),
+            capture_ms: 2100,
+        };
+        let req = Request::SnapshotCreate { reason: "r".into() };
+        assert_eq!(
+            human(&req, &Response::Snapshot(view)),
+            "snapshot abc created: guest paused 3.2ms, capture 2100 ms, stored 1.5 KiB\n"
+        );
+    }
+
+    #[test]
+    fn verify_prints_what_was_checked() {
+        let report = VerifyReport {
+            snapshot_id: "abc".into(),
+            chunks_checked: 12,
+            bytes_checked: 123_456,
+            disk_layers_checked: 2,
+        };
+        assert_eq!(
+            human(
+                &Request::SnapshotVerify { id: "abc".into() },
+                &Response::Verified(report)
+            ),
+            "snapshot abc verified: 12 chunks, 123456 bytes, 2 disk layers\n"
+        );
+    }
+
+    #[test]
+    fn rollback_prints_timing_epoch_revocations_and_skips() {
+        let mut report = RollbackReport {
+            snapshot_id: "abc".into(),
+            rollback_type: "session".into(),
+            trigger: "console".into(),
+            epoch: 7,
+            skipped: vec![],
+            revoked: vec![],
+            total_ms: 812,
+            restore_ms: 250,
+        };
+        let req = Request::Rollback {
+            to: None,
+            reason: "r".into(),
+            emergency: false,
+        };
+        assert_eq!(
+            human(&req, &Response::RolledBack(report.clone())),
+            "rolled back to abc (session, console) in 812 ms, restore 250 ms; epoch 7; \
+             revoked: none; skipped: none\n"
+        );
+        report.revoked = vec!["usb:cam0".into(), "net:link".into()];
+        report.skipped = vec![SkippedSnapshot {
+            snapshot_id: "def".into(),
+            code: "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED".into(),
+        }];
+        let text = human(&req, &Response::RolledBack(report));
+        assert!(
+            text.ends_with(
+                "revoked: usb:cam0, net:link; skipped: def (ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED)\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn halt_clear_says_where_the_vm_came_from() {
+        let req = Request::HaltClear { reason: "r".into() };
+        let restored = Response::HaltCleared {
+            epoch: 4,
+            restored_from: Some("abc".into()),
+        };
+        assert_eq!(
+            human(&req, &restored),
+            "halt cleared; epoch 4; restored from abc\n"
+        );
+        let cold = Response::HaltCleared {
+            epoch: 4,
+            restored_from: None,
+        };
+        assert!(human(&req, &cold).contains("cold-booted"));
+    }
+
+    #[test]
+    fn audit_entries_are_one_line_each_without_chain_fields() {
+        let entries = vec![
+            json!({
+                "seq": 41, "ts": "2026-05-01T12:00:00Z", "event": "rollback.completed",
+                "fields": {"snapshot_id": "abc", "result": "ok", "reason": "bad update", "epoch": 7},
+                "prev": "00", "hash": "11", "mac": "22"
+            }),
+            json!({"seq": 42, "timestamp": "t", "event_type": "halt.cleared"}),
+            json!("not an object"),
+        ];
+        let text = human(
+            &Request::AuditTail { count: 3 },
+            &Response::AuditEntries { entries },
+        );
+        assert_eq!(
+            text,
+            "41 2026-05-01T12:00:00Z rollback.completed epoch=7 reason=\"bad update\" \
+             result=ok snapshot_id=abc\n\
+             42 t halt.cleared\n\
+             \"not an object\"\n"
+        );
+        let none = Response::AuditEntries { entries: vec![] };
+        assert_eq!(
+            human(&Request::AuditTail { count: 3 }, &none),
+            "no audit entries\n"
+        );
+    }
+
+    #[test]
+    fn audit_verify_says_ok_or_where_it_broke() {
+        let ok = AuditVerifyReport {
+            entries: 42,
+            first_bad: None,
+        };
+        assert_eq!(
+            human(&Request::AuditVerify, &Response::AuditVerified(ok)),
+            "audit chain OK: 42 entries\n"
+        );
+        let fault = |seq| AuditFault {
+            line: 7,
+            seq,
+            reason: "hash mismatch".into(),
+        };
+        let bad = AuditVerifyReport {
+            entries: 42,
+            first_bad: Some(fault(Some(6))),
+        };
+        assert_eq!(
+            human(&Request::AuditVerify, &Response::AuditVerified(bad)),
+            "audit chain BROKEN at line 7 (seq 6): hash mismatch\n"
+        );
+        let unreadable = AuditVerifyReport {
+            entries: 6,
+            first_bad: Some(fault(None)),
+        };
+        assert!(
+            human(&Request::AuditVerify, &Response::AuditVerified(unreadable))
+                .contains("(seq unknown)")
+        );
+    }
+
+    #[test]
+    fn json_is_the_response_and_errors_have_their_own_shape() {
+        let resp = Response::HaltCleared {
+            epoch: 4,
+            restored_from: None,
+        };
+        let parsed: Response = serde_json::from_str(&json(&resp)).unwrap();
+        assert_eq!(parsed, resp);
+        let err: Value = serde_json::from_str(&error_json("ERR_VM_HALTED", "halted")).unwrap();
+        assert_eq!(
+            err,
+            json!({"error": {"code": "ERR_VM_HALTED", "message": "halted"}})
+        );
+    }
+
+    #[test]
+    fn errors_and_progress_are_single_lines_that_cannot_drive_the_terminal() {
+        assert_eq!(
+            error_line("ERR_X", "two\nlines\x1b[2J"),
+            "backstop: ERR_X: two\\nlines\\u{1b}[2J\n"
+        );
+        let p = Progress {
+            step: "capture".into(),
+            message: "writing RAM".into(),
+            bytes: Some(2048),
+        };
+        assert_eq!(
+            progress_line(&p),
+            "backstop: capture: writing RAM (2.0 KiB)\n"
+        );
+        let p = Progress {
+            step: "verify".into(),
+            message: "signature".into(),
+            bytes: None,
+        };
+        assert_eq!(progress_line(&p), "backstop: verify: signature\n");
+    }
+
+    #[test]
+    fn units_are_readable() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1024), "1.0 KiB");
+        assert_eq!(human_bytes(5 * 1024 * 1024), "5.0 MiB");
+        assert_eq!(human_bytes(u64::MAX), "16.0 EiB");
+        assert_eq!(human_pause(850), "850us");
+        assert_eq!(human_pause(3_200), "3.2ms");
+        assert_eq!(human_pause(2_500_000), "2.50s");
+        assert_eq!(short_id("0123456789abcdef"), "0123456789ab");
+        assert_eq!(short_id("abc"), "abc");
+        assert_eq!(
+            short_time("2026-05-01T14:00:03+02:00"),
+            "2026-05-01 12:00:03"
+        );
+        assert_eq!(short_time("yesterday"), "yesterday");
+    }
+}

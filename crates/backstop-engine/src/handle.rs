@@ -1,0 +1,138 @@
+//! Runs the [`Engine`] on one dedicated thread and feeds it jobs.
+//!
+//! One thread owns the engine because QEMU is started with `PR_SET_PDEATHSIG`, which fires when
+//! the *thread* that forked it ends: the thread that launches QEMU must live as long as the
+//! daemon. It also serialises every operation on the VM. `status` is answered from a shared copy
+//! the engine publishes, so it works even while a long rollback runs.
+
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use backstop_control::{Progress, Request, Response, StatusView};
+
+use crate::engine::{random_id, Caller, Ctx, Engine};
+use crate::error::EngineError;
+use crate::Config;
+
+/// The result a job's submitter receives: a response, or a (code, message) failure.
+pub type JobResult = Result<Response, (String, String)>;
+
+pub struct Job {
+    pub request: Request,
+    pub caller: Caller,
+    pub progress: Box<dyn FnMut(Progress) + Send>,
+    pub reply: mpsc::Sender<JobResult>,
+}
+
+enum Msg {
+    Job(Job),
+    /// A peer the control socket turned away; journaled.
+    Refused { uid: u32, pid: i32 },
+    Shutdown,
+}
+
+pub struct EngineHandle {
+    tx: mpsc::Sender<Msg>,
+    status: Arc<Mutex<StatusView>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// How often the engine looks at the VM when no job is waiting.
+const TICK: Duration = Duration::from_millis(250);
+
+impl EngineHandle {
+    /// Starts the engine thread and waits until the engine has started (and reconciled).
+    pub fn spawn(cfg: Config) -> Result<EngineHandle, EngineError> {
+        let (tx, rx) = mpsc::channel::<Msg>();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || {
+                let mut engine = match Engine::start(cfg) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let status = Arc::new(Mutex::new(engine.status()));
+                engine.status_out = Some(Arc::clone(&status));
+                let _ = ready_tx.send(Ok(status));
+                run(engine, rx);
+            })
+            .map_err(|source| EngineError::Io { step: "spawn engine thread", source })?;
+        let status = ready_rx
+            .recv()
+            .map_err(|_| EngineError::Io { step: "start engine", source: std::io::Error::other("engine thread died") })??;
+        Ok(EngineHandle { tx, status, thread: Some(thread) })
+    }
+
+    /// Queues a job; its reply arrives on `job.reply`.
+    pub fn submit(&self, job: Job) -> Result<(), EngineError> {
+        self.tx.send(Msg::Job(job)).map_err(|_| EngineError::ShuttingDown)
+    }
+
+    /// Runs a request to completion (convenience for callers without their own channel).
+    pub fn call(&self, request: Request, caller: Caller, progress: Box<dyn FnMut(Progress) + Send>) -> JobResult {
+        if matches!(request, Request::Status) {
+            return Ok(Response::Status(self.status()));
+        }
+        let (reply, rx) = mpsc::channel();
+        self.submit(Job { request, caller, progress, reply })
+            .map_err(|e| (e.code().to_string(), e.to_string()))?;
+        rx.recv().unwrap_or_else(|_| Err(("ERR_SHUTTING_DOWN".into(), "the engine stopped".into())))
+    }
+
+    /// Records a connection the control socket refused (journaled as `control.refused`).
+    pub fn note_refused(&self, uid: u32, pid: i32) {
+        let _ = self.tx.send(Msg::Refused { uid, pid });
+    }
+
+    pub fn status(&self) -> StatusView {
+        match self.status.lock() {
+            Ok(s) => s.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// Stops the engine: the VM is ended and the thread joined.
+    pub fn shutdown(mut self) {
+        let _ = self.tx.send(Msg::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(mut engine: Engine, rx: mpsc::Receiver<Msg>) {
+    loop {
+        match rx.recv_timeout(TICK) {
+            Ok(Msg::Job(mut job)) => {
+                let mut ctx = Ctx { caller: job.caller.clone(), trace_id: random_id(), progress: &mut *job.progress };
+                let span = tracing::info_span!("request", op = job.request.name(), trace_id = %ctx.trace_id, by = %ctx.caller.label());
+                let _g = span.enter();
+                let result = engine.handle(job.request, &mut ctx).map_err(|e| {
+                    if e.code() == "ERR_VM_HALTED" || e.code().starts_with("ERR_BAD") {
+                        tracing::warn!(code = e.code(), error = %e, "request refused");
+                    } else {
+                        tracing::error!(code = e.code(), error = %e, "request failed");
+                    }
+                    (e.code().to_string(), e.to_string())
+                });
+                engine.publish();
+                let _ = job.reply.send(result);
+            }
+            Ok(Msg::Refused { uid, pid }) => engine.note_refused(uid, pid),
+            Ok(Msg::Shutdown) | Err(RecvTimeoutError::Disconnected) => {
+                engine.shutdown();
+                return;
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                engine.tick();
+                engine.publish();
+            }
+        }
+    }
+}

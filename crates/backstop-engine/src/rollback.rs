@@ -1,0 +1,260 @@
+//! The rollback executor: atomic, or HALTED.
+//!
+//! 1. Choose and fully verify the target before the VM is touched. A named target that fails
+//!    verification is refused with the spec's code and nothing changes. When the newest is
+//!    wanted, a corrupt one is skipped (journaled) for the previous verified one.
+//! 2. Write the in-flight marker durably. From here every failure halts the VM.
+//! 3. Pause, revoke (devices deleted with a bound, links down, agent channel closed), end QEMU.
+//! 4. Fresh overlays on the snapshot's layers, a fresh QEMU paused with `-incoming defer`, the
+//!    verified state streamed in (each chunk re-checked as it streams), the result checked.
+//! 5. New epoch recorded, guest resumed, marker removed, guest told the epoch (never the reason).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tracing::info;
+
+use backstop_control::{RollbackReport, SkippedSnapshot};
+use backstop_hypervisor::{BootMode, DiskAttachment};
+use backstop_journal::events;
+use backstop_store::{ListEntry, VerifiedSnapshot, VerifyOptions};
+
+use crate::engine::{now_rfc3339, Ctx, Engine, Fault};
+use crate::error::EngineError;
+use crate::records::InflightRecord;
+use crate::state::{Transition, VmState};
+
+/// The disk chains a manifest records, by disk id.
+fn manifest_chains(v: &VerifiedSnapshot) -> Vec<(String, Vec<PathBuf>)> {
+    v.manifest
+        .payload_refs
+        .iter()
+        .filter(|p| p.kind == "disk-layer-chain")
+        .map(|p| {
+            let id = p.name.strip_prefix("disk:").unwrap_or(&p.name).to_string();
+            (id, p.layers.iter().map(|l| l.path.clone()).collect())
+        })
+        .collect()
+}
+
+impl Engine {
+    pub(crate) fn rollback(
+        &mut self,
+        ctx: &mut Ctx,
+        to: Option<&str>,
+        reason: &str,
+        trigger: &str,
+        rollback_type: &str,
+    ) -> Result<RollbackReport, EngineError> {
+        let started = Instant::now();
+        let sid = self.session_id.clone();
+        let trace = ctx.trace_id.clone();
+        self.journal(events::SNAPSHOT_RESTORE_REQUESTED, json!({
+            "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "pending",
+            "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "requested_by": ctx.caller.label(),
+            "action_ids": [],
+        }))?;
+
+        // 1. Choose and verify, touching nothing.
+        let (target, skipped) = match self.choose_target(ctx, to) {
+            Ok(t) => t,
+            Err(e) => {
+                let halting = matches!(e, EngineError::NoVerifiedSnapshot);
+                self.journal(events::SNAPSHOT_RESTORE_FAILED, json!({
+                    "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "refused",
+                    "code": e.code(), "error": e.to_string(), "vm_touched": halting,
+                }))?;
+                if halting {
+                    // Spec/000 §12: a rollback that cannot be initiated halts the VM.
+                    self.enter_halt(&trace, e.code(), "rollback requested but no snapshot verifies");
+                }
+                return Err(e);
+            }
+        };
+        let snapshot_id = target.manifest.snapshot_id.clone();
+        // Issue 2 has no reviewer gate yet; the decision is still journaled (spec/001 chain).
+        self.journal(events::SNAPSHOT_RESTORE_POLICY_DECISION, json!({
+            "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "allowed",
+            "decision": "allow", "basis": format!("{rollback_type} rollback by {}", ctx.caller.label()),
+        }))?;
+        self.state = self.state.transition(Transition::BeginRollback)?;
+        self.publish();
+        self.journal(events::ROLLBACK_INITIATED, json!({
+            "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "pending",
+            "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": [],
+            "timestamp": now_rfc3339(),
+        }))?;
+        if let Err(source) = self.records.set_inflight(&InflightRecord {
+            snapshot_id: snapshot_id.clone(),
+            trace_id: trace.clone(),
+            started_at: now_rfc3339(),
+        }) {
+            self.state = VmState::Running;
+            return Err(EngineError::Io { step: "write rollback marker", source });
+        }
+
+        // 2.-5. Any failure from here on halts.
+        match self.replace_vm(ctx, &target) {
+            Ok((revoked, restore_ms)) => {
+                let report = RollbackReport {
+                    snapshot_id: snapshot_id.clone(),
+                    rollback_type: rollback_type.into(),
+                    trigger: trigger.into(),
+                    epoch: self.vm.epoch,
+                    skipped,
+                    revoked,
+                    total_ms: started.elapsed().as_millis() as u64,
+                    restore_ms,
+                };
+                self.journal(events::SNAPSHOT_RESTORE_COMPLETED, json!({
+                    "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "ok",
+                    "epoch": report.epoch, "total_ms": report.total_ms, "restore_ms": restore_ms,
+                }))?;
+                self.journal(events::ROLLBACK_COMPLETED, json!({
+                    "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "ok",
+                    "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": [],
+                    "timestamp": now_rfc3339(), "revoked": report.revoked, "epoch": report.epoch,
+                }))?;
+                info!(snapshot_id = %snapshot_id, total_ms = report.total_ms, restore_ms, epoch = report.epoch, "rolled back");
+                Ok(report)
+            }
+            Err((step, detail)) => {
+                let _ = self.journal(events::SNAPSHOT_RESTORE_FAILED, json!({
+                    "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "failed",
+                    "code": "ERR_ROLLBACK_FAILED_HALTED", "step": step, "error": detail, "vm_touched": true,
+                }));
+                let _ = self.journal(events::ROLLBACK_FAILED, json!({
+                    "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "failed",
+                    "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": [],
+                    "timestamp": now_rfc3339(), "step": step,
+                }));
+                self.enter_halt(&trace, "ERR_ROLLBACK_FAILED_HALTED", &format!("rollback to {snapshot_id} failed at {step}: {detail}"));
+                Err(EngineError::RollbackHalted { step, detail })
+            }
+        }
+    }
+
+    fn choose_target(&mut self, ctx: &mut Ctx, to: Option<&str>) -> Result<(VerifiedSnapshot, Vec<SkippedSnapshot>), EngineError> {
+        let opts = VerifyOptions::default();
+        let fingerprint = self.backend.config_fingerprint();
+        if let Some(to) = to {
+            let id = self.store.resolve(to).map_err(EngineError::Store)?;
+            ctx.step("verify", format!("verifying {id}"), None);
+            let v = self.store.verify(&id, &opts).map_err(|source| EngineError::Verify { snapshot_id: id.clone(), source })?;
+            if v.manifest.config_fingerprint != fingerprint {
+                return Err(EngineError::ShapeMismatch { snapshot_id: id });
+            }
+            return Ok((v, Vec::new()));
+        }
+        let mut skipped = Vec::new();
+        let entries = self.store.list().map_err(EngineError::Store)?;
+        for entry in entries.into_iter().rev() {
+            let (id, result) = match entry {
+                ListEntry::Valid(m) => {
+                    ctx.step("verify", format!("verifying {}", m.snapshot_id), None);
+                    let r = self.store.verify(&m.snapshot_id, &opts);
+                    (m.snapshot_id, r.map_err(|e| e.code().to_string()))
+                }
+                ListEntry::Corrupt { snapshot_id, code, .. } => (snapshot_id, Err(code.to_string())),
+            };
+            let code = match result {
+                Ok(v) if v.manifest.config_fingerprint == fingerprint => return Ok((v, skipped)),
+                Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
+                Err(code) => code,
+            };
+            let sid = self.session_id.clone();
+            self.journal(events::SNAPSHOT_VERIFY_SKIPPED, json!({
+                "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "skipped", "code": code,
+            }))?;
+            skipped.push(SkippedSnapshot { snapshot_id: id, code });
+        }
+        Err(EngineError::NoVerifiedSnapshot)
+    }
+
+    /// Steps 3-5. Errors are (step, detail); the caller halts.
+    fn replace_vm(&mut self, ctx: &mut Ctx, target: &VerifiedSnapshot) -> Result<(Vec<String>, u64), (&'static str, String)> {
+        let bound = Duration::from_millis(self.cfg.rollback.revoke_timeout_ms);
+        let mut revoked = Vec::new();
+        if self.backend.pid().is_some() {
+            ctx.step("revoke", "pausing the guest and revoking its devices", None);
+            // A QEMU that no longer answers cannot be paused or asked to release anything:
+            // ending its process below is the revocation that always works.
+            match self.backend.pause() {
+                Ok(()) => revoked.push("guest paused".to_string()),
+                Err(e) => revoked.push(format!("pause failed ({e}); process ended instead")),
+            }
+            match self.backend.revoke_devices(bound) {
+                Ok(r) => {
+                    revoked.extend(r.revoked);
+                    revoked.extend(r.not_released.into_iter().map(|d| format!("{d}: not released, ended with the process")));
+                }
+                Err(e) => revoked.push(format!("device revocation failed ({e}); process ended instead")),
+            }
+        }
+        self.backend.terminate().map_err(|e| ("end qemu", e.to_string()))?;
+        revoked.push("hypervisor process ended".into());
+
+        ctx.step("restore", "preparing disk overlays on the snapshot's layers", None);
+        let mut new_chains = Vec::new();
+        for (id, chain) in manifest_chains(target) {
+            let Some(top) = chain.last() else { return Err(("disk layers", format!("disk {id} has an empty chain"))) };
+            let fmt = if chain.len() == 1 { self.base_format(&id) } else { "qcow2".to_string() };
+            let new_top = self.next_layer(&id);
+            self.layers.create_overlay(&new_top, top, &fmt).map_err(|e| ("disk overlays", e.to_string()))?;
+            let mut c = chain.clone();
+            c.push(new_top);
+            new_chains.push((id, c));
+        }
+        let mut vm = self.vm.clone();
+        for (id, c) in new_chains {
+            vm.chains.insert(id, c);
+        }
+        let disks: Vec<DiskAttachment> = {
+            let saved = std::mem::replace(&mut self.vm, vm.clone());
+            let d = self.attachments();
+            self.vm = saved;
+            d
+        };
+
+        ctx.step("restore", "starting a fresh VM, paused, waiting for state", None);
+        self.backend.launch(&disks, BootMode::Incoming).map_err(|e| ("launch fresh vm", e.to_string()))?;
+        let load_started = Instant::now();
+        let mut sink = self.backend.begin_restore().map_err(|e| ("start state load", e.to_string()))?;
+        if self.fault == Some(Fault::KillDuringRestoreLoad) {
+            if let Some(pid) = self.backend.pid() {
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+            }
+        }
+        let mut payload = self.store.open_payload(target, "vmstate").map_err(|e| ("open state", e.to_string()))?;
+        let mut buf = vec![0u8; 1 << 20];
+        let mut done = 0u64;
+        loop {
+            let n = std::io::Read::read(&mut payload, &mut buf).map_err(|e| ("read state", e.to_string()))?;
+            if n == 0 {
+                break;
+            }
+            sink.write_all(&buf[..n]).map_err(|e| ("load state", e.to_string()))?;
+            done += n as u64;
+            if done % (64 << 20) < n as u64 {
+                ctx.step("restore", "loading RAM and device state", Some(done));
+            }
+        }
+        sink.flush().map_err(|e| ("load state", e.to_string()))?;
+        drop(sink);
+        let rr = self.backend.finish_restore().map_err(|e| ("check restored vm", e.to_string()))?;
+        let restore_ms = load_started.elapsed().as_millis() as u64;
+        revoked.push("network links down in the restored VM".into());
+
+        vm.epoch += 1;
+        self.vm = vm;
+        self.save_vm().map_err(|e| ("record new epoch", e.to_string()))?;
+        self.backend.resume().map_err(|e| ("resume", e.to_string()))?;
+        self.records.clear_inflight().map_err(|e| ("remove rollback marker", e.to_string()))?;
+        self.state = VmState::Running;
+        let _ = self.backend.notify_epoch(self.vm.epoch);
+        tracing::debug!(devices = ?rr.devices, "restored VM devices");
+        Ok((revoked, restore_ms.max(rr.load_ms)))
+    }
+}

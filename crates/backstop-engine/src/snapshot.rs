@@ -1,0 +1,129 @@
+//! The snapshot coordinator: one instant across RAM, device state and every captured disk.
+//!
+//! Order matters. The backend pauses the guest, switches every captured disk to a new overlay
+//! and starts the RAM/device capture in one pause; the engine records the new chains durably
+//! at once (so a crash leaves it pointing at the layers QEMU really writes), freezes the old top
+//! layers, streams the state into the store, and publishes last. Until the publish renames the
+//! build directory into place the snapshot does not exist.
+
+use std::time::Instant;
+
+use serde_json::{json, Value};
+use tracing::info;
+
+use backstop_hypervisor::DiskSwitch;
+use backstop_journal::events;
+use backstop_store::{Manifest, ManifestInput};
+
+use crate::engine::{Ctx, Engine, Fault};
+use crate::error::EngineError;
+use crate::state::Transition;
+
+impl Engine {
+    pub(crate) fn create_snapshot(&mut self, ctx: &mut Ctx, reason: &str, trigger: &str) -> Result<Manifest, EngineError> {
+        self.state = self.state.transition(Transition::BeginSnapshot)?;
+        self.publish();
+        let sid = self.session_id.clone();
+        self.journal(events::SNAPSHOT_CREATE_REQUESTED, json!({
+            "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "pending",
+            "reason": reason, "trigger": trigger, "created_by": ctx.caller.label(), "scope": "full",
+        }))?;
+        let outcome = self.capture_and_publish(ctx, reason, trigger);
+        self.state = self.state.transition(Transition::EndSnapshot)?;
+        match outcome {
+            Ok(m) => {
+                self.journal(events::SNAPSHOT_CREATE_COMPLETED, json!({
+                    "snapshot_id": m.snapshot_id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
+                    "pause_us": m.capture.get("pause_us"), "bytes_stored": m.bytes_stored,
+                }))?;
+                Ok(m)
+            }
+            Err(e) => {
+                self.journal(events::SNAPSHOT_CREATE_FAILED, json!({
+                    "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "failed",
+                    "code": e.code(), "error": e.to_string(),
+                }))?;
+                Err(e)
+            }
+        }
+    }
+
+    fn capture_and_publish(&mut self, ctx: &mut Ctx, reason: &str, trigger: &str) -> Result<Manifest, EngineError> {
+        let started = Instant::now();
+        let mut builder = self.store.begin().map_err(|source| EngineError::SnapshotStore { step: "begin", source })?;
+        let captured: Vec<String> = self.attachments().into_iter().filter(|d| d.captured).map(|d| d.id).collect();
+        let mut switches = Vec::new();
+        for id in &captured {
+            let new_active = self.next_layer(id);
+            if let Some(dir) = new_active.parent() {
+                std::fs::create_dir_all(dir).map_err(|source| EngineError::Io { step: "create layer dir", source })?;
+            }
+            switches.push(DiskSwitch { id: id.clone(), new_active });
+        }
+        ctx.step("capture", "pausing the guest, switching disks, starting the RAM capture", None);
+        let stream = self
+            .backend
+            .begin_capture(&switches)
+            .map_err(|source| EngineError::SnapshotBackend { step: "start capture", source })?;
+        // The snapshot's disk chains are the chains up to the layers that were just frozen.
+        let mut snapshot_chains = Vec::new();
+        for sw in &switches {
+            let chain = self.vm.chains.entry(sw.id.clone()).or_default();
+            snapshot_chains.push((sw.id.clone(), chain.clone()));
+            chain.push(sw.new_active.clone());
+        }
+        self.save_vm()?;
+        let mut reader = stream.reader;
+        let result = (|| {
+            for (_, layer) in &stream.frozen_layers {
+                self.layers.freeze(layer)?;
+            }
+            if let Some(Fault::StallCapture(secs)) = self.fault {
+                ctx.step("capture", format!("fault injection: stalling {secs} s"), None);
+                std::thread::sleep(std::time::Duration::from_secs(secs));
+            }
+            let progress = &mut *ctx.progress;
+            let payload = builder
+                .write_chunked("vmstate", "ram+device", &mut reader, &mut |bytes| {
+                    progress(backstop_control::Progress { step: "capture".into(), message: "storing RAM and device state".into(), bytes: Some(bytes) });
+                })
+                .map_err(|source| EngineError::SnapshotStore { step: "store state", source })?;
+            let report = self
+                .backend
+                .finish_capture()
+                .map_err(|source| EngineError::SnapshotBackend { step: "finish capture", source })?;
+            ctx.step("verify", "checksumming the frozen disk layers", None);
+            for (id, chain) in &snapshot_chains {
+                builder
+                    .add_disk_chain(id, chain)
+                    .map_err(|source| EngineError::SnapshotStore { step: "record disk layers", source })?;
+            }
+            let capture_ms = started.elapsed().as_millis() as u64;
+            let capture = json!({
+                "backend": self.backend.kind(), "accel": self.backend.accel(),
+                "pause_us": report.pause_us, "downtime_ms": report.downtime_ms, "state_bytes": report.state_bytes,
+                "capture_ms": capture_ms, "vmstate_bytes": payload.total_bytes,
+            });
+            ctx.step("publish", "signing and publishing the manifest", None);
+            let m = builder
+                .publish(ManifestInput {
+                    created_by: ctx.caller.label(),
+                    reason: reason.to_string(),
+                    scope: "full".into(),
+                    vm: self.cfg.vm.name.clone(),
+                    trigger: trigger.to_string(),
+                    epoch: self.vm.epoch,
+                    config_fingerprint: self.backend.config_fingerprint(),
+                    capture,
+                })
+                .map_err(|source| EngineError::SnapshotStore { step: "publish", source })?;
+            info!(snapshot_id = %m.snapshot_id, pause_us = report.pause_us, capture_ms, bytes_stored = m.bytes_stored, "snapshot published");
+            Ok(m)
+        })();
+        if result.is_err() {
+            drop(reader);
+            self.backend.abort_capture();
+        }
+        result
+    }
+}

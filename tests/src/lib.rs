@@ -1,0 +1,376 @@
+//! Harness for backstop's end-to-end tests: starts the real `backstopd` on a private state
+//! directory with a real QEMU guest (the test guest from scripts/build-guest.sh), drives it with
+//! the real `backstop` console, and reads the guest's own serial output.
+//!
+//! Where QEMU or the test guest is missing, tests skip loudly; with `BACKSTOP_REQUIRE_E2E=1`
+//! (set by CI) a missing prerequisite fails instead, so CI can never pass by skipping.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Directory of the test guest.
+pub fn guest_dir() -> PathBuf {
+    match std::env::var("BACKSTOP_GUEST_DIR") {
+        Ok(d) if !d.is_empty() => d.into(),
+        _ => PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".into())).join(".cache/backstop/guest"),
+    }
+}
+
+/// The workspace's built binaries (`cargo build --workspace` runs before the tests).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    dir.join(name)
+}
+
+/// Returns why the end-to-end tests cannot run here, if they cannot.
+pub fn missing_prerequisite() -> Option<String> {
+    let g = guest_dir();
+    for f in ["vmlinuz", "initrd.img", "disk-base.qcow2"] {
+        if !g.join(f).exists() {
+            return Some(format!("test guest file {} missing (run scripts/setup.sh)", g.join(f).display()));
+        }
+    }
+    for tool in ["qemu-system-x86_64", "qemu-img"] {
+        let ok = Command::new(tool).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
+        if !ok {
+            return Some(format!("{tool} not installed (run scripts/setup.sh)"));
+        }
+    }
+    for b in ["backstopd", "backstop"] {
+        if !bin(b).exists() {
+            return Some(format!("{} not built (cargo build --workspace)", bin(b).display()));
+        }
+    }
+    None
+}
+
+/// Skips the calling test (returns true) when prerequisites are missing, loudly; panics instead
+/// under `BACKSTOP_REQUIRE_E2E=1`.
+pub fn skip_unless_ready(test: &str) -> bool {
+    match missing_prerequisite() {
+        None => false,
+        Some(why) if std::env::var("BACKSTOP_REQUIRE_E2E").as_deref() == Ok("1") => {
+            panic!("{test}: BACKSTOP_REQUIRE_E2E=1 but {why}")
+        }
+        Some(why) => {
+            eprintln!("SKIPPED {test}: {why}");
+            true
+        }
+    }
+}
+
+/// One tick line of the guest workload: `BACKSTOP tick ram=<n> disk=<d>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tick {
+    pub ram: u64,
+    pub disk: u64,
+}
+
+pub fn parse_ticks(text: &str) -> Vec<Tick> {
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.trim().strip_prefix("BACKSTOP tick ram=")?;
+            let (ram, rest) = rest.split_once(" disk=")?;
+            let disk = rest.split_whitespace().next()?;
+            Some(Tick { ram: ram.parse().ok()?, disk: disk.parse().ok()? })
+        })
+        .collect()
+}
+
+/// A running backstopd on its own state directory.
+pub struct Daemon {
+    pub dir: tempfile::TempDir,
+    pub run_dir: PathBuf,
+    pub config_path: PathBuf,
+    child: Option<Child>,
+    pub extra_env: Vec<(String, String)>,
+}
+
+impl Daemon {
+    /// Writes a config for this test and starts the daemon; waits until it serves `status`.
+    pub fn start(name: &str) -> Daemon {
+        Self::start_with(name, "", &[])
+    }
+
+    /// `extra_daemon` is appended to the `[daemon]` table; `env` goes to the daemon process.
+    pub fn start_with(name: &str, extra_daemon: &str, env: &[(&str, &str)]) -> Daemon {
+        let dir = tempfile::Builder::new().prefix(&format!("bs-{name}-")).tempdir().unwrap();
+        // Unix socket paths are limited to 108 bytes: keep the run dir short.
+        let run_dir = PathBuf::from(format!("/tmp/bsr-{}-{}", std::process::id(), short(name)));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        let g = guest_dir();
+        let state = dir.path().join("state");
+        let config = format!(
+            r#"[daemon]
+state_dir = "{state}"
+run_dir = "{run}"
+{extra_daemon}
+
+[vm]
+name = "e2e"
+accel = "auto"
+memory_mib = 256
+kernel = "{g}/vmlinuz"
+initrd = "{g}/initrd.img"
+append = "console=ttyS0 quiet panic=-1"
+nics = ["net0"]
+watchdog_device = true
+
+[[vm.disks]]
+id = "data"
+path = "{g}/disk-base.qcow2"
+snapshot = "capture"
+
+[[vm.disks]]
+id = "scratch"
+path = "{state}/scratch.qcow2"
+snapshot = "exclude"
+create_size_mib = 16
+"#,
+            state = state.display(),
+            run = run_dir.display(),
+            g = g.display(),
+        );
+        let config_path = dir.path().join("backstop.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let mut d = Daemon {
+            dir,
+            run_dir,
+            config_path,
+            child: None,
+            extra_env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        };
+        d.launch();
+        d
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+    pub fn socket(&self) -> PathBuf {
+        self.run_dir.join("control.sock")
+    }
+    pub fn serial_path(&self) -> PathBuf {
+        self.state_dir().join("e2e-serial.log")
+    }
+    pub fn journal_path(&self) -> PathBuf {
+        self.state_dir().join("audit/journal.jsonl")
+    }
+    pub fn log_path(&self) -> PathBuf {
+        self.dir.path().join("backstopd.log")
+    }
+
+    /// (Re)starts the daemon process and waits for its socket to answer `status`.
+    pub fn launch(&mut self) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path()).unwrap();
+        let mut cmd = Command::new(bin("backstopd"));
+        cmd.arg("--config").arg(&self.config_path).stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
+        cmd.env("BACKSTOP_LOG", "info");
+        for (k, v) in &self.extra_env {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    panic!("backstopd exited early ({st}); log:\n{}", self.log());
+                }
+            }
+            if self.socket().exists() {
+                let out = self.cli(&["status"]);
+                // Up: it answers, even if only to refuse this uid.
+                if out.status.success() || String::from_utf8_lossy(&out.stdout).contains("ERR_CONTROL_PERMISSION_DENIED") {
+                    return;
+                }
+            }
+            assert!(Instant::now() < deadline, "backstopd did not come up; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait (clean stop).
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    /// Runs the console with `--json` against this daemon.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(bin("backstop")).arg("--socket").arg(self.socket()).arg("--json").args(args).output().unwrap()
+    }
+
+    /// Runs the console and requires success; returns its JSON output.
+    pub fn ok(&self, args: &[&str]) -> Value {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "backstop {args:?} failed ({}): {}{}\ndaemon log:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            tail(&self.log(), 30)
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("bad JSON from backstop {args:?}: {e}"))
+    }
+
+    pub fn status(&self) -> Value {
+        self.ok(&["status"])
+    }
+
+    pub fn serial(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = std::fs::File::open(self.serial_path()) {
+            let mut b = Vec::new();
+            let _ = f.read_to_end(&mut b);
+            s = String::from_utf8_lossy(&b).into_owned();
+        }
+        s
+    }
+
+    pub fn serial_len(&self) -> usize {
+        std::fs::metadata(self.serial_path()).map(|m| m.len() as usize).unwrap_or(0)
+    }
+
+    /// Serial output from byte `from` on.
+    pub fn serial_since(&self, from: usize) -> String {
+        let s = self.serial();
+        s.get(from.min(s.len())..).unwrap_or("").to_string()
+    }
+
+    /// Waits until a tick with `ram >= min` appears after byte `from`; returns all ticks since `from`.
+    pub fn wait_tick(&self, from: usize, min: u64, timeout: Duration) -> Vec<Tick> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let ticks = parse_ticks(&self.serial_since(from));
+            if ticks.iter().any(|t| t.ram >= min) {
+                return ticks;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no tick with ram >= {min} within {timeout:?}; serial tail:\n{}\ndaemon log:\n{}",
+                tail(&self.serial(), 15),
+                tail(&self.log(), 30)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until `pred` holds for the ticks after byte `from`.
+    pub fn wait_ticks_until(&self, from: usize, timeout: Duration, what: &str, pred: impl Fn(&[Tick]) -> bool) -> Vec<Tick> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let ticks = parse_ticks(&self.serial_since(from));
+            if pred(&ticks) {
+                return ticks;
+            }
+            assert!(Instant::now() < deadline, "{what}: not seen within {timeout:?}; serial tail:\n{}", tail(&self.serial(), 15));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The newest tick seen so far.
+    pub fn last_tick(&self) -> Option<Tick> {
+        parse_ticks(&self.serial()).last().copied()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+    }
+}
+
+fn short(name: &str) -> String {
+    name.chars().filter(|c| c.is_ascii_alphanumeric()).take(12).collect()
+}
+
+pub fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Reads sector 0 of a disk image chain through `qemu-img` (sharing locks with a running QEMU)
+/// and parses the decimal number the guest wrote there.
+pub fn disk_sector0(image: &Path) -> u64 {
+    let out_dir = tempfile::tempdir().unwrap();
+    let raw = out_dir.path().join("d.raw");
+    let st = Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw"])
+        .arg(image)
+        .arg(&raw)
+        .status()
+        .unwrap();
+    assert!(st.success(), "qemu-img convert {} failed", image.display());
+    let mut f = std::fs::File::open(&raw).unwrap();
+    let mut sector = [0u8; 512];
+    f.read_exact(&mut sector).unwrap();
+    let text = String::from_utf8_lossy(&sector);
+    text.trim_matches(|c: char| !c.is_ascii_digit()).split(|c: char| !c.is_ascii_digit()).next().unwrap_or("").parse().unwrap_or(0)
+}
+
+/// Flips one byte of `path` at `offset` (from the end when negative); returns a restorer.
+pub fn flip_byte(path: &Path, offset: i64) -> impl FnOnce() {
+    use std::os::unix::fs::PermissionsExt;
+    let orig_mode = std::fs::metadata(path).unwrap().permissions().mode();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut bytes = std::fs::read(path).unwrap();
+    let i = if offset < 0 { bytes.len() - (-offset) as usize } else { offset as usize };
+    let original = bytes.clone();
+    bytes[i] ^= 0x5a;
+    std::fs::write(path, &bytes).unwrap();
+    let p = path.to_path_buf();
+    move || {
+        std::fs::write(&p, &original).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(orig_mode)).unwrap();
+    }
+}
+
+/// Runs the console as another uid (fork + setuid), returning its exit code and stderr.
+pub fn cli_as_uid(socket: &Path, uid: u32, args: &[&str]) -> (i32, String) {
+    let out = Command::new(bin("backstop"))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .uid(uid)
+        .gid(uid)
+        .output()
+        .unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+use std::os::unix::process::CommandExt;

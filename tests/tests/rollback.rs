@@ -1,0 +1,125 @@
+//! Snapshot → the guest changes RAM and disk → rollback → the guest's own serial output shows
+//! both at the snapshot point; and RAM and disk are always captured at the same instant.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use backstop_e2e::{disk_sector0, parse_ticks, skip_unless_ready, Daemon};
+use serde_json::Value;
+
+const BOOT: Duration = Duration::from_secs(90);
+const STEP: Duration = Duration::from_secs(60);
+
+fn snapshot_disk_top(d: &Daemon, id: &str) -> std::path::PathBuf {
+    let show = d.ok(&["snapshot", "show", id]);
+    let refs = show["manifest"]["payload_refs"].as_array().unwrap();
+    let disk = refs.iter().find(|p| p["kind"] == "disk-layer-chain" && p["name"] == "disk:data").expect("data disk in manifest");
+    assert!(refs.iter().all(|p| p["name"] != "disk:scratch"), "excluded disk must not be captured");
+    let layers = disk["layers"].as_array().unwrap();
+    layers.last().unwrap()["path"].as_str().unwrap().into()
+}
+
+fn snapshot_create(d: &Daemon, reason: &str) -> String {
+    let v = d.ok(&["snapshot", "create", "--reason", reason]);
+    v["summary"]["snapshot_id"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn rollback_brings_ram_and_disk_back_to_the_snapshot_point() {
+    if skip_unless_ready("rollback_brings_ram_and_disk_back_to_the_snapshot_point") {
+        return;
+    }
+    let d = Daemon::start("rollback");
+    d.wait_tick(0, 3, BOOT);
+    let id = snapshot_create(&d, "before the change");
+    let snap_disk = disk_sector0(&snapshot_disk_top(&d, &id));
+    assert!(snap_disk > 0, "the snapshot's disk layer holds the guest's counter");
+
+    // The guest moves on: its RAM counter and its disk record both advance.
+    let moved_to = snap_disk + 5;
+    d.wait_tick(0, moved_to, STEP);
+    let before = d.serial_len();
+    let rb = d.ok(&["rollback", "--to", &id, "--reason", "test: undo the change"]);
+    assert_eq!(rb["snapshot_id"], id.as_str());
+    assert_eq!(rb["epoch"], 1);
+    let pid_after = d.status()["pid"].as_u64().unwrap();
+
+    // After resume the restored guest continues from the snapshot point: the first tick that is
+    // not from the old guest (whose counter was past `moved_to`) shows RAM == disk == the
+    // snapshot's value (or the very next iteration, if the capture fell after a print).
+    let ticks = d.wait_ticks_until(before, STEP, "restored guest ticking", |t| t.iter().filter(|t| t.ram <= snap_disk + 1).count() >= 2);
+    let restored: Vec<_> = ticks.iter().skip_while(|t| t.ram > snap_disk + 1).collect();
+    let first = restored[0];
+    assert!(first.ram == snap_disk || first.ram == snap_disk + 1, "first restored tick {first:?}, snapshot disk {snap_disk}");
+    for t in &restored {
+        assert_eq!(t.ram, t.disk, "RAM and disk disagree after rollback: {t:?}");
+    }
+    // The guest learns the new epoch, never the reason.
+    let since = d.serial_since(before);
+    assert!(since.contains("BACKSTOP epoch=1"), "guest was not told the epoch:\n{since}");
+    assert!(!since.contains("undo the change"));
+    // A new forward revision: the snapshot is still listed and the VM is a new process.
+    let list = d.ok(&["snapshot", "list"]);
+    assert!(list["snapshots"].as_array().unwrap().iter().any(|s| s["snapshot_id"] == id.as_str()));
+    assert_eq!(d.status()["state"], "running");
+    assert!(pid_after > 0);
+}
+
+#[test]
+fn ram_and_disk_are_captured_at_the_same_instant() {
+    if skip_unless_ready("ram_and_disk_are_captured_at_the_same_instant") {
+        return;
+    }
+    let d = Daemon::start("instant");
+    d.wait_tick(0, 2, BOOT);
+    // Snapshots at different phases of the guest's write/read cycle.
+    let mut ids = Vec::new();
+    for delay_ms in [0u64, 170, 340] {
+        std::thread::sleep(Duration::from_millis(delay_ms));
+        ids.push(snapshot_create(&d, &format!("phase {delay_ms}")));
+    }
+    for id in ids.iter().rev() {
+        let snap_disk = disk_sector0(&snapshot_disk_top(&d, id));
+        let top = d.last_tick().unwrap().ram;
+        d.wait_tick(0, top + 2, STEP);
+        let before = d.serial_len();
+        d.ok(&["rollback", "--to", id, "--reason", "same-instant check"]);
+        let ticks = d.wait_ticks_until(before, STEP, "restored ticks", |t| t.iter().filter(|t| t.ram <= snap_disk + 1).count() >= 2);
+        for t in ticks.iter().skip_while(|t| t.ram > snap_disk + 1) {
+            assert_eq!(t.ram, t.disk, "snapshot {id}: RAM and disk captured at different instants: {t:?}");
+        }
+    }
+    // Every tick the guest ever printed, across all restores, had RAM == disk.
+    let all = parse_ticks(&d.serial());
+    assert!(all.iter().all(|t| t.ram == t.disk), "some tick disagreed: {:?}", all.iter().find(|t| t.ram != t.disk));
+}
+
+#[test]
+fn snapshot_show_reports_the_guest_pause_and_list_has_the_spec_fields() {
+    if skip_unless_ready("snapshot_show_reports_the_guest_pause_and_list_has_the_spec_fields") {
+        return;
+    }
+    let d = Daemon::start("show");
+    d.wait_tick(0, 1, BOOT);
+    let id = snapshot_create(&d, "fields");
+    let show = d.ok(&["snapshot", "show", &id[..10]]);
+    let pause = show["summary"]["pause_us"].as_u64().unwrap();
+    assert!(pause > 0 && pause < 5_000_000, "pause {pause} us");
+    let m = &show["manifest"];
+    for f in ["snapshot_id", "created_at", "created_by", "schema_version", "index_version", "scope", "reason", "checksums", "payload_refs"] {
+        assert!(!m[f].is_null(), "manifest lacks {f}");
+    }
+    assert_eq!(m["scope"], "full");
+    assert_eq!(m["created_by"], "console:uid=0");
+    let list = d.ok(&["snapshot", "list"]);
+    let row = list["snapshots"].as_array().unwrap().iter().find(|s| s["snapshot_id"] == id.as_str()).cloned().unwrap();
+    for f in ["snapshot_id", "created_at", "created_by", "schema_version", "index_version", "scope", "reason"] {
+        assert!(row[f].is_string(), "list row lacks {f}: {row}");
+    }
+    let v = d.ok(&["snapshot", "verify", &id]);
+    assert!(v["chunks_checked"].as_u64().unwrap() > 0);
+    assert!(v["disk_layers_checked"].as_u64().unwrap() >= 2, "base + frozen layer");
+    // The manifest on disk is the signed one the daemon showed.
+    let on_disk: Value = serde_json::from_slice(&std::fs::read(d.state_dir().join(format!("store/snapshots/{id}/manifest.json"))).unwrap()).unwrap();
+    assert_eq!(&on_disk, m);
+}
