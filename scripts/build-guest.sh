@@ -71,7 +71,7 @@ trap 'rm -rf "$work"' EXIT
 # --- kernel package ----------------------------------------------------------
 # Newest generic 6.1 flavour. Not -cloud: it lacks i6300esb. Not -rt: slower
 # to boot and nothing here needs it. The signed and -unsigned packages carry
-# the same kernel and modules; prefer -unsigned on a tie (no shim metadata).
+# the same kernel and modules, so either will do; prefer -unsigned on a tie.
 newest_kernel_pkg() {
 	apt-cache search --names-only '^linux-image-6\.1\.0-[0-9]+-amd64(-unsigned)?$' |
 		awk '$1 ~ /^linux-image-6\.1\.0-[0-9]+-amd64(-unsigned)?$/ {
@@ -93,8 +93,9 @@ if [[ -z $pkg ]] || ! has_candidate "$pkg"; then
 		apt-get update -qq >/dev/null
 		pkg=${BACKSTOP_GUEST_KERNEL:-$(newest_kernel_pkg)}
 	fi
-	[[ -n $pkg ]] && has_candidate "$pkg" ||
-		die "no linux-image-6.1.0-*-amd64 package available (apt-get update as root?)"
+	if [[ -z $pkg ]] || ! has_candidate "$pkg"; then
+		die "kernel package '${pkg:-linux-image-6.1.0-*-amd64}' not available from apt (apt-get update as root?)"
+	fi
 fi
 
 log "downloading $pkg"
@@ -105,16 +106,18 @@ log "downloading $pkg"
 	cat "$work/download.log" >&2
 	die "apt-get download $pkg failed"
 }
-deb=$(ls "$work"/*.deb 2>/dev/null | head -n1)
-[[ -n $deb ]] || die "apt-get download $pkg produced no .deb"
+debs=("$work"/*.deb)
+deb=${debs[0]}
+[[ -f $deb ]] || die "apt-get download $pkg produced no .deb"
 pkg_version=$(dpkg-deb -f "$deb" Version)
 
 root=$work/root
 dpkg-deb -x "$deb" "$root"
 rm -f "$deb"
 
-kver=$(ls "$root/lib/modules" | head -n1)
-[[ -n $kver && -f $root/boot/vmlinuz-$kver ]] || die "$pkg has no boot/vmlinuz-<ver> with lib/modules/<ver>"
+kdirs=("$root"/lib/modules/*)
+kver=${kdirs[0]##*/}
+[[ ${#kdirs[@]} -eq 1 && -f $root/boot/vmlinuz-$kver ]] || die "$pkg has no boot/vmlinuz-<ver> with lib/modules/<ver>"
 moddir=$root/lib/modules/$kver
 
 # --- kernel image ------------------------------------------------------------

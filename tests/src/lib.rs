@@ -71,6 +71,8 @@ pub fn skip_unless_ready(test: &str) -> bool {
 pub struct Tick {
     pub ram: u64,
     pub disk: u64,
+    /// What the guest found on the excluded disk before this tick overwrote it.
+    pub scratch: Option<u64>,
 }
 
 pub fn parse_ticks(text: &str) -> Vec<Tick> {
@@ -78,8 +80,10 @@ pub fn parse_ticks(text: &str) -> Vec<Tick> {
         .filter_map(|l| {
             let rest = l.trim().strip_prefix("BACKSTOP tick ram=")?;
             let (ram, rest) = rest.split_once(" disk=")?;
-            let disk = rest.split_whitespace().next()?;
-            Some(Tick { ram: ram.parse().ok()?, disk: disk.parse().ok()? })
+            let mut words = rest.split_whitespace();
+            let disk = words.next()?;
+            let scratch = words.next().and_then(|w| w.strip_prefix("scratch=")).and_then(|v| v.parse().ok());
+            Some(Tick { ram: ram.parse().ok()?, disk: disk.parse().ok()?, scratch })
         })
         .collect()
 }
@@ -374,3 +378,14 @@ pub fn cli_as_uid(socket: &Path, uid: u32, args: &[&str]) -> (i32, String) {
 }
 
 use std::os::unix::process::CommandExt;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tick_lines_parse_with_and_without_scratch() {
+        let t = parse_ticks("junk\nBACKSTOP tick ram=3 disk=3\nBACKSTOP tick ram=4 disk=4 scratch=9\nBACKSTOP tick ram=x disk=1\n");
+        assert_eq!(t, vec![Tick { ram: 3, disk: 3, scratch: None }, Tick { ram: 4, disk: 4, scratch: Some(9) }]);
+    }
+}

@@ -6,8 +6,13 @@ use std::time::Duration;
 
 use backstop_e2e::{skip_unless_ready, Daemon};
 
+/// Whether `pid` still executes. A zombie (dead, not yet reaped: PID 1 on some hosts never
+/// reaps orphans) does not count.
 fn pid_alive(pid: u64) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X')).unwrap_or(false),
+        Err(_) => false,
+    }
 }
 
 #[test]
@@ -19,7 +24,8 @@ fn a_rollback_that_fails_after_touching_the_vm_halts_it_durably() {
     let mut d = Daemon::start_with("halt", "", &[("BACKSTOP_FAULT_INJECT", "restore.kill-qemu")]);
     d.wait_tick(0, 2, Duration::from_secs(90));
     let out = d.cli(&["rollback", "--reason", "will fail"]);
-    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    // Exit code 4: the VM is halted.
+    assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stdout));
     let err: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(err["error"]["code"], "ERR_ROLLBACK_FAILED_HALTED");
     let st = d.status();
@@ -103,6 +109,9 @@ fn kill_9_during_snapshot_create_leaves_no_partial_snapshot() {
     // The guest died with its supervisor.
     std::thread::sleep(Duration::from_millis(500));
     assert!(!pid_alive(qemu_pid), "QEMU {qemu_pid} outlived its supervisor");
+    let len = d.serial_len();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(d.serial_len(), len, "the guest kept running without its supervisor");
     d.extra_env.clear();
     d.launch();
     let after: Vec<String> = d.ok(&["snapshot", "list"])["snapshots"].as_array().unwrap().iter().map(|s| s["snapshot_id"].as_str().unwrap().to_string()).collect();

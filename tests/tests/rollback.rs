@@ -54,6 +54,10 @@ fn rollback_brings_ram_and_disk_back_to_the_snapshot_point() {
     for t in &restored {
         assert_eq!(t.ram, t.disk, "RAM and disk disagree after rollback: {t:?}");
     }
+    // The excluded disk was neither captured nor reverted: the restored guest finds there what
+    // the old guest wrote last, from after the snapshot point.
+    let scratch = first.scratch.expect("the guest sees the excluded disk");
+    assert!(scratch >= moved_to, "excluded disk was reverted: found {scratch}, the old guest had reached {moved_to}");
     // The guest learns the new epoch, never the reason.
     let since = d.serial_since(before);
     assert!(since.contains("BACKSTOP epoch=1"), "guest was not told the epoch:\n{since}");

@@ -156,6 +156,7 @@ impl Engine {
             watchdog: cfg.vm.watchdog_device,
             max_bandwidth: 16 << 30,
             qmp_timeout: Duration::from_secs(30),
+            disk_shape: cfg.vm.disks.iter().map(|d| (d.id.clone(), d.snapshot == DiskSnapshotMode::Capture)).collect(),
         };
         let layers = Layers { dir: state_dir.join("disks"), qemu_img: cfg.vm.qemu_img.clone() };
         let fault = Fault::from_env();

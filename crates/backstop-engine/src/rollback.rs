@@ -64,7 +64,7 @@ impl Engine {
                 let halting = matches!(e, EngineError::NoVerifiedSnapshot);
                 self.journal(events::SNAPSHOT_RESTORE_FAILED, json!({
                     "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "refused",
-                    "code": e.code(), "error": e.to_string(), "vm_touched": halting,
+                    "code": e.code(), "error": e.to_string(), "vm_halted": halting,
                 }))?;
                 if halting {
                     // Spec/000 §12: a rollback that cannot be initiated halts the VM.

@@ -78,7 +78,7 @@ impl Engine {
             for (_, layer) in &stream.frozen_layers {
                 self.layers.freeze(layer)?;
             }
-            if let Some(Fault::StallCapture(secs)) = self.fault {
+            if let (Some(Fault::StallCapture(secs)), false) = (self.fault, trigger == "baseline") {
                 ctx.step("capture", format!("fault injection: stalling {secs} s"), None);
                 std::thread::sleep(std::time::Duration::from_secs(secs));
             }

@@ -87,7 +87,7 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
 
 /// Digest of the VM's shape: a restore into a VM of another shape would fail or, worse, load.
 /// Paths are left out (layers move); ids, sizes and device kinds are in.
-pub fn fingerprint(cfg: &QemuConfig, disks: &[DiskAttachment]) -> String {
+pub fn fingerprint(cfg: &QemuConfig) -> String {
     let mut h = Sha256::new();
     let mut line = |s: String| {
         h.update(s.as_bytes());
@@ -96,8 +96,8 @@ pub fn fingerprint(cfg: &QemuConfig, disks: &[DiskAttachment]) -> String {
     line(format!("machine={} accel={}", cfg.machine, cfg.accel.as_str()));
     line(format!("memory_mib={} vcpus={}", cfg.memory_mib, cfg.vcpus));
     line(format!("watchdog={}", cfg.watchdog));
-    for d in disks {
-        line(format!("disk={} captured={}", d.id, d.captured));
+    for (id, captured) in &cfg.disk_shape {
+        line(format!("disk={id} captured={captured}"));
     }
     for n in &cfg.nics {
         line(format!("nic={n}"));
@@ -131,6 +131,7 @@ mod tests {
             watchdog: true,
             max_bandwidth: 1 << 33,
             qmp_timeout: Duration::from_secs(5),
+            disk_shape: vec![("data".into(), true)],
         }
     }
 
@@ -148,12 +149,15 @@ mod tests {
     }
 
     #[test]
-    fn fingerprint_ignores_layer_paths_but_not_shape() {
-        let a = vec![DiskAttachment { id: "data".into(), active: "/l/1.qcow2".into(), captured: true }];
-        let b = vec![DiskAttachment { id: "data".into(), active: "/l/9.qcow2".into(), captured: true }];
-        assert_eq!(fingerprint(&cfg(), &a), fingerprint(&cfg(), &b));
+    fn fingerprint_comes_from_config_shape_alone() {
+        // Known before launch (a restarted daemon must match its earlier snapshots)...
+        assert_eq!(fingerprint(&cfg()), fingerprint(&cfg()));
+        // ...and changes with the shape.
         let mut bigger = cfg();
         bigger.memory_mib = 512;
-        assert_ne!(fingerprint(&cfg(), &a), fingerprint(&bigger, &a));
+        assert_ne!(fingerprint(&cfg()), fingerprint(&bigger));
+        let mut other_disks = cfg();
+        other_disks.disk_shape.push(("scratch".into(), false));
+        assert_ne!(fingerprint(&cfg()), fingerprint(&other_disks));
     }
 }

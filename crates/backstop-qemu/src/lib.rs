@@ -88,6 +88,9 @@ pub struct QemuConfig {
     pub max_bandwidth: u64,
     /// Bound on each QMP command.
     pub qmp_timeout: Duration,
+    /// Each disk's id and whether snapshots capture it: part of the VM's shape, known from
+    /// config before anything is launched.
+    pub disk_shape: Vec<(String, bool)>,
 }
 
 /// Device types that are grantable host hardware (or its emulated stand-ins) and are taken
@@ -221,7 +224,7 @@ impl VmBackend for QemuBackend {
     }
 
     fn config_fingerprint(&self) -> String {
-        fingerprint(&self.cfg, &self.disks)
+        fingerprint(&self.cfg)
     }
 
     fn pid(&self) -> Option<u32> {
