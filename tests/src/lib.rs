@@ -301,7 +301,12 @@ create_size_mib = 16
             if pred(&ticks) {
                 return ticks;
             }
-            assert!(Instant::now() < deadline, "{what}: not seen within {timeout:?}; serial tail:\n{}", tail(&self.serial(), 15));
+            assert!(
+                Instant::now() < deadline,
+                "{what}: not seen within {timeout:?}; serial since byte {from}:\n{}\ndaemon log:\n{}",
+                tail(&self.serial_since(from), 40),
+                tail(&self.log(), 20)
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use backstop_e2e::{disk_sector0, parse_ticks, skip_unless_ready, Daemon};
+use backstop_e2e::{disk_sector0, parse_ticks, skip_unless_ready, Daemon, Tick};
 use serde_json::Value;
 
 const BOOT: Duration = Duration::from_secs(90);
@@ -17,6 +17,15 @@ fn snapshot_disk_top(d: &Daemon, id: &str) -> std::path::PathBuf {
     assert!(refs.iter().all(|p| p["name"] != "disk:scratch"), "excluded disk must not be captured");
     let layers = disk["layers"].as_array().unwrap();
     layers.last().unwrap()["path"].as_str().unwrap().into()
+}
+
+/// Waits for the restored guest: the first tick after `before` that is back at the snapshot
+/// point (`<= snap + 1`; the old guest was past that), and at least one tick after it.
+fn restored_ticks(d: &Daemon, before: usize, snap: u64) -> Vec<Tick> {
+    let ticks = d.wait_ticks_until(before, STEP, "restored guest ticking", |t| {
+        t.iter().skip_while(|t| t.ram > snap + 1).count() >= 2
+    });
+    ticks.into_iter().skip_while(|t| t.ram > snap + 1).collect()
 }
 
 fn snapshot_create(d: &Daemon, reason: &str) -> String {
@@ -47,8 +56,7 @@ fn rollback_brings_ram_and_disk_back_to_the_snapshot_point() {
     // After resume the restored guest continues from the snapshot point: the first tick that is
     // not from the old guest (whose counter was past `moved_to`) shows RAM == disk == the
     // snapshot's value (or the very next iteration, if the capture fell after a print).
-    let ticks = d.wait_ticks_until(before, STEP, "restored guest ticking", |t| t.iter().filter(|t| t.ram <= snap_disk + 1).count() >= 2);
-    let restored: Vec<_> = ticks.iter().skip_while(|t| t.ram > snap_disk + 1).collect();
+    let restored = restored_ticks(&d, before, snap_disk);
     let first = restored[0];
     assert!(first.ram == snap_disk || first.ram == snap_disk + 1, "first restored tick {first:?}, snapshot disk {snap_disk}");
     for t in &restored {
@@ -88,8 +96,7 @@ fn ram_and_disk_are_captured_at_the_same_instant() {
         d.wait_tick(0, top + 2, STEP);
         let before = d.serial_len();
         d.ok(&["rollback", "--to", id, "--reason", "same-instant check"]);
-        let ticks = d.wait_ticks_until(before, STEP, "restored ticks", |t| t.iter().filter(|t| t.ram <= snap_disk + 1).count() >= 2);
-        for t in ticks.iter().skip_while(|t| t.ram > snap_disk + 1) {
+        for t in restored_ticks(&d, before, snap_disk) {
             assert_eq!(t.ram, t.disk, "snapshot {id}: RAM and disk captured at different instants: {t:?}");
         }
     }
