@@ -17,7 +17,8 @@ use serde_json::Value;
 pub fn guest_dir() -> PathBuf {
     match std::env::var("BACKSTOP_GUEST_DIR") {
         Ok(d) if !d.is_empty() => d.into(),
-        _ => PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".into())).join(".cache/backstop/guest"),
+        _ => PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".into()))
+            .join(".cache/backstop/guest"),
     }
 }
 
@@ -34,18 +35,30 @@ pub fn missing_prerequisite() -> Option<String> {
     let g = guest_dir();
     for f in ["vmlinuz", "initrd.img", "disk-base.qcow2"] {
         if !g.join(f).exists() {
-            return Some(format!("test guest file {} missing (run scripts/setup.sh)", g.join(f).display()));
+            return Some(format!(
+                "test guest file {} missing (run scripts/setup.sh)",
+                g.join(f).display()
+            ));
         }
     }
     for tool in ["qemu-system-x86_64", "qemu-img"] {
-        let ok = Command::new(tool).arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
+        let ok = Command::new(tool)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
         if !ok {
             return Some(format!("{tool} not installed (run scripts/setup.sh)"));
         }
     }
     for b in ["backstopd", "backstop"] {
         if !bin(b).exists() {
-            return Some(format!("{} not built (cargo build --workspace)", bin(b).display()));
+            return Some(format!(
+                "{} not built (cargo build --workspace)",
+                bin(b).display()
+            ));
         }
     }
     None
@@ -82,8 +95,15 @@ pub fn parse_ticks(text: &str) -> Vec<Tick> {
             let (ram, rest) = rest.split_once(" disk=")?;
             let mut words = rest.split_whitespace();
             let disk = words.next()?;
-            let scratch = words.next().and_then(|w| w.strip_prefix("scratch=")).and_then(|v| v.parse().ok());
-            Some(Tick { ram: ram.parse().ok()?, disk: disk.parse().ok()?, scratch })
+            let scratch = words
+                .next()
+                .and_then(|w| w.strip_prefix("scratch="))
+                .and_then(|v| v.parse().ok());
+            Some(Tick {
+                ram: ram.parse().ok()?,
+                disk: disk.parse().ok()?,
+                scratch,
+            })
         })
         .collect()
 }
@@ -105,7 +125,10 @@ impl Daemon {
 
     /// `extra_daemon` is appended to the `[daemon]` table; `env` goes to the daemon process.
     pub fn start_with(name: &str, extra_daemon: &str, env: &[(&str, &str)]) -> Daemon {
-        let dir = tempfile::Builder::new().prefix(&format!("bs-{name}-")).tempdir().unwrap();
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("bs-{name}-"))
+            .tempdir()
+            .unwrap();
         // Unix socket paths are limited to 108 bytes: keep the run dir short.
         let run_dir = PathBuf::from(format!("/tmp/bsr-{}-{}", std::process::id(), short(name)));
         let _ = std::fs::remove_dir_all(&run_dir);
@@ -149,7 +172,10 @@ create_size_mib = 16
             run_dir,
             config_path,
             child: None,
-            extra_env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+            extra_env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         d.launch();
         d
@@ -173,9 +199,17 @@ create_size_mib = 16
 
     /// (Re)starts the daemon process and waits for its socket to answer `status`.
     pub fn launch(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.log_path()).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .unwrap();
         let mut cmd = Command::new(bin("backstopd"));
-        cmd.arg("--config").arg(&self.config_path).stdin(Stdio::null()).stdout(log.try_clone().unwrap()).stderr(log);
+        cmd.arg("--config")
+            .arg(&self.config_path)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
         cmd.env("BACKSTOP_LOG", "info");
         for (k, v) in &self.extra_env {
             cmd.env(k, v);
@@ -191,11 +225,18 @@ create_size_mib = 16
             if self.socket().exists() {
                 let out = self.cli(&["status"]);
                 // Up: it answers, even if only to refuse this uid.
-                if out.status.success() || String::from_utf8_lossy(&out.stdout).contains("ERR_CONTROL_PERMISSION_DENIED") {
+                if out.status.success()
+                    || String::from_utf8_lossy(&out.stdout)
+                        .contains("ERR_CONTROL_PERMISSION_DENIED")
+                {
                     return;
                 }
             }
-            assert!(Instant::now() < deadline, "backstopd did not come up; log:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "backstopd did not come up; log:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -215,7 +256,10 @@ create_size_mib = 16
     /// SIGTERM and wait (clean stop).
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
             let deadline = Instant::now() + Duration::from_secs(20);
             while Instant::now() < deadline {
                 if let Ok(Some(_)) = c.try_wait() {
@@ -234,7 +278,13 @@ create_size_mib = 16
 
     /// Runs the console with `--json` against this daemon.
     pub fn cli(&self, args: &[&str]) -> Output {
-        Command::new(bin("backstop")).arg("--socket").arg(self.socket()).arg("--json").args(args).output().unwrap()
+        Command::new(bin("backstop"))
+            .arg("--socket")
+            .arg(self.socket())
+            .arg("--json")
+            .args(args)
+            .output()
+            .unwrap()
     }
 
     /// Runs the console and requires success; returns its JSON output.
@@ -248,7 +298,8 @@ create_size_mib = 16
             String::from_utf8_lossy(&out.stderr),
             tail(&self.log(), 30)
         );
-        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("bad JSON from backstop {args:?}: {e}"))
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("bad JSON from backstop {args:?}: {e}"))
     }
 
     pub fn status(&self) -> Value {
@@ -266,7 +317,9 @@ create_size_mib = 16
     }
 
     pub fn serial_len(&self) -> usize {
-        std::fs::metadata(self.serial_path()).map(|m| m.len() as usize).unwrap_or(0)
+        std::fs::metadata(self.serial_path())
+            .map(|m| m.len() as usize)
+            .unwrap_or(0)
     }
 
     /// Serial output from byte `from` on.
@@ -294,7 +347,13 @@ create_size_mib = 16
     }
 
     /// Waits until `pred` holds for the ticks after byte `from`.
-    pub fn wait_ticks_until(&self, from: usize, timeout: Duration, what: &str, pred: impl Fn(&[Tick]) -> bool) -> Vec<Tick> {
+    pub fn wait_ticks_until(
+        &self,
+        from: usize,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&[Tick]) -> bool,
+    ) -> Vec<Tick> {
         let deadline = Instant::now() + timeout;
         loop {
             let ticks = parse_ticks(&self.serial_since(from));
@@ -325,7 +384,10 @@ impl Drop for Daemon {
 }
 
 fn short(name: &str) -> String {
-    name.chars().filter(|c| c.is_ascii_alphanumeric()).take(12).collect()
+    name.chars()
+        .filter(|c| c.is_ascii_alphanumeric())
+        .take(12)
+        .collect()
 }
 
 pub fn tail(s: &str, n: usize) -> String {
@@ -349,7 +411,12 @@ pub fn disk_sector0(image: &Path) -> u64 {
     let mut sector = [0u8; 512];
     f.read_exact(&mut sector).unwrap();
     let text = String::from_utf8_lossy(&sector);
-    text.trim_matches(|c: char| !c.is_ascii_digit()).split(|c: char| !c.is_ascii_digit()).next().unwrap_or("").parse().unwrap_or(0)
+    text.trim_matches(|c: char| !c.is_ascii_digit())
+        .split(|c: char| !c.is_ascii_digit())
+        .next()
+        .unwrap_or("")
+        .parse()
+        .unwrap_or(0)
 }
 
 /// Flips one byte of `path` at `offset` (from the end when negative); returns a restorer.
@@ -358,7 +425,11 @@ pub fn flip_byte(path: &Path, offset: i64) -> impl FnOnce() {
     let orig_mode = std::fs::metadata(path).unwrap().permissions().mode();
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
     let mut bytes = std::fs::read(path).unwrap();
-    let i = if offset < 0 { bytes.len() - (-offset) as usize } else { offset as usize };
+    let i = if offset < 0 {
+        bytes.len() - (-offset) as usize
+    } else {
+        offset as usize
+    };
     let original = bytes.clone();
     bytes[i] ^= 0x5a;
     std::fs::write(path, &bytes).unwrap();
@@ -379,7 +450,10 @@ pub fn cli_as_uid(socket: &Path, uid: u32, args: &[&str]) -> (i32, String) {
         .gid(uid)
         .output()
         .unwrap();
-    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 use std::os::unix::process::CommandExt;
@@ -391,6 +465,20 @@ mod tests {
     #[test]
     fn tick_lines_parse_with_and_without_scratch() {
         let t = parse_ticks("junk\nBACKSTOP tick ram=3 disk=3\nBACKSTOP tick ram=4 disk=4 scratch=9\nBACKSTOP tick ram=x disk=1\n");
-        assert_eq!(t, vec![Tick { ram: 3, disk: 3, scratch: None }, Tick { ram: 4, disk: 4, scratch: Some(9) }]);
+        assert_eq!(
+            t,
+            vec![
+                Tick {
+                    ram: 3,
+                    disk: 3,
+                    scratch: None
+                },
+                Tick {
+                    ram: 4,
+                    disk: 4,
+                    scratch: Some(9)
+                }
+            ]
+        );
     }
 }

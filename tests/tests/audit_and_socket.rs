@@ -20,9 +20,24 @@ fn audit_verify_names_the_first_tampered_entry() {
     let n = v["entries"].as_u64().unwrap();
     assert!(n >= 10, "expected a full event chain, got {n} entries");
     let tail = d.ok(&["audit", "tail", "-n", "50"]);
-    let events: Vec<String> = tail["entries"].as_array().unwrap().iter().map(|e| e["event"].as_str().unwrap().to_string()).collect();
-    for ev in ["snapshot.create.requested", "snapshot.create.completed", "snapshot.restore.requested", "snapshot.restore.policy_decision", "snapshot.restore.completed", "rollback.completed"] {
-        assert!(events.contains(&ev.to_string()), "missing {ev} in {events:?}");
+    let events: Vec<String> = tail["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event"].as_str().unwrap().to_string())
+        .collect();
+    for ev in [
+        "snapshot.create.requested",
+        "snapshot.create.completed",
+        "snapshot.restore.requested",
+        "snapshot.restore.policy_decision",
+        "snapshot.restore.completed",
+        "rollback.completed",
+    ] {
+        assert!(
+            events.contains(&ev.to_string()),
+            "missing {ev} in {events:?}"
+        );
     }
     for e in tail["entries"].as_array().unwrap() {
         for f in ["snapshot_id", "session_id", "trace_id", "result"] {
@@ -38,11 +53,31 @@ fn audit_verify_names_the_first_tampered_entry() {
         std::fs::write(&path, &original).unwrap();
         assert_eq!(out.status.code(), Some(5), "{what}: audit verify must fail");
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(v["first_bad"]["line"].as_u64(), Some(want_line), "{what}: {v}");
+        assert_eq!(
+            v["first_bad"]["line"].as_u64(),
+            Some(want_line),
+            "{what}: {v}"
+        );
     };
-    let edited: Vec<String> = lines.iter().enumerate().map(|(i, l)| if i == 2 { l.replacen("\"result\":\"ok\"", "\"result\":\"no\"", 1).replacen("\"session_id\"", "\"session_id \"", 1) } else { l.to_string() }).collect();
+    let edited: Vec<String> = lines
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            if i == 2 {
+                l.replacen("\"result\":\"ok\"", "\"result\":\"no\"", 1)
+                    .replacen("\"session_id\"", "\"session_id \"", 1)
+            } else {
+                l.to_string()
+            }
+        })
+        .collect();
     check(edited.join("\n") + "\n", 3, "edited entry");
-    let deleted: Vec<&str> = lines.iter().enumerate().filter(|(i, _)| *i != 3).map(|(_, l)| *l).collect();
+    let deleted: Vec<&str> = lines
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 3)
+        .map(|(_, l)| *l)
+        .collect();
     check(deleted.join("\n") + "\n", 4, "deleted entry");
     let mut swapped = lines.clone();
     swapped.swap(3, 4);
@@ -64,8 +99,14 @@ fn the_control_socket_refuses_a_uid_that_is_not_allowed() {
     assert_eq!(err["error"]["code"], "ERR_CONTROL_PERMISSION_DENIED");
     // The socket is root-only on disk too.
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(std::fs::metadata(d.socket()).unwrap().permissions().mode() & 0o777, 0o600);
-    assert_eq!(std::fs::metadata(&d.run_dir).unwrap().permissions().mode() & 0o777, 0o700);
+    assert_eq!(
+        std::fs::metadata(d.socket()).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    assert_eq!(
+        std::fs::metadata(&d.run_dir).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
     // A non-root user cannot even reach it.
     let (code, _) = cli_as_uid(&d.socket(), 65534, &["status"]);
     assert_eq!(code, 3);

@@ -10,7 +10,10 @@ use backstop_e2e::{skip_unless_ready, Daemon};
 /// reaps orphans) does not count.
 fn pid_alive(pid: u64) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat.rsplit_once(") ").map(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X')).unwrap_or(false),
+        Ok(stat) => stat
+            .rsplit_once(") ")
+            .map(|(_, rest)| !rest.starts_with('Z') && !rest.starts_with('X'))
+            .unwrap_or(false),
         Err(_) => false,
     }
 }
@@ -21,11 +24,20 @@ fn a_rollback_that_fails_after_touching_the_vm_halts_it_durably() {
         return;
     }
     // The fresh QEMU is killed while it loads the snapshot: a real failure at a fixed point.
-    let mut d = Daemon::start_with("halt", "", &[("BACKSTOP_FAULT_INJECT", "restore.kill-qemu")]);
+    let mut d = Daemon::start_with(
+        "halt",
+        "",
+        &[("BACKSTOP_FAULT_INJECT", "restore.kill-qemu")],
+    );
     d.wait_tick(0, 2, Duration::from_secs(90));
     let out = d.cli(&["rollback", "--reason", "will fail"]);
     // Exit code 4: the VM is halted.
-    assert_eq!(out.status.code(), Some(4), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let err: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(err["error"]["code"], "ERR_ROLLBACK_FAILED_HALTED");
     let st = d.status();
@@ -36,7 +48,11 @@ fn a_rollback_that_fails_after_touching_the_vm_halts_it_durably() {
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(d.serial_len(), len, "guest output while HALTED");
     // Everything but status and halt clear is refused, exit code 4.
-    for args in [&["snapshot", "create", "--reason", "x"][..], &["rollback", "--reason", "x"], &["snapshot", "list"]] {
+    for args in [
+        &["snapshot", "create", "--reason", "x"][..],
+        &["rollback", "--reason", "x"],
+        &["snapshot", "list"],
+    ] {
         let out = d.cli(args);
         assert_eq!(out.status.code(), Some(4), "{args:?}");
         let err: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -52,9 +68,18 @@ fn a_rollback_that_fails_after_touching_the_vm_halts_it_durably() {
     assert!(cleared["restored_from"].is_string(), "{cleared}");
     assert_eq!(d.status()["state"], "running");
     let from = d.serial_len();
-    d.wait_ticks_until(from, Duration::from_secs(60), "guest runs after halt clear", |t| t.len() >= 2);
+    d.wait_ticks_until(
+        from,
+        Duration::from_secs(60),
+        "guest runs after halt clear",
+        |t| t.len() >= 2,
+    );
     let journal = std::fs::read_to_string(d.journal_path()).unwrap();
-    for ev in ["\"vm.halted\"", "\"snapshot.restore.failed\"", "\"vm.halt_cleared\""] {
+    for ev in [
+        "\"vm.halted\"",
+        "\"snapshot.restore.failed\"",
+        "\"vm.halt_cleared\"",
+    ] {
         assert!(journal.contains(ev), "journal lacks {ev}");
     }
 }
@@ -68,7 +93,11 @@ fn a_rollback_marker_left_by_a_crash_means_halted_at_start() {
     d.wait_tick(0, 1, Duration::from_secs(90));
     d.kill9();
     // As if the daemon died in the middle of a rollback.
-    std::fs::write(d.state_dir().join("rollback-inflight.json"), br#"{"snapshot_id":"x","trace_id":"t","started_at":"s"}"#).unwrap();
+    std::fs::write(
+        d.state_dir().join("rollback-inflight.json"),
+        br#"{"snapshot_id":"x","trace_id":"t","started_at":"s"}"#,
+    )
+    .unwrap();
     d.launch();
     let st = d.status();
     assert_eq!(st["state"], "halted");
@@ -81,9 +110,18 @@ fn kill_9_during_snapshot_create_leaves_no_partial_snapshot() {
         return;
     }
     // The capture stalls after the disk switch, with chunks half written, long enough to kill it.
-    let mut d = Daemon::start_with("kill9", "", &[("BACKSTOP_FAULT_INJECT", "capture.stall=60")]);
+    let mut d = Daemon::start_with(
+        "kill9",
+        "",
+        &[("BACKSTOP_FAULT_INJECT", "capture.stall=60")],
+    );
     d.wait_tick(0, 1, Duration::from_secs(90));
-    let before: Vec<String> = d.ok(&["snapshot", "list"])["snapshots"].as_array().unwrap().iter().map(|s| s["snapshot_id"].as_str().unwrap().to_string()).collect();
+    let before: Vec<String> = d.ok(&["snapshot", "list"])["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["snapshot_id"].as_str().unwrap().to_string())
+        .collect();
     assert!(!before.is_empty(), "baseline snapshot exists");
     let qemu_pid = d.status()["pid"].as_u64().unwrap();
     let sock = d.socket();
@@ -100,7 +138,10 @@ fn kill_9_during_snapshot_create_leaves_no_partial_snapshot() {
     let tmp = d.state_dir().join("store/tmp");
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while std::fs::read_dir(&tmp).map(|r| r.count()).unwrap_or(0) == 0 {
-        assert!(std::time::Instant::now() < deadline, "capture never started");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "capture never started"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_millis(500));
@@ -108,15 +149,31 @@ fn kill_9_during_snapshot_create_leaves_no_partial_snapshot() {
     let _ = create.wait();
     // The guest died with its supervisor.
     std::thread::sleep(Duration::from_millis(500));
-    assert!(!pid_alive(qemu_pid), "QEMU {qemu_pid} outlived its supervisor");
+    assert!(
+        !pid_alive(qemu_pid),
+        "QEMU {qemu_pid} outlived its supervisor"
+    );
     let len = d.serial_len();
     std::thread::sleep(Duration::from_secs(2));
-    assert_eq!(d.serial_len(), len, "the guest kept running without its supervisor");
+    assert_eq!(
+        d.serial_len(),
+        len,
+        "the guest kept running without its supervisor"
+    );
     d.extra_env.clear();
     d.launch();
-    let after: Vec<String> = d.ok(&["snapshot", "list"])["snapshots"].as_array().unwrap().iter().map(|s| s["snapshot_id"].as_str().unwrap().to_string()).collect();
+    let after: Vec<String> = d.ok(&["snapshot", "list"])["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["snapshot_id"].as_str().unwrap().to_string())
+        .collect();
     assert_eq!(after, before, "a partial snapshot appeared");
-    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0, "build leftovers were not swept");
+    assert_eq!(
+        std::fs::read_dir(&tmp).unwrap().count(),
+        0,
+        "build leftovers were not swept"
+    );
     for id in &before {
         d.ok(&["snapshot", "verify", id]);
     }

@@ -9,7 +9,9 @@ use backstop_e2e::{flip_byte, skip_unless_ready, Daemon};
 
 #[test]
 fn a_flipped_byte_anywhere_refuses_the_rollback_and_leaves_the_guest_running() {
-    if skip_unless_ready("a_flipped_byte_anywhere_refuses_the_rollback_and_leaves_the_guest_running") {
+    if skip_unless_ready(
+        "a_flipped_byte_anywhere_refuses_the_rollback_and_leaves_the_guest_running",
+    ) {
         return;
     }
     let d = Daemon::start("integrity");
@@ -19,9 +21,12 @@ fn a_flipped_byte_anywhere_refuses_the_rollback_and_leaves_the_guest_running() {
     let manifest = &v["manifest"];
     let snap_dir = d.state_dir().join(format!("store/snapshots/{id}"));
     let chunk = {
-        let index: serde_json::Value = serde_json::from_slice(&std::fs::read(snap_dir.join("vmstate.index")).unwrap()).unwrap();
+        let index: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(snap_dir.join("vmstate.index")).unwrap())
+                .unwrap();
         let sha = index["chunks"][0]["sha256"].as_str().unwrap().to_string();
-        d.state_dir().join(format!("store/chunks/{}/{}", &sha[..2], sha))
+        d.state_dir()
+            .join(format!("store/chunks/{}/{}", &sha[..2], sha))
     };
     let disk_layer: PathBuf = manifest["payload_refs"]
         .as_array()
@@ -43,13 +48,25 @@ fn a_flipped_byte_anywhere_refuses_the_rollback_and_leaves_the_guest_running() {
     let pid = d.status()["pid"].as_u64().unwrap();
     for (what, path, offset) in targets {
         let restore = flip_byte(&path, offset);
-        let out = d.cli(&["rollback", "--to", &id, "--reason", &format!("corrupt {what}")]);
+        let out = d.cli(&[
+            "rollback",
+            "--to",
+            &id,
+            "--reason",
+            &format!("corrupt {what}"),
+        ]);
         restore();
-        assert_eq!(out.status.code(), Some(5), "{what}: exit code; stdout {}", String::from_utf8_lossy(&out.stdout));
+        assert_eq!(
+            out.status.code(),
+            Some(5),
+            "{what}: exit code; stdout {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
         let err: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         let code = err["error"]["code"].as_str().unwrap();
         assert!(
-            code == "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED" || code == "ERR_SNAPSHOT_MANIFEST_INVALID",
+            code == "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"
+                || code == "ERR_SNAPSHOT_MANIFEST_INVALID",
             "{what}: code {code}"
         );
         // Untouched: same QEMU process, still running, guest still counting.
@@ -63,5 +80,8 @@ fn a_flipped_byte_anywhere_refuses_the_rollback_and_leaves_the_guest_running() {
     // With every byte back in place the same snapshot verifies and restores.
     d.ok(&["snapshot", "verify", &id]);
     let journal = std::fs::read_to_string(d.journal_path()).unwrap();
-    assert!(journal.contains("ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"), "refusals are journaled");
+    assert!(
+        journal.contains("ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"),
+        "refusals are journaled"
+    );
 }

@@ -13,8 +13,14 @@ const STEP: Duration = Duration::from_secs(60);
 fn snapshot_disk_top(d: &Daemon, id: &str) -> std::path::PathBuf {
     let show = d.ok(&["snapshot", "show", id]);
     let refs = show["manifest"]["payload_refs"].as_array().unwrap();
-    let disk = refs.iter().find(|p| p["kind"] == "disk-layer-chain" && p["name"] == "disk:data").expect("data disk in manifest");
-    assert!(refs.iter().all(|p| p["name"] != "disk:scratch"), "excluded disk must not be captured");
+    let disk = refs
+        .iter()
+        .find(|p| p["kind"] == "disk-layer-chain" && p["name"] == "disk:data")
+        .expect("data disk in manifest");
+    assert!(
+        refs.iter().all(|p| p["name"] != "disk:scratch"),
+        "excluded disk must not be captured"
+    );
     let layers = disk["layers"].as_array().unwrap();
     layers.last().unwrap()["path"].as_str().unwrap().into()
 }
@@ -42,7 +48,10 @@ fn rollback_brings_ram_and_disk_back_to_the_snapshot_point() {
     d.wait_tick(0, 3, BOOT);
     let id = snapshot_create(&d, "before the change");
     let snap_disk = disk_sector0(&snapshot_disk_top(&d, &id));
-    assert!(snap_disk > 0, "the snapshot's disk layer holds the guest's counter");
+    assert!(
+        snap_disk > 0,
+        "the snapshot's disk layer holds the guest's counter"
+    );
 
     // The guest moves on: its RAM counter and its disk record both advance.
     let moved_to = snap_disk + 5;
@@ -58,21 +67,34 @@ fn rollback_brings_ram_and_disk_back_to_the_snapshot_point() {
     // snapshot's value (or the very next iteration, if the capture fell after a print).
     let restored = restored_ticks(&d, before, snap_disk);
     let first = restored[0];
-    assert!(first.ram == snap_disk || first.ram == snap_disk + 1, "first restored tick {first:?}, snapshot disk {snap_disk}");
+    assert!(
+        first.ram == snap_disk || first.ram == snap_disk + 1,
+        "first restored tick {first:?}, snapshot disk {snap_disk}"
+    );
     for t in &restored {
         assert_eq!(t.ram, t.disk, "RAM and disk disagree after rollback: {t:?}");
     }
     // The excluded disk was neither captured nor reverted: the restored guest finds there what
     // the old guest wrote last, from after the snapshot point.
     let scratch = first.scratch.expect("the guest sees the excluded disk");
-    assert!(scratch >= moved_to, "excluded disk was reverted: found {scratch}, the old guest had reached {moved_to}");
+    assert!(
+        scratch >= moved_to,
+        "excluded disk was reverted: found {scratch}, the old guest had reached {moved_to}"
+    );
     // The guest learns the new epoch, never the reason.
     let since = d.serial_since(before);
-    assert!(since.contains("BACKSTOP epoch=1"), "guest was not told the epoch:\n{since}");
+    assert!(
+        since.contains("BACKSTOP epoch=1"),
+        "guest was not told the epoch:\n{since}"
+    );
     assert!(!since.contains("undo the change"));
     // A new forward revision: the snapshot is still listed and the VM is a new process.
     let list = d.ok(&["snapshot", "list"]);
-    assert!(list["snapshots"].as_array().unwrap().iter().any(|s| s["snapshot_id"] == id.as_str()));
+    assert!(list["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["snapshot_id"] == id.as_str()));
     assert_eq!(d.status()["state"], "running");
     assert!(pid_after > 0);
 }
@@ -97,12 +119,19 @@ fn ram_and_disk_are_captured_at_the_same_instant() {
         let before = d.serial_len();
         d.ok(&["rollback", "--to", id, "--reason", "same-instant check"]);
         for t in restored_ticks(&d, before, snap_disk) {
-            assert_eq!(t.ram, t.disk, "snapshot {id}: RAM and disk captured at different instants: {t:?}");
+            assert_eq!(
+                t.ram, t.disk,
+                "snapshot {id}: RAM and disk captured at different instants: {t:?}"
+            );
         }
     }
     // Every tick the guest ever printed, across all restores, had RAM == disk.
     let all = parse_ticks(&d.serial());
-    assert!(all.iter().all(|t| t.ram == t.disk), "some tick disagreed: {:?}", all.iter().find(|t| t.ram != t.disk));
+    assert!(
+        all.iter().all(|t| t.ram == t.disk),
+        "some tick disagreed: {:?}",
+        all.iter().find(|t| t.ram != t.disk)
+    );
 }
 
 #[test]
@@ -117,20 +146,54 @@ fn snapshot_show_reports_the_guest_pause_and_list_has_the_spec_fields() {
     let pause = show["summary"]["pause_us"].as_u64().unwrap();
     assert!(pause > 0 && pause < 5_000_000, "pause {pause} us");
     let m = &show["manifest"];
-    for f in ["snapshot_id", "created_at", "created_by", "schema_version", "index_version", "scope", "reason", "checksums", "payload_refs"] {
+    for f in [
+        "snapshot_id",
+        "created_at",
+        "created_by",
+        "schema_version",
+        "index_version",
+        "scope",
+        "reason",
+        "checksums",
+        "payload_refs",
+    ] {
         assert!(!m[f].is_null(), "manifest lacks {f}");
     }
     assert_eq!(m["scope"], "full");
     assert_eq!(m["created_by"], "console:uid=0");
     let list = d.ok(&["snapshot", "list"]);
-    let row = list["snapshots"].as_array().unwrap().iter().find(|s| s["snapshot_id"] == id.as_str()).cloned().unwrap();
-    for f in ["snapshot_id", "created_at", "created_by", "schema_version", "index_version", "scope", "reason"] {
+    let row = list["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["snapshot_id"] == id.as_str())
+        .cloned()
+        .unwrap();
+    for f in [
+        "snapshot_id",
+        "created_at",
+        "created_by",
+        "schema_version",
+        "index_version",
+        "scope",
+        "reason",
+    ] {
         assert!(row[f].is_string(), "list row lacks {f}: {row}");
     }
     let v = d.ok(&["snapshot", "verify", &id]);
     assert!(v["chunks_checked"].as_u64().unwrap() > 0);
-    assert!(v["disk_layers_checked"].as_u64().unwrap() >= 2, "base + frozen layer");
+    assert!(
+        v["disk_layers_checked"].as_u64().unwrap() >= 2,
+        "base + frozen layer"
+    );
     // The manifest on disk is the signed one the daemon showed.
-    let on_disk: Value = serde_json::from_slice(&std::fs::read(d.state_dir().join(format!("store/snapshots/{id}/manifest.json"))).unwrap()).unwrap();
+    let on_disk: Value = serde_json::from_slice(
+        &std::fs::read(
+            d.state_dir()
+                .join(format!("store/snapshots/{id}/manifest.json")),
+        )
+        .unwrap(),
+    )
+    .unwrap();
     assert_eq!(&on_disk, m);
 }

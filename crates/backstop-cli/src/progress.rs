@@ -16,7 +16,10 @@ pub enum ProgressDisplay {
     /// stderr is not a terminal: a `backstop: <step>: <message>` line when the step or message
     /// changes, and at most one byte-count update per [`PLAIN_INTERVAL`] within a step (a log
     /// file should not get a line per chunk).
-    Plain { last: Option<(String, String)>, at: Option<Instant> },
+    Plain {
+        last: Option<(String, String)>,
+        at: Option<Instant>,
+    },
     /// stderr is a terminal: one spinner line, started at the first report.
     Spinner(Option<ProgressBar>),
 }
@@ -28,7 +31,10 @@ impl ProgressDisplay {
         } else if io::stderr().is_terminal() {
             ProgressDisplay::Spinner(None)
         } else {
-            ProgressDisplay::Plain { last: None, at: None }
+            ProgressDisplay::Plain {
+                last: None,
+                at: None,
+            }
         }
     }
 
@@ -81,16 +87,42 @@ mod tests {
 
     #[test]
     fn plain_mode_prints_step_changes_and_throttles_byte_updates() {
-        let mut d = ProgressDisplay::Plain { last: None, at: None };
-        let p = |step: &str, msg: &str, b: u64| Progress { step: step.into(), message: msg.into(), bytes: Some(b) };
+        let mut d = ProgressDisplay::Plain {
+            last: None,
+            at: None,
+        };
+        let p = |step: &str, msg: &str, b: u64| Progress {
+            step: step.into(),
+            message: msg.into(),
+            bytes: Some(b),
+        };
         d.update(&p("capture", "storing", 1));
-        let ProgressDisplay::Plain { at: Some(first), .. } = &d else { panic!() };
+        let ProgressDisplay::Plain {
+            at: Some(first), ..
+        } = &d
+        else {
+            panic!()
+        };
         let first = *first;
         d.update(&p("capture", "storing", 2));
-        let ProgressDisplay::Plain { at: Some(second), .. } = &d else { panic!() };
-        assert_eq!(first, *second, "a byte update within the interval is not printed");
+        let ProgressDisplay::Plain {
+            at: Some(second), ..
+        } = &d
+        else {
+            panic!()
+        };
+        assert_eq!(
+            first, *second,
+            "a byte update within the interval is not printed"
+        );
         d.update(&p("publish", "signing", 0));
-        let ProgressDisplay::Plain { last: Some((step, _)), at: Some(third) } = &d else { panic!() };
+        let ProgressDisplay::Plain {
+            last: Some((step, _)),
+            at: Some(third),
+        } = &d
+        else {
+            panic!()
+        };
         assert_eq!(step, "publish");
         assert!(*third >= first);
     }

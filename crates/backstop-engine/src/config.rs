@@ -12,7 +12,10 @@ pub const DEFAULT_CONFIG: &str = include_str!("../../../vmm-config/default.toml"
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("config: {0}")]
     Parse(String),
     #[error("config: `{key}`: {message}")]
@@ -150,7 +153,9 @@ pub struct RollbackConfig {
 
 impl Default for RollbackConfig {
     fn default() -> Self {
-        Self { revoke_timeout_ms: default_revoke_ms() }
+        Self {
+            revoke_timeout_ms: default_revoke_ms(),
+        }
     }
 }
 
@@ -161,27 +166,44 @@ fn default_revoke_ms() -> u64 {
 /// Keys that would disable a safety mechanism. They are refused by name rather than
 /// reported as merely unknown, so the operator learns why.
 const FORBIDDEN_KEYS: &[&str] = &[
-    "enabled", "disable", "disabled", "snapshots_enabled", "rollback_enabled", "watchdog_enabled",
-    "disable_snapshots", "disable_rollback", "disable_watchdog", "skip_pre_action",
+    "enabled",
+    "disable",
+    "disabled",
+    "snapshots_enabled",
+    "rollback_enabled",
+    "watchdog_enabled",
+    "disable_snapshots",
+    "disable_rollback",
+    "disable_watchdog",
+    "skip_pre_action",
 ];
 
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
         Self::parse(&text)
     }
 
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
-        let raw: toml::Value = toml::from_str(text).map_err(|e| ConfigError::Parse(one_line(&e.to_string())))?;
+        let raw: toml::Value =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(one_line(&e.to_string())))?;
         refuse_disabling_keys(&raw, "")?;
-        let mut cfg: Config = raw.try_into().map_err(|e: toml::de::Error| ConfigError::Parse(one_line(&e.to_string())))?;
+        let mut cfg: Config = raw
+            .try_into()
+            .map_err(|e: toml::de::Error| ConfigError::Parse(one_line(&e.to_string())))?;
         cfg.expand()?;
         cfg.validate()?;
         Ok(cfg)
     }
 
     pub fn key_path(&self) -> PathBuf {
-        self.daemon.key_path.clone().unwrap_or_else(|| self.daemon.state_dir.join("keys/host.key"))
+        self.daemon
+            .key_path
+            .clone()
+            .unwrap_or_else(|| self.daemon.state_dir.join("keys/host.key"))
     }
 
     pub fn socket_path(&self) -> PathBuf {
@@ -207,7 +229,12 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        let bad = |key: &str, message: &str| Err(ConfigError::Invalid { key: key.into(), message: message.into() });
+        let bad = |key: &str, message: &str| {
+            Err(ConfigError::Invalid {
+                key: key.into(),
+                message: message.into(),
+            })
+        };
         let vm = &self.vm;
         if !valid_id(&vm.name) {
             return bad("vm.name", "use 1-32 characters from [a-z0-9_-]");
@@ -242,11 +269,17 @@ impl Config {
         }
         for (i, n) in vm.nics.iter().enumerate() {
             if !valid_id(n) {
-                return bad(&format!("vm.nics[{i}]"), "use 1-32 characters from [a-z0-9_-]");
+                return bad(
+                    &format!("vm.nics[{i}]"),
+                    "use 1-32 characters from [a-z0-9_-]",
+                );
             }
         }
         if self.daemon.console_uids.is_empty() {
-            return bad("daemon.console_uids", "at least one uid must be allowed on the console");
+            return bad(
+                "daemon.console_uids",
+                "at least one uid must be allowed on the console",
+            );
         }
         Ok(())
     }
@@ -255,11 +288,17 @@ impl Config {
 fn refuse_disabling_keys(v: &toml::Value, prefix: &str) -> Result<(), ConfigError> {
     if let toml::Value::Table(t) = v {
         for (k, child) in t {
-            let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+            let key = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
             if FORBIDDEN_KEYS.contains(&k.as_str()) {
                 return Err(ConfigError::Invalid {
                     key,
-                    message: "snapshots, rollback and the watchdog cannot be disabled (spec/000 §1)".into(),
+                    message:
+                        "snapshots, rollback and the watchdog cannot be disabled (spec/000 §1)"
+                            .into(),
                 });
             }
             refuse_disabling_keys(child, &key)?;
@@ -274,7 +313,10 @@ fn refuse_disabling_keys(v: &toml::Value, prefix: &str) -> Result<(), ConfigErro
 }
 
 fn valid_id(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 32 && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+    !s.is_empty()
+        && s.len() <= 32
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
 }
 
 fn one_line(s: &str) -> String {
@@ -290,7 +332,10 @@ fn expand_path(key: &str, p: &Path) -> Result<PathBuf, ConfigError> {
     while let Some(start) = rest.find("${") {
         out.push_str(&rest[..start]);
         let after = &rest[start + 2..];
-        let end = after.find('}').ok_or_else(|| ConfigError::Invalid { key: key.into(), message: "unclosed ${".into() })?;
+        let end = after.find('}').ok_or_else(|| ConfigError::Invalid {
+            key: key.into(),
+            message: "unclosed ${".into(),
+        })?;
         let name = &after[..end];
         let value = match std::env::var(name) {
             Ok(v) if !v.is_empty() => v,
@@ -299,7 +344,10 @@ fn expand_path(key: &str, p: &Path) -> Result<PathBuf, ConfigError> {
                 format!("{home}/.cache/backstop/guest")
             }
             _ => {
-                return Err(ConfigError::Invalid { key: key.into(), message: format!("environment variable {name} is not set") })
+                return Err(ConfigError::Invalid {
+                    key: key.into(),
+                    message: format!("environment variable {name} is not set"),
+                })
             }
         };
         out.push_str(&value);
@@ -317,7 +365,11 @@ mod tests {
     fn the_embedded_default_config_loads() {
         let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
         assert_eq!(cfg.vm.name, "demo");
-        assert!(cfg.vm.disks.iter().any(|d| d.snapshot == DiskSnapshotMode::Exclude));
+        assert!(cfg
+            .vm
+            .disks
+            .iter()
+            .any(|d| d.snapshot == DiskSnapshotMode::Exclude));
         assert_eq!(cfg.daemon.console_uids, vec![0]);
     }
 
@@ -330,18 +382,26 @@ mod tests {
 
     #[test]
     fn unknown_keys_and_bad_values_are_refused() {
-        let err = Config::parse(&DEFAULT_CONFIG.replace("memory_mib = 256", "memory_mib = 256\ncolour = \"red\"")).unwrap_err();
+        let err = Config::parse(
+            &DEFAULT_CONFIG.replace("memory_mib = 256", "memory_mib = 256\ncolour = \"red\""),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("colour"), "{err}");
-        let err = Config::parse(&DEFAULT_CONFIG.replace("memory_mib = 256", "memory_mib = 1")).unwrap_err();
+        let err = Config::parse(&DEFAULT_CONFIG.replace("memory_mib = 256", "memory_mib = 1"))
+            .unwrap_err();
         assert!(err.to_string().contains("vm.memory_mib"), "{err}");
-        let err = Config::parse(&DEFAULT_CONFIG.replace("name = \"demo\"", "name = \"Demo VM\"")).unwrap_err();
+        let err = Config::parse(&DEFAULT_CONFIG.replace("name = \"demo\"", "name = \"Demo VM\""))
+            .unwrap_err();
         assert!(err.to_string().contains("vm.name"), "{err}");
     }
 
     #[test]
     fn env_vars_expand_and_missing_ones_are_named() {
         std::env::set_var("BACKSTOP_TEST_DIR_X", "/x");
-        assert_eq!(expand_path("k", Path::new("${BACKSTOP_TEST_DIR_X}/a")).unwrap(), PathBuf::from("/x/a"));
+        assert_eq!(
+            expand_path("k", Path::new("${BACKSTOP_TEST_DIR_X}/a")).unwrap(),
+            PathBuf::from("/x/a")
+        );
         let err = expand_path("vm.kernel", Path::new("${BACKSTOP_NOPE_NOT_SET}/a")).unwrap_err();
         assert!(err.to_string().contains("BACKSTOP_NOPE_NOT_SET"));
     }

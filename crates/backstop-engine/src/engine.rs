@@ -9,8 +9,8 @@ use serde_json::{json, Map, Value};
 use tracing::{info, warn};
 
 use backstop_control::{
-    AuditFault, AuditVerifyReport, HaltView, Progress, Request, Response, SnapshotSummary, SnapshotView, StatusView,
-    VerifyReport,
+    AuditFault, AuditVerifyReport, HaltView, Progress, Request, Response, SnapshotSummary,
+    SnapshotView, StatusView, VerifyReport,
 };
 use backstop_hypervisor::{BootMode, DiskAttachment, VmBackend};
 use backstop_integrity::HostKey;
@@ -34,7 +34,10 @@ pub struct Caller {
 
 impl Caller {
     pub fn daemon() -> Self {
-        Caller { role: "backstopd", uid: nix::unistd::geteuid().as_raw() }
+        Caller {
+            role: "backstopd",
+            uid: nix::unistd::geteuid().as_raw(),
+        }
     }
     /// The `created_by` / `requested_by` string written to manifests and the journal.
     pub fn label(&self) -> String {
@@ -55,7 +58,11 @@ pub struct Ctx<'a> {
 
 impl Ctx<'_> {
     pub fn step(&mut self, step: &str, message: impl Into<String>, bytes: Option<u64>) {
-        (self.progress)(Progress { step: step.into(), message: message.into(), bytes });
+        (self.progress)(Progress {
+            step: step.into(),
+            message: message.into(),
+            bytes,
+        });
     }
 }
 
@@ -73,7 +80,10 @@ impl Fault {
         let v = std::env::var("BACKSTOP_FAULT_INJECT").ok()?;
         match v.as_str() {
             "restore.kill-qemu" => Some(Fault::KillDuringRestoreLoad),
-            s => s.strip_prefix("capture.stall=").and_then(|n| n.parse().ok()).map(Fault::StallCapture),
+            s => s
+                .strip_prefix("capture.stall=")
+                .and_then(|n| n.parse().ok())
+                .map(Fault::StallCapture),
         }
     }
 }
@@ -100,7 +110,10 @@ pub fn random_id() -> String {
     let mut b = [0u8; 16];
     // getrandom only fails without an entropy source; fall back to time so ids stay unique.
     if getrandom::getrandom(&mut b).is_err() {
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
         b = t.to_le_bytes();
     }
     hex::encode(b)
@@ -108,8 +121,11 @@ pub fn random_id() -> String {
 
 pub fn now_rfc3339() -> String {
     let now = time::OffsetDateTime::now_utc();
-    let fmt = time::macros::format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z");
-    now.format(&fmt).unwrap_or_else(|_| "1970-01-01T00:00:00.000Z".into())
+    let fmt = time::macros::format_description!(
+        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+    );
+    now.format(&fmt)
+        .unwrap_or_else(|_| "1970-01-01T00:00:00.000Z".into())
 }
 
 fn fields(v: Value) -> Map<String, Value> {
@@ -127,13 +143,22 @@ impl Engine {
     pub fn start(cfg: Config) -> Result<Engine, EngineError> {
         let state_dir = cfg.daemon.state_dir.clone();
         create_private_dir(&state_dir)?;
-        let key = HostKey::load_or_create(&cfg.key_path())
-            .map_err(|e| EngineError::Io { step: "load host key", source: std::io::Error::other(e.to_string()) })?;
-        let (store, sweep) = Store::open(&state_dir.join("store"), key.clone()).map_err(EngineError::Store)?;
+        let key = HostKey::load_or_create(&cfg.key_path()).map_err(|e| EngineError::Io {
+            step: "load host key",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let (store, sweep) =
+            Store::open(&state_dir.join("store"), key.clone()).map_err(EngineError::Store)?;
         let journal_path = state_dir.join("audit/journal.jsonl");
         let journal = Journal::open(&journal_path, key.clone())?;
         let records = Records::new(&state_dir);
-        let vm = records.load_vm().map_err(|source| EngineError::Io { step: "read vm-state.json", source })?.unwrap_or_default();
+        let vm = records
+            .load_vm()
+            .map_err(|source| EngineError::Io {
+                step: "read vm-state.json",
+                source,
+            })?
+            .unwrap_or_default();
         let (accel, accel_why) = match cfg.vm.accel {
             AccelChoice::Auto => Accel::detect(),
             AccelChoice::Tcg => (Accel::Tcg, "config"),
@@ -156,9 +181,17 @@ impl Engine {
             watchdog: cfg.vm.watchdog_device,
             max_bandwidth: 16 << 30,
             qmp_timeout: Duration::from_secs(30),
-            disk_shape: cfg.vm.disks.iter().map(|d| (d.id.clone(), d.snapshot == DiskSnapshotMode::Capture)).collect(),
+            disk_shape: cfg
+                .vm
+                .disks
+                .iter()
+                .map(|d| (d.id.clone(), d.snapshot == DiskSnapshotMode::Capture))
+                .collect(),
         };
-        let layers = Layers { dir: state_dir.join("disks"), qemu_img: cfg.vm.qemu_img.clone() };
+        let layers = Layers {
+            dir: state_dir.join("disks"),
+            qemu_img: cfg.vm.qemu_img.clone(),
+        };
         let fault = Fault::from_env();
         let mut engine = Engine {
             backend: Box::new(QemuBackend::new(qcfg)),
@@ -188,31 +221,55 @@ impl Engine {
     }
 
     fn reconcile(&mut self) -> Result<(), EngineError> {
-        if let Some(h) = self.records.halted().map_err(|source| EngineError::Io { step: "read halted.json", source })? {
+        if let Some(h) = self.records.halted().map_err(|source| EngineError::Io {
+            step: "read halted.json",
+            source,
+        })? {
             warn!(reason = %h.reason, "VM is HALTED from a previous run; waiting for `halt clear`");
             self.halt = Some(h);
             self.state = VmState::Halted;
             return Ok(());
         }
-        if let Some(inflight) = self.records.inflight().map_err(|source| EngineError::Io { step: "read inflight", source })? {
+        if let Some(inflight) = self.records.inflight().map_err(|source| EngineError::Io {
+            step: "read inflight",
+            source,
+        })? {
             let trace = random_id();
             self.enter_halt(
                 &trace,
                 "ERR_ROLLBACK_INTERRUPTED",
-                &format!("a rollback to {} never finished (daemon stopped mid-rollback)", inflight.snapshot_id),
+                &format!(
+                    "a rollback to {} never finished (daemon stopped mid-rollback)",
+                    inflight.snapshot_id
+                ),
             );
             return Ok(());
         }
         self.ensure_excluded_disks()?;
         let mut sink = |_p: Progress| {};
-        let mut ctx = Ctx { caller: Caller::daemon(), trace_id: random_id(), progress: &mut sink };
-        let has_snapshot = self.store.list().map_err(EngineError::Store)?.iter().any(|e| matches!(e, ListEntry::Valid(_)));
+        let mut ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: random_id(),
+            progress: &mut sink,
+        };
+        let has_snapshot = self
+            .store
+            .list()
+            .map_err(EngineError::Store)?
+            .iter()
+            .any(|e| matches!(e, ListEntry::Valid(_)));
         self.state = self.state.transition(Transition::Boot)?;
         if has_snapshot {
             // The previous daemon's QEMU died with it (PDEATHSIG): its RAM is gone. The only
             // consistent state to come back to is a snapshot.
             self.state = VmState::Stopped;
-            match self.rollback(&mut ctx, None, "backstopd started: the previous run's VM state is gone", "supervisor_restart", "emergency") {
+            match self.rollback(
+                &mut ctx,
+                None,
+                "backstopd started: the previous run's VM state is gone",
+                "supervisor_restart",
+                "emergency",
+            ) {
                 Ok(_) => Ok(()),
                 Err(e) if self.state == VmState::Halted => {
                     warn!(error = %e, "start-up restore failed; VM HALTED");
@@ -231,7 +288,11 @@ impl Engine {
                 match d.create_size_mib {
                     Some(size) => self.layers.create_image(&d.path, size)?,
                     None => {
-                        return Err(EngineError::BadRequest(format!("excluded disk {} does not exist: {}", d.id, d.path.display())))
+                        return Err(EngineError::BadRequest(format!(
+                            "excluded disk {} does not exist: {}",
+                            d.id,
+                            d.path.display()
+                        )))
                     }
                 }
             }
@@ -246,10 +307,19 @@ impl Engine {
             .disks
             .iter()
             .map(|d| match d.snapshot {
-                DiskSnapshotMode::Exclude => DiskAttachment { id: d.id.clone(), active: d.path.clone(), captured: false },
+                DiskSnapshotMode::Exclude => DiskAttachment {
+                    id: d.id.clone(),
+                    active: d.path.clone(),
+                    captured: false,
+                },
                 DiskSnapshotMode::Capture => DiskAttachment {
                     id: d.id.clone(),
-                    active: self.vm.chains.get(&d.id).and_then(|c| c.last().cloned()).unwrap_or_default(),
+                    active: self
+                        .vm
+                        .chains
+                        .get(&d.id)
+                        .and_then(|c| c.last().cloned())
+                        .unwrap_or_default(),
                     captured: true,
                 },
             })
@@ -257,7 +327,13 @@ impl Engine {
     }
 
     pub(crate) fn base_format(&self, disk: &str) -> String {
-        self.cfg.vm.disks.iter().find(|d| d.id == disk).map(|d| d.format.clone()).unwrap_or_else(|| "qcow2".into())
+        self.cfg
+            .vm
+            .disks
+            .iter()
+            .find(|d| d.id == disk)
+            .map(|d| d.format.clone())
+            .unwrap_or_else(|| "qcow2".into())
     }
 
     pub(crate) fn next_layer(&mut self, disk: &str) -> PathBuf {
@@ -266,7 +342,12 @@ impl Engine {
     }
 
     pub(crate) fn save_vm(&self) -> Result<(), EngineError> {
-        self.records.save_vm(&self.vm).map_err(|source| EngineError::Io { step: "write vm-state.json", source })
+        self.records
+            .save_vm(&self.vm)
+            .map_err(|source| EngineError::Io {
+                step: "write vm-state.json",
+                source,
+            })
     }
 
     /// Boots the guest from its disks (first start, or no snapshot to come back to), then takes
@@ -276,20 +357,33 @@ impl Engine {
             if d.snapshot == DiskSnapshotMode::Capture && !self.vm.chains.contains_key(&d.id) {
                 let top = self.next_layer(&d.id);
                 self.layers.create_overlay(&top, &d.path, &d.format)?;
-                self.vm.chains.insert(d.id.clone(), vec![d.path.clone(), top]);
+                self.vm
+                    .chains
+                    .insert(d.id.clone(), vec![d.path.clone(), top]);
             }
         }
         self.save_vm()?;
         let disks = self.attachments();
-        self.backend.launch(&disks, BootMode::Cold).map_err(|source| EngineError::Backend { step: "cold boot", source })?;
+        self.backend
+            .launch(&disks, BootMode::Cold)
+            .map_err(|source| EngineError::Backend {
+                step: "cold boot",
+                source,
+            })?;
         self.state = self.state.transition(Transition::Booted)?;
         self.journal(events::VM_STARTED, json!({
             "session_id": self.session_id, "trace_id": ctx.trace_id, "snapshot_id": Value::Null, "result": "ok",
             "boot": "cold", "pid": self.backend.pid(), "epoch": self.vm.epoch,
         }))?;
         info!(pid = ?self.backend.pid(), "VM cold-booted");
-        let mut baseline_ctx = Ctx { caller: Caller::daemon(), trace_id: random_id(), progress: ctx.progress };
-        if let Err(e) = self.create_snapshot(&mut baseline_ctx, "baseline after cold boot", "baseline") {
+        let mut baseline_ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: random_id(),
+            progress: ctx.progress,
+        };
+        if let Err(e) =
+            self.create_snapshot(&mut baseline_ctx, "baseline after cold boot", "baseline")
+        {
             warn!(error = %e, "baseline snapshot failed");
         }
         Ok(())
@@ -307,7 +401,12 @@ impl Engine {
         if let Err(e) = self.backend.terminate() {
             tracing::error!(error = %e, "could not end QEMU while halting");
         }
-        let rec = HaltRecord { reason: reason.into(), code: code.into(), since: now_rfc3339(), trace_id: trace_id.into() };
+        let rec = HaltRecord {
+            reason: reason.into(),
+            code: code.into(),
+            since: now_rfc3339(),
+            trace_id: trace_id.into(),
+        };
         if let Err(e) = self.records.set_halted(&rec) {
             tracing::error!(error = %e, "could not write the HALTED record");
         }
@@ -346,15 +445,25 @@ impl Engine {
             pid: self.backend.pid(),
             snapshots: snapshots.len(),
             newest_snapshot: snapshots.last().map(|m| m.snapshot_id.clone()),
-            halted: self.halt.as_ref().map(|h| HaltView { reason: h.reason.clone(), code: h.code.clone(), since: h.since.clone() }),
+            halted: self.halt.as_ref().map(|h| HaltView {
+                reason: h.reason.clone(),
+                code: h.code.clone(),
+                since: h.since.clone(),
+            }),
             session_id: self.session_id.clone(),
         }
     }
 
     /// Runs one request. HALTED refuses everything but `status` and `halt clear`.
     pub fn handle(&mut self, req: Request, ctx: &mut Ctx) -> Result<Response, EngineError> {
-        if self.state == VmState::Halted && !matches!(req, Request::Status | Request::HaltClear { .. }) {
-            let reason = self.halt.as_ref().map(|h| h.reason.clone()).unwrap_or_default();
+        if self.state == VmState::Halted
+            && !matches!(req, Request::Status | Request::HaltClear { .. })
+        {
+            let reason = self
+                .halt
+                .as_ref()
+                .map(|h| h.reason.clone())
+                .unwrap_or_default();
             return Err(EngineError::Halted { reason });
         }
         match req {
@@ -388,7 +497,11 @@ impl Engine {
                         ListEntry::Valid(m) if m.snapshot_id == id => Some(m),
                         _ => None,
                     })
-                    .ok_or_else(|| EngineError::BadRequest(format!("snapshot {id} does not verify; run `snapshot verify {id}`")))?;
+                    .ok_or_else(|| {
+                        EngineError::BadRequest(format!(
+                            "snapshot {id} does not verify; run `snapshot verify {id}`"
+                        ))
+                    })?;
                 Ok(Response::Snapshot(snapshot_view(&m)))
             }
             Request::SnapshotVerify { id } => {
@@ -397,7 +510,10 @@ impl Engine {
                 let v = self
                     .store
                     .verify(&id, &VerifyOptions::default())
-                    .map_err(|source| EngineError::Verify { snapshot_id: id.clone(), source })?;
+                    .map_err(|source| EngineError::Verify {
+                        snapshot_id: id.clone(),
+                        source,
+                    })?;
                 Ok(Response::Verified(VerifyReport {
                     snapshot_id: id,
                     chunks_checked: v.report.chunks_checked,
@@ -405,7 +521,11 @@ impl Engine {
                     disk_layers_checked: v.report.disk_layers_checked,
                 }))
             }
-            Request::Rollback { to, reason, emergency } => {
+            Request::Rollback {
+                to,
+                reason,
+                emergency,
+            } => {
                 let reason = non_empty("reason", reason)?;
                 let kind = if emergency { "emergency" } else { "session" };
                 let r = self.rollback(ctx, to.as_deref(), &reason, ctx.caller.role, kind)?;
@@ -423,7 +543,11 @@ impl Engine {
                 let out = backstop_journal::verify(&self.journal_path, &self.key)?;
                 Ok(Response::AuditVerified(AuditVerifyReport {
                     entries: out.entries,
-                    first_bad: out.first_bad.map(|f| AuditFault { line: f.line, seq: f.seq, reason: f.reason }),
+                    first_bad: out.first_bad.map(|f| AuditFault {
+                        line: f.line,
+                        seq: f.seq,
+                        reason: f.reason,
+                    }),
                 }))
             }
         }
@@ -434,10 +558,17 @@ impl Engine {
             return Err(EngineError::BadRequest("the VM is not HALTED".into()));
         }
         if ctx.caller.role != "console" {
-            return Err(EngineError::NotPermitted("only a person at the console can clear HALTED".into()));
+            return Err(EngineError::NotPermitted(
+                "only a person at the console can clear HALTED".into(),
+            ));
         }
         let previous = self.halt.clone();
-        self.records.clear_halted().map_err(|source| EngineError::Io { step: "remove halted.json", source })?;
+        self.records
+            .clear_halted()
+            .map_err(|source| EngineError::Io {
+                step: "remove halted.json",
+                source,
+            })?;
         self.halt = None;
         self.state = VmState::Stopped;
         self.journal(events::VM_HALT_CLEARED, json!({
@@ -445,14 +576,31 @@ impl Engine {
             "cleared_by": ctx.caller.label(), "reason": reason,
             "halt_code": previous.as_ref().map(|h| h.code.clone()), "halt_reason": previous.as_ref().map(|h| h.reason.clone()),
         }))?;
-        let has_snapshot = self.store.list().map_err(EngineError::Store)?.iter().any(|e| matches!(e, ListEntry::Valid(_)));
+        let has_snapshot = self
+            .store
+            .list()
+            .map_err(EngineError::Store)?
+            .iter()
+            .any(|e| matches!(e, ListEntry::Valid(_)));
         if has_snapshot {
-            let r = self.rollback(ctx, None, &format!("halt cleared: {reason}"), "halt_clear", "emergency")?;
-            Ok(Response::HaltCleared { epoch: r.epoch, restored_from: Some(r.snapshot_id) })
+            let r = self.rollback(
+                ctx,
+                None,
+                &format!("halt cleared: {reason}"),
+                "halt_clear",
+                "emergency",
+            )?;
+            Ok(Response::HaltCleared {
+                epoch: r.epoch,
+                restored_from: Some(r.snapshot_id),
+            })
         } else {
             self.state = self.state.transition(Transition::Boot)?;
             self.cold_boot(ctx)?;
-            Ok(Response::HaltCleared { epoch: self.vm.epoch, restored_from: None })
+            Ok(Response::HaltCleared {
+                epoch: self.vm.epoch,
+                restored_from: None,
+            })
         }
     }
 
@@ -474,17 +622,32 @@ impl Engine {
         }
         let events = match self.backend.poll_events() {
             Ok(e) => e,
-            Err(e) => vec![backstop_hypervisor::VmEvent::Exited { detail: format!("QMP failed: {e}") }],
+            Err(e) => vec![backstop_hypervisor::VmEvent::Exited {
+                detail: format!("QMP failed: {e}"),
+            }],
         };
-        let trigger = events.iter().find_map(|e| match e {
-            backstop_hypervisor::VmEvent::WatchdogExpired { .. } => Some(("watchdog_device", "hardware watchdog expired".to_string())),
-            backstop_hypervisor::VmEvent::Exited { detail } => Some(("vm_crash", format!("hypervisor ended: {detail}"))),
-            backstop_hypervisor::VmEvent::GuestPanicked => Some(("vm_crash", "guest panicked".to_string())),
-        });
+        let trigger = events
+            .iter()
+            .map(|e| match e {
+                backstop_hypervisor::VmEvent::WatchdogExpired { .. } => {
+                    ("watchdog_device", "hardware watchdog expired".to_string())
+                }
+                backstop_hypervisor::VmEvent::Exited { detail } => {
+                    ("vm_crash", format!("hypervisor ended: {detail}"))
+                }
+                backstop_hypervisor::VmEvent::GuestPanicked => {
+                    ("vm_crash", "guest panicked".to_string())
+                }
+            })
+            .next();
         if let Some((trigger, reason)) = trigger {
             warn!(trigger, reason = %reason, "emergency rollback");
             let mut sink = |_p: Progress| {};
-            let mut ctx = Ctx { caller: Caller::daemon(), trace_id: random_id(), progress: &mut sink };
+            let mut ctx = Ctx {
+                caller: Caller::daemon(),
+                trace_id: random_id(),
+                progress: &mut sink,
+            };
             if let Err(e) = self.rollback(&mut ctx, None, &reason, trigger, "emergency") {
                 warn!(error = %e, "emergency rollback failed");
             }
@@ -512,10 +675,14 @@ impl Engine {
 fn non_empty(name: &str, v: String) -> Result<String, EngineError> {
     let v = v.trim().to_string();
     if v.is_empty() {
-        return Err(EngineError::BadRequest(format!("--{name} must not be empty")));
+        return Err(EngineError::BadRequest(format!(
+            "--{name} must not be empty"
+        )));
     }
     if v.len() > 1024 {
-        return Err(EngineError::BadRequest(format!("--{name} is longer than 1024 bytes")));
+        return Err(EngineError::BadRequest(format!(
+            "--{name} is longer than 1024 bytes"
+        )));
     }
     Ok(v)
 }
@@ -529,7 +696,11 @@ pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
         index_version: m.index_version.clone(),
         scope: m.scope.clone(),
         reason: m.reason.clone(),
-        pause_us: m.capture.get("pause_us").and_then(Value::as_u64).unwrap_or(0),
+        pause_us: m
+            .capture
+            .get("pause_us")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
         bytes_stored: m.bytes_stored,
     }
 }
@@ -538,13 +709,24 @@ pub(crate) fn snapshot_view(m: &Manifest) -> SnapshotView {
     SnapshotView {
         summary: summary(m),
         manifest: serde_json::to_value(m).unwrap_or(Value::Null),
-        capture_ms: m.capture.get("capture_ms").and_then(Value::as_u64).unwrap_or(0),
+        capture_ms: m
+            .capture
+            .get("capture_ms")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
     }
 }
 
 fn create_private_dir(dir: &std::path::Path) -> Result<(), EngineError> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir).map_err(|source| EngineError::Io { step: "create state dir", source })?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(|source| EngineError::Io { step: "chmod state dir", source })
+    std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
+        step: "create state dir",
+        source,
+    })?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|source| {
+        EngineError::Io {
+            step: "chmod state dir",
+            source,
+        }
+    })
 }

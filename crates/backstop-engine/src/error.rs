@@ -17,12 +17,23 @@ pub enum EngineError {
     #[error(transparent)]
     Transition(#[from] InvalidTransition),
     #[error("snapshot {step}: {source}")]
-    SnapshotStore { step: &'static str, source: StoreError },
+    SnapshotStore {
+        step: &'static str,
+        source: StoreError,
+    },
     #[error("snapshot {step}: {source}")]
-    SnapshotBackend { step: &'static str, source: BackendError },
+    SnapshotBackend {
+        step: &'static str,
+        source: BackendError,
+    },
     #[error("snapshot {snapshot_id}: {source}")]
-    Verify { snapshot_id: String, source: StoreError },
-    #[error("snapshot {snapshot_id} was taken of a VM of another shape (config fingerprint differs)")]
+    Verify {
+        snapshot_id: String,
+        source: StoreError,
+    },
+    #[error(
+        "snapshot {snapshot_id} was taken of a VM of another shape (config fingerprint differs)"
+    )]
     ShapeMismatch { snapshot_id: String },
     #[error("rollback failed at {step}: {detail}; the VM is HALTED")]
     RollbackHalted { step: &'static str, detail: String },
@@ -33,9 +44,15 @@ pub enum EngineError {
     #[error(transparent)]
     Store(StoreError),
     #[error("{step}: {source}")]
-    Io { step: &'static str, source: std::io::Error },
+    Io {
+        step: &'static str,
+        source: std::io::Error,
+    },
     #[error("{step}: {source}")]
-    Backend { step: &'static str, source: BackendError },
+    Backend {
+        step: &'static str,
+        source: BackendError,
+    },
     #[error("the daemon is shutting down")]
     ShuttingDown,
 }

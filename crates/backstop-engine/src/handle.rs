@@ -29,7 +29,10 @@ pub struct Job {
 enum Msg {
     Job(Job),
     /// A peer the control socket turned away; journaled.
-    Refused { uid: u32, pid: i32 },
+    Refused {
+        uid: u32,
+        pid: i32,
+    },
     Shutdown,
 }
 
@@ -62,27 +65,48 @@ impl EngineHandle {
                 let _ = ready_tx.send(Ok(status));
                 run(engine, rx);
             })
-            .map_err(|source| EngineError::Io { step: "spawn engine thread", source })?;
-        let status = ready_rx
-            .recv()
-            .map_err(|_| EngineError::Io { step: "start engine", source: std::io::Error::other("engine thread died") })??;
-        Ok(EngineHandle { tx, status, thread: Some(thread) })
+            .map_err(|source| EngineError::Io {
+                step: "spawn engine thread",
+                source,
+            })?;
+        let status = ready_rx.recv().map_err(|_| EngineError::Io {
+            step: "start engine",
+            source: std::io::Error::other("engine thread died"),
+        })??;
+        Ok(EngineHandle {
+            tx,
+            status,
+            thread: Some(thread),
+        })
     }
 
     /// Queues a job; its reply arrives on `job.reply`.
     pub fn submit(&self, job: Job) -> Result<(), EngineError> {
-        self.tx.send(Msg::Job(job)).map_err(|_| EngineError::ShuttingDown)
+        self.tx
+            .send(Msg::Job(job))
+            .map_err(|_| EngineError::ShuttingDown)
     }
 
     /// Runs a request to completion (convenience for callers without their own channel).
-    pub fn call(&self, request: Request, caller: Caller, progress: Box<dyn FnMut(Progress) + Send>) -> JobResult {
+    pub fn call(
+        &self,
+        request: Request,
+        caller: Caller,
+        progress: Box<dyn FnMut(Progress) + Send>,
+    ) -> JobResult {
         if matches!(request, Request::Status) {
             return Ok(Response::Status(self.status()));
         }
         let (reply, rx) = mpsc::channel();
-        self.submit(Job { request, caller, progress, reply })
-            .map_err(|e| (e.code().to_string(), e.to_string()))?;
-        rx.recv().unwrap_or_else(|_| Err(("ERR_SHUTTING_DOWN".into(), "the engine stopped".into())))
+        self.submit(Job {
+            request,
+            caller,
+            progress,
+            reply,
+        })
+        .map_err(|e| (e.code().to_string(), e.to_string()))?;
+        rx.recv()
+            .unwrap_or_else(|_| Err(("ERR_SHUTTING_DOWN".into(), "the engine stopped".into())))
     }
 
     /// Records a connection the control socket refused (journaled as `control.refused`).
@@ -110,7 +134,11 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Msg>) {
     loop {
         match rx.recv_timeout(TICK) {
             Ok(Msg::Job(mut job)) => {
-                let mut ctx = Ctx { caller: job.caller.clone(), trace_id: random_id(), progress: &mut *job.progress };
+                let mut ctx = Ctx {
+                    caller: job.caller.clone(),
+                    trace_id: random_id(),
+                    progress: &mut *job.progress,
+                };
                 let span = tracing::info_span!("request", op = job.request.name(), trace_id = %ctx.trace_id, by = %ctx.caller.label());
                 let _g = span.enter();
                 let result = engine.handle(job.request, &mut ctx).map_err(|e| {

@@ -43,7 +43,9 @@ pub struct Records {
 
 impl Records {
     pub fn new(state_dir: &Path) -> Self {
-        Self { dir: state_dir.to_path_buf() }
+        Self {
+            dir: state_dir.to_path_buf(),
+        }
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -53,9 +55,12 @@ impl Records {
     fn read<T: for<'de> Deserialize<'de>>(&self, name: &str) -> std::io::Result<Option<T>> {
         let p = self.path(name);
         match std::fs::read(&p) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map(Some)
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: {e}", p.display()))),
+            Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("{}: {e}", p.display()),
+                )
+            }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
             Err(e) => Err(e),
         }
@@ -110,7 +115,12 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let r = Records::new(d.path());
         assert!(r.halted().unwrap().is_none());
-        let h = HaltRecord { reason: "x".into(), code: "C".into(), since: "t".into(), trace_id: "tr".into() };
+        let h = HaltRecord {
+            reason: "x".into(),
+            code: "C".into(),
+            since: "t".into(),
+            trace_id: "tr".into(),
+        };
         r.set_halted(&h).unwrap();
         assert_eq!(r.halted().unwrap(), Some(h));
         r.clear_halted().unwrap();

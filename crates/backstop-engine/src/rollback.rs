@@ -68,7 +68,11 @@ impl Engine {
                 }))?;
                 if halting {
                     // Spec/000 §12: a rollback that cannot be initiated halts the VM.
-                    self.enter_halt(&trace, e.code(), "rollback requested but no snapshot verifies");
+                    self.enter_halt(
+                        &trace,
+                        e.code(),
+                        "rollback requested but no snapshot verifies",
+                    );
                 }
                 return Err(e);
             }
@@ -92,7 +96,10 @@ impl Engine {
             started_at: now_rfc3339(),
         }) {
             self.state = VmState::Running;
-            return Err(EngineError::Io { step: "write rollback marker", source });
+            return Err(EngineError::Io {
+                step: "write rollback marker",
+                source,
+            });
         }
 
         // 2.-5. Any failure from here on halts.
@@ -130,19 +137,33 @@ impl Engine {
                     "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": [],
                     "timestamp": now_rfc3339(), "step": step,
                 }));
-                self.enter_halt(&trace, "ERR_ROLLBACK_FAILED_HALTED", &format!("rollback to {snapshot_id} failed at {step}: {detail}"));
+                self.enter_halt(
+                    &trace,
+                    "ERR_ROLLBACK_FAILED_HALTED",
+                    &format!("rollback to {snapshot_id} failed at {step}: {detail}"),
+                );
                 Err(EngineError::RollbackHalted { step, detail })
             }
         }
     }
 
-    fn choose_target(&mut self, ctx: &mut Ctx, to: Option<&str>) -> Result<(VerifiedSnapshot, Vec<SkippedSnapshot>), EngineError> {
+    fn choose_target(
+        &mut self,
+        ctx: &mut Ctx,
+        to: Option<&str>,
+    ) -> Result<(VerifiedSnapshot, Vec<SkippedSnapshot>), EngineError> {
         let opts = VerifyOptions::default();
         let fingerprint = self.backend.config_fingerprint();
         if let Some(to) = to {
             let id = self.store.resolve(to).map_err(EngineError::Store)?;
             ctx.step("verify", format!("verifying {id}"), None);
-            let v = self.store.verify(&id, &opts).map_err(|source| EngineError::Verify { snapshot_id: id.clone(), source })?;
+            let v = self
+                .store
+                .verify(&id, &opts)
+                .map_err(|source| EngineError::Verify {
+                    snapshot_id: id.clone(),
+                    source,
+                })?;
             if v.manifest.config_fingerprint != fingerprint {
                 return Err(EngineError::ShapeMismatch { snapshot_id: id });
             }
@@ -157,7 +178,9 @@ impl Engine {
                     let r = self.store.verify(&m.snapshot_id, &opts);
                     (m.snapshot_id, r.map_err(|e| e.code().to_string()))
                 }
-                ListEntry::Corrupt { snapshot_id, code, .. } => (snapshot_id, Err(code.to_string())),
+                ListEntry::Corrupt {
+                    snapshot_id, code, ..
+                } => (snapshot_id, Err(code.to_string())),
             };
             let code = match result {
                 Ok(v) if v.manifest.config_fingerprint == fingerprint => return Ok((v, skipped)),
@@ -168,13 +191,20 @@ impl Engine {
             self.journal(events::SNAPSHOT_VERIFY_SKIPPED, json!({
                 "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "skipped", "code": code,
             }))?;
-            skipped.push(SkippedSnapshot { snapshot_id: id, code });
+            skipped.push(SkippedSnapshot {
+                snapshot_id: id,
+                code,
+            });
         }
         Err(EngineError::NoVerifiedSnapshot)
     }
 
     /// Steps 3-5. Errors are (step, detail); the caller halts.
-    fn replace_vm(&mut self, ctx: &mut Ctx, target: &VerifiedSnapshot) -> Result<(Vec<String>, u64), (&'static str, String)> {
+    fn replace_vm(
+        &mut self,
+        ctx: &mut Ctx,
+        target: &VerifiedSnapshot,
+    ) -> Result<(Vec<String>, u64), (&'static str, String)> {
         let bound = Duration::from_millis(self.cfg.rollback.revoke_timeout_ms);
         let mut revoked = Vec::new();
         if self.backend.pid().is_some() {
@@ -188,21 +218,41 @@ impl Engine {
             match self.backend.revoke_devices(bound) {
                 Ok(r) => {
                     revoked.extend(r.revoked);
-                    revoked.extend(r.not_released.into_iter().map(|d| format!("{d}: not released, ended with the process")));
+                    revoked.extend(
+                        r.not_released
+                            .into_iter()
+                            .map(|d| format!("{d}: not released, ended with the process")),
+                    );
                 }
-                Err(e) => revoked.push(format!("device revocation failed ({e}); process ended instead")),
+                Err(e) => revoked.push(format!(
+                    "device revocation failed ({e}); process ended instead"
+                )),
             }
         }
-        self.backend.terminate().map_err(|e| ("end qemu", e.to_string()))?;
+        self.backend
+            .terminate()
+            .map_err(|e| ("end qemu", e.to_string()))?;
         revoked.push("hypervisor process ended".into());
 
-        ctx.step("restore", "preparing disk overlays on the snapshot's layers", None);
+        ctx.step(
+            "restore",
+            "preparing disk overlays on the snapshot's layers",
+            None,
+        );
         let mut new_chains = Vec::new();
         for (id, chain) in manifest_chains(target) {
-            let Some(top) = chain.last() else { return Err(("disk layers", format!("disk {id} has an empty chain"))) };
-            let fmt = if chain.len() == 1 { self.base_format(&id) } else { "qcow2".to_string() };
+            let Some(top) = chain.last() else {
+                return Err(("disk layers", format!("disk {id} has an empty chain")));
+            };
+            let fmt = if chain.len() == 1 {
+                self.base_format(&id)
+            } else {
+                "qcow2".to_string()
+            };
             let new_top = self.next_layer(&id);
-            self.layers.create_overlay(&new_top, top, &fmt).map_err(|e| ("disk overlays", e.to_string()))?;
+            self.layers
+                .create_overlay(&new_top, top, &fmt)
+                .map_err(|e| ("disk overlays", e.to_string()))?;
             let mut c = chain.clone();
             c.push(new_top);
             new_chains.push((id, c));
@@ -218,24 +268,41 @@ impl Engine {
             d
         };
 
-        ctx.step("restore", "starting a fresh VM, paused, waiting for state", None);
-        self.backend.launch(&disks, BootMode::Incoming).map_err(|e| ("launch fresh vm", e.to_string()))?;
+        ctx.step(
+            "restore",
+            "starting a fresh VM, paused, waiting for state",
+            None,
+        );
+        self.backend
+            .launch(&disks, BootMode::Incoming)
+            .map_err(|e| ("launch fresh vm", e.to_string()))?;
         let load_started = Instant::now();
-        let mut sink = self.backend.begin_restore().map_err(|e| ("start state load", e.to_string()))?;
+        let mut sink = self
+            .backend
+            .begin_restore()
+            .map_err(|e| ("start state load", e.to_string()))?;
         if self.fault == Some(Fault::KillDuringRestoreLoad) {
             if let Some(pid) = self.backend.pid() {
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
             }
         }
-        let mut payload = self.store.open_payload(target, "vmstate").map_err(|e| ("open state", e.to_string()))?;
+        let mut payload = self
+            .store
+            .open_payload(target, "vmstate")
+            .map_err(|e| ("open state", e.to_string()))?;
         let mut buf = vec![0u8; 1 << 20];
         let mut done = 0u64;
         loop {
-            let n = std::io::Read::read(&mut payload, &mut buf).map_err(|e| ("read state", e.to_string()))?;
+            let n = std::io::Read::read(&mut payload, &mut buf)
+                .map_err(|e| ("read state", e.to_string()))?;
             if n == 0 {
                 break;
             }
-            sink.write_all(&buf[..n]).map_err(|e| ("load state", e.to_string()))?;
+            sink.write_all(&buf[..n])
+                .map_err(|e| ("load state", e.to_string()))?;
             done += n as u64;
             if done % (64 << 20) < n as u64 {
                 ctx.step("restore", "loading RAM and device state", Some(done));
@@ -243,15 +310,23 @@ impl Engine {
         }
         sink.flush().map_err(|e| ("load state", e.to_string()))?;
         drop(sink);
-        let rr = self.backend.finish_restore().map_err(|e| ("check restored vm", e.to_string()))?;
+        let rr = self
+            .backend
+            .finish_restore()
+            .map_err(|e| ("check restored vm", e.to_string()))?;
         let restore_ms = load_started.elapsed().as_millis() as u64;
         revoked.push("network links down in the restored VM".into());
 
         vm.epoch += 1;
         self.vm = vm;
-        self.save_vm().map_err(|e| ("record new epoch", e.to_string()))?;
-        self.backend.resume().map_err(|e| ("resume", e.to_string()))?;
-        self.records.clear_inflight().map_err(|e| ("remove rollback marker", e.to_string()))?;
+        self.save_vm()
+            .map_err(|e| ("record new epoch", e.to_string()))?;
+        self.backend
+            .resume()
+            .map_err(|e| ("resume", e.to_string()))?;
+        self.records
+            .clear_inflight()
+            .map_err(|e| ("remove rollback marker", e.to_string()))?;
         self.state = VmState::Running;
         let _ = self.backend.notify_epoch(self.vm.epoch);
         tracing::debug!(devices = ?rr.devices, "restored VM devices");

@@ -20,7 +20,12 @@ use crate::error::EngineError;
 use crate::state::Transition;
 
 impl Engine {
-    pub(crate) fn create_snapshot(&mut self, ctx: &mut Ctx, reason: &str, trigger: &str) -> Result<Manifest, EngineError> {
+    pub(crate) fn create_snapshot(
+        &mut self,
+        ctx: &mut Ctx,
+        reason: &str,
+        trigger: &str,
+    ) -> Result<Manifest, EngineError> {
         self.state = self.state.transition(Transition::BeginSnapshot)?;
         self.publish();
         let sid = self.session_id.clone();
@@ -48,23 +53,51 @@ impl Engine {
         }
     }
 
-    fn capture_and_publish(&mut self, ctx: &mut Ctx, reason: &str, trigger: &str) -> Result<Manifest, EngineError> {
+    fn capture_and_publish(
+        &mut self,
+        ctx: &mut Ctx,
+        reason: &str,
+        trigger: &str,
+    ) -> Result<Manifest, EngineError> {
         let started = Instant::now();
-        let mut builder = self.store.begin().map_err(|source| EngineError::SnapshotStore { step: "begin", source })?;
-        let captured: Vec<String> = self.attachments().into_iter().filter(|d| d.captured).map(|d| d.id).collect();
+        let mut builder = self
+            .store
+            .begin()
+            .map_err(|source| EngineError::SnapshotStore {
+                step: "begin",
+                source,
+            })?;
+        let captured: Vec<String> = self
+            .attachments()
+            .into_iter()
+            .filter(|d| d.captured)
+            .map(|d| d.id)
+            .collect();
         let mut switches = Vec::new();
         for id in &captured {
             let new_active = self.next_layer(id);
             if let Some(dir) = new_active.parent() {
-                std::fs::create_dir_all(dir).map_err(|source| EngineError::Io { step: "create layer dir", source })?;
+                std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
+                    step: "create layer dir",
+                    source,
+                })?;
             }
-            switches.push(DiskSwitch { id: id.clone(), new_active });
+            switches.push(DiskSwitch {
+                id: id.clone(),
+                new_active,
+            });
         }
-        ctx.step("capture", "pausing the guest, switching disks, starting the RAM capture", None);
-        let stream = self
-            .backend
-            .begin_capture(&switches)
-            .map_err(|source| EngineError::SnapshotBackend { step: "start capture", source })?;
+        ctx.step(
+            "capture",
+            "pausing the guest, switching disks, starting the RAM capture",
+            None,
+        );
+        let stream = self.backend.begin_capture(&switches).map_err(|source| {
+            EngineError::SnapshotBackend {
+                step: "start capture",
+                source,
+            }
+        })?;
         // The snapshot's disk chains are the chains up to the layers that were just frozen.
         let mut snapshot_chains = Vec::new();
         for sw in &switches {
@@ -79,24 +112,41 @@ impl Engine {
                 self.layers.freeze(layer)?;
             }
             if let (Some(Fault::StallCapture(secs)), false) = (self.fault, trigger == "baseline") {
-                ctx.step("capture", format!("fault injection: stalling {secs} s"), None);
+                ctx.step(
+                    "capture",
+                    format!("fault injection: stalling {secs} s"),
+                    None,
+                );
                 std::thread::sleep(std::time::Duration::from_secs(secs));
             }
             let progress = &mut *ctx.progress;
             let payload = builder
                 .write_chunked("vmstate", "ram+device", &mut reader, &mut |bytes| {
-                    progress(backstop_control::Progress { step: "capture".into(), message: "storing RAM and device state".into(), bytes: Some(bytes) });
+                    progress(backstop_control::Progress {
+                        step: "capture".into(),
+                        message: "storing RAM and device state".into(),
+                        bytes: Some(bytes),
+                    });
                 })
-                .map_err(|source| EngineError::SnapshotStore { step: "store state", source })?;
-            let report = self
-                .backend
-                .finish_capture()
-                .map_err(|source| EngineError::SnapshotBackend { step: "finish capture", source })?;
+                .map_err(|source| EngineError::SnapshotStore {
+                    step: "store state",
+                    source,
+                })?;
+            let report =
+                self.backend
+                    .finish_capture()
+                    .map_err(|source| EngineError::SnapshotBackend {
+                        step: "finish capture",
+                        source,
+                    })?;
             ctx.step("verify", "checksumming the frozen disk layers", None);
             for (id, chain) in &snapshot_chains {
                 builder
                     .add_disk_chain(id, chain)
-                    .map_err(|source| EngineError::SnapshotStore { step: "record disk layers", source })?;
+                    .map_err(|source| EngineError::SnapshotStore {
+                        step: "record disk layers",
+                        source,
+                    })?;
             }
             let capture_ms = started.elapsed().as_millis() as u64;
             let capture = json!({
@@ -116,7 +166,10 @@ impl Engine {
                     config_fingerprint: self.backend.config_fingerprint(),
                     capture,
                 })
-                .map_err(|source| EngineError::SnapshotStore { step: "publish", source })?;
+                .map_err(|source| EngineError::SnapshotStore {
+                    step: "publish",
+                    source,
+                })?;
             info!(snapshot_id = %m.snapshot_id, pause_us = report.pause_us, capture_ms, bytes_stored = m.bytes_stored, "snapshot published");
             Ok(m)
         })();

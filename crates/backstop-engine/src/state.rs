@@ -47,16 +47,28 @@ impl VmState {
             // Halting is always possible, from anywhere, and HALTED only leaves by a person.
             (_, T::Halt) => S::Halted,
             (S::Halted, T::ClearHalt) => S::Booting,
-            (S::Halted, _) => return Err(InvalidTransition { from: self, transition: t }),
+            (S::Halted, _) => {
+                return Err(InvalidTransition {
+                    from: self,
+                    transition: t,
+                })
+            }
             (S::Stopped, T::Boot) => S::Booting,
             (S::Booting, T::Booted) => S::Running,
             (S::Running, T::BeginSnapshot) => S::Snapshotting,
             (S::Snapshotting, T::EndSnapshot) => S::Running,
             // A rollback overrides whatever is in flight (spec/000 §6).
-            (S::Running | S::Snapshotting | S::Booting | S::Stopped, T::BeginRollback) => S::RollingBack,
+            (S::Running | S::Snapshotting | S::Booting | S::Stopped, T::BeginRollback) => {
+                S::RollingBack
+            }
             (S::RollingBack, T::RolledBack) => S::Running,
             (S::Running | S::Booting | S::Stopped, T::Stop) => S::Stopped,
-            _ => return Err(InvalidTransition { from: self, transition: t }),
+            _ => {
+                return Err(InvalidTransition {
+                    from: self,
+                    transition: t,
+                })
+            }
         };
         Ok(next)
     }
@@ -84,11 +96,23 @@ mod tests {
     use super::*;
 
     const ALL_STATES: [VmState; 6] = [
-        VmState::Stopped, VmState::Booting, VmState::Running, VmState::Snapshotting, VmState::RollingBack, VmState::Halted,
+        VmState::Stopped,
+        VmState::Booting,
+        VmState::Running,
+        VmState::Snapshotting,
+        VmState::RollingBack,
+        VmState::Halted,
     ];
     const ALL: [Transition; 9] = [
-        Transition::Boot, Transition::Booted, Transition::BeginSnapshot, Transition::EndSnapshot, Transition::BeginRollback,
-        Transition::RolledBack, Transition::Halt, Transition::ClearHalt, Transition::Stop,
+        Transition::Boot,
+        Transition::Booted,
+        Transition::BeginSnapshot,
+        Transition::EndSnapshot,
+        Transition::BeginRollback,
+        Transition::RolledBack,
+        Transition::Halt,
+        Transition::ClearHalt,
+        Transition::Stop,
     ];
 
     #[test]
@@ -115,9 +139,18 @@ mod tests {
 
     #[test]
     fn rollback_overrides_a_snapshot_but_snapshots_do_not_nest() {
-        assert_eq!(VmState::Snapshotting.transition(Transition::BeginRollback), Ok(VmState::RollingBack));
-        assert!(VmState::Snapshotting.transition(Transition::BeginSnapshot).is_err());
-        assert!(VmState::RollingBack.transition(Transition::BeginSnapshot).is_err());
-        assert!(VmState::RollingBack.transition(Transition::BeginRollback).is_err());
+        assert_eq!(
+            VmState::Snapshotting.transition(Transition::BeginRollback),
+            Ok(VmState::RollingBack)
+        );
+        assert!(VmState::Snapshotting
+            .transition(Transition::BeginSnapshot)
+            .is_err());
+        assert!(VmState::RollingBack
+            .transition(Transition::BeginSnapshot)
+            .is_err());
+        assert!(VmState::RollingBack
+            .transition(Transition::BeginRollback)
+            .is_err());
     }
 }

@@ -109,9 +109,15 @@ pub enum BackendError {
     #[error("{step}: {message}")]
     Command { step: &'static str, message: String },
     #[error("{step}: hypervisor did not answer within {timeout:?}")]
-    Timeout { step: &'static str, timeout: Duration },
+    Timeout {
+        step: &'static str,
+        timeout: Duration,
+    },
     #[error("{step}: {source}")]
-    Io { step: &'static str, source: std::io::Error },
+    Io {
+        step: &'static str,
+        source: std::io::Error,
+    },
     #[error("{step}: unexpected reply: {detail}")]
     Protocol { step: &'static str, detail: String },
     #[error("{step}: the VM is not running")]

@@ -16,11 +16,20 @@ type HmacSha256 = Hmac<Sha256>;
 #[derive(Debug, thiserror::Error)]
 pub enum KeyError {
     #[error("cannot create key directory {path}: {source}")]
-    CreateDir { path: PathBuf, source: std::io::Error },
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot read host key {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot write host key {path}: {source}")]
-    Write { path: PathBuf, source: std::io::Error },
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("host key {path} has {len} bytes, expected {KEY_LEN}")]
     BadLength { path: PathBuf, len: usize },
     #[error("host key {path} is readable by others (mode {mode:o}); it must be 0600 or stricter")]
@@ -53,38 +62,59 @@ impl HostKey {
         match File::open(path) {
             Ok(file) => Self::read_from(path, file),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Self::create(path),
-            Err(source) => Err(KeyError::Read { path: path.into(), source }),
+            Err(source) => Err(KeyError::Read {
+                path: path.into(),
+                source,
+            }),
         }
     }
 
     fn read_from(path: &Path, mut file: File) -> Result<Self, KeyError> {
-        let meta = file.metadata().map_err(|source| KeyError::Read { path: path.into(), source })?;
+        let meta = file.metadata().map_err(|source| KeyError::Read {
+            path: path.into(),
+            source,
+        })?;
         let mode = meta.permissions().mode() & 0o777;
         if mode & 0o077 != 0 {
-            return Err(KeyError::TooOpen { path: path.into(), mode });
+            return Err(KeyError::TooOpen {
+                path: path.into(),
+                mode,
+            });
         }
         let mut buf = Vec::with_capacity(KEY_LEN);
         Read::by_ref(&mut file)
             .take(KEY_LEN as u64 + 1)
             .read_to_end(&mut buf)
-            .map_err(|source| KeyError::Read { path: path.into(), source })?;
-        let bytes: [u8; KEY_LEN] = buf
-            .as_slice()
-            .try_into()
-            .map_err(|_| KeyError::BadLength { path: path.into(), len: buf.len() })?;
+            .map_err(|source| KeyError::Read {
+                path: path.into(),
+                source,
+            })?;
+        let bytes: [u8; KEY_LEN] = buf.as_slice().try_into().map_err(|_| KeyError::BadLength {
+            path: path.into(),
+            len: buf.len(),
+        })?;
         Ok(Self { bytes })
     }
 
     fn create(path: &Path) -> Result<Self, KeyError> {
         if let Some(dir) = path.parent() {
-            fs::create_dir_all(dir)
-                .map_err(|source| KeyError::CreateDir { path: dir.into(), source })?;
-            fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
-                .map_err(|source| KeyError::CreateDir { path: dir.into(), source })?;
+            fs::create_dir_all(dir).map_err(|source| KeyError::CreateDir {
+                path: dir.into(),
+                source,
+            })?;
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(|source| {
+                KeyError::CreateDir {
+                    path: dir.into(),
+                    source,
+                }
+            })?;
         }
         let mut bytes = [0u8; KEY_LEN];
         getrandom::getrandom(&mut bytes).map_err(|e| KeyError::Random(e.to_string()))?;
-        let write_err = |source| KeyError::Write { path: path.into(), source };
+        let write_err = |source| KeyError::Write {
+            path: path.into(),
+            source,
+        };
         // create_new: two daemons racing to create the key must not overwrite each other.
         let mut file = OpenOptions::new()
             .write(true)
@@ -95,7 +125,9 @@ impl HostKey {
         file.write_all(&bytes).map_err(write_err)?;
         file.sync_all().map_err(write_err)?;
         if let Some(dir) = path.parent() {
-            File::open(dir).and_then(|d| d.sync_all()).map_err(write_err)?;
+            File::open(dir)
+                .and_then(|d| d.sync_all())
+                .map_err(write_err)?;
         }
         Ok(Self { bytes })
     }
@@ -134,7 +166,11 @@ mod tests {
         let a = HostKey::load_or_create(&path).unwrap();
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        let dmode = fs::metadata(path.parent().unwrap()).unwrap().permissions().mode() & 0o777;
+        let dmode = fs::metadata(path.parent().unwrap())
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
         assert_eq!(dmode, 0o700);
         let b = HostKey::load_or_create(&path).unwrap();
         assert_eq!(a.sign_hex(b"x"), b.sign_hex(b"x"));
@@ -146,7 +182,10 @@ mod tests {
         let path = dir.path().join("host.key");
         HostKey::load_or_create(&path).unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).unwrap();
-        assert!(matches!(HostKey::load_or_create(&path), Err(KeyError::TooOpen { .. })));
+        assert!(matches!(
+            HostKey::load_or_create(&path),
+            Err(KeyError::TooOpen { .. })
+        ));
     }
 
     #[test]
@@ -155,7 +194,10 @@ mod tests {
         let path = dir.path().join("host.key");
         fs::write(&path, b"short").unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
-        assert!(matches!(HostKey::load_or_create(&path), Err(KeyError::BadLength { len: 5, .. })));
+        assert!(matches!(
+            HostKey::load_or_create(&path),
+            Err(KeyError::BadLength { len: 5, .. })
+        ));
     }
 
     #[test]

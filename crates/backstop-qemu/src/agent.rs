@@ -37,11 +37,16 @@ pub enum GuestLine {
 /// Parses one line (without its newline). Strict: `HB`, one space, 1–20 ASCII digits, no sign,
 /// no leading/trailing whitespace, value fits u64.
 pub fn parse_guest_line(line: &[u8]) -> GuestLine {
-    let Some(rest) = line.strip_prefix(b"HB ") else { return GuestLine::Rejected };
+    let Some(rest) = line.strip_prefix(b"HB ") else {
+        return GuestLine::Rejected;
+    };
     if rest.is_empty() || rest.len() > 20 || !rest.iter().all(u8::is_ascii_digit) {
         return GuestLine::Rejected;
     }
-    std::str::from_utf8(rest).ok().and_then(|s| s.parse().ok()).map_or(GuestLine::Rejected, GuestLine::Heartbeat)
+    std::str::from_utf8(rest)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .map_or(GuestLine::Rejected, GuestLine::Heartbeat)
 }
 
 /// Splits a byte stream into bounded lines. Over-long lines are discarded up to their newline.
@@ -91,7 +96,9 @@ impl AgentChannel {
         }
         if let Some(reader) = stream.as_ref().and_then(|s| s.try_clone().ok()) {
             let stats = Arc::clone(&stats);
-            let _ = std::thread::Builder::new().name("agent-reader".into()).spawn(move || read_loop(reader, stats));
+            let _ = std::thread::Builder::new()
+                .name("agent-reader".into())
+                .spawn(move || read_loop(reader, stats));
         }
         AgentChannel { stream, stats }
     }
@@ -161,8 +168,22 @@ mod tests {
     #[test]
     fn only_exact_heartbeats_are_credited() {
         assert_eq!(parse_guest_line(b"HB 1"), GuestLine::Heartbeat(1));
-        assert_eq!(parse_guest_line(b"HB 18446744073709551615"), GuestLine::Heartbeat(u64::MAX));
-        for bad in [&b"HB"[..], b"HB ", b"HB -1", b"HB 1 ", b" HB 1", b"hb 1", b"HB 18446744073709551616", b"HB 1x", b"EPOCH 3", b"\xff\xfe"] {
+        assert_eq!(
+            parse_guest_line(b"HB 18446744073709551615"),
+            GuestLine::Heartbeat(u64::MAX)
+        );
+        for bad in [
+            &b"HB"[..],
+            b"HB ",
+            b"HB -1",
+            b"HB 1 ",
+            b" HB 1",
+            b"hb 1",
+            b"HB 18446744073709551616",
+            b"HB 1x",
+            b"EPOCH 3",
+            b"\xff\xfe",
+        ] {
             assert_eq!(parse_guest_line(bad), GuestLine::Rejected, "{bad:?}");
         }
     }
@@ -187,7 +208,11 @@ mod tests {
         let t = std::thread::spawn(move || read_loop(host, st));
         let mut flood = Vec::new();
         for i in 0..10_000 {
-            flood.extend_from_slice(if i % 2 == 0 { b"garbage\x00\xff\n" as &[u8] } else { b"HB 9\n" });
+            flood.extend_from_slice(if i % 2 == 0 {
+                b"garbage\x00\xff\n" as &[u8]
+            } else {
+                b"HB 9\n"
+            });
         }
         guest.write_all(&flood).unwrap();
         drop(guest);

@@ -32,9 +32,23 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
     let mut a: Vec<String> = Vec::new();
     let mut push = |parts: &[&str]| a.extend(parts.iter().map(|s| s.to_string()));
     push(&["-name", &cfg.vm_name]);
-    push(&["-machine", &format!("{},accel={}", cfg.machine, cfg.accel.as_str())]);
-    push(&["-m", &cfg.memory_mib.to_string(), "-smp", &cfg.vcpus.to_string()]);
-    push(&["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"]);
+    push(&[
+        "-machine",
+        &format!("{},accel={}", cfg.machine, cfg.accel.as_str()),
+    ]);
+    push(&[
+        "-m",
+        &cfg.memory_mib.to_string(),
+        "-smp",
+        &cfg.vcpus.to_string(),
+    ]);
+    push(&[
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+    ]);
     push(&["-kernel", &cfg.kernel.to_string_lossy()]);
     if let Some(initrd) = &cfg.initrd {
         push(&["-initrd", &initrd.to_string_lossy()]);
@@ -42,7 +56,10 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
     push(&["-append", &cfg.append]);
     push(&[
         "-chardev",
-        &format!("file,id=serial0,path={},append=on", cfg.serial_log.display()),
+        &format!(
+            "file,id=serial0,path={},append=on",
+            cfg.serial_log.display()
+        ),
         "-serial",
         "chardev:serial0",
     ]);
@@ -50,7 +67,10 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
         "-device",
         "virtio-serial-pci,id=vser0",
         "-chardev",
-        &format!("socket,id=agent0,path={},server=on,wait=off", run.join("agent.sock").display()),
+        &format!(
+            "socket,id=agent0,path={},server=on,wait=off",
+            run.join("agent.sock").display()
+        ),
         "-device",
         "virtserialport,bus=vser0.0,chardev=agent0,name=org.backstop.agent.0",
     ]);
@@ -63,7 +83,11 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
                 d.active.display()
             ),
             "-device",
-            &format!("virtio-blk-pci,drive={},id={}", node_name(&d.id), device_id(&d.id)),
+            &format!(
+                "virtio-blk-pci,drive={},id={}",
+                node_name(&d.id),
+                device_id(&d.id)
+            ),
         ]);
     }
     if cfg.watchdog {
@@ -77,7 +101,10 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
             &format!("virtio-net-pci,netdev=net-{nic},id={}", nic_id(nic)),
         ]);
     }
-    push(&["-qmp", &format!("unix:{},server=on,wait=off", run.join("qmp.sock").display())]);
+    push(&[
+        "-qmp",
+        &format!("unix:{},server=on,wait=off", run.join("qmp.sock").display()),
+    ]);
     push(&["-pidfile", &run.join("qemu.pid").to_string_lossy()]);
     if mode == BootMode::Incoming {
         push(&["-incoming", "defer", "-S"]);
@@ -93,7 +120,11 @@ pub fn fingerprint(cfg: &QemuConfig) -> String {
         h.update(s.as_bytes());
         h.update(b"\n");
     };
-    line(format!("machine={} accel={}", cfg.machine, cfg.accel.as_str()));
+    line(format!(
+        "machine={} accel={}",
+        cfg.machine,
+        cfg.accel.as_str()
+    ));
     line(format!("memory_mib={} vcpus={}", cfg.memory_mib, cfg.vcpus));
     line(format!("watchdog={}", cfg.watchdog));
     for (id, captured) in &cfg.disk_shape {
@@ -137,7 +168,11 @@ mod tests {
 
     #[test]
     fn incoming_mode_starts_paused_and_deferred() {
-        let disks = vec![DiskAttachment { id: "data".into(), active: PathBuf::from("/l/1.qcow2"), captured: true }];
+        let disks = vec![DiskAttachment {
+            id: "data".into(),
+            active: PathBuf::from("/l/1.qcow2"),
+            captured: true,
+        }];
         let cold = command_line(&cfg(), &disks, BootMode::Cold);
         assert!(!cold.iter().any(|a| a == "-incoming"));
         let inc = command_line(&cfg(), &disks, BootMode::Incoming);

@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use backstop_hypervisor::{
-    BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch, Result,
-    RestoreReport, RevocationReport, RunState, VmBackend, VmEvent,
+    BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch,
+    RestoreReport, Result, RevocationReport, RunState, VmBackend, VmEvent,
 };
 
 pub use agent::{AgentStats, GUEST_LINE_MAX};
@@ -96,13 +96,29 @@ pub struct QemuConfig {
 /// Device types that are grantable host hardware (or its emulated stand-ins) and are taken
 /// away on every rollback. Matched against QOM types under /machine/peripheral.
 pub const GRANTABLE_TYPE_PREFIXES: &[&str] = &[
-    "vfio-", "usb-host", "usb-audio", "usb-tablet", "usb-storage", "usb-kbd", "usb-mouse",
-    "usb-mtp", "usb-serial", "usb-redir", "virtio-gpu", "edu", "intel-hda", "ich9-intel-hda",
-    "hda-", "virtio-sound", "pci-testdev",
+    "vfio-",
+    "usb-host",
+    "usb-audio",
+    "usb-tablet",
+    "usb-storage",
+    "usb-kbd",
+    "usb-mouse",
+    "usb-mtp",
+    "usb-serial",
+    "usb-redir",
+    "virtio-gpu",
+    "edu",
+    "intel-hda",
+    "ich9-intel-hda",
+    "hda-",
+    "virtio-sound",
+    "pci-testdev",
 ];
 
 fn is_grantable(qom_type: &str) -> bool {
-    GRANTABLE_TYPE_PREFIXES.iter().any(|p| qom_type.starts_with(p))
+    GRANTABLE_TYPE_PREFIXES
+        .iter()
+        .any(|p| qom_type.starts_with(p))
 }
 
 struct Running {
@@ -127,7 +143,12 @@ pub struct QemuBackend {
 
 impl QemuBackend {
     pub fn new(cfg: QemuConfig) -> Self {
-        Self { cfg, running: None, disks: Vec::new(), active_nodes: Default::default() }
+        Self {
+            cfg,
+            running: None,
+            disks: Vec::new(),
+            active_nodes: Default::default(),
+        }
     }
 
     pub fn config(&self) -> &QemuConfig {
@@ -136,22 +157,32 @@ impl QemuBackend {
 
     /// Heartbeat counters from the guest agent channel.
     pub fn agent_stats(&self) -> AgentStats {
-        self.running.as_ref().map(|r| r.agent.stats()).unwrap_or_default()
+        self.running
+            .as_ref()
+            .map(|r| r.agent.stats())
+            .unwrap_or_default()
     }
 
     /// Raw QMP access for tests and diagnostics (e.g. `query-pci`).
     pub fn qmp_execute(&mut self, command: &'static str, args: Option<Value>) -> Result<Value> {
         let timeout = self.cfg.qmp_timeout;
-        self.running_mut(command)?.qmp.execute(command, args, timeout)
+        self.running_mut(command)?
+            .qmp
+            .execute(command, args, timeout)
     }
 
     fn running_mut(&mut self, step: &'static str) -> Result<&mut Running> {
-        self.running.as_mut().ok_or(BackendError::NotRunning { step })
+        self.running
+            .as_mut()
+            .ok_or(BackendError::NotRunning { step })
     }
 
     fn spawn(&mut self, mode: BootMode) -> Result<Running> {
         let run = &self.cfg.run_dir;
-        std::fs::create_dir_all(run).map_err(|source| BackendError::Io { step: "create run dir", source })?;
+        std::fs::create_dir_all(run).map_err(|source| BackendError::Io {
+            step: "create run dir",
+            source,
+        })?;
         let qmp_path = run.join("qmp.sock");
         let agent_path = run.join("agent.sock");
         for p in [&qmp_path, &agent_path] {
@@ -161,11 +192,20 @@ impl QemuBackend {
             .create(true)
             .append(true)
             .open(run.join("qemu.log"))
-            .map_err(|source| BackendError::Io { step: "open qemu.log", source })?;
-        let log2 = log.try_clone().map_err(|source| BackendError::Io { step: "open qemu.log", source })?;
+            .map_err(|source| BackendError::Io {
+                step: "open qemu.log",
+                source,
+            })?;
+        let log2 = log.try_clone().map_err(|source| BackendError::Io {
+            step: "open qemu.log",
+            source,
+        })?;
         let args = command_line(&self.cfg, &self.disks, mode);
         let mut cmd = Command::new(&self.cfg.binary);
-        cmd.args(&args).stdin(Stdio::null()).stdout(log).stderr(log2);
+        cmd.args(&args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(log2);
         // SAFETY: the closure runs in the child between fork and exec and only calls
         // sigemptyset(3), pthread_sigmask(3) and prctl(2), which are async-signal-safe; the
         // sigset lives on the child's stack.
@@ -182,19 +222,28 @@ impl QemuBackend {
                 Ok(())
             });
         }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| BackendError::Launch(format!("cannot start {}: {e}", self.cfg.binary.display())))?;
+        let mut child = cmd.spawn().map_err(|e| {
+            BackendError::Launch(format!("cannot start {}: {e}", self.cfg.binary.display()))
+        })?;
         let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(10)) {
             Ok(q) => q,
             Err(e) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(BackendError::Launch(format!("{e}; qemu said: {}", log_tail(&run.join("qemu.log")))));
+                return Err(BackendError::Launch(format!(
+                    "{e}; qemu said: {}",
+                    log_tail(&run.join("qemu.log"))
+                )));
             }
         };
         let agent = agent::AgentChannel::connect(&agent_path);
-        Ok(Running { child, qmp, agent, capture: None, restore: None })
+        Ok(Running {
+            child,
+            qmp,
+            agent,
+            capture: None,
+            restore: None,
+        })
     }
 
     fn event_us(ev: &qmp::QmpEvent) -> u64 {
@@ -209,8 +258,11 @@ fn log_tail(path: &Path) -> String {
 }
 
 fn pipe() -> Result<(File, File)> {
-    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| BackendError::Io { step: "pipe", source: e.into() })?;
+    let (r, w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::Io {
+            step: "pipe",
+            source: e.into(),
+        })?;
     Ok((File::from(r), File::from(w)))
 }
 
@@ -233,10 +285,15 @@ impl VmBackend for QemuBackend {
 
     fn launch(&mut self, disks: &[DiskAttachment], mode: BootMode) -> Result<()> {
         if self.running.is_some() {
-            return Err(BackendError::Launch("a QEMU is already running for this VM".into()));
+            return Err(BackendError::Launch(
+                "a QEMU is already running for this VM".into(),
+            ));
         }
         self.disks = disks.to_vec();
-        self.active_nodes = disks.iter().map(|d| (d.id.clone(), cmdline::node_name(&d.id))).collect();
+        self.active_nodes = disks
+            .iter()
+            .map(|d| (d.id.clone(), cmdline::node_name(&d.id)))
+            .collect();
         let mut running = self.spawn(mode)?;
         let t = self.cfg.qmp_timeout;
         let caps: Vec<Value> = match mode {
@@ -246,49 +303,72 @@ impl VmBackend for QemuBackend {
             ],
             BootMode::Incoming => vec![json!({"capability": "events", "state": true})],
         };
-        running.qmp.execute("migrate-set-capabilities", Some(json!({ "capabilities": caps })), t)?;
+        running.qmp.execute(
+            "migrate-set-capabilities",
+            Some(json!({ "capabilities": caps })),
+            t,
+        )?;
         if mode == BootMode::Cold {
-            running
-                .qmp
-                .execute("migrate-set-parameters", Some(json!({"max-bandwidth": self.cfg.max_bandwidth})), t)?;
+            running.qmp.execute(
+                "migrate-set-parameters",
+                Some(json!({"max-bandwidth": self.cfg.max_bandwidth})),
+                t,
+            )?;
         }
         if self.cfg.watchdog {
             // The watchdog must never reset the guest behind our back: pause it and let the
             // engine decide (an expiry is an emergency rollback).
-            running.qmp.execute("watchdog-set-action", Some(json!({"action": "pause"})), t)?;
+            running
+                .qmp
+                .execute("watchdog-set-action", Some(json!({"action": "pause"})), t)?;
         }
         self.running = Some(running);
         Ok(())
     }
 
     fn run_state(&mut self) -> Result<RunState> {
-        let Some(r) = self.running.as_mut() else { return Ok(RunState::NotStarted) };
+        let Some(r) = self.running.as_mut() else {
+            return Ok(RunState::NotStarted);
+        };
         if let Ok(Some(_)) = r.child.try_wait() {
             return Ok(RunState::Exited);
         }
         let t = self.cfg.qmp_timeout;
         let status = r.qmp.execute("query-status", None, t)?;
-        Ok(match status.get("status").and_then(Value::as_str).unwrap_or("") {
-            "running" => RunState::Running,
-            "inmigrate" => RunState::Incoming,
-            "shutdown" | "guest-panicked" | "internal-error" => RunState::Exited,
-            _ => RunState::Paused,
-        })
+        Ok(
+            match status.get("status").and_then(Value::as_str).unwrap_or("") {
+                "running" => RunState::Running,
+                "inmigrate" => RunState::Incoming,
+                "shutdown" | "guest-panicked" | "internal-error" => RunState::Exited,
+                _ => RunState::Paused,
+            },
+        )
     }
 
     fn poll_events(&mut self) -> Result<Vec<VmEvent>> {
-        let Some(r) = self.running.as_mut() else { return Ok(Vec::new()) };
+        let Some(r) = self.running.as_mut() else {
+            return Ok(Vec::new());
+        };
         let mut out = Vec::new();
         if let Ok(Some(status)) = r.child.try_wait() {
-            out.push(VmEvent::Exited { detail: format!("qemu exited: {status}") });
+            out.push(VmEvent::Exited {
+                detail: format!("qemu exited: {status}"),
+            });
             return Ok(out);
         }
         for ev in r.qmp.drain_events()? {
             match ev.name.as_str() {
                 "WATCHDOG" => out.push(VmEvent::WatchdogExpired {
-                    action: ev.data.get("action").and_then(Value::as_str).unwrap_or("").to_string(),
+                    action: ev
+                        .data
+                        .get("action")
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .to_string(),
                 }),
-                "SHUTDOWN" => out.push(VmEvent::Exited { detail: ev.data.to_string() }),
+                "SHUTDOWN" => out.push(VmEvent::Exited {
+                    detail: ev.data.to_string(),
+                }),
                 "GUEST_PANICKED" => out.push(VmEvent::GuestPanicked),
                 _ => {}
             }
@@ -307,8 +387,14 @@ impl VmBackend for QemuBackend {
             let disk = new_disks
                 .iter_mut()
                 .find(|d| d.id == sw.id)
-                .ok_or_else(|| BackendError::Command { step: "disk switch", message: format!("unknown disk {}", sw.id) })?;
-            let node = new_nodes.get(&sw.id).cloned().unwrap_or_else(|| cmdline::node_name(&sw.id));
+                .ok_or_else(|| BackendError::Command {
+                    step: "disk switch",
+                    message: format!("unknown disk {}", sw.id),
+                })?;
+            let node = new_nodes
+                .get(&sw.id)
+                .cloned()
+                .unwrap_or_else(|| cmdline::node_name(&sw.id));
             let fresh = cmdline::fresh_node_name(&sw.id, &sw.new_active);
             actions.push(json!({
                 "type": "blockdev-snapshot-sync",
@@ -326,7 +412,12 @@ impl VmBackend for QemuBackend {
         }
         let (reader, writer) = pipe()?;
         let r = self.running_mut("capture")?;
-        r.qmp.execute_with_fd("getfd", Some(json!({"fdname": "backstop-capture"})), Some(writer.as_raw_fd()), t)?;
+        r.qmp.execute_with_fd(
+            "getfd",
+            Some(json!({"fdname": "backstop-capture"})),
+            Some(writer.as_raw_fd()),
+            t,
+        )?;
         drop(writer);
         r.qmp.execute("stop", None, t)?;
         let stop = r.qmp.wait_event("STOP", t, "stop")?;
@@ -334,39 +425,66 @@ impl VmBackend for QemuBackend {
         let switched = if actions.is_empty() {
             Ok(Value::Null)
         } else {
-            r.qmp.execute("transaction", Some(json!({ "actions": actions })), t)
+            r.qmp
+                .execute("transaction", Some(json!({ "actions": actions })), t)
         };
         if let Err(e) = switched {
-            let _ = r.qmp.execute("closefd", Some(json!({"fdname": "backstop-capture"})), t);
+            let _ = r
+                .qmp
+                .execute("closefd", Some(json!({"fdname": "backstop-capture"})), t);
             let _ = r.qmp.execute("cont", None, t);
             return Err(e);
         }
-        if let Err(e) = r.qmp.execute("migrate", Some(json!({"uri": "fd:backstop-capture"})), t) {
+        if let Err(e) = r
+            .qmp
+            .execute("migrate", Some(json!({"uri": "fd:backstop-capture"})), t)
+        {
             // The disks already switched; the VM simply runs on the new overlays.
             let _ = r.qmp.execute("cont", None, t);
             self.disks = new_disks;
             self.active_nodes = new_nodes;
             return Err(e);
         }
-        r.capture = Some(CaptureInFlight { stop_us: Self::event_us(&stop) });
+        r.capture = Some(CaptureInFlight {
+            stop_us: Self::event_us(&stop),
+        });
         self.disks = new_disks;
         self.active_nodes = new_nodes;
-        Ok(CaptureStream { reader: Box::new(reader), frozen_layers: frozen })
+        Ok(CaptureStream {
+            reader: Box::new(reader),
+            frozen_layers: frozen,
+        })
     }
 
     fn finish_capture(&mut self) -> Result<CaptureReport> {
         let t = self.cfg.qmp_timeout;
         let r = self.running_mut("finish capture")?;
         let Some(cap) = r.capture.take() else {
-            return Err(BackendError::Command { step: "finish capture", message: "no capture in flight".into() });
+            return Err(BackendError::Command {
+                step: "finish capture",
+                message: "no capture in flight".into(),
+            });
         };
-        let done = r.qmp.wait_event_matching("capture", Duration::from_secs(600), |e| {
-            e.name == "MIGRATION"
-                && matches!(e.data.get("status").and_then(Value::as_str), Some("completed" | "failed" | "cancelled"))
-        });
+        let done = r
+            .qmp
+            .wait_event_matching("capture", Duration::from_secs(600), |e| {
+                e.name == "MIGRATION"
+                    && matches!(
+                        e.data.get("status").and_then(Value::as_str),
+                        Some("completed" | "failed" | "cancelled")
+                    )
+            });
         let resume = r.qmp.wait_event("RESUME", t, "resume after capture");
-        let info = r.qmp.execute("query-migrate", None, t).unwrap_or(Value::Null);
-        let status = done?.data.get("status").and_then(Value::as_str).unwrap_or("").to_string();
+        let info = r
+            .qmp
+            .execute("query-migrate", None, t)
+            .unwrap_or(Value::Null);
+        let status = done?
+            .data
+            .get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         let resume = match resume {
             Ok(ev) => ev,
             Err(e) => {
@@ -376,13 +494,24 @@ impl VmBackend for QemuBackend {
             }
         };
         if status != "completed" {
-            let why = info.get("error-desc").and_then(Value::as_str).unwrap_or(&status).to_string();
-            return Err(BackendError::Command { step: "capture", message: format!("migration {why}") });
+            let why = info
+                .get("error-desc")
+                .and_then(Value::as_str)
+                .unwrap_or(&status)
+                .to_string();
+            return Err(BackendError::Command {
+                step: "capture",
+                message: format!("migration {why}"),
+            });
         }
         Ok(CaptureReport {
             pause_us: resume.timestamp_us.saturating_sub(cap.stop_us),
             downtime_ms: info.get("downtime").and_then(Value::as_u64),
-            state_bytes: info.get("ram").and_then(|r| r.get("transferred")).and_then(Value::as_u64).unwrap_or(0),
+            state_bytes: info
+                .get("ram")
+                .and_then(|r| r.get("transferred"))
+                .and_then(Value::as_u64)
+                .unwrap_or(0),
         })
     }
 
@@ -391,7 +520,9 @@ impl VmBackend for QemuBackend {
         if let Some(r) = self.running.as_mut() {
             if r.capture.take().is_some() {
                 let _ = r.qmp.execute("migrate_cancel", None, t);
-                let _ = r.qmp.wait_event("RESUME", Duration::from_secs(2), "resume after abort");
+                let _ = r
+                    .qmp
+                    .wait_event("RESUME", Duration::from_secs(2), "resume after abort");
                 if let Ok(s) = r.qmp.execute("query-status", None, t) {
                     if s.get("status").and_then(Value::as_str) == Some("paused") {
                         let _ = r.qmp.execute("cont", None, t);
@@ -420,10 +551,15 @@ impl VmBackend for QemuBackend {
         let nics = self.cfg.nics.clone();
         let r = self.running_mut("revoke")?;
         let mut report = RevocationReport::default();
-        let peripherals = r.qmp.execute("qom-list", Some(json!({"path": "/machine/peripheral"})), t)?;
+        let peripherals =
+            r.qmp
+                .execute("qom-list", Some(json!({"path": "/machine/peripheral"})), t)?;
         let mut pending = Vec::new();
         for item in peripherals.as_array().into_iter().flatten() {
-            let (Some(name), Some(ty)) = (item.get("name").and_then(Value::as_str), item.get("type").and_then(Value::as_str)) else {
+            let (Some(name), Some(ty)) = (
+                item.get("name").and_then(Value::as_str),
+                item.get("type").and_then(Value::as_str),
+            ) else {
                 continue;
             };
             let ty = ty.trim_start_matches("child<").trim_end_matches('>');
@@ -436,17 +572,26 @@ impl VmBackend for QemuBackend {
         }
         let deadline = Instant::now() + bound;
         for (name, ty) in pending {
-            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1));
             let gone = r.qmp.wait_event_matching("device_del", left, |e| {
-                e.name == "DEVICE_DELETED" && e.data.get("device").and_then(Value::as_str) == Some(name.as_str())
+                e.name == "DEVICE_DELETED"
+                    && e.data.get("device").and_then(Value::as_str) == Some(name.as_str())
             });
             match gone {
                 Ok(_) => report.revoked.push(format!("device_del {ty} {name}")),
-                Err(_) => report.not_released.push(format!("{ty} {name} (ended with the process)")),
+                Err(_) => report
+                    .not_released
+                    .push(format!("{ty} {name} (ended with the process)")),
             }
         }
         for nic in nics {
-            r.qmp.execute("set_link", Some(json!({"name": cmdline::nic_id(&nic), "up": false})), t)?;
+            r.qmp.execute(
+                "set_link",
+                Some(json!({"name": cmdline::nic_id(&nic), "up": false})),
+                t,
+            )?;
             report.revoked.push(format!("link down {nic}"));
         }
         report.revoked.push("guest agent channel closed".into());
@@ -455,19 +600,26 @@ impl VmBackend for QemuBackend {
     }
 
     fn terminate(&mut self) -> Result<()> {
-        let Some(mut r) = self.running.take() else { return Ok(()) };
+        let Some(mut r) = self.running.take() else {
+            return Ok(());
+        };
         r.agent.close();
         let _ = r.qmp.execute("quit", None, Duration::from_millis(500));
         let deadline = Instant::now() + Duration::from_secs(2);
         loop {
             match r.child.try_wait() {
                 Ok(Some(_)) => return Ok(()),
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10))
+                }
                 _ => break,
             }
         }
         let _ = r.child.kill();
-        r.child.wait().map_err(|source| BackendError::Io { step: "wait for qemu to end", source })?;
+        r.child.wait().map_err(|source| BackendError::Io {
+            step: "wait for qemu to end",
+            source,
+        })?;
         Ok(())
     }
 
@@ -475,9 +627,18 @@ impl VmBackend for QemuBackend {
         let t = self.cfg.qmp_timeout;
         let (reader, writer) = pipe()?;
         let r = self.running_mut("restore")?;
-        r.qmp.execute_with_fd("getfd", Some(json!({"fdname": "backstop-restore"})), Some(reader.as_raw_fd()), t)?;
+        r.qmp.execute_with_fd(
+            "getfd",
+            Some(json!({"fdname": "backstop-restore"})),
+            Some(reader.as_raw_fd()),
+            t,
+        )?;
         drop(reader);
-        r.qmp.execute("migrate-incoming", Some(json!({"uri": "fd:backstop-restore"})), t)?;
+        r.qmp.execute(
+            "migrate-incoming",
+            Some(json!({"uri": "fd:backstop-restore"})),
+            t,
+        )?;
         r.restore = Some(Instant::now());
         Ok(Box::new(writer))
     }
@@ -487,21 +648,39 @@ impl VmBackend for QemuBackend {
         let nics = self.cfg.nics.clone();
         let r = self.running_mut("finish restore")?;
         let started = r.restore.take().unwrap_or_else(Instant::now);
-        let done = r.qmp.wait_event_matching("restore", Duration::from_secs(600), |e| {
-            e.name == "MIGRATION"
-                && matches!(e.data.get("status").and_then(Value::as_str), Some("completed" | "failed" | "cancelled"))
-        })?;
-        let status = done.data.get("status").and_then(Value::as_str).unwrap_or("").to_string();
+        let done = r
+            .qmp
+            .wait_event_matching("restore", Duration::from_secs(600), |e| {
+                e.name == "MIGRATION"
+                    && matches!(
+                        e.data.get("status").and_then(Value::as_str),
+                        Some("completed" | "failed" | "cancelled")
+                    )
+            })?;
+        let status = done
+            .data
+            .get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         if status != "completed" {
             return Err(BackendError::RestoreCheck(format!("state load {status}")));
         }
         let load_ms = started.elapsed().as_millis() as u64;
         let st = r.qmp.execute("query-status", None, t)?;
-        let st = st.get("status").and_then(Value::as_str).unwrap_or("").to_string();
+        let st = st
+            .get("status")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         if st != "paused" {
-            return Err(BackendError::RestoreCheck(format!("restored VM is {st:?}, expected paused")));
+            return Err(BackendError::RestoreCheck(format!(
+                "restored VM is {st:?}, expected paused"
+            )));
         }
-        let peripherals = r.qmp.execute("qom-list", Some(json!({"path": "/machine/peripheral"})), t)?;
+        let peripherals =
+            r.qmp
+                .execute("qom-list", Some(json!({"path": "/machine/peripheral"})), t)?;
         let mut devices = Vec::new();
         for item in peripherals.as_array().into_iter().flatten() {
             let name = item.get("name").and_then(Value::as_str).unwrap_or("");
@@ -511,13 +690,19 @@ impl VmBackend for QemuBackend {
             }
             let ty = ty.trim_start_matches("child<").trim_end_matches('>');
             if is_grantable(ty) {
-                return Err(BackendError::RestoreCheck(format!("grantable device {ty} {name} present after restore")));
+                return Err(BackendError::RestoreCheck(format!(
+                    "grantable device {ty} {name} present after restore"
+                )));
             }
             devices.push(format!("{ty} {name}"));
         }
         // Network access does not survive a rollback: the restored VM's links start down.
         for nic in nics {
-            r.qmp.execute("set_link", Some(json!({"name": cmdline::nic_id(&nic), "up": false})), t)?;
+            r.qmp.execute(
+                "set_link",
+                Some(json!({"name": cmdline::nic_id(&nic), "up": false})),
+                t,
+            )?;
         }
         Ok(RestoreReport { load_ms, devices })
     }
@@ -534,4 +719,3 @@ impl Drop for QemuBackend {
         let _ = self.terminate();
     }
 }
-

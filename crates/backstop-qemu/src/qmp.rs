@@ -47,10 +47,20 @@ impl Qmp {
                     let _ = e;
                     std::thread::sleep(Duration::from_millis(20));
                 }
-                Err(source) => return Err(BackendError::Io { step: "qmp connect", source }),
+                Err(source) => {
+                    return Err(BackendError::Io {
+                        step: "qmp connect",
+                        source,
+                    })
+                }
             }
         };
-        let mut qmp = Qmp { stream, buf: Vec::with_capacity(4096), events: VecDeque::new(), next_id: 1 };
+        let mut qmp = Qmp {
+            stream,
+            buf: Vec::with_capacity(4096),
+            events: VecDeque::new(),
+            next_id: 1,
+        };
         let greeting = qmp.read_message("qmp greeting", timeout)?;
         if greeting.get("QMP").is_none() {
             return Err(BackendError::Protocol {
@@ -64,7 +74,12 @@ impl Qmp {
 
     /// Runs one command and returns its `return` value. A QMP `error` becomes
     /// [`BackendError::Command`] carrying QEMU's description.
-    pub fn execute(&mut self, command: &'static str, args: Option<Value>, timeout: Duration) -> Result<Value> {
+    pub fn execute(
+        &mut self,
+        command: &'static str,
+        args: Option<Value>,
+        timeout: Duration,
+    ) -> Result<Value> {
         self.execute_with_fd(command, args, None, timeout)
     }
 
@@ -93,7 +108,10 @@ impl Qmp {
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
-                return Err(BackendError::Timeout { step: command, timeout });
+                return Err(BackendError::Timeout {
+                    step: command,
+                    timeout,
+                });
             }
             let msg = self.read_message(command, remaining)?;
             if self.queue_if_event(&msg) {
@@ -107,25 +125,48 @@ impl Qmp {
                 return Ok(ret.clone());
             }
             if let Some(err) = msg.get("error") {
-                let desc = err.get("desc").and_then(Value::as_str).unwrap_or("unknown error");
-                return Err(BackendError::Command { step: command, message: desc.to_string() });
+                let desc = err
+                    .get("desc")
+                    .and_then(Value::as_str)
+                    .unwrap_or("unknown error");
+                return Err(BackendError::Command {
+                    step: command,
+                    message: desc.to_string(),
+                });
             }
-            return Err(BackendError::Protocol { step: command, detail: truncate(&msg.to_string()) });
+            return Err(BackendError::Protocol {
+                step: command,
+                detail: truncate(&msg.to_string()),
+            });
         }
     }
 
     fn send(&mut self, step: &'static str, bytes: &[u8], fd: Option<RawFd>) -> Result<()> {
         match fd {
-            None => self.stream.write_all(bytes).map_err(|source| BackendError::Io { step, source }),
+            None => self
+                .stream
+                .write_all(bytes)
+                .map_err(|source| BackendError::Io { step, source }),
             Some(fd) => {
                 let fds = [fd];
                 let cmsg = [ControlMessage::ScmRights(&fds)];
                 let iov = [IoSlice::new(bytes)];
-                let sent = sendmsg::<UnixAddr>(self.stream.as_raw_fd(), &iov, &cmsg, MsgFlags::empty(), None)
-                    .map_err(|e| BackendError::Io { step, source: e.into() })?;
+                let sent = sendmsg::<UnixAddr>(
+                    self.stream.as_raw_fd(),
+                    &iov,
+                    &cmsg,
+                    MsgFlags::empty(),
+                    None,
+                )
+                .map_err(|e| BackendError::Io {
+                    step,
+                    source: e.into(),
+                })?;
                 if sent != bytes.len() {
                     // The fd went with the first byte; the rest is plain data.
-                    self.stream.write_all(&bytes[sent..]).map_err(|source| BackendError::Io { step, source })?;
+                    self.stream
+                        .write_all(&bytes[sent..])
+                        .map_err(|source| BackendError::Io { step, source })?;
                 }
                 Ok(())
             }
@@ -133,7 +174,12 @@ impl Qmp {
     }
 
     /// Waits for an event named `name` (checking queued ones first) and removes it from the queue.
-    pub fn wait_event(&mut self, name: &str, timeout: Duration, step: &'static str) -> Result<QmpEvent> {
+    pub fn wait_event(
+        &mut self,
+        name: &str,
+        timeout: Duration,
+        step: &'static str,
+    ) -> Result<QmpEvent> {
         self.wait_event_matching(step, timeout, |e| e.name == name)
     }
 
@@ -194,20 +240,32 @@ impl Qmp {
             if let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = self.buf.drain(..=pos).collect();
                 let text = std::str::from_utf8(&line)
-                    .map_err(|_| BackendError::Protocol { step, detail: "reply is not UTF-8".into() })?
+                    .map_err(|_| BackendError::Protocol {
+                        step,
+                        detail: "reply is not UTF-8".into(),
+                    })?
                     .trim();
                 if text.is_empty() {
                     continue;
                 }
-                let value: Value = serde_json::from_str(text)
-                    .map_err(|e| BackendError::Protocol { step, detail: format!("bad JSON: {e}") })?;
+                let value: Value =
+                    serde_json::from_str(text).map_err(|e| BackendError::Protocol {
+                        step,
+                        detail: format!("bad JSON: {e}"),
+                    })?;
                 if !value.is_object() {
-                    return Err(BackendError::Protocol { step, detail: "reply is not an object".into() });
+                    return Err(BackendError::Protocol {
+                        step,
+                        detail: "reply is not an object".into(),
+                    });
                 }
                 return Ok(value);
             }
             if self.buf.len() > MAX_QMP_LINE {
-                return Err(BackendError::Protocol { step, detail: format!("line over {MAX_QMP_LINE} bytes") });
+                return Err(BackendError::Protocol {
+                    step,
+                    detail: format!("line over {MAX_QMP_LINE} bytes"),
+                });
             }
             let remaining = deadline.saturating_duration_since(Instant::now());
             if remaining.is_zero() {
@@ -221,11 +279,19 @@ impl Qmp {
                 Ok(0) => {
                     return Err(BackendError::Io {
                         step,
-                        source: std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "QEMU closed the QMP socket"),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "QEMU closed the QMP socket",
+                        ),
                     })
                 }
                 Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
                     return Err(BackendError::Timeout { step, timeout });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -239,8 +305,14 @@ impl Qmp {
 pub fn parse_event(msg: &Value) -> Option<QmpEvent> {
     let name = msg.get("event")?.as_str()?.to_string();
     let ts = msg.get("timestamp");
-    let secs = ts.and_then(|t| t.get("seconds")).and_then(Value::as_u64).unwrap_or(0);
-    let us = ts.and_then(|t| t.get("microseconds")).and_then(Value::as_u64).unwrap_or(0);
+    let secs = ts
+        .and_then(|t| t.get("seconds"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let us = ts
+        .and_then(|t| t.get("microseconds"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
     Some(QmpEvent {
         name,
         data: msg.get("data").cloned().unwrap_or(Value::Null),
@@ -284,19 +356,30 @@ mod tests {
             b.write_all(b"{\"event\":\"STOP\",\"timestamp\":{\"seconds\":1,\"microseconds\":2}}\r\n{\"return\":{},\"id\":2}\r\n").unwrap();
             line.clear();
             r.read_line(&mut line).unwrap(); // bogus id 3
-            b.write_all(b"{\"error\":{\"class\":\"GenericError\",\"desc\":\"nope\"},\"id\":3}\r\n").unwrap();
+            b.write_all(b"{\"error\":{\"class\":\"GenericError\",\"desc\":\"nope\"},\"id\":3}\r\n")
+                .unwrap();
             line.clear();
             r.read_line(&mut line).unwrap(); // id 4: huge junk then nothing
             b.write_all(b"[1,2]\r\n").unwrap();
         });
-        let mut q = Qmp { stream: a, buf: Vec::new(), events: VecDeque::new(), next_id: 1 };
+        let mut q = Qmp {
+            stream: a,
+            buf: Vec::new(),
+            events: VecDeque::new(),
+            next_id: 1,
+        };
         let g = q.read_message("greeting", Duration::from_secs(5)).unwrap();
         assert!(g.get("QMP").is_some());
-        q.execute("qmp_capabilities", None, Duration::from_secs(5)).unwrap();
+        q.execute("qmp_capabilities", None, Duration::from_secs(5))
+            .unwrap();
         q.execute("stop", None, Duration::from_secs(5)).unwrap();
-        let ev = q.wait_event("STOP", Duration::from_secs(1), "test").unwrap();
+        let ev = q
+            .wait_event("STOP", Duration::from_secs(1), "test")
+            .unwrap();
         assert_eq!(ev.timestamp_us, 1_000_002);
-        let err = q.execute("bogus", None, Duration::from_secs(5)).unwrap_err();
+        let err = q
+            .execute("bogus", None, Duration::from_secs(5))
+            .unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
         let err = q.execute("junk", None, Duration::from_secs(5)).unwrap_err();
         assert!(matches!(err, BackendError::Protocol { .. }), "{err}");

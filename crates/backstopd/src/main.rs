@@ -9,11 +9,17 @@ use std::sync::Arc;
 use clap::Parser;
 use nix::sys::signal::{SigSet, Signal};
 
-use backstop_control::{Accepted, AccessPolicy, Connection, ControlServer, Reply, Request, Response};
+use backstop_control::{
+    Accepted, AccessPolicy, Connection, ControlServer, Reply, Request, Response,
+};
 use backstop_engine::{Caller, Config, EngineHandle};
 
 #[derive(Parser)]
-#[command(name = "backstopd", version, about = "backstop daemon: live snapshots and atomic rollback of a QEMU VM")]
+#[command(
+    name = "backstopd",
+    version,
+    about = "backstop daemon: live snapshots and atomic rollback of a QEMU VM"
+)]
 struct Args {
     /// Config file (TOML). Without it, the embedded default config (vmm-config/default.toml).
     #[arg(long, short)]
@@ -61,8 +67,11 @@ fn main() -> ExitCode {
 }
 
 fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("BACKSTOP_LOG").unwrap_or_else(|_| "info".into());
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter = tracing_subscriber::EnvFilter::try_from_env("BACKSTOP_LOG")
+        .unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if json {
         builder.json().init();
     } else {
@@ -76,11 +85,17 @@ fn run(cfg: Config) -> Result<(), String> {
     let mut signals = SigSet::empty();
     signals.add(Signal::SIGTERM);
     signals.add(Signal::SIGINT);
-    signals.thread_block().map_err(|e| format!("blocking signals: {e}"))?;
+    signals
+        .thread_block()
+        .map_err(|e| format!("blocking signals: {e}"))?;
 
-    std::fs::create_dir_all(&cfg.daemon.state_dir).map_err(|e| format!("ERR_IO: {}: {e}", cfg.daemon.state_dir.display()))?;
+    std::fs::create_dir_all(&cfg.daemon.state_dir)
+        .map_err(|e| format!("ERR_IO: {}: {e}", cfg.daemon.state_dir.display()))?;
     let _lock = lock_state_dir(&cfg.daemon.state_dir)?;
-    let access = AccessPolicy { console_uids: cfg.daemon.console_uids.clone(), policy_uids: cfg.daemon.policy_uids.clone() };
+    let access = AccessPolicy {
+        console_uids: cfg.daemon.console_uids.clone(),
+        policy_uids: cfg.daemon.policy_uids.clone(),
+    };
     let socket = cfg.socket_path();
     // Bind before starting the VM: a second daemon must fail before it touches anything.
     let server = ControlServer::bind(&socket, access).map_err(|e| format!("{}: {e}", e.code()))?;
@@ -97,7 +112,9 @@ fn run(cfg: Config) -> Result<(), String> {
             .spawn(move || accept_loop(&server, &engine))
             .map_err(|e| format!("spawn accept thread: {e}"))?;
     }
-    let sig = signals.wait().map_err(|e| format!("waiting for signals: {e}"))?;
+    let sig = signals
+        .wait()
+        .map_err(|e| format!("waiting for signals: {e}"))?;
     tracing::info!(signal = ?sig, "stopping");
     notify_systemd("STOPPING=1");
     match Arc::try_unwrap(engine) {
@@ -113,7 +130,9 @@ fn accept_loop(server: &ControlServer, engine: &Arc<EngineHandle>) {
         match server.accept() {
             Ok(Accepted::Conn(conn)) => {
                 let engine = Arc::clone(engine);
-                let _ = std::thread::Builder::new().name("conn".into()).spawn(move || serve(conn, &engine));
+                let _ = std::thread::Builder::new()
+                    .name("conn".into())
+                    .spawn(move || serve(conn, &engine));
             }
             Ok(Accepted::Refused { peer }) => {
                 tracing::warn!(uid = peer.uid, pid = peer.pid, "control connection refused");
@@ -128,17 +147,27 @@ fn accept_loop(server: &ControlServer, engine: &Arc<EngineHandle>) {
 }
 
 fn serve(mut conn: Connection, engine: &EngineHandle) {
-    let Ok(request) = conn.read_request() else { return };
-    let caller = Caller { role: conn.role().as_str(), uid: conn.peer().uid };
+    let Ok(request) = conn.read_request() else {
+        return;
+    };
+    let caller = Caller {
+        role: conn.role().as_str(),
+        uid: conn.peer().uid,
+    };
     if let Err(msg) = permitted(conn.role(), &request) {
-        let _ = conn.send(&Reply::Failed { code: "ERR_CONTROL_PERMISSION_DENIED".into(), message: msg });
+        let _ = conn.send(&Reply::Failed {
+            code: "ERR_CONTROL_PERMISSION_DENIED".into(),
+            message: msg,
+        });
         return;
     }
     let reply = if let Request::Status = request {
         Reply::Done(Response::Status(engine.status()))
     } else {
         let sink = conn.progress_sink();
-        let progress = Box::new(move |p: backstop_control::Progress| sink.progress(&p.step, &p.message, p.bytes));
+        let progress = Box::new(move |p: backstop_control::Progress| {
+            sink.progress(&p.step, &p.message, p.bytes)
+        });
         match engine.call(request, caller, progress) {
             Ok(r) => Reply::Done(r),
             Err((code, message)) => Reply::Failed { code, message },
@@ -169,15 +198,22 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<std::fs::File, String> {
     // SAFETY: flock on a descriptor we own; no memory is shared with the kernel.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc != 0 {
-        return Err(format!("ERR_ALREADY_RUNNING: another backstopd holds {}", path.display()));
+        return Err(format!(
+            "ERR_ALREADY_RUNNING: another backstopd holds {}",
+            path.display()
+        ));
     }
     Ok(f)
 }
 
 /// `sd_notify` without libsystemd: one datagram to $NOTIFY_SOCKET, when systemd set one.
 fn notify_systemd(state: &str) {
-    let Ok(path) = std::env::var("NOTIFY_SOCKET") else { return };
-    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else { return };
+    let Ok(path) = std::env::var("NOTIFY_SOCKET") else {
+        return;
+    };
+    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else {
+        return;
+    };
     let _ = if let Some(abstract_name) = path.strip_prefix('@') {
         use std::os::linux::net::SocketAddrExt;
         std::os::unix::net::SocketAddr::from_abstract_name(abstract_name.as_bytes())
