@@ -108,6 +108,19 @@ pub fn parse_ticks(text: &str) -> Vec<Tick> {
         .collect()
 }
 
+/// Test config knobs.
+#[derive(Default, Clone, Copy)]
+pub struct Options<'a> {
+    /// Appended to the `[daemon]` table.
+    pub extra_daemon: &'a str,
+    /// Appended to the guest kernel cmdline (test switches of scripts/guest/init).
+    pub guest_flags: &'a str,
+    /// Extra TOML tables at the end (e.g. `[watchdog]`).
+    pub extra_toml: &'a str,
+    /// Environment for the daemon process.
+    pub env: &'a [(&'a str, &'a str)],
+}
+
 /// A running backstopd on its own state directory.
 pub struct Daemon {
     pub dir: tempfile::TempDir,
@@ -125,6 +138,12 @@ impl Daemon {
 
     /// `extra_daemon` is appended to the `[daemon]` table; `env` goes to the daemon process.
     pub fn start_with(name: &str, extra_daemon: &str, env: &[(&str, &str)]) -> Daemon {
+        Self::start_opts(name, &Options { extra_daemon, env, ..Options::default() })
+    }
+
+    /// Full control over the test config.
+    pub fn start_opts(name: &str, o: &Options) -> Daemon {
+        let (extra_daemon, env) = (o.extra_daemon, o.env);
         let dir = tempfile::Builder::new()
             .prefix(&format!("bs-{name}-"))
             .tempdir()
@@ -146,7 +165,7 @@ accel = "auto"
 memory_mib = 256
 kernel = "{g}/vmlinuz"
 initrd = "{g}/initrd.img"
-append = "console=ttyS0 quiet panic=-1"
+append = "console=ttyS0 quiet panic=-1 no_timer_check {guest_flags}"
 nics = ["net0"]
 watchdog_device = true
 
@@ -160,7 +179,11 @@ id = "scratch"
 path = "{state}/scratch.qcow2"
 snapshot = "exclude"
 create_size_mib = 16
+
+{extra_toml}
 "#,
+            guest_flags = o.guest_flags,
+            extra_toml = o.extra_toml,
             state = state.display(),
             run = run_dir.display(),
             g = g.display(),
@@ -269,6 +292,32 @@ create_size_mib = 16
             }
             let _ = c.kill();
             let _ = c.wait();
+        }
+    }
+
+    /// Journal entries (parsed), oldest first.
+    pub fn journal(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.journal_path())
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Waits until the journal has an entry for which `pred` holds; returns it.
+    pub fn wait_journal(&self, timeout: Duration, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(e) = self.journal().into_iter().find(|e| pred(e)) {
+                return e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: not journaled within {timeout:?}; journal tail:\n{}\ndaemon log:\n{}",
+                tail(&std::fs::read_to_string(self.journal_path()).unwrap_or_default(), 8),
+                tail(&self.log(), 20)
+            );
+            std::thread::sleep(Duration::from_millis(100));
         }
     }
 

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use backstop_control::Request;
+use backstop_control::{Request, TriggerKind};
 use clap::{Parser, Subcommand};
 
 /// Where backstopd listens unless told otherwise.
@@ -71,6 +71,52 @@ pub enum Command {
     /// Read and verify the audit journal.
     #[command(subcommand)]
     Audit(AuditCommand),
+    /// Send a host trigger (spec/000 §6), as the host policy engine does: force_rollback,
+    /// post_promotion_validation_failed, tier0_violation, sandbox_contradiction,
+    /// undefined_behaviour. It overrides whatever is in flight.
+    Trigger {
+        /// The trigger.
+        #[arg(value_parser = trigger_kind)]
+        kind: TriggerKind,
+        /// Why; recorded in the audit journal (never shown to the guest).
+        #[arg(long, value_parser = non_empty)]
+        reason: String,
+        /// Action ids the trigger concerns (repeatable).
+        #[arg(long = "action-id", value_name = "ID")]
+        action_ids: Vec<String>,
+    },
+    /// Grant, revoke and list the devices declared in the daemon's config.
+    #[command(subcommand)]
+    Device(DeviceCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DeviceCommand {
+    /// Give the guest devices (a pre-action snapshot is taken first; if it fails, nothing is
+    /// granted). Devices that are hot-plugged into the VM must be granted together: no
+    /// snapshot can be taken while one is held.
+    Grant {
+        /// Device ids from the config.
+        #[arg(required = true, value_parser = non_empty)]
+        ids: Vec<String>,
+        /// How long: seconds, or with a unit (90s, 10m, 2h). Default: the devices' max_lease_s.
+        #[arg(long, value_name = "DURATION", value_parser = lease)]
+        lease: Option<u64>,
+        /// Why; recorded in the audit journal.
+        #[arg(long, value_parser = non_empty)]
+        reason: String,
+    },
+    /// Take a granted device back now.
+    Revoke {
+        /// Device id.
+        #[arg(value_parser = non_empty)]
+        id: String,
+        /// Why; recorded in the audit journal.
+        #[arg(long, value_parser = non_empty)]
+        reason: String,
+    },
+    /// The configured devices, their grants, and QEMU's own view of the VM's devices.
+    List,
 }
 
 #[derive(Debug, Subcommand)]
@@ -148,8 +194,57 @@ impl Command {
             },
             Command::Audit(AuditCommand::Tail { count }) => Request::AuditTail { count: *count },
             Command::Audit(AuditCommand::Verify) => Request::AuditVerify,
+            Command::Trigger {
+                kind,
+                reason,
+                action_ids,
+            } => Request::Trigger {
+                kind: *kind,
+                reason: reason.clone(),
+                action_ids: action_ids.clone(),
+            },
+            Command::Device(DeviceCommand::Grant { ids, lease, reason }) => Request::DeviceGrant {
+                ids: ids.clone(),
+                lease_s: *lease,
+                reason: reason.clone(),
+            },
+            Command::Device(DeviceCommand::Revoke { id, reason }) => Request::DeviceRevoke {
+                id: id.clone(),
+                reason: reason.clone(),
+            },
+            Command::Device(DeviceCommand::List) => Request::DeviceList,
         }
     }
+}
+
+/// A lease: `300`, `300s`, `10m`, `2h` → seconds (at least 1).
+fn lease(value: &str) -> Result<u64, String> {
+    let v = value.trim();
+    let (num, unit) = match v.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
+        Some((i, _)) => v.split_at(i),
+        None => (v, "s"),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| "a duration like 300, 90s, 10m or 2h".to_string())?;
+    let factor = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        _ => return Err("the unit must be s, m or h".into()),
+    };
+    match n.checked_mul(factor) {
+        Some(0) => Err("must be at least 1 s".into()),
+        Some(s) => Ok(s),
+        None => Err("too long".into()),
+    }
+}
+
+fn trigger_kind(value: &str) -> Result<TriggerKind, String> {
+    TriggerKind::parse(value).ok_or_else(|| {
+        let names: Vec<&str> = TriggerKind::ALL.iter().map(|k| k.as_str()).collect();
+        format!("unknown trigger; one of: {}", names.join(", "))
+    })
 }
 
 /// Refuses an empty or blank value (a reason must say something).
@@ -269,5 +364,49 @@ mod tests {
         let help = Cli::command().render_long_help().to_string();
         assert!(help.contains("Exit status:"), "{help}");
         assert!(help.contains("4  the VM is halted"), "{help}");
+    }
+
+    #[test]
+    fn device_commands_become_requests() {
+        assert_eq!(
+            request(&["device", "grant", "tablet", "mic", "--lease", "10m", "--reason", "demo"]),
+            Request::DeviceGrant {
+                ids: vec!["tablet".into(), "mic".into()],
+                lease_s: Some(600),
+                reason: "demo".into()
+            }
+        );
+        assert_eq!(
+            request(&["device", "grant", "gpu", "--reason", "r"]),
+            Request::DeviceGrant {
+                ids: vec!["gpu".into()],
+                lease_s: None,
+                reason: "r".into()
+            }
+        );
+        assert_eq!(
+            request(&["device", "revoke", "gpu", "--reason", "done"]),
+            Request::DeviceRevoke {
+                id: "gpu".into(),
+                reason: "done".into()
+            }
+        );
+        assert_eq!(request(&["device", "list"]), Request::DeviceList);
+        for (text, secs) in [("90", 90), ("90s", 90), ("2m", 120), ("1h", 3600)] {
+            assert_eq!(lease(text), Ok(secs), "{text}");
+        }
+        for args in [
+            &["device", "grant", "--reason", "r"][..],
+            &["device", "grant", "gpu"],
+            &["device", "grant", "gpu", "--reason", "r", "--lease", "0"],
+            &["device", "grant", "gpu", "--reason", "r", "--lease", "5d"],
+            &["device", "grant", "gpu", "--reason", "r", "--lease", "-1"],
+            &["device", "grant", "", "--reason", "r"],
+            &["device", "revoke", "gpu"],
+            &["device", "list", "gpu"],
+        ] {
+            let err = parse(args).unwrap_err();
+            assert_eq!(err.exit_code(), 2, "{args:?}");
+        }
     }
 }

@@ -3,8 +3,8 @@
 use std::fmt::Write as _;
 
 use backstop_control::{
-    AuditVerifyReport, Progress, Request, Response, RollbackReport, SnapshotSummary, SnapshotView,
-    StatusView, VerifyReport,
+    AuditVerifyReport, DevicesView, HypervisorDevicesView, Progress, Request, Response,
+    RollbackReport, SnapshotSummary, SnapshotView, StatusView, VerifyReport,
 };
 use serde_json::{json, Value};
 use time::format_description::well_known::Rfc3339;
@@ -52,6 +52,7 @@ pub fn human(request: &Request, response: &Response) -> String {
         },
         Response::AuditEntries { entries } => audit_entries_text(entries),
         Response::AuditVerified(report) => audit_verified_text(report),
+        Response::Devices(view) => devices_text(view),
     }
 }
 
@@ -298,6 +299,171 @@ fn audit_entry_line(entry: &Value) -> String {
         }
     }
     parts.join(" ")
+}
+
+/// `device grant|revoke|list`: what changed, what the grantee needs, the table of configured
+/// devices, and the hypervisor's own view.
+fn devices_text(v: &DevicesView) -> String {
+    let mut text = String::new();
+    for line in &v.changed {
+        let _ = writeln!(text, "{}", clean(line));
+    }
+    for a in &v.access {
+        let _ = writeln!(
+            text,
+            "{}: {} password {}",
+            clean(&a.id),
+            clean(&a.how),
+            clean(&a.secret)
+        );
+    }
+    if v.devices.is_empty() {
+        text.push_str("no devices configured\n");
+    } else {
+        let rows: Vec<Vec<String>> = v
+            .devices
+            .iter()
+            .map(|d| {
+                let g = d.grant.as_ref();
+                vec![
+                    clean(&d.id),
+                    clean(&d.class),
+                    clean(&d.source),
+                    g.map_or_else(|| "-".into(), |g| clean(&g.state)),
+                    g.map_or_else(|| "-".into(), |g| short_time(&g.expires_at)),
+                    g.map_or_else(|| "-".into(), |g| short_id(&g.pre_action_snapshot)),
+                    format!("{} s", d.max_lease_s),
+                ]
+            })
+            .collect();
+        text.push_str(&table(
+            &[
+                "ID",
+                "CLASS",
+                "SOURCE",
+                "STATE",
+                "EXPIRES",
+                "AFTER SNAPSHOT",
+                "MAX LEASE",
+            ],
+            &rows,
+        ));
+    }
+    match &v.hypervisor {
+        Some(h) => text.push_str(&hypervisor_text(h)),
+        None => text.push_str("hypervisor view: unavailable (no VM running)\n"),
+    }
+    text
+}
+
+fn hypervisor_text(h: &HypervisorDevicesView) -> String {
+    let list = |items: Vec<String>| {
+        if items.is_empty() {
+            "none".to_string()
+        } else {
+            items.join(", ")
+        }
+    };
+    let devices = list(
+        h.peripherals
+            .iter()
+            .map(|p| {
+                let mark = if p.grantable { " GRANTED" } else { "" };
+                format!("{} ({}){mark}", clean(&p.id), clean(&p.device_type))
+            })
+            .collect(),
+    );
+    let pci = list(
+        h.pci
+            .iter()
+            .map(|f| {
+                let id = if f.qdev_id.is_empty() {
+                    String::new()
+                } else {
+                    format!(" {}", clean(&f.qdev_id))
+                };
+                format!(
+                    "{} {:04x}:{:04x}{id}",
+                    clean(&f.address),
+                    f.vendor_id,
+                    f.device_id
+                )
+            })
+            .collect(),
+    );
+    let usb = list(
+        h.usb
+            .iter()
+            .map(|u| {
+                format!(
+                    "port {} {} ({})",
+                    clean(&u.port),
+                    clean(&u.product),
+                    clean(&u.id)
+                )
+            })
+            .collect(),
+    );
+    let display = match &h.display {
+        Some(d) => format!(
+            "vnc {}, auth {}, {} client(s)",
+            clean(&d.service),
+            clean(&d.auth),
+            d.clients
+        ),
+        None => "none".into(),
+    };
+    let links = list(
+        h.links
+            .iter()
+            .map(|l| {
+                let state = match l.up {
+                    Some(true) => "up",
+                    Some(false) => "down",
+                    None => "unknown",
+                };
+                format!("{} {state}", clean(&l.nic))
+            })
+            .collect(),
+    );
+    let blockers = list(h.migration_blockers.iter().map(|b| clean(b)).collect());
+    let mut text = "hypervisor view:\n".to_string();
+    for (k, v) in [
+        ("devices", devices),
+        ("pci", pci),
+        ("usb", usb),
+        ("display", display),
+        ("links", links),
+        ("migration blockers", blockers),
+    ] {
+        let _ = writeln!(text, "  {:<19} {v}", format!("{k}:"));
+    }
+    text
+}
+
+/// A left-aligned table with two spaces between columns, no trailing spaces.
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let header: Vec<String> = header.iter().map(|h| h.to_string()).collect();
+    let mut text = String::new();
+    for row in std::iter::once(&header).chain(rows) {
+        let mut line = String::new();
+        for (i, cell) in row.iter().enumerate() {
+            if i > 0 {
+                line.push_str("  ");
+            }
+            line.push_str(cell);
+            line.push_str(&" ".repeat(widths[i].saturating_sub(cell.chars().count())));
+        }
+        text.push_str(line.trim_end());
+        text.push('\n');
+    }
+    text
 }
 
 fn audit_verified_text(r: &AuditVerifyReport) -> String {
@@ -661,6 +827,104 @@ mod tests {
         assert!(
             human(&Request::AuditVerify, &Response::AuditVerified(unreadable))
                 .contains("(seq unknown)")
+        );
+    }
+
+    #[test]
+    fn devices_show_changes_access_grants_and_the_hypervisor_view() {
+        use backstop_control::{
+            DeviceAccessView, DeviceView, DisplayView, GrantView, LinkView, PciFunctionView,
+            PeripheralView, UsbDeviceView,
+        };
+        let view = DevicesView {
+            devices: vec![
+                DeviceView {
+                    id: "tablet".into(),
+                    class: "usb".into(),
+                    source: "qemu usb-tablet".into(),
+                    max_lease_s: 600,
+                    grant: Some(GrantView {
+                        state: "granted".into(),
+                        granted_at: "2026-05-01T12:00:00.000Z".into(),
+                        granted_by: "console:uid=0".into(),
+                        lease_s: 60,
+                        expires_at: "2026-05-01T12:01:00.000Z".into(),
+                        pre_action_snapshot: "0123456789abcdef".into(),
+                        migration_blockers: vec![],
+                    }),
+                },
+                DeviceView {
+                    id: "screen".into(),
+                    class: "display".into(),
+                    source: "vnc".into(),
+                    max_lease_s: 60,
+                    grant: None,
+                },
+            ],
+            changed: vec![
+                "granted tablet (qemu usb-tablet): device_add usb-tablet id=grant-tablet".into(),
+            ],
+            access: vec![DeviceAccessView {
+                id: "screen".into(),
+                how: "vnc unix:/run/v.sock".into(),
+                secret: "abcdefgh".into(),
+            }],
+            hypervisor: Some(HypervisorDevicesView {
+                peripherals: vec![PeripheralView {
+                    id: "grant-tablet".into(),
+                    device_type: "usb-tablet".into(),
+                    grantable: true,
+                }],
+                pci: vec![PciFunctionView {
+                    address: "00:01.0".into(),
+                    vendor_id: 0x1b36,
+                    device_id: 0xd,
+                    class: 0x0c03,
+                    qdev_id: "usb".into(),
+                }],
+                usb: vec![UsbDeviceView {
+                    port: "1".into(),
+                    product: "QEMU USB Tablet".into(),
+                    id: "grant-tablet".into(),
+                }],
+                display: Some(DisplayView {
+                    enabled: true,
+                    auth: "vnc".into(),
+                    clients: 0,
+                    service: "/run/v.sock".into(),
+                }),
+                links: vec![LinkView {
+                    nic: "net0".into(),
+                    up: Some(false),
+                }],
+                migration_blockers: vec![],
+            }),
+        };
+        let text = human(&Request::DeviceList, &Response::Devices(view));
+        assert_eq!(
+            text,
+            "granted tablet (qemu usb-tablet): device_add usb-tablet id=grant-tablet\n\
+             screen: vnc unix:/run/v.sock password abcdefgh\n\
+             ID      CLASS    SOURCE           STATE    EXPIRES              AFTER SNAPSHOT  MAX LEASE\n\
+             tablet  usb      qemu usb-tablet  granted  2026-05-01 12:01:00  0123456789ab    600 s\n\
+             screen  display  vnc              -        -                    -               60 s\n\
+             hypervisor view:\n\
+             \x20 devices:            grant-tablet (usb-tablet) GRANTED\n\
+             \x20 pci:                00:01.0 1b36:000d usb\n\
+             \x20 usb:                port 1 QEMU USB Tablet (grant-tablet)\n\
+             \x20 display:            vnc /run/v.sock, auth vnc, 0 client(s)\n\
+             \x20 links:              net0 down\n\
+             \x20 migration blockers: none\n"
+        );
+        let empty = DevicesView {
+            devices: vec![],
+            changed: vec![],
+            access: vec![],
+            hypervisor: None,
+        };
+        assert_eq!(
+            human(&Request::DeviceList, &Response::Devices(empty)),
+            "no devices configured\nhypervisor view: unavailable (no VM running)\n"
         );
     }
 

@@ -41,6 +41,85 @@ pub enum Request {
     AuditTail { count: usize },
     /// Walk the whole audit chain.
     AuditVerify,
+    /// A host trigger (spec/000 §6), normally from the host policy engine. Overrides whatever is
+    /// in flight: a snapshot being taken is abandoned and never published.
+    Trigger {
+        kind: TriggerKind,
+        reason: String,
+        /// The action(s) the trigger concerns, recorded in the journal (spec/000 §11).
+        #[serde(default)]
+        action_ids: Vec<String>,
+    },
+    /// Give the guest devices declared in config, after a pre-action snapshot, for a lease
+    /// (`None`: each device's `max_lease_s`). Console only.
+    DeviceGrant {
+        ids: Vec<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lease_s: Option<u64>,
+        reason: String,
+    },
+    /// Take a granted device back now.
+    DeviceRevoke { id: String, reason: String },
+    /// The configured devices, their grants, and the hypervisor's own view of the VM's devices.
+    DeviceList,
+}
+
+/// The host triggers of spec/000 §6 that arrive over the control socket. (The watchdog and the
+/// console are triggers too, but they have their own paths.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TriggerKind {
+    /// The policy engine's `FORCE_ROLLBACK`.
+    #[serde(alias = "FORCE_ROLLBACK")]
+    ForceRollback,
+    /// Post-promotion validation failed.
+    PostPromotionValidationFailed,
+    /// The AI violated a Tier 0 law.
+    Tier0Violation,
+    /// A sandbox result contradicts the declared effects.
+    SandboxContradiction,
+    /// The host detected undefined behaviour.
+    UndefinedBehaviour,
+}
+
+impl TriggerKind {
+    pub const ALL: [TriggerKind; 5] = [
+        TriggerKind::ForceRollback,
+        TriggerKind::PostPromotionValidationFailed,
+        TriggerKind::Tier0Violation,
+        TriggerKind::SandboxContradiction,
+        TriggerKind::UndefinedBehaviour,
+    ];
+
+    /// The name on the wire and in the journal.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TriggerKind::ForceRollback => "force_rollback",
+            TriggerKind::PostPromotionValidationFailed => "post_promotion_validation_failed",
+            TriggerKind::Tier0Violation => "tier0_violation",
+            TriggerKind::SandboxContradiction => "sandbox_contradiction",
+            TriggerKind::UndefinedBehaviour => "undefined_behaviour",
+        }
+    }
+
+    /// The rollback type each trigger calls for (spec/000 §5): failed promotions and sandbox
+    /// contradictions are a single action gone wrong (micro); the rest are full emergencies.
+    pub fn rollback_type(self) -> &'static str {
+        match self {
+            TriggerKind::PostPromotionValidationFailed | TriggerKind::SandboxContradiction => {
+                "micro"
+            }
+            TriggerKind::ForceRollback
+            | TriggerKind::Tier0Violation
+            | TriggerKind::UndefinedBehaviour => "emergency",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<TriggerKind> {
+        TriggerKind::ALL.into_iter().find(|k| {
+            k.as_str() == name || (name == "FORCE_ROLLBACK" && *k == TriggerKind::ForceRollback)
+        })
+    }
 }
 
 /// The wire form of [`Request`], decoded strictly.
@@ -75,6 +154,23 @@ enum StrictRequest {
         count: usize,
     },
     AuditVerify {},
+    Trigger {
+        kind: TriggerKind,
+        reason: String,
+        #[serde(default)]
+        action_ids: Vec<String>,
+    },
+    DeviceGrant {
+        ids: Vec<String>,
+        #[serde(default)]
+        lease_s: Option<u64>,
+        reason: String,
+    },
+    DeviceRevoke {
+        id: String,
+        reason: String,
+    },
+    DeviceList {},
 }
 
 impl From<StrictRequest> for Request {
@@ -97,6 +193,26 @@ impl From<StrictRequest> for Request {
             StrictRequest::HaltClear { reason } => Request::HaltClear { reason },
             StrictRequest::AuditTail { count } => Request::AuditTail { count },
             StrictRequest::AuditVerify {} => Request::AuditVerify,
+            StrictRequest::Trigger {
+                kind,
+                reason,
+                action_ids,
+            } => Request::Trigger {
+                kind,
+                reason,
+                action_ids,
+            },
+            StrictRequest::DeviceGrant {
+                ids,
+                lease_s,
+                reason,
+            } => Request::DeviceGrant {
+                ids,
+                lease_s,
+                reason,
+            },
+            StrictRequest::DeviceRevoke { id, reason } => Request::DeviceRevoke { id, reason },
+            StrictRequest::DeviceList {} => Request::DeviceList,
         }
     }
 }
@@ -114,6 +230,10 @@ impl Request {
             Request::HaltClear { .. } => "halt clear",
             Request::AuditTail { .. } => "audit tail",
             Request::AuditVerify => "audit verify",
+            Request::Trigger { .. } => "trigger",
+            Request::DeviceGrant { .. } => "device grant",
+            Request::DeviceRevoke { .. } => "device revoke",
+            Request::DeviceList => "device list",
         }
     }
 }
@@ -160,6 +280,8 @@ pub enum Response {
         entries: Vec<Value>,
     },
     AuditVerified(AuditVerifyReport),
+    /// The answer to `device grant`, `device revoke` and `device list`.
+    Devices(DevicesView),
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -255,6 +377,184 @@ pub struct AuditFault {
     /// `seq` of the entry, when it could be read.
     pub seq: Option<u64>,
     pub reason: String,
+}
+
+/// The configured devices, their grants, and what the hypervisor itself reports.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DevicesView {
+    pub devices: Vec<DeviceView>,
+    /// What this request changed, one line each (`granted tablet`, `revoked mic`).
+    #[serde(default)]
+    pub changed: Vec<String>,
+    /// What the grantee of this request needs (the display's address and password). Only in
+    /// the answer to the grant itself; never journaled, never listed again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub access: Vec<DeviceAccessView>,
+    /// The running VM's devices as the hypervisor reports them (`None` when no VM runs).
+    pub hypervisor: Option<HypervisorDevicesView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceView {
+    pub id: String,
+    /// `gpu`, `usb`, `audio`, `network` or `display`.
+    pub class: String,
+    /// What it is: `qemu usb-tablet`, `vfio 0000:01:00.0 (host driver nvidia)`, `nic net0`, `vnc`.
+    pub source: String,
+    pub max_lease_s: u64,
+    pub grant: Option<GrantView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantView {
+    /// `granted`, or `revoking` while the guest has not let go yet.
+    pub state: String,
+    pub granted_at: String,
+    pub granted_by: String,
+    pub lease_s: u64,
+    pub expires_at: String,
+    /// The snapshot taken before the grant: the rollback target while it lasts.
+    pub pre_action_snapshot: String,
+    /// Reasons the hypervisor refuses to migrate (snapshot) the VM that this grant added.
+    pub migration_blockers: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceAccessView {
+    pub id: String,
+    pub how: String,
+    pub secret: String,
+}
+
+/// The hypervisor's own view of the VM's devices.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HypervisorDevicesView {
+    /// Devices added by id, with their type (QEMU: `/machine/peripheral`).
+    pub peripherals: Vec<PeripheralView>,
+    pub pci: Vec<PciFunctionView>,
+    pub usb: Vec<UsbDeviceView>,
+    pub display: Option<DisplayView>,
+    pub links: Vec<LinkView>,
+    pub migration_blockers: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeripheralView {
+    pub id: String,
+    pub device_type: String,
+    pub grantable: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PciFunctionView {
+    /// `bus:slot.function`, hex.
+    pub address: String,
+    pub vendor_id: u64,
+    pub device_id: u64,
+    pub class: u64,
+    pub qdev_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsbDeviceView {
+    pub port: String,
+    pub product: String,
+    pub id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisplayView {
+    pub enabled: bool,
+    pub auth: String,
+    pub clients: usize,
+    pub service: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkView {
+    pub nic: String,
+    /// As the guest reads it; `None` when it cannot be read now.
+    pub up: Option<bool>,
+}
+
+#[cfg(test)]
+mod device_request_tests {
+    use super::*;
+
+    #[test]
+    fn device_requests_round_trip_and_are_strict() {
+        let all = [
+            Request::DeviceGrant {
+                ids: vec!["tablet".into(), "mic".into()],
+                lease_s: Some(60),
+                reason: "r".into(),
+            },
+            Request::DeviceGrant {
+                ids: vec!["gpu".into()],
+                lease_s: None,
+                reason: "r".into(),
+            },
+            Request::DeviceRevoke {
+                id: "gpu".into(),
+                reason: "r".into(),
+            },
+            Request::DeviceList,
+        ];
+        for r in all {
+            let line = serde_json::to_string(&r).unwrap();
+            assert_eq!(serde_json::from_str::<Request>(&line).unwrap(), r, "{line}");
+        }
+        assert_eq!(
+            serde_json::to_string(&Request::DeviceList).unwrap(),
+            r#"{"op":"device_list"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"device_grant","ids":["a"],"reason":"r"}"#)
+                .unwrap(),
+            Request::DeviceGrant {
+                ids: vec!["a".into()],
+                lease_s: None,
+                reason: "r".into()
+            }
+        );
+        for bad in [
+            r#"{"op":"device_list","x":1}"#,
+            r#"{"op":"device_grant","ids":["a"],"reason":"r","host":"0000:01:00.0"}"#,
+            r#"{"op":"device_grant","ids":"a","reason":"r"}"#,
+            r#"{"op":"device_revoke","id":"a"}"#,
+        ] {
+            assert!(serde_json::from_str::<Request>(bad).is_err(), "{bad}");
+        }
+        assert_eq!(Request::DeviceList.name(), "device list");
+    }
+
+    #[test]
+    fn a_devices_response_round_trips() {
+        let view = DevicesView {
+            devices: vec![DeviceView {
+                id: "tablet".into(),
+                class: "usb".into(),
+                source: "qemu usb-tablet".into(),
+                max_lease_s: 600,
+                grant: Some(GrantView {
+                    state: "granted".into(),
+                    granted_at: "t".into(),
+                    granted_by: "console:uid=0".into(),
+                    lease_s: 60,
+                    expires_at: "u".into(),
+                    pre_action_snapshot: "abc".into(),
+                    migration_blockers: vec![],
+                }),
+            }],
+            changed: vec!["granted tablet".into()],
+            access: vec![],
+            hypervisor: Some(HypervisorDevicesView::default()),
+        };
+        let r = Response::Devices(view);
+        let line = serde_json::to_string(&r).unwrap();
+        assert!(!line.contains("access"), "{line}");
+        assert_eq!(serde_json::from_str::<Response>(&line).unwrap(), r);
+    }
 }
 
 #[cfg(test)]

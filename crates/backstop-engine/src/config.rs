@@ -35,7 +35,44 @@ pub struct Config {
     pub vm: VmConfig,
     #[serde(default)]
     pub rollback: RollbackConfig,
+    #[serde(default)]
+    pub watchdog: WatchdogConfig,
+    /// What may be granted to the guest (`[[devices]]`); nothing else can be.
+    #[serde(default)]
+    pub devices: Vec<crate::devices::DeviceConfig>,
 }
+
+/// The heartbeat watchdog. It is always on; only its timeout is configurable, within bounds.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WatchdogConfig {
+    /// Silence from the guest agent longer than this is an expiry → emergency rollback.
+    #[serde(default = "default_hb_timeout")]
+    pub heartbeat_timeout_s: u64,
+    /// Until a VM instance's first valid heartbeat (its guest is still booting), the allowed
+    /// silence is this instead. A guest that never sends one still expires.
+    #[serde(default = "default_boot_grace")]
+    pub boot_grace_s: u64,
+}
+
+impl Default for WatchdogConfig {
+    fn default() -> Self {
+        Self { heartbeat_timeout_s: default_hb_timeout(), boot_grace_s: default_boot_grace() }
+    }
+}
+
+fn default_boot_grace() -> u64 {
+    60
+}
+
+fn default_hb_timeout() -> u64 {
+    10
+}
+
+/// Below this a slow guest would be rolled back for being slow, not for being dead.
+pub const MIN_HEARTBEAT_TIMEOUT_S: u64 = 2;
+/// Above this the watchdog would be disabled in all but name.
+pub const MAX_HEARTBEAT_TIMEOUT_S: u64 = 3600;
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -248,6 +285,21 @@ impl Config {
         if !(1..=64).contains(&vm.vcpus) {
             return bad("vm.vcpus", "must be between 1 and 64");
         }
+        let hb = self.watchdog.heartbeat_timeout_s;
+        if !(MIN_HEARTBEAT_TIMEOUT_S..=MAX_HEARTBEAT_TIMEOUT_S).contains(&hb) {
+            return Err(ConfigError::Invalid {
+                key: "watchdog.heartbeat_timeout_s".into(),
+                message: format!(
+                    "must be between {MIN_HEARTBEAT_TIMEOUT_S} and {MAX_HEARTBEAT_TIMEOUT_S}; the watchdog cannot be disabled"
+                ),
+            });
+        }
+        if !(hb..=600).contains(&self.watchdog.boot_grace_s) {
+            return Err(ConfigError::Invalid {
+                key: "watchdog.boot_grace_s".into(),
+                message: "must be between heartbeat_timeout_s and 600".into(),
+            });
+        }
         if self.rollback.revoke_timeout_ms == 0 || self.rollback.revoke_timeout_ms > 60_000 {
             return bad("rollback.revoke_timeout_ms", "must be between 1 and 60000");
         }
@@ -281,6 +333,7 @@ impl Config {
                 "at least one uid must be allowed on the console",
             );
         }
+        crate::devices::validate(&self.devices, &self.vm)?;
         Ok(())
     }
 }
@@ -378,6 +431,26 @@ mod tests {
         let text = DEFAULT_CONFIG.replace("[rollback]", "[rollback]\nenabled = false");
         let err = Config::parse(&text).unwrap_err();
         assert_eq!(err.to_string(), "config: `rollback.enabled`: snapshots, rollback and the watchdog cannot be disabled (spec/000 §1)");
+    }
+
+    #[test]
+    fn a_watchdog_timeout_of_zero_or_absurd_is_refused_by_name() {
+        for bad in ["0", "1", "100000"] {
+            let text = DEFAULT_CONFIG.replace(
+                "heartbeat_timeout_s = 10",
+                &format!("heartbeat_timeout_s = {bad}"),
+            );
+            let err = Config::parse(&text).unwrap_err().to_string();
+            assert!(err.contains("watchdog.heartbeat_timeout_s"), "{bad}: {err}");
+        }
+        let text = DEFAULT_CONFIG.replace(
+            "heartbeat_timeout_s = 10",
+            "heartbeat_timeout_s = 10\nwatchdog_enabled = false",
+        );
+        assert!(Config::parse(&text)
+            .unwrap_err()
+            .to_string()
+            .contains("watchdog.watchdog_enabled"));
     }
 
     #[test]

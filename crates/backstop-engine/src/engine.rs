@@ -58,6 +58,7 @@ pub struct Ctx<'a> {
 
 impl Ctx<'_> {
     pub fn step(&mut self, step: &str, message: impl Into<String>, bytes: Option<u64>) {
+        crate::systemd::watchdog_ping();
         (self.progress)(Progress {
             step: step.into(),
             message: message.into(),
@@ -102,8 +103,18 @@ pub struct Engine {
     pub(crate) halt: Option<HaltRecord>,
     pub(crate) session_id: String,
     pub(crate) fault: Option<Fault>,
+    /// Set (from any thread) when a host trigger is waiting: an in-flight capture abandons.
+    pub(crate) preempt: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// When the current VM instance started running (the heartbeat grace starts there).
+    pub(crate) running_since: Option<std::time::Instant>,
+    /// Recent unattended emergency rollbacks, for the storm guard.
+    pub(crate) emergencies: std::collections::VecDeque<std::time::Instant>,
+    /// Action ids of the trigger being executed, journaled with its rollback (spec/000 §11).
+    pub(crate) trigger_action_ids: Vec<String>,
     /// Where [`Engine::publish`] puts the status for readers on other threads.
     pub(crate) status_out: Option<std::sync::Arc<std::sync::Mutex<StatusView>>>,
+    /// Devices granted to the guest now (see `devices.rs`).
+    pub(crate) devices: crate::devices::DeviceLedger,
 }
 
 pub fn random_id() -> String {
@@ -187,6 +198,7 @@ impl Engine {
                 .iter()
                 .map(|d| (d.id.clone(), d.snapshot == DiskSnapshotMode::Capture))
                 .collect(),
+            devices: crate::devices::qemu_shape(&cfg.devices),
         };
         let layers = Layers {
             dir: state_dir.join("disks"),
@@ -208,6 +220,11 @@ impl Engine {
             session_id: random_id(),
             fault,
             status_out: None,
+            preempt: Default::default(),
+            running_since: None,
+            emergencies: Default::default(),
+            trigger_action_ids: Vec::new(),
+            devices: Default::default(),
         };
         engine.journal(events::DAEMON_STARTED, json!({
             "session_id": engine.session_id, "trace_id": Value::Null, "snapshot_id": Value::Null, "result": "ok",
@@ -371,6 +388,7 @@ impl Engine {
                 source,
             })?;
         self.state = self.state.transition(Transition::Booted)?;
+        self.running_since = Some(std::time::Instant::now());
         self.journal(events::VM_STARTED, json!({
             "session_id": self.session_id, "trace_id": ctx.trace_id, "snapshot_id": Value::Null, "result": "ok",
             "boot": "cold", "pid": self.backend.pid(), "epoch": self.vm.epoch,
@@ -539,6 +557,28 @@ impl Engine {
                 let entries = backstop_journal::tail(&self.journal_path, count.min(10_000))?;
                 Ok(Response::AuditEntries { entries })
             }
+            Request::Trigger {
+                kind,
+                reason,
+                action_ids,
+            } => {
+                let reason = non_empty("reason", reason)?;
+                let r = self.triggered_rollback(
+                    ctx,
+                    kind.as_str(),
+                    kind.rollback_type(),
+                    &reason,
+                    &action_ids,
+                )?;
+                Ok(Response::RolledBack(r))
+            }
+            Request::DeviceGrant {
+                ids,
+                lease_s,
+                reason,
+            } => self.device_grant(ctx, ids, lease_s, reason),
+            Request::DeviceRevoke { id, reason } => self.device_revoke(ctx, id, reason),
+            Request::DeviceList => self.device_list(),
             Request::AuditVerify => {
                 let out = backstop_journal::verify(&self.journal_path, &self.key)?;
                 Ok(Response::AuditVerified(AuditVerifyReport {
@@ -617,41 +657,12 @@ impl Engine {
     /// Looks at the VM between jobs: a hypervisor that died or a hardware watchdog that fired
     /// means an emergency rollback (spec/000 §5.3), and a failed one halts.
     pub fn tick(&mut self) {
+        self.expire_device_leases();
+        crate::systemd::watchdog_ping();
         if self.state != VmState::Running {
             return;
         }
-        let events = match self.backend.poll_events() {
-            Ok(e) => e,
-            Err(e) => vec![backstop_hypervisor::VmEvent::Exited {
-                detail: format!("QMP failed: {e}"),
-            }],
-        };
-        let trigger = events
-            .iter()
-            .map(|e| match e {
-                backstop_hypervisor::VmEvent::WatchdogExpired { .. } => {
-                    ("watchdog_device", "hardware watchdog expired".to_string())
-                }
-                backstop_hypervisor::VmEvent::Exited { detail } => {
-                    ("vm_crash", format!("hypervisor ended: {detail}"))
-                }
-                backstop_hypervisor::VmEvent::GuestPanicked => {
-                    ("vm_crash", "guest panicked".to_string())
-                }
-            })
-            .next();
-        if let Some((trigger, reason)) = trigger {
-            warn!(trigger, reason = %reason, "emergency rollback");
-            let mut sink = |_p: Progress| {};
-            let mut ctx = Ctx {
-                caller: Caller::daemon(),
-                trace_id: random_id(),
-                progress: &mut sink,
-            };
-            if let Err(e) = self.rollback(&mut ctx, None, &reason, trigger, "emergency") {
-                warn!(error = %e, "emergency rollback failed");
-            }
-        }
+        self.watch();
     }
 
     pub fn note_refused(&mut self, uid: u32, pid: i32) {

@@ -53,8 +53,12 @@ pub enum EngineError {
         step: &'static str,
         source: BackendError,
     },
+    #[error("snapshot abandoned: a host trigger overrides it; nothing was published")]
+    Abandoned,
     #[error("the daemon is shutting down")]
     ShuttingDown,
+    #[error(transparent)]
+    Device(#[from] crate::devices::DeviceError),
 }
 
 impl EngineError {
@@ -77,6 +81,8 @@ impl EngineError {
             EngineError::Io { .. } => "ERR_IO",
             EngineError::Backend { source, .. } => source.code(),
             EngineError::ShuttingDown => "ERR_SHUTTING_DOWN",
+            EngineError::Device(e) => e.code(),
+            EngineError::Abandoned => "ERR_SNAPSHOT_ABANDONED",
         }
     }
 }

@@ -28,6 +28,8 @@ pub struct Job {
 
 enum Msg {
     Job(Job),
+    /// A host trigger: runs before any queued job; an in-flight capture abandons for it.
+    Urgent(Job),
     /// A peer the control socket turned away; journaled.
     Refused {
         uid: u32,
@@ -38,6 +40,7 @@ enum Msg {
 
 pub struct EngineHandle {
     tx: mpsc::Sender<Msg>,
+    preempt: Arc<std::sync::atomic::AtomicBool>,
     status: Arc<Mutex<StatusView>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -62,19 +65,20 @@ impl EngineHandle {
                 };
                 let status = Arc::new(Mutex::new(engine.status()));
                 engine.status_out = Some(Arc::clone(&status));
-                let _ = ready_tx.send(Ok(status));
+                let _ = ready_tx.send(Ok((status, Arc::clone(&engine.preempt))));
                 run(engine, rx);
             })
             .map_err(|source| EngineError::Io {
                 step: "spawn engine thread",
                 source,
             })?;
-        let status = ready_rx.recv().map_err(|_| EngineError::Io {
+        let (status, preempt) = ready_rx.recv().map_err(|_| EngineError::Io {
             step: "start engine",
             source: std::io::Error::other("engine thread died"),
         })??;
         Ok(EngineHandle {
             tx,
+            preempt,
             status,
             thread: Some(thread),
         })
@@ -98,13 +102,25 @@ impl EngineHandle {
             return Ok(Response::Status(self.status()));
         }
         let (reply, rx) = mpsc::channel();
-        self.submit(Job {
+        let urgent = matches!(request, Request::Trigger { .. });
+        let job = Job {
             request,
             caller,
             progress,
             reply,
-        })
-        .map_err(|e| (e.code().to_string(), e.to_string()))?;
+        };
+        let sent = if urgent {
+            // Rollback overrides whatever is in flight (spec/000 §6): flag first, so a capture
+            // running right now abandons, then queue ahead of everything else.
+            self.preempt
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            self.tx
+                .send(Msg::Urgent(job))
+                .map_err(|_| EngineError::ShuttingDown)
+        } else {
+            self.submit(job)
+        };
+        sent.map_err(|e| (e.code().to_string(), e.to_string()))?;
         rx.recv()
             .unwrap_or_else(|_| Err(("ERR_SHUTTING_DOWN".into(), "the engine stopped".into())))
     }
@@ -130,28 +146,37 @@ impl EngineHandle {
     }
 }
 
+/// Takes the next message: urgent jobs first, then in arrival order.
+fn next_message(
+    rx: &mpsc::Receiver<Msg>,
+    pending: &mut std::collections::VecDeque<Msg>,
+) -> Result<Msg, RecvTimeoutError> {
+    if pending.is_empty() {
+        pending.push_back(rx.recv_timeout(TICK)?);
+    }
+    while let Ok(m) = rx.try_recv() {
+        pending.push_back(m);
+    }
+    let pos = pending
+        .iter()
+        .position(|m| matches!(m, Msg::Urgent(_) | Msg::Shutdown))
+        .unwrap_or(0);
+    pending.remove(pos).ok_or(RecvTimeoutError::Timeout)
+}
+
 fn run(mut engine: Engine, rx: mpsc::Receiver<Msg>) {
+    let mut pending = std::collections::VecDeque::new();
     loop {
-        match rx.recv_timeout(TICK) {
-            Ok(Msg::Job(mut job)) => {
-                let mut ctx = Ctx {
-                    caller: job.caller.clone(),
-                    trace_id: random_id(),
-                    progress: &mut *job.progress,
-                };
-                let span = tracing::info_span!("request", op = job.request.name(), trace_id = %ctx.trace_id, by = %ctx.caller.label());
-                let _g = span.enter();
-                let result = engine.handle(job.request, &mut ctx).map_err(|e| {
-                    if e.code() == "ERR_VM_HALTED" || e.code().starts_with("ERR_BAD") {
-                        tracing::warn!(code = e.code(), error = %e, "request refused");
-                    } else {
-                        tracing::error!(code = e.code(), error = %e, "request failed");
-                    }
-                    (e.code().to_string(), e.to_string())
-                });
-                engine.publish();
-                let _ = job.reply.send(result);
+        match next_message(&rx, &mut pending) {
+            Ok(Msg::Urgent(job)) => {
+                // Whatever it preempted has stopped; the flag must not outlive this job (even
+                // if the job is refused, e.g. while HALTED).
+                engine
+                    .preempt
+                    .store(false, std::sync::atomic::Ordering::SeqCst);
+                serve(&mut engine, job);
             }
+            Ok(Msg::Job(job)) => serve(&mut engine, job),
             Ok(Msg::Refused { uid, pid }) => engine.note_refused(uid, pid),
             Ok(Msg::Shutdown) | Err(RecvTimeoutError::Disconnected) => {
                 engine.shutdown();
@@ -163,4 +188,25 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Msg>) {
             }
         }
     }
+}
+
+/// Runs one job on the engine thread and sends its reply.
+fn serve(engine: &mut Engine, mut job: Job) {
+    let mut ctx = Ctx {
+        caller: job.caller.clone(),
+        trace_id: random_id(),
+        progress: &mut *job.progress,
+    };
+    let span = tracing::info_span!("request", op = job.request.name(), trace_id = %ctx.trace_id, by = %ctx.caller.label());
+    let _g = span.enter();
+    let result = engine.handle(job.request, &mut ctx).map_err(|e| {
+        if e.code() == "ERR_VM_HALTED" || e.code().starts_with("ERR_BAD") {
+            tracing::warn!(code = e.code(), error = %e, "request refused");
+        } else {
+            tracing::error!(code = e.code(), error = %e, "request failed");
+        }
+        (e.code().to_string(), e.to_string())
+    });
+    engine.publish();
+    let _ = job.reply.send(result);
 }

@@ -7,6 +7,7 @@
 //! rollback failed, and never report success for something it did not journal.
 
 pub mod config;
+pub mod devices;
 mod durable;
 pub mod engine;
 pub mod error;
@@ -16,6 +17,8 @@ pub mod records;
 pub mod rollback;
 pub mod snapshot;
 pub mod state;
+pub mod systemd;
+pub mod watchdog;
 
 pub use config::Config;
 pub use engine::{Caller, Ctx, Engine};

@@ -51,10 +51,11 @@ impl Engine {
         let started = Instant::now();
         let sid = self.session_id.clone();
         let trace = ctx.trace_id.clone();
+        let action_ids = std::mem::take(&mut self.trigger_action_ids);
         self.journal(events::SNAPSHOT_RESTORE_REQUESTED, json!({
             "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "pending",
             "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "requested_by": ctx.caller.label(),
-            "action_ids": [],
+            "action_ids": action_ids,
         }))?;
 
         // 1. Choose and verify, touching nothing.
@@ -87,7 +88,7 @@ impl Engine {
         self.publish();
         self.journal(events::ROLLBACK_INITIATED, json!({
             "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "pending",
-            "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": [],
+            "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
             "timestamp": now_rfc3339(),
         }))?;
         if let Err(source) = self.records.set_inflight(&InflightRecord {
@@ -121,7 +122,7 @@ impl Engine {
                 }))?;
                 self.journal(events::ROLLBACK_COMPLETED, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "ok",
-                    "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": [],
+                    "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
                     "timestamp": now_rfc3339(), "revoked": report.revoked, "epoch": report.epoch,
                 }))?;
                 info!(snapshot_id = %snapshot_id, total_ms = report.total_ms, restore_ms, epoch = report.epoch, "rolled back");
@@ -134,7 +135,7 @@ impl Engine {
                 }));
                 let _ = self.journal(events::ROLLBACK_FAILED, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "failed",
-                    "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": [],
+                    "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
                     "timestamp": now_rfc3339(), "step": step,
                 }));
                 self.enter_halt(
@@ -233,6 +234,12 @@ impl Engine {
             .terminate()
             .map_err(|e| ("end qemu", e.to_string()))?;
         revoked.push("hypervisor process ended".into());
+        // Every grant ended with the process; passthrough devices go back to their host
+        // drivers (reset + rebind). A failure halts: never a VM resumed with one still bound.
+        let released = self
+            .release_host_devices(&ctx.trace_id)
+            .map_err(|e| ("release host devices", e))?;
+        revoked.extend(released);
 
         ctx.step(
             "restore",
@@ -328,6 +335,7 @@ impl Engine {
             .clear_inflight()
             .map_err(|e| ("remove rollback marker", e.to_string()))?;
         self.state = VmState::Running;
+        self.running_since = Some(Instant::now());
         let _ = self.backend.notify_epoch(self.vm.epoch);
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
         Ok((revoked, restore_ms.max(rr.load_ms)))

@@ -6,6 +6,8 @@
 //! layers, streams the state into the store, and publishes last. Until the publish renames the
 //! build directory into place the snapshot does not exist.
 
+use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde_json::{json, Value};
@@ -19,6 +21,36 @@ use crate::engine::{Ctx, Engine, Fault};
 use crate::error::EngineError;
 use crate::state::Transition;
 
+/// The capture stream, abandoned as soon as a host trigger is waiting: a rollback overrides a
+/// snapshot in flight, which is then never published.
+struct Preemptible<'a> {
+    inner: &'a mut dyn Read,
+    preempt: &'a AtomicBool,
+    read: u64,
+    /// Fault injection: behave like a store that stalls once 1 MiB has been read.
+    stall: Option<std::time::Duration>,
+}
+
+impl Read for Preemptible<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.read >= 1 << 20 {
+            if let Some(d) = self.stall.take() {
+                let until = Instant::now() + d;
+                while Instant::now() < until && !self.preempt.load(Ordering::SeqCst) {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            }
+        }
+        if self.preempt.load(Ordering::SeqCst) {
+            // Not `Interrupted`: std's read loops retry that kind forever.
+            return Err(std::io::Error::other("snapshot abandoned: a host trigger overrides it"));
+        }
+        let n = self.inner.read(buf)?;
+        self.read += n as u64;
+        Ok(n)
+    }
+}
+
 impl Engine {
     pub(crate) fn create_snapshot(
         &mut self,
@@ -26,6 +58,8 @@ impl Engine {
         reason: &str,
         trigger: &str,
     ) -> Result<Manifest, EngineError> {
+        // A VM holding a granted device cannot be snapshotted (see devices.rs): deferred.
+        self.defer_snapshot_while_granted(ctx, reason, trigger)?;
         self.state = self.state.transition(Transition::BeginSnapshot)?;
         self.publish();
         let sid = self.session_id.clone();
@@ -33,7 +67,13 @@ impl Engine {
             "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "pending",
             "reason": reason, "trigger": trigger, "created_by": ctx.caller.label(), "scope": "full",
         }))?;
-        let outcome = self.capture_and_publish(ctx, reason, trigger);
+        let outcome = self.capture_and_publish(ctx, reason, trigger).map_err(|e| {
+            if self.preempt.load(Ordering::SeqCst) {
+                EngineError::Abandoned
+            } else {
+                e
+            }
+        });
         self.state = self.state.transition(Transition::EndSnapshot)?;
         match outcome {
             Ok(m) => {
@@ -111,14 +151,15 @@ impl Engine {
             for (_, layer) in &stream.frozen_layers {
                 self.layers.freeze(layer)?;
             }
-            if let (Some(Fault::StallCapture(secs)), false) = (self.fault, trigger == "baseline") {
-                ctx.step(
-                    "capture",
-                    format!("fault injection: stalling {secs} s"),
-                    None,
-                );
-                std::thread::sleep(std::time::Duration::from_secs(secs));
-            }
+            let preempt = std::sync::Arc::clone(&self.preempt);
+            let stall = match (self.fault, trigger == "baseline") {
+                (Some(Fault::StallCapture(secs)), false) => {
+                    ctx.step("capture", format!("fault injection: the store stalls {secs} s after 1 MiB"), None);
+                    Some(std::time::Duration::from_secs(secs))
+                }
+                _ => None,
+            };
+            let mut reader = Preemptible { inner: &mut reader, preempt: &preempt, read: 0, stall };
             let progress = &mut *ctx.progress;
             let payload = builder
                 .write_chunked("vmstate", "ram+device", &mut reader, &mut |bytes| {

@@ -182,4 +182,188 @@ pub trait VmBackend: Send {
 
     /// Tells the guest agent the new rollback epoch (and nothing else).
     fn notify_epoch(&mut self, epoch: u64) -> Result<()>;
+
+    /// What the guest agent channel has delivered: credited heartbeats and rejected input.
+    fn heartbeats(&self) -> HeartbeatStatus;
+
+    /// Gives the running guest one grant: hot-plugs a device, raises a NIC's link, or opens the
+    /// screen. Reports the migration blockers the grant added (a VM that cannot migrate cannot
+    /// be snapshotted). Host-side preparation (VFIO binding) is the caller's, done before.
+    fn grant_device(&mut self, spec: &GrantSpec) -> Result<GrantOutcome> {
+        Err(BackendError::Command {
+            step: "grant device",
+            message: format!("the {} backend cannot grant {}", self.kind(), spec.id),
+        })
+    }
+    /// Takes one grant back, waiting up to `bound` for the guest to let go. `Pending` means the
+    /// guest still holds it: poll with [`VmBackend::poll_revoked`]; only ending the process
+    /// (a rollback) takes it for certain.
+    fn revoke_device(&mut self, spec: &GrantSpec, bound: Duration) -> Result<Release> {
+        let _ = (spec, bound);
+        Ok(Release::Released("nothing was granted".into()))
+    }
+    /// For a revocation that was `Pending`: has the guest let go now? Never asks again (a second
+    /// request can cancel the first in the guest).
+    fn poll_revoked(&mut self, spec: &GrantSpec) -> Result<Release> {
+        let _ = spec;
+        Ok(Release::Released("nothing was granted".into()))
+    }
+    /// The running VM's devices and accesses as the hypervisor itself reports them (not the
+    /// engine's bookkeeping): what a test or a person checks a revocation against.
+    fn guest_devices(&mut self) -> Result<GuestDevices> {
+        Err(BackendError::Command {
+            step: "list devices",
+            message: format!("the {} backend cannot list devices", self.kind()),
+        })
+    }
+}
+
+/// Heartbeat counters of the guest agent channel (untrusted input, strictly parsed).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeartbeatStatus {
+    /// Valid heartbeats credited since this VM instance started.
+    pub count: u64,
+    /// When the last valid heartbeat arrived.
+    pub last: Option<std::time::Instant>,
+    /// Lines refused (malformed, over-long) or dropped (over the rate limit).
+    pub rejected: u64,
+}
+
+/// A scalar property of a hypervisor device (`serial = "x"`, `vectors = 4`, `msi = false`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum PropValue {
+    Bool(bool),
+    Int(i64),
+    Str(String),
+}
+
+/// Host media behind a granted storage device (a USB stick's image). Never captured by
+/// snapshots: like a real stick, what the guest wrote there stays written after a rollback.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriveSpec {
+    pub path: PathBuf,
+    /// `raw` or `qcow2`.
+    pub format: String,
+    pub read_only: bool,
+}
+
+/// What a grant gives the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GrantKind {
+    /// A hot-plugged device: an emulated one, or `vfio-pci` with a `host` address for PCI
+    /// passthrough (bound to `vfio-pci` on the host by the caller first).
+    Device {
+        driver: String,
+        props: std::collections::BTreeMap<String, PropValue>,
+        drive: Option<DriveSpec>,
+    },
+    /// Network access: the link of a NIC from the VM's config goes up.
+    NicLink { nic: String },
+    /// Screen access: the display server (VNC) accepts a fresh password.
+    Display,
+}
+
+/// One grant, as the engine resolved it from config.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantSpec {
+    /// The config id (`tablet`, `gpu0`); the backend derives its own device ids from it.
+    pub id: String,
+    pub kind: GrantKind,
+}
+
+impl GrantSpec {
+    /// Whether the grant adds a device to the VM. A snapshot of a VM with an added device
+    /// cannot be restored into the VM's base shape, so none is taken while one is granted.
+    pub fn adds_device(&self) -> bool {
+        matches!(self.kind, GrantKind::Device { .. })
+    }
+}
+
+/// What a grant did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GrantOutcome {
+    /// For the journal: `device_add usb-tablet id=grant-tablet`.
+    pub detail: String,
+    /// Reasons the hypervisor now refuses to migrate (snapshot) the VM that it did not give
+    /// before the grant.
+    pub migration_blockers: Vec<String>,
+    /// What the grantee needs to use the grant (the display's address and password). Returned
+    /// to the person who asked, never journaled.
+    pub access: Option<DeviceAccess>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceAccess {
+    pub how: String,
+    pub secret: String,
+}
+
+/// The outcome of taking a grant back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Release {
+    /// Gone, as the hypervisor reports it.
+    Released(String),
+    /// Asked for, but the guest still holds it.
+    Pending(String),
+}
+
+/// The running VM's devices, as the hypervisor reports them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestDevices {
+    /// Every device added by id (QEMU: `/machine/peripheral`), with its type.
+    pub peripherals: Vec<Peripheral>,
+    /// Every PCI function, bridges' secondary buses included.
+    pub pci: Vec<PciFunction>,
+    pub usb: Vec<UsbDevice>,
+    /// The display server, if the VM has one.
+    pub display: Option<DisplayState>,
+    /// Each NIC's link as the guest reads it (`None`: cannot be read now).
+    pub links: Vec<LinkState>,
+    /// Why the hypervisor would refuse to migrate (snapshot) the VM now.
+    pub migration_blockers: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Peripheral {
+    pub id: String,
+    pub device_type: String,
+    /// One of the types taken away on every rollback.
+    pub grantable: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PciFunction {
+    pub bus: u64,
+    pub slot: u64,
+    pub function: u64,
+    pub vendor_id: u64,
+    pub device_id: u64,
+    pub class: u64,
+    /// The id it was added with (empty for built-in functions).
+    pub qdev_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsbDevice {
+    pub port: String,
+    pub product: String,
+    pub id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisplayState {
+    pub enabled: bool,
+    /// `vnc` (password), `none`, ...
+    pub auth: String,
+    /// Clients connected now.
+    pub clients: usize,
+    /// Where it listens.
+    pub service: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkState {
+    pub nic: String,
+    pub up: Option<bool>,
 }

@@ -101,6 +101,8 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
             &format!("virtio-net-pci,netdev=net-{nic},id={}", nic_id(nic)),
         ]);
     }
+    let shape = crate::devices::command_line_args(cfg);
+    push(&shape.iter().map(String::as_str).collect::<Vec<_>>());
     push(&[
         "-qmp",
         &format!("unix:{},server=on,wait=off", run.join("qmp.sock").display()),
@@ -134,18 +136,19 @@ pub fn fingerprint(cfg: &QemuConfig) -> String {
         line(format!("nic={n}"));
     }
     line("agent=virtserialport".into());
+    for l in crate::devices::fingerprint_lines(cfg) {
+        line(l);
+    }
     hex::encode(h.finalize())
 }
 
 #[cfg(test)]
-mod tests {
-    use std::path::PathBuf;
+pub(crate) mod tests_support {
     use std::time::Duration;
 
-    use super::*;
-    use crate::Accel;
+    use crate::{Accel, QemuConfig};
 
-    fn cfg() -> QemuConfig {
+    pub(crate) fn cfg() -> QemuConfig {
         QemuConfig {
             vm_name: "t".into(),
             binary: "qemu-system-x86_64".into(),
@@ -163,8 +166,22 @@ mod tests {
             max_bandwidth: 1 << 33,
             qmp_timeout: Duration::from_secs(5),
             disk_shape: vec![("data".into(), true)],
+            devices: Default::default(),
         }
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::tests_support::cfg;
+    use super::*;
+    use crate::devices::DeviceShape;
+
+    /// The test config's fingerprint as computed before devices existed.
+    const FINGERPRINT_BEFORE_DEVICES: &str =
+        "2d15ac8a14e66e1c38b166d8573604d1af60f6306f1c9d0caa0054378d6d3e49";
 
     #[test]
     fn incoming_mode_starts_paused_and_deferred() {
@@ -194,5 +211,42 @@ mod tests {
         let mut other_disks = cfg();
         other_disks.disk_shape.push(("scratch".into(), false));
         assert_ne!(fingerprint(&cfg()), fingerprint(&other_disks));
+    }
+
+    #[test]
+    fn the_device_shape_is_in_the_fingerprint_only_where_the_guest_sees_it() {
+        // A config without devices keeps the fingerprint it always had (published snapshots
+        // keep matching).
+        assert_eq!(fingerprint(&cfg()), FINGERPRINT_BEFORE_DEVICES);
+        let mut usb = cfg();
+        usb.devices = DeviceShape {
+            usb: true,
+            ..Default::default()
+        };
+        assert_ne!(fingerprint(&cfg()), fingerprint(&usb));
+        let mut ports = cfg();
+        ports.devices.pci_ports = vec!["gpu".into()];
+        assert_ne!(fingerprint(&cfg()), fingerprint(&ports));
+        // Host-side access (VNC, the audio backend, link state) is no part of the guest's shape.
+        let mut host_only = cfg();
+        host_only.devices = DeviceShape {
+            vnc: true,
+            audio: true,
+            granted_nics: vec!["net0".into()],
+            ..Default::default()
+        };
+        assert_eq!(fingerprint(&cfg()), fingerprint(&host_only));
+        // Stable for a given config.
+        assert_eq!(fingerprint(&ports), fingerprint(&ports.clone()));
+        let disks = vec![DiskAttachment {
+            id: "data".into(),
+            active: PathBuf::from("/l/1.qcow2"),
+            captured: true,
+        }];
+        let line = command_line(&ports, &disks, BootMode::Cold).join(" ");
+        let qmp = line.find("-qmp").unwrap();
+        let port = line.find("pcie-root-port").unwrap();
+        let nic = line.find("virtio-net-pci").unwrap();
+        assert!(nic < port && port < qmp, "{line}");
     }
 }

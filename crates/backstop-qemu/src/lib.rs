@@ -14,6 +14,7 @@
 
 mod agent;
 mod cmdline;
+pub mod devices;
 pub mod qmp;
 
 use std::fs::File;
@@ -91,6 +92,8 @@ pub struct QemuConfig {
     /// Each disk's id and whether snapshots capture it: part of the VM's shape, known from
     /// config before anything is launched.
     pub disk_shape: Vec<(String, bool)>,
+    /// What grants need in the VM's base shape (USB controller, hot-plug ports, display).
+    pub devices: devices::DeviceShape,
 }
 
 /// Device types that are grantable host hardware (or its emulated stand-ins) and are taken
@@ -113,9 +116,11 @@ pub const GRANTABLE_TYPE_PREFIXES: &[&str] = &[
     "hda-",
     "virtio-sound",
     "pci-testdev",
+    "ivshmem",
 ];
 
-fn is_grantable(qom_type: &str) -> bool {
+/// Whether a device type is one that grants add (and every rollback takes away).
+pub fn is_grantable(qom_type: &str) -> bool {
     GRANTABLE_TYPE_PREFIXES
         .iter()
         .any(|p| qom_type.starts_with(p))
@@ -246,6 +251,12 @@ impl QemuBackend {
         })
     }
 
+    /// Bound for the steps on the way to ending QEMU (abort, pause, revoke): a QEMU that does
+    /// not answer quickly is ended anyway, so waiting the full QMP timeout only delays that.
+    fn short_timeout(&self) -> Duration {
+        self.cfg.qmp_timeout.min(Duration::from_secs(3))
+    }
+
     fn event_us(ev: &qmp::QmpEvent) -> u64 {
         ev.timestamp_us
     }
@@ -312,6 +323,14 @@ impl VmBackend for QemuBackend {
             running.qmp.execute(
                 "migrate-set-parameters",
                 Some(json!({"max-bandwidth": self.cfg.max_bandwidth})),
+                t,
+            )?;
+        }
+        // Network access is granted, not given: a NIC a grant controls starts with its link down.
+        for nic in &self.cfg.devices.granted_nics {
+            running.qmp.execute(
+                "set_link",
+                Some(json!({"name": cmdline::nic_id(nic), "up": false})),
                 t,
             )?;
         }
@@ -516,7 +535,7 @@ impl VmBackend for QemuBackend {
     }
 
     fn abort_capture(&mut self) {
-        let t = self.cfg.qmp_timeout;
+        let t = self.short_timeout();
         if let Some(r) = self.running.as_mut() {
             if r.capture.take().is_some() {
                 let _ = r.qmp.execute("migrate_cancel", None, t);
@@ -533,7 +552,7 @@ impl VmBackend for QemuBackend {
     }
 
     fn pause(&mut self) -> Result<()> {
-        let t = self.cfg.qmp_timeout;
+        let t = self.short_timeout();
         let r = self.running_mut("pause")?;
         r.qmp.execute("stop", None, t)?;
         Ok(())
@@ -547,8 +566,9 @@ impl VmBackend for QemuBackend {
     }
 
     fn revoke_devices(&mut self, bound: Duration) -> Result<RevocationReport> {
-        let t = self.cfg.qmp_timeout;
+        let t = self.short_timeout();
         let nics = self.cfg.nics.clone();
+        let vnc = self.cfg.devices.vnc;
         let r = self.running_mut("revoke")?;
         let mut report = RevocationReport::default();
         let peripherals =
@@ -593,6 +613,18 @@ impl VmBackend for QemuBackend {
                 t,
             )?;
             report.revoked.push(format!("link down {nic}"));
+        }
+        if vnc {
+            match devices::revoke_display(r, t) {
+                Ok(0) => report.revoked.push("vnc password revoked".into()),
+                Ok(n) => {
+                    report.revoked.push("vnc password revoked".into());
+                    report
+                        .not_released
+                        .push(format!("{n} vnc client(s) (ended with the process)"));
+                }
+                Err(e) => report.not_released.push(format!("vnc: {e}")),
+            }
         }
         report.revoked.push("guest agent channel closed".into());
         r.agent.close();
@@ -646,6 +678,7 @@ impl VmBackend for QemuBackend {
     fn finish_restore(&mut self) -> Result<RestoreReport> {
         let t = self.cfg.qmp_timeout;
         let nics = self.cfg.nics.clone();
+        let max_bandwidth = self.cfg.max_bandwidth;
         let r = self.running_mut("finish restore")?;
         let started = r.restore.take().unwrap_or_else(Instant::now);
         let done = r
@@ -696,6 +729,14 @@ impl VmBackend for QemuBackend {
             }
             devices.push(format!("{ty} {name}"));
         }
+        // The restored VM must be capturable like a cold-booted one: these capabilities are
+        // per process and the incoming side could not have them set before the load.
+        r.qmp.execute(
+            "migrate-set-capabilities",
+            Some(json!({"capabilities": [{"capability": "background-snapshot", "state": true}]})),
+            t,
+        )?;
+        r.qmp.execute("migrate-set-parameters", Some(json!({"max-bandwidth": max_bandwidth})), t)?;
         // Network access does not survive a rollback: the restored VM's links start down.
         for nic in nics {
             r.qmp.execute(
@@ -704,6 +745,15 @@ impl VmBackend for QemuBackend {
                 t,
             )?;
         }
+        // Check it from the guest's side too: the link bit QEMU serves the guest is down.
+        for nic in &self.cfg.nics.clone() {
+            let r = self.running_mut("finish restore")?;
+            if devices::link_up(r, t, nic).ok().flatten() == Some(true) {
+                return Err(BackendError::RestoreCheck(format!(
+                    "the guest still reads link up on {nic}"
+                )));
+            }
+        }
         Ok(RestoreReport { load_ms, devices })
     }
 
@@ -711,6 +761,41 @@ impl VmBackend for QemuBackend {
         let r = self.running_mut("notify epoch")?;
         r.agent.send_epoch(epoch);
         Ok(())
+    }
+
+    fn heartbeats(&self) -> backstop_hypervisor::HeartbeatStatus {
+        let s = self.agent_stats();
+        backstop_hypervisor::HeartbeatStatus {
+            count: s.heartbeats,
+            last: s.last_heartbeat,
+            rejected: s.rejected + s.dropped_rate,
+        }
+    }
+
+    fn grant_device(
+        &mut self,
+        spec: &backstop_hypervisor::GrantSpec,
+    ) -> Result<backstop_hypervisor::GrantOutcome> {
+        self.grant(spec)
+    }
+
+    fn revoke_device(
+        &mut self,
+        spec: &backstop_hypervisor::GrantSpec,
+        bound: Duration,
+    ) -> Result<backstop_hypervisor::Release> {
+        self.revoke(spec, bound)
+    }
+
+    fn poll_revoked(
+        &mut self,
+        spec: &backstop_hypervisor::GrantSpec,
+    ) -> Result<backstop_hypervisor::Release> {
+        self.revoked_yet(spec)
+    }
+
+    fn guest_devices(&mut self) -> Result<backstop_hypervisor::GuestDevices> {
+        self.device_view()
     }
 }
 

@@ -101,7 +101,7 @@ fn run(cfg: Config) -> Result<(), String> {
     let server = ControlServer::bind(&socket, access).map_err(|e| format!("{}: {e}", e.code()))?;
     let engine = Arc::new(EngineHandle::spawn(cfg).map_err(|e| format!("{}: {e}", e.code()))?);
     tracing::info!(socket = %socket.display(), "control socket ready");
-    notify_systemd("READY=1");
+    backstop_engine::systemd::notify("READY=1");
 
     let server = Arc::new(server);
     {
@@ -116,7 +116,7 @@ fn run(cfg: Config) -> Result<(), String> {
         .wait()
         .map_err(|e| format!("waiting for signals: {e}"))?;
     tracing::info!(signal = ?sig, "stopping");
-    notify_systemd("STOPPING=1");
+    backstop_engine::systemd::notify("STOPPING=1");
     match Arc::try_unwrap(engine) {
         Ok(e) => e.shutdown(),
         Err(_) => tracing::warn!("engine still in use at shutdown; the VM ends with the process"),
@@ -150,6 +150,7 @@ fn serve(mut conn: Connection, engine: &EngineHandle) {
     let Ok(request) = conn.read_request() else {
         return;
     };
+    tracing::debug!(op = request.name(), uid = conn.peer().uid, "request received");
     let caller = Caller {
         role: conn.role().as_str(),
         uid: conn.peer().uid,
@@ -176,11 +177,15 @@ fn serve(mut conn: Connection, engine: &EngineHandle) {
     let _ = conn.send(&reply);
 }
 
-/// The host policy engine may trigger and inspect; only a person at the console clears HALTED.
+/// The host policy engine may trigger, inspect and revoke; only a person at the console clears
+/// HALTED or grants a device.
 fn permitted(role: backstop_control::Role, request: &Request) -> Result<(), String> {
     match (role, request) {
         (backstop_control::Role::Policy, Request::HaltClear { .. }) => {
             Err("only a person at the console can clear HALTED".into())
+        }
+        (backstop_control::Role::Policy, Request::DeviceGrant { .. }) => {
+            Err("only a person at the console can grant devices".into())
         }
         _ => Ok(()),
     }
@@ -204,21 +209,4 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<std::fs::File, String> {
         ));
     }
     Ok(f)
-}
-
-/// `sd_notify` without libsystemd: one datagram to $NOTIFY_SOCKET, when systemd set one.
-fn notify_systemd(state: &str) {
-    let Ok(path) = std::env::var("NOTIFY_SOCKET") else {
-        return;
-    };
-    let Ok(sock) = std::os::unix::net::UnixDatagram::unbound() else {
-        return;
-    };
-    let _ = if let Some(abstract_name) = path.strip_prefix('@') {
-        use std::os::linux::net::SocketAddrExt;
-        std::os::unix::net::SocketAddr::from_abstract_name(abstract_name.as_bytes())
-            .and_then(|addr| sock.send_to_addr(state.as_bytes(), &addr))
-    } else {
-        sock.send_to(state.as_bytes(), &path)
-    };
 }

@@ -1,0 +1,341 @@
+"""Turns the raw records of a run into figures (median / min / max), ratios against the peers,
+the goals read against them, a text table and a PNG chart."""
+
+import statistics
+
+CONTENDERS = [("backstop", "backstop"), ("virsh", "virsh internal"), ("stopcopy", "stop-and-copy"),
+              ("dd", "dd")]
+PEERS = ["virsh", "stopcopy", "dd"]
+SNAP_KINDS = ("first", "idle", "dirty", "busy")
+
+MB = 1e6
+
+
+def _g(d, *path):
+    for p in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(p)
+    return d
+
+
+def _snap(rec, kind, *path):
+    return _g(rec, "snapshots", kind, *path)
+
+
+def _clean(s):
+    return not _g(s, "contaminated")
+
+
+def per_snapshot(kinds, *path):
+    def f(rec):
+        return [_g(rec["snapshots"][k], *path) for k in kinds if k in rec["snapshots"]]
+    return f
+
+
+def ratio(kind, base):
+    def f(rec):
+        a, b = _snap(rec, kind, "bytes_stored"), _snap(rec, base, "bytes_stored")
+        if a is None or not b or not _clean(rec["snapshots"].get(kind)):
+            return []
+        return [a / b]
+    return f
+
+
+def rate(bytes_key):
+    def f(rec):
+        s = rec["snapshots"].get("first") or {}
+        b, ms = s.get(bytes_key), s.get("capture_ms")
+        return [b / (ms / 1e3) / MB] if b and ms else []
+    return f
+
+
+def snap_value(kind, key, scale=1.0):
+    def f(rec):
+        s = rec["snapshots"].get(kind)
+        if not s or s.get(key) is None or not _clean(s):
+            return []
+        return [s[key] * scale]
+    return f
+
+
+# (key, section, label, unit, extractor(record) -> [values], which contenders)
+METRICS = [
+    ("pause_stopped", 1, "guest stopped (its clock froze, host's did not)", "ms",
+     per_snapshot(SNAP_KINDS, "guest", "stopped_ms"), None),
+    ("pause_silence", 1, "longest silence of the guest, seen on the host", "ms",
+     per_snapshot(SNAP_KINDS, "guest", "silence_ms"), None),
+    ("pause_guest_clock", 1, "longest stall on the guest's own clock", "ms",
+     per_snapshot(("first", "idle", "dirty"), "guest", "guest_clock_stall_ms"), None),
+    ("pause_guest_clock_busy", 1, "  same, while its writer dirties RAM", "ms",
+     per_snapshot(("busy",), "guest", "guest_clock_stall_ms"), None),
+    ("pause_qemu_events", 1, "QEMU STOP->RESUME event timestamps", "ms",
+     per_snapshot(SNAP_KINDS, "qemu_pause_ms"), None),
+    ("pause_qemu_downtime", 1, "QEMU's reported downtime (query-migrate)", "ms",
+     per_snapshot(SNAP_KINDS, "qemu_downtime_ms"), None),
+    ("noise_stopped", 1, "noise: 'stopped' in a quiet 2 s window", "ms",
+     lambda r: [_g(r, "quiet", "guest", "stopped_ms")], None),
+    ("noise_silence", 1, "noise: 'silence' in a quiet 2 s window", "ms",
+     lambda r: [_g(r, "quiet", "guest", "silence_ms")], None),
+    ("noise_guest_clock", 1, "noise: guest-clock stall, quiet 2 s window", "ms",
+     lambda r: [_g(r, "quiet", "guest", "guest_clock_stall_ms")], None),
+
+    ("wall_first", 2, "wall time: first snapshot", "ms", snap_value("first", "wall_ms"), None),
+    ("wall_idle", 2, "wall time: second, guest idle", "ms", snap_value("idle", "wall_ms"), None),
+    ("wall_dirty", 2, "wall time: second, after 10% of RAM dirtied", "ms", snap_value("dirty", "wall_ms"), None),
+    ("wall_busy", 2, "wall time: while the writer runs", "ms", snap_value("busy", "wall_ms"), None),
+    ("bytes_first", 2, "stored: first snapshot", "MB", snap_value("first", "bytes_stored", 1 / MB), None),
+    ("bytes_idle", 2, "stored: second, guest idle", "MB", snap_value("idle", "bytes_stored", 1 / MB), None),
+    ("bytes_dirty", 2, "stored: second, after 10% of RAM dirtied", "MB",
+     snap_value("dirty", "bytes_stored", 1 / MB), None),
+    ("ratio_idle", 2, "stored idle / stored first", "x", ratio("idle", "first"), None),
+    ("ratio_dirty", 2, "stored dirty / stored first", "x", ratio("dirty", "first"), None),
+    ("logical_first", 2, "RAM+device state streamed (first)", "MB",
+     snap_value("first", "logical_bytes", 1 / MB), None),
+
+    ("rb_guest", 3, "request -> guest running at snapshot point", "ms",
+     lambda r: [_g(r, "rollback", "guest", "guest_running_ms")], None),
+    ("rb_tick", 3, "request -> first workload tick after it", "ms",
+     lambda r: [_g(r, "rollback", "guest", "first_tick_ms")], None),
+    ("rb_cmd", 3, "the command itself (request -> it returned)", "ms",
+     lambda r: [_g(r, "rollback", "cmd_ms")], None),
+    ("rb_reported", 3, "backstop's own total_ms", "ms",
+     lambda r: [_g(r, "rollback", "reported_total_ms")], None),
+    ("rb_restore", 3, "of which loading state into the fresh QEMU", "ms",
+     lambda r: [_g(r, "rollback", "reported_restore_ms")], None),
+
+    ("tput_store", 5, "store write: stored bytes / capture time (first)", "MB/s", rate("bytes_stored"), None),
+    ("tput_stream", 5, "state stream: RAM+device bytes / capture time", "MB/s", rate("logical_bytes"), None),
+    ("tput_dd", 5, "dd if=/dev/zero bs=1M conv=fsync, same filesystem", "MB/s", None, ["dd"]),
+]
+
+NOT_YET = [
+    (4, "watchdog expiry -> guest running", "not yet available (heartbeat/hardware watchdog figure: issue 3)"),
+    (6, "embedded KVM backend: restore time vs guest memory", "not yet available (issue 6)"),
+]
+
+SECTIONS = {
+    1: "1. Guest pause per snapshot (first, idle, dirty, busy snapshots)",
+    2: "2. Snapshot wall time and bytes stored",
+    3: "3. Rollback: request -> guest running again at the snapshot point (guest's view)",
+    4: "4. Watchdog expiry -> guest running",
+    5: "5. Store write throughput",
+    6: "6. Embedded KVM backend",
+}
+
+
+def stats(values):
+    v = [x for x in values if isinstance(x, (int, float))]
+    if not v:
+        return None
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def summarize(raw):
+    meta, records, dd = raw["meta"], raw["records"], raw.get("dd", [])
+    figures = {}
+    for key, section, label, unit, fn, only in METRICS:
+        row = {"section": section, "label": label, "unit": unit, "values": {}}
+        for c, _ in CONTENDERS:
+            if only and c not in only:
+                continue
+            if c == "dd":
+                if key == "tput_dd":
+                    row["values"]["dd"] = stats([d["bytes_per_s"] / MB for d in dd])
+                continue
+            vals = []
+            for r in records:
+                if r["contender"] == c and fn:
+                    vals.extend(fn(r))
+            s = stats(vals)
+            if s:
+                row["values"][c] = s
+        b = _g(row, "values", "backstop", "median")
+        row["ratios"] = {}
+        for p in PEERS:
+            pm = _g(row, "values", p, "median")
+            if b is not None and pm:
+                row["ratios"][p] = b / pm
+        figures[key] = row
+    # Store throughput is read against dd: put dd's median beside backstop's rows.
+    dd_med = _g(figures, "tput_dd", "values", "dd", "median")
+    for k in ("tput_store", "tput_stream"):
+        b = _g(figures, k, "values", "backstop", "median")
+        if b is not None and dd_med:
+            figures[k]["ratios"]["dd"] = b / dd_med
+    errors = [{"contender": r["contender"], "rep": r["rep"] + 1, "error": r["error"]}
+              for r in records if r.get("error")]
+    contaminated = [{"contender": r["contender"], "rep": r["rep"] + 1}
+                    for r in records if _g(r, "snapshots", "idle", "contaminated")]
+    return {"meta": meta, "figures": figures, "goals": goals(figures, meta),
+            "not_yet_available": [{"section": s, "label": l, "note": n} for s, l, n in NOT_YET],
+            "errors": errors, "idle_contaminated": contaminated}
+
+
+def _med(figures, key, c="backstop"):
+    return _g(figures, key, "values", c, "median")
+
+
+def goals(f, meta):
+    out = []
+    size = f"{meta['memory_mib']} MiB guest" + ("" if meta["memory_mib"] == 1024 else
+                                                 " (the goal is stated for 1 GiB)")
+
+    def verdict(ok, by):
+        return "meets" if ok else f"misses by {by}"
+
+    stopped, silence = _med(f, "pause_stopped"), _med(f, "pause_silence")
+    floor = _med(f, "noise_silence")
+    if stopped is not None:
+        worst = max(stopped, silence or 0)
+        out.append({
+            "goal": "guest pause <= 5 ms at 1 GiB", "size": size,
+            "measured": f"stopped {stopped:.1f} ms, longest silence {silence:.1f} ms"
+                        + (f" (its noise floor {floor:.1f} ms)" if floor is not None else ""),
+            "verdict": verdict(worst <= 5, f"{worst - 5:.1f} ms ({worst / 5:.1f}x the goal)"),
+        })
+    b, v = _med(f, "rb_guest"), _med(f, "rb_guest", "virsh")
+    if b is not None and v:
+        out.append({
+            "goal": "rollback <= 1/10 of virsh snapshot-revert", "size": size,
+            "measured": f"{b:.0f} ms vs virsh {v:.0f} ms = {b / v:.2f} of it",
+            "verdict": verdict(b <= v / 10, f"{b - v / 10:.0f} ms ({b / v * 10:.1f}x the goal)"),
+        })
+    r = _med(f, "ratio_idle")
+    if r is not None:
+        out.append({
+            "goal": "idle second snapshot stores <= 10% of the first", "size": size,
+            "measured": f"{_med(f, 'bytes_idle'):.1f} MB of {_med(f, 'bytes_first'):.1f} MB = {r * 100:.0f}%",
+            "verdict": verdict(r <= 0.10, f"{(r - 0.10) * 100:.0f} points ({r / 0.10:.1f}x the goal)"),
+        })
+    t, d = _med(f, "tput_store"), _med(f, "tput_dd", "dd")
+    if t is not None and d:
+        out.append({
+            "goal": "store write throughput >= 70% of dd", "size": size,
+            "measured": f"{t:.0f} MB/s vs dd {d:.0f} MB/s = {t / d * 100:.0f}%",
+            "verdict": verdict(t >= 0.7 * d, f"{(0.7 - t / d) * 100:.0f} points ({0.7 * d / t:.1f}x short)"),
+        })
+    return out
+
+
+def _fmt(x):
+    if x is None:
+        return "-"
+    a = abs(x)
+    if a >= 100:
+        return f"{x:.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    return f"{x:.2f}"
+
+
+def _cell(s):
+    if not s:
+        return ""
+    if s["n"] == 1:
+        return _fmt(s["median"])
+    return f"{_fmt(s['median'])} [{_fmt(s['min'])}-{_fmt(s['max'])}]"
+
+
+def table(summary):
+    m = summary["meta"]
+    f = summary["figures"]
+    lines = []
+    lines.append(
+        f"backstop benchmark: {m['memory_mib']} MiB guest, {m['fill_mib']} MiB random data resident, "
+        f"writer {m['dirty_mib']} MiB ({m['dirty_pct']}% of RAM) every {m['dirty_every_s']} s, "
+        f"accel {m['accel']}, {m['reps']} repetition(s)" + (" [--quick]" if m.get("quick") else ""))
+    lines.append(f"{m.get('versions', {}).get('qemu') or ''}; libvirt {m.get('versions', {}).get('libvirt') or '-'}; "
+                 f"{m['started']} .. {m.get('finished', '')}")
+    lines.append("cells: median [min-max] over repetitions (pause rows: over every snapshot); "
+                 "ratios: backstop's median / the peer's")
+    cols = [c for c, _ in CONTENDERS if any(c in r["values"] for r in f.values())]
+    names = dict(CONTENDERS)
+    ratio_cols = [p for p in PEERS if any(p in r["ratios"] for r in f.values())]
+    lw = max(len(r["label"]) + len(r["unit"]) + 3 for r in f.values())
+    cw = max([len(names[c]) for c in cols] + [len(_cell(r["values"].get(c))) for r in f.values() for c in cols])
+    header = " " * lw + "".join(f"  {names[c]:>{cw}}" for c in cols) + "".join(
+        f"  {'/' + names[p]:>14}" for p in ratio_cols)
+    sections = sorted(set(r["section"] for r in f.values()) | {s for s, _, _ in NOT_YET})
+    for sec in sections:
+        lines.append("")
+        lines.append(SECTIONS[sec])
+        na = [x for x in NOT_YET if x[0] == sec]
+        for _, label, note in na:
+            lines.append(f"  {label}: {note}")
+        rows = [r for r in f.values() if r["section"] == sec and r["values"]]
+        if not rows:
+            continue
+        lines.append(header)
+        for r in rows:
+            lab = f"{r['label']} ({r['unit']})"
+            line = f"{lab:<{lw}}" + "".join(f"  {_cell(r['values'].get(c)):>{cw}}" for c in cols)
+            line += "".join(
+                f"  {(_fmt(r['ratios'][p]) + 'x') if p in r['ratios'] else '':>14}" for p in ratio_cols)
+            lines.append(line.rstrip())
+    lines.append("")
+    lines.append("Goals (read against the table, not asserted)")
+    for g in summary["goals"]:
+        lines.append(f"  {g['goal']}: {g['measured']} -> {g['verdict']}  [{g['size']}]")
+    if summary["idle_contaminated"]:
+        lines.append("  note: the writer ran between 'first' and 'idle' in "
+                     + ", ".join(f"{x['contender']} rep {x['rep']}" for x in summary["idle_contaminated"])
+                     + "; those idle samples are left out")
+    if summary["errors"]:
+        lines.append("")
+        lines.append("Errors")
+        for e in summary["errors"]:
+            lines.append(f"  {e['contender']} rep {e['rep']}: {e['error'].splitlines()[0]}")
+    return "\n".join(lines) + "\n"
+
+
+def chart(summary, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    f = summary["figures"]
+    names = dict(CONTENDERS)
+    colors = {"backstop": "#1f77b4", "virsh": "#d62728", "stopcopy": "#ff7f0e", "dd": "#7f7f7f"}
+    panels = [
+        ("Guest pause per snapshot (ms, log)", ["pause_stopped", "pause_silence", "pause_guest_clock"],
+         ["stopped", "silence", "own-clock stall"], True),
+        ("Snapshot wall time (ms, log)", ["wall_first", "wall_idle", "wall_dirty"],
+         ["first", "idle", "dirty 10%"], True),
+        ("Bytes stored (MB)", ["bytes_first", "bytes_idle", "bytes_dirty"], ["first", "idle", "dirty 10%"], False),
+        ("Rollback: request -> guest running (ms, log)", ["rb_guest", "rb_tick"],
+         ["guest running", "first tick"], True),
+        ("Write throughput (MB/s)", ["tput_store", "tput_stream", "tput_dd"],
+         ["store write", "state stream", "dd fsync"], False),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4))
+    m = summary["meta"]
+    fig.suptitle(f"backstop vs peers - {m['memory_mib']} MiB guest, {m['fill_mib']} MiB data, "
+                 f"accel {m['accel']}, {m['reps']} rep(s); bars: median, whiskers: min-max", fontsize=10)
+    for ax, (title, keys, labels, log) in zip(axes, panels):
+        cs = [c for c, _ in CONTENDERS if any(c in f[k]["values"] for k in keys)]
+        width = 0.8 / max(1, len(cs))
+        for j, c in enumerate(cs):
+            xs, meds, lo, hi = [], [], [], []
+            for i, k in enumerate(keys):
+                s = f[k]["values"].get(c)
+                if not s:
+                    continue
+                xs.append(i + (j - (len(cs) - 1) / 2) * width)
+                meds.append(max(s["median"], 1e-3) if log else s["median"])
+                lo.append(max(0, s["median"] - s["min"]))
+                hi.append(max(0, s["max"] - s["median"]))
+            if xs:
+                ax.bar(xs, meds, width, yerr=[lo, hi], capsize=2, label=names[c], color=colors[c])
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_title(title, fontsize=9)
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

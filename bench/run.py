@@ -1,0 +1,321 @@
+"""backstop's benchmark against its peers, in one run, on the same guest (issue 7).
+
+Run it through scripts/bench.sh, which installs what it needs and builds backstop first.
+Each repetition boots a fresh guest per contender (so every "first" snapshot is a first), with
+~fill MiB of random data resident, a stall meter and a writer that dirties 10% of RAM in bursts,
+and drives it through the same steps:
+
+    boot, fill         the guest writes its random data, then its writer sleeps `every` s
+    quiet window       2 s with nothing happening: the noise floor of every guest-side figure
+    first              snapshot
+    idle               snapshot again, guest idle since (the writer still asleep)
+    dirty              after the writer's next burst (10% of RAM rewritten): snapshot
+    busy               as the writer's next burst starts: snapshot while it writes
+    rollback           to "first"; timed until the restored guest speaks on its console
+
+Contenders are interleaved within each repetition so that drift on the host hits all alike.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import contenders as C  # noqa: E402
+import measure  # noqa: E402
+import report  # noqa: E402
+
+SETTLE_S = measure.AFTER_SETTLE_S + measure.SIDE_S + 0.2  # lines needed after an event
+
+
+class Env:
+    pass
+
+
+def log(msg):
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def detect_accel():
+    """As backstop's accel = "auto": TCG where /dev/kvm is missing or is the paravirtual kvm_pvm."""
+    if not os.path.exists("/dev/kvm"):
+        return "tcg"
+    try:
+        with open("/proc/modules") as f:
+            if any(line.split()[0] == "kvm_pvm" for line in f):
+                return "tcg"
+    except OSError:
+        pass
+    return "kvm"
+
+
+def dd_throughput(directory, mib):
+    """`dd if=/dev/zero of=X bs=1M count=N conv=fsync` on the given filesystem: bytes/s."""
+    target = Path(directory) / "dd-test.bin"
+    try:
+        p = subprocess.run(
+            ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={mib}", "conv=fsync"],
+            capture_output=True, text=True, timeout=600, check=True,
+        )
+    finally:
+        target.unlink(missing_ok=True)
+    m = re.search(r"^(\d+) bytes .* copied, ([\d.]+) s", p.stderr, re.M)
+    if not m:
+        raise C.BenchError(f"cannot parse dd's report: {p.stderr.strip()}")
+    return {"bytes": int(m.group(1)), "seconds": float(m.group(2)),
+            "bytes_per_s": int(m.group(1)) / float(m.group(2))}
+
+
+def wait_quiet(seconds):
+    time.sleep(seconds)
+
+
+def run_rep(cls, env, rep):
+    c = cls(env, rep)
+    rec = {"contender": c.name, "rep": rep, "snapshots": {}, "error": None}
+    t_start = time.monotonic()
+    try:
+        log(f"[{c.name} rep {rep + 1}] boot")
+        c.start()
+        _, line, m = c.serial.wait_for(rb"BACKSTOP fill mib=\d+ ms=(\d+)", timeout=600, what="guest fill")
+        rec["fill_guest_ms"] = int(m.group(1))
+        rec["boot_to_filled_s"] = line.t - t_start
+        c.ready()
+
+        # Noise floor: a quiet window shaped like an event, with nothing in it.
+        time.sleep(measure.SIDE_S + 0.2)
+        q0 = time.monotonic()
+        time.sleep(2.0)
+        q1 = time.monotonic()
+        time.sleep(SETTLE_S)
+        rec["quiet"] = {"t_req": q0, "t_done": q1}
+
+        log(f"[{c.name} rep {rep + 1}] snapshots")
+        first = c.snapshot("first")
+        rec["snapshots"]["first"] = first
+        time.sleep(SETTLE_S)
+        idle = c.snapshot("idle")
+        rec["snapshots"]["idle"] = idle
+        # Idle means the writer did not run between the two.
+        n_lines = [ln for ln in c.serial.snapshot() if first["t_req"] <= ln.t <= idle["t_done"]]
+        if any(b"BACKSTOP dirty begin" in ln.text for ln in n_lines):
+            idle["contaminated"] = "the writer ran between first and idle (raise --dirty-every)"
+            log(f"[{c.name} rep {rep + 1}] warning: {idle['contaminated']}")
+        start = c.serial.count()
+        i, _, m = c.serial.wait_for(rb"BACKSTOP dirty end n=(\d+)", start_index=start,
+                                    timeout=env.dirty_every * 3 + 120, what="writer burst")
+        time.sleep(0.2)
+        dirty = c.snapshot("dirty")
+        rec["snapshots"]["dirty"] = dirty
+        time.sleep(SETTLE_S)
+        c.serial.wait_for(rb"BACKSTOP dirty begin n=", start_index=i,
+                          timeout=env.dirty_every * 3 + 120, what="next writer burst")
+        busy = c.snapshot("busy")
+        rec["snapshots"]["busy"] = busy
+        time.sleep(SETTLE_S)
+
+        log(f"[{c.name} rep {rep + 1}] rollback")
+        rb = c.rollback(first)
+        rec["rollback"] = rb
+        deadline = time.monotonic() + 120
+        while True:
+            v = measure.rollback_view(c.serial.snapshot(), rb["t_req"], first["t_req"])
+            if "first_tick_ms" in v or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)
+    except Exception as e:  # noqa: BLE001 - recorded, the run goes on with the other contenders
+        rec["error"] = f"{type(e).__name__}: {e}"
+        log(f"[{c.name} rep {rep + 1}] FAILED: {rec['error']}")
+        rec["traceback"] = traceback.format_exc()
+    finally:
+        lines = c.serial.snapshot() if c.serial else []
+        try:
+            c.stop()
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = (rec["error"] or "") + f"; cleanup: {e}"
+        rec.update(c.notes())
+        # Guest-side figures, from the lines as they arrived.
+        if "quiet" in rec:
+            rec["quiet"]["guest"] = measure.snapshot_view(lines, rec["quiet"]["t_req"], rec["quiet"]["t_done"])
+        for s in rec["snapshots"].values():
+            s["guest"] = measure.snapshot_view(lines, s["t_req"], s["t_done"])
+        if "rollback" in rec:
+            rec["rollback"]["guest"] = measure.rollback_view(
+                lines, rec["rollback"]["t_req"], rec["snapshots"]["first"]["t_req"])
+        rec["wall_s"] = time.monotonic() - t_start
+        if env.keep_logs:
+            keep = env.results / "logs" / f"{c.name}-{rep + 1}"
+            keep.mkdir(parents=True, exist_ok=True)
+            (keep / "serial.log").write_bytes(b"\n".join(ln.text for ln in lines) + b"\n")
+            for f in ("backstopd.log", "qemu.log", "domain.xml", "backstop.toml"):
+                if (c.dir / f).exists():
+                    shutil.copy(c.dir / f, keep / f)
+        c.discard()
+    return rec
+
+
+def libvirt_leftovers(prefix):
+    p = subprocess.run(["virsh", "-q", "-c", C.LIBVIRT_URI, "list", "--all", "--name"],
+                       capture_output=True, text=True)
+    return [n for n in p.stdout.split() if n.startswith(prefix)]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="bench.sh", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="one repetition, 256 MiB guest, 100 MiB of data (CI)")
+    ap.add_argument("--reps", type=int, help="repetitions of every measurement (default 5; 1 with --quick)")
+    ap.add_argument("--memory-mib", type=int, help="guest RAM (default 1024; 256 with --quick)")
+    ap.add_argument("--fill-mib", type=int, help="random data kept resident in the guest (default 400; 100 with --quick)")
+    ap.add_argument("--dirty-pct", type=int, default=10, help="share of guest RAM the writer rewrites per burst (default 10)")
+    ap.add_argument("--dirty-every", type=int, help="seconds between writer bursts (default 25; 12 with --quick)")
+    ap.add_argument("--contenders", default="backstop,virsh,stopcopy",
+                    help="comma-separated subset of backstop,virsh,stopcopy")
+    ap.add_argument("--accel", choices=["auto", "tcg", "kvm"], default="auto",
+                    help="accelerator for every contender (auto: as backstop's accel=auto)")
+    ap.add_argument("--results", help="results directory (default results/<timestamp>)")
+    ap.add_argument("--workdir", help="where guests, stores and images live during the run "
+                    "(default a fresh dir under /var/tmp; dd is measured there)")
+    ap.add_argument("--keep-logs", action="store_true", help="copy serial and daemon logs into the results")
+    ap.add_argument("--guest-dir", default=os.environ.get("BACKSTOP_GUEST_DIR") or
+                    str(Path.home() / ".cache/backstop/guest"))
+    ap.add_argument("--bin-dir", default=str(Path(__file__).resolve().parent.parent / "target/release"))
+    a = ap.parse_args(argv)
+
+    env = Env()
+    env.quick = a.quick
+    env.reps = a.reps or (1 if a.quick else 5)
+    env.memory_mib = a.memory_mib or (256 if a.quick else 1024)
+    env.fill_mib = a.fill_mib or (100 if a.quick else 400)
+    env.dirty_mib = max(1, round(env.memory_mib * a.dirty_pct / 100))
+    env.dirty_pct = a.dirty_pct
+    env.dirty_every = a.dirty_every or (12 if a.quick else 25)
+    env.accel = detect_accel() if a.accel == "auto" else a.accel
+    env.guest = Path(a.guest_dir).resolve()
+    env.backstopd = Path(a.bin_dir) / "backstopd"
+    env.backstop = Path(a.bin_dir) / "backstop"
+    env.qemu = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
+    env.keep_logs = a.keep_logs
+    env.append = (
+        "console=ttyS0 quiet panic=-1 backstop.stallmeter=1"
+        f" backstop.fill_mib={env.fill_mib} backstop.dirty_mib={env.dirty_mib}"
+        f" backstop.dirty_every={env.dirty_every}"
+    )
+    names = [n.strip() for n in a.contenders.split(",") if n.strip()]
+    for n in names:
+        if n not in C.CONTENDERS:
+            ap.error(f"unknown contender {n!r}")
+    if env.fill_mib + 64 > env.memory_mib * 0.8:
+        ap.error("--fill-mib leaves the guest too little RAM")
+    for f in ("vmlinuz", "initrd.img", "disk-base.qcow2"):
+        if not (env.guest / f).exists():
+            ap.error(f"guest file {env.guest / f} missing (scripts/setup.sh builds it)")
+    if "backstop" in names and not env.backstopd.exists():
+        ap.error(f"{env.backstopd} missing (cargo build --release -p backstopd -p backstop-cli)")
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    root = Path(__file__).resolve().parent.parent
+    env.results = Path(a.results) if a.results else root / "results" / stamp
+    env.results.mkdir(parents=True, exist_ok=True)
+    if a.workdir:
+        Path(a.workdir).mkdir(parents=True, exist_ok=True)
+    env.work = Path(tempfile.mkdtemp(prefix="backstop-bench-", dir=a.workdir or "/var/tmp"))
+    os.chmod(env.work, 0o755)
+
+    meta = {
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "quick": env.quick, "reps": env.reps, "memory_mib": env.memory_mib,
+        "fill_mib": env.fill_mib, "dirty_mib": env.dirty_mib, "dirty_pct": env.dirty_pct,
+        "dirty_every_s": env.dirty_every, "accel": env.accel, "contenders": names,
+        "append": env.append, "workdir": str(env.work),
+        "host": {"nproc": os.cpu_count(), "kernel": os.uname().release},
+        "versions": {},
+    }
+    for key, cmd in (("qemu", [env.qemu, "--version"]), ("libvirt", ["virsh", "--version"]),
+                     ("backstop", [str(env.backstop), "--version"])):
+        try:
+            meta["versions"][key] = subprocess.run(cmd, capture_output=True, text=True,
+                                                   timeout=30).stdout.splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            meta["versions"][key] = None
+    try:
+        meta["guest"] = dict(l.split("=", 1) for l in (env.guest / "stamp").read_text().splitlines()[1:] if "=" in l)
+    except OSError:
+        meta["guest"] = {}
+
+    log(f"{env.reps} repetition(s), {env.memory_mib} MiB guest, {env.fill_mib} MiB data, "
+        f"writer {env.dirty_mib} MiB every {env.dirty_every} s, accel {env.accel}; "
+        f"results in {env.results}; work dir {env.work}")
+
+    # A SIGTERM (CI timeout) still cleans up: turn it into an exception.
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, on_term)
+
+    records, dd = [], []
+    interrupted = False
+    try:
+        for rep in range(env.reps):
+            for n in names:
+                records.append(run_rep(C.CONTENDERS[n], env, rep))
+                raw = {"meta": meta, "records": records, "dd": dd}
+                (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
+            # The physical limit, on the filesystem the store and images lived on, in this run.
+            first = next((r["snapshots"].get("first") for r in records[::-1]
+                          if r["contender"] == "backstop" and r["snapshots"].get("first")), None)
+            mib = max(64, round(((first or {}).get("bytes_stored") or env.fill_mib << 20) / (1 << 20)))
+            try:
+                dd.append(dd_throughput(env.work, mib))
+                log(f"dd conv=fsync {mib} MiB: {dd[-1]['bytes_per_s'] / 1e6:.0f} MB/s")
+            except (C.BenchError, subprocess.SubprocessError, OSError) as e:
+                log(f"dd failed: {e}")
+    except KeyboardInterrupt:
+        interrupted = True
+        log("interrupted; cleaning up")
+    finally:
+        shutil.rmtree(env.work, ignore_errors=True)
+        left = libvirt_leftovers(f"bsbench-{os.getpid()}-")
+        for d in left:
+            subprocess.run(["virsh", "-q", "-c", C.LIBVIRT_URI, "destroy", d], capture_output=True)
+            subprocess.run(["virsh", "-q", "-c", C.LIBVIRT_URI, "undefine", d, "--snapshots-metadata"],
+                           capture_output=True)
+        stray = C.qemu_pids_using(str(env.work))
+        for pid in stray:
+            C.kill_pid(pid)
+        if left or stray:
+            log(f"cleaned up leftovers: domains {left}, qemu pids {stray}")
+
+    meta["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    raw = {"meta": meta, "records": records, "dd": dd}
+    (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
+    summary = report.summarize(raw)
+    (env.results / "summary.json").write_text(json.dumps(summary, indent=1))
+    text = report.table(summary)
+    (env.results / "table.txt").write_text(text)
+    print(text)
+    chart = report.chart(summary, env.results / "chart.png")
+    log(f"wrote {env.results}/summary.json, raw.json, table.txt" + (", chart.png" if chart else
+                                                                     " (no chart: matplotlib missing)"))
+    failed = [f"{r['contender']} rep {r['rep'] + 1}: {r['error']}" for r in records if r.get("error")]
+    if failed or interrupted:
+        for f in failed:
+            log(f"FAILED {f}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+//! Rollback that happens by itself when it must: the heartbeat watchdog, hypervisor events
+//! (hardware watchdog, crash), and host triggers from the policy engine.
+//!
+//! * Heartbeats arrive from the guest agent over virtio-serial, parsed strictly by the backend;
+//!   silence longer than `watchdog.heartbeat_timeout_s` since the last valid heartbeat is an
+//!   expiry. Before a VM instance's first heartbeat (its guest is booting) the allowed silence
+//!   is `watchdog.boot_grace_s`, counted from when the instance started running.
+//! * QEMU's `WATCHDOG` event (emulated i6300esb, action `pause`) is an immediate expiry.
+//! * Either one → emergency rollback to the newest verified snapshot; if that fails → HALTED.
+//! * Storm guard: a guest that expires again and again right after each restore would be
+//!   rolled back forever; [`STORM_LIMIT`] unattended emergencies within [`STORM_WINDOW`] HALT
+//!   the VM for a person to look at instead.
+//! * Host triggers jump the job queue and preempt an in-flight capture (see `handle.rs` and
+//!   the capture's preemption check in `snapshot.rs`).
+//!
+//! The guest can send nothing here but heartbeats, and a heartbeat can only *delay nothing*:
+//! it resets the silence timer and is otherwise ignored. It cannot ask for, scope, delay or
+//! learn the reason of a rollback.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use tracing::warn;
+
+use backstop_control::{Progress, RollbackReport};
+use backstop_hypervisor::VmEvent;
+
+use crate::engine::{random_id, Caller, Ctx, Engine};
+use crate::error::EngineError;
+
+/// Unattended emergency rollbacks allowed within [`STORM_WINDOW`] before the VM is HALTED.
+pub const STORM_LIMIT: usize = 3;
+pub const STORM_WINDOW: Duration = Duration::from_secs(600);
+
+impl Engine {
+    /// One look at the running VM (from `tick`).
+    pub(crate) fn watch(&mut self) {
+        let events = match self.backend.poll_events() {
+            Ok(e) => e,
+            Err(e) => vec![VmEvent::Exited {
+                detail: format!("QMP failed: {e}"),
+            }],
+        };
+        let from_events = events.iter().find_map(|e| match e {
+            VmEvent::WatchdogExpired { action } => Some((
+                "watchdog_device",
+                format!("hardware watchdog expired (action {action})"),
+            )),
+            VmEvent::Exited { detail } => Some(("vm_crash", format!("hypervisor ended: {detail}"))),
+            VmEvent::GuestPanicked => Some(("vm_crash", "guest panicked".to_string())),
+        });
+        let trigger =
+            from_events.or_else(|| self.heartbeat_expired().map(|r| ("watchdog_timeout", r)));
+        if let Some((trigger, reason)) = trigger {
+            self.unattended_emergency(trigger, &reason);
+        }
+    }
+
+    /// `Some(reason)` when the guest agent has been silent longer than the timeout.
+    pub(crate) fn heartbeat_expired(&self) -> Option<String> {
+        let hb = self.backend.heartbeats();
+        let timeout = Duration::from_secs(if hb.count == 0 {
+            self.cfg.watchdog.boot_grace_s
+        } else {
+            self.cfg.watchdog.heartbeat_timeout_s
+        });
+        let since = match (hb.last, self.running_since) {
+            (Some(h), Some(r)) => h.max(r),
+            (h, r) => h.or(r)?,
+        };
+        let silent = since.elapsed();
+        (silent > timeout).then(|| {
+            format!(
+                "no valid heartbeat for {} ms (timeout {} s; {} credited, {} rejected)",
+                silent.as_millis(),
+                timeout.as_secs(),
+                hb.count,
+                hb.rejected
+            )
+        })
+    }
+
+    /// An emergency rollback nobody asked for (watchdog, crash), with the storm guard.
+    fn unattended_emergency(&mut self, trigger: &str, reason: &str) {
+        let now = Instant::now();
+        while self
+            .emergencies
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > STORM_WINDOW)
+        {
+            self.emergencies.pop_front();
+        }
+        let trace = random_id();
+        if self.emergencies.len() >= STORM_LIMIT {
+            let why = format!(
+                "{} emergency rollbacks within {} s and the guest failed again ({trigger}: {reason})",
+                self.emergencies.len(),
+                STORM_WINDOW.as_secs()
+            );
+            self.enter_halt(&trace, "ERR_ROLLBACK_STORM", &why);
+            return;
+        }
+        self.emergencies.push_back(now);
+        warn!(trigger, reason, "emergency rollback");
+        let mut sink = |_p: Progress| {};
+        let mut ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: trace,
+            progress: &mut sink,
+        };
+        if let Err(e) = self.rollback(&mut ctx, None, reason, trigger, "emergency") {
+            warn!(error = %e, "emergency rollback failed");
+        }
+    }
+
+    /// A host trigger (spec/000 §6) from the control socket: rollback of the trigger's type to
+    /// the newest verified snapshot. Never blocked by a policy gate; journaled with its trigger.
+    pub(crate) fn triggered_rollback(
+        &mut self,
+        ctx: &mut Ctx,
+        trigger: &str,
+        rollback_type: &str,
+        reason: &str,
+        action_ids: &[String],
+    ) -> Result<RollbackReport, EngineError> {
+        self.preempt
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        self.trigger_action_ids = action_ids.to_vec();
+        let sid = self.session_id.clone();
+        self.journal(
+            "rollback.triggered",
+            json!({
+                "snapshot_id": null, "session_id": sid, "trace_id": ctx.trace_id, "result": "accepted",
+                "trigger": trigger, "rollback_type": rollback_type, "reason": reason,
+                "action_ids": action_ids, "requested_by": ctx.caller.label(),
+            }),
+        )?;
+        self.rollback(ctx, None, reason, trigger, rollback_type)
+    }
+}
