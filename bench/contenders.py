@@ -110,6 +110,10 @@ class Contender:
     def ready(self):
         pass
 
+    def gone(self):
+        """Why the guest is not running (None while it is)."""
+        return None
+
     def close_serial(self):
         if self.serial:
             self.serial.close()
@@ -208,6 +212,11 @@ snapshot = "capture"
             if time.monotonic() > deadline:
                 raise BenchError(f"backstopd did not come up:\n{self.log_tail()}")
             time.sleep(0.1)
+
+    def gone(self):
+        if self.proc and self.proc.poll() is not None:
+            return f"backstopd exited ({self.proc.returncode}):\n{self.log_tail()}"
+        return None
 
     def ready(self):
         # The daemon takes a baseline snapshot after boot; wait until it is published so it does
@@ -343,6 +352,15 @@ class StopCopy(Contender):
         # QEMU's 128 MiB/s default would make the peer look slower than it is (DESIGN.md).
         self.q.execute("migrate-set-parameters", {"max-bandwidth": 16 << 30})
         self.q.execute("watchdog-set-action", {"action": "pause"})
+
+    def gone(self):
+        if self.proc and self.proc.poll() is not None:
+            try:
+                tail = (self.dir / "qemu.log").read_text(errors="replace")[-800:]
+            except OSError:
+                tail = ""
+            return f"QEMU exited ({self.proc.returncode}): {tail}"
+        return None
 
     def start(self):
         self.serial_path = self.dir / "serial.log"
@@ -534,6 +552,18 @@ class Virsh(Contender):
         self.virsh("define", str(self.dir / "domain.xml"))
         self.defined = True
         self.virsh("start", self.domain)
+
+    def gone(self):
+        p = self.virsh("domstate", self.domain, check=False, timeout=60)
+        state = p.stdout.strip()
+        if p.returncode != 0 or state not in ("running", "paused"):
+            log = Path("/var/log/libvirt/qemu") / f"{self.domain}.log"
+            try:
+                tail = log.read_text(errors="replace")[-800:]
+            except OSError:
+                tail = ""
+            return f"domain is {state or p.stderr.strip()}: {tail}"
+        return None
 
     def snapshot(self, kind):
         before = allocated(self.disk)

@@ -96,11 +96,13 @@ class SerialFollower:
         with self.lock:
             return self.lines[index:]
 
-    def wait_for(self, pattern, start_index=0, timeout=120.0, what=None):
+    def wait_for(self, pattern, start_index=0, timeout=120.0, what=None, alive=None):
         """Waits for a line matching `pattern` (bytes regex) at or after start_index.
-        Returns (index, Line, match)."""
+        Returns (index, Line, match). `alive()`, checked every second, returns why the guest
+        is gone (or None while it runs): waiting on a dead guest fails at once."""
         rx = re.compile(pattern)
         deadline = time.monotonic() + timeout
+        next_check = time.monotonic() + 1.0
         i = start_index
         while True:
             with self.lock:
@@ -110,6 +112,11 @@ class SerialFollower:
                     if m:
                         return i, self.lines[i], m
                     i += 1
+            if alive and time.monotonic() > next_check:
+                next_check = time.monotonic() + 1.0
+                gone = alive()
+                if gone:
+                    raise RuntimeError(f"waiting for {what or pattern!r}: {gone}")
             if time.monotonic() > deadline:
                 tail = b"\n".join(l.text for l in self.snapshot()[-8:]).decode(errors="replace")
                 raise TimeoutError(

@@ -49,14 +49,8 @@ def log(msg):
 
 def detect_accel():
     """As backstop's accel = "auto": TCG where /dev/kvm is missing or is the paravirtual kvm_pvm."""
-    if not os.path.exists("/dev/kvm"):
+    if not os.path.exists("/dev/kvm") or os.path.exists("/sys/module/kvm_pvm"):
         return "tcg"
-    try:
-        with open("/proc/modules") as f:
-            if any(line.split()[0] == "kvm_pvm" for line in f):
-                return "tcg"
-    except OSError:
-        pass
     return "kvm"
 
 
@@ -88,7 +82,8 @@ def run_rep(cls, env, rep):
     try:
         log(f"[{c.name} rep {rep + 1}] boot")
         c.start()
-        _, line, m = c.serial.wait_for(rb"BACKSTOP fill mib=\d+ ms=(\d+)", timeout=600, what="guest fill")
+        _, line, m = c.serial.wait_for(rb"BACKSTOP fill mib=\d+ ms=(\d+)", timeout=600, what="guest fill",
+                                      alive=c.gone)
         rec["fill_guest_ms"] = int(m.group(1))
         rec["boot_to_filled_s"] = line.t - t_start
         c.ready()
@@ -114,13 +109,15 @@ def run_rep(cls, env, rep):
             log(f"[{c.name} rep {rep + 1}] warning: {idle['contaminated']}")
         start = c.serial.count()
         i, _, m = c.serial.wait_for(rb"BACKSTOP dirty end n=(\d+)", start_index=start,
-                                    timeout=env.dirty_every * 3 + 120, what="writer burst")
+                                    timeout=env.dirty_every * 3 + 120, what="writer burst",
+                                    alive=c.gone)
         time.sleep(0.2)
         dirty = c.snapshot("dirty")
         rec["snapshots"]["dirty"] = dirty
         time.sleep(SETTLE_S)
         c.serial.wait_for(rb"BACKSTOP dirty begin n=", start_index=i,
-                          timeout=env.dirty_every * 3 + 120, what="next writer burst")
+                          timeout=env.dirty_every * 3 + 120, what="next writer burst",
+                          alive=c.gone)
         busy = c.snapshot("busy")
         rec["snapshots"]["busy"] = busy
         time.sleep(SETTLE_S)

@@ -138,7 +138,14 @@ impl Daemon {
 
     /// `extra_daemon` is appended to the `[daemon]` table; `env` goes to the daemon process.
     pub fn start_with(name: &str, extra_daemon: &str, env: &[(&str, &str)]) -> Daemon {
-        Self::start_opts(name, &Options { extra_daemon, env, ..Options::default() })
+        Self::start_opts(
+            name,
+            &Options {
+                extra_daemon,
+                env,
+                ..Options::default()
+            },
+        )
     }
 
     /// Full control over the test config.
@@ -305,7 +312,12 @@ create_size_mib = 16
     }
 
     /// Waits until the journal has an entry for which `pred` holds; returns it.
-    pub fn wait_journal(&self, timeout: Duration, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    pub fn wait_journal(
+        &self,
+        timeout: Duration,
+        what: &str,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(e) = self.journal().into_iter().find(|e| pred(e)) {
@@ -314,7 +326,10 @@ create_size_mib = 16
             assert!(
                 Instant::now() < deadline,
                 "{what}: not journaled within {timeout:?}; journal tail:\n{}\ndaemon log:\n{}",
-                tail(&std::fs::read_to_string(self.journal_path()).unwrap_or_default(), 8),
+                tail(
+                    &std::fs::read_to_string(self.journal_path()).unwrap_or_default(),
+                    8
+                ),
                 tail(&self.log(), 20)
             );
             std::thread::sleep(Duration::from_millis(100));

@@ -57,7 +57,10 @@ pub struct WatchdogConfig {
 
 impl Default for WatchdogConfig {
     fn default() -> Self {
-        Self { heartbeat_timeout_s: default_hb_timeout(), boot_grace_s: default_boot_grace() }
+        Self {
+            heartbeat_timeout_s: default_hb_timeout(),
+            boot_grace_s: default_boot_grace(),
+        }
     }
 }
 

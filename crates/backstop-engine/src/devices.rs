@@ -435,9 +435,9 @@ pub enum DeviceError {
     #[error("grant {id}: {source}")]
     Grant { id: String, source: BackendError },
     #[error("grant {id}: host side: {source}")]
-    HostBind { id: String, source: VfioError },
+    HostBind { id: String, source: Box<VfioError> },
     #[error("revoke {id}: host side: {source}")]
-    HostRelease { id: String, source: VfioError },
+    HostRelease { id: String, source: Box<VfioError> },
     #[error("revoke {id}: {source}")]
     Revoke { id: String, source: BackendError },
 }
@@ -456,6 +456,12 @@ impl DeviceError {
             DeviceError::HostRelease { .. } => "ERR_DEVICE_HOST_RELEASE_FAILED",
             DeviceError::Revoke { .. } => "ERR_DEVICE_REVOKE_FAILED",
         }
+    }
+}
+
+impl From<DeviceError> for EngineError {
+    fn from(e: DeviceError) -> Self {
+        EngineError::Device(Box::new(e))
     }
 }
 
@@ -492,6 +498,8 @@ struct Grant {
     pre_action_snapshot: String,
     migration_blockers: Vec<String>,
     revoking: Option<Revoking>,
+    /// The hypervisor process that holds it: a grant never outlives its process.
+    pid: Option<u32>,
 }
 
 #[derive(Debug, Clone)]
@@ -605,6 +613,7 @@ impl Engine {
         lease_s: Option<u64>,
         reason: String,
     ) -> Result<Response, EngineError> {
+        self.prune_ended_grants();
         if ctx.caller.role != "console" {
             return Err(EngineError::NotPermitted(
                 "only a person at the console can grant devices".into(),
@@ -680,6 +689,7 @@ impl Engine {
                         pre_action_snapshot: pre.clone(),
                         migration_blockers: outcome.migration_blockers.clone(),
                         revoking: None,
+                        pid: self.backend.pid(),
                     };
                     self.journal(events::GRANTED, json!({
                         "snapshot_id": pre, "session_id": sid, "trace_id": trace, "result": "ok",
@@ -738,7 +748,7 @@ impl Engine {
                 .bind_to_vfio(addr)
                 .map_err(|source| DeviceError::HostBind {
                     id: c.id.clone(),
-                    source,
+                    source: Box::new(source),
                 })?;
         }
         match self.backend.grant_device(&c.grant_spec()) {
@@ -765,6 +775,7 @@ impl Engine {
         reason: String,
     ) -> Result<Response, EngineError> {
         let reason = reason_text(reason)?;
+        self.prune_ended_grants();
         if !self.devices.grants.contains_key(&id) {
             self.device_config(&id)?;
             return Err(DeviceError::NotGranted { id }.into());
@@ -795,6 +806,7 @@ impl Engine {
     }
 
     fn devices_view(&mut self, with_hypervisor: bool) -> DevicesView {
+        self.prune_ended_grants();
         let devices = self
             .cfg
             .devices
@@ -910,14 +922,14 @@ impl Engine {
     ) -> Result<Revoked, EngineError> {
         let config = self.device_config(id).ok();
         self.devices.grants.remove(id);
-        let host = match config.as_ref().and_then(DeviceConfig::vfio) {
-            Some((addr, driver)) => Some(
+        let host = config
+            .as_ref()
+            .and_then(DeviceConfig::vfio)
+            .map(|(addr, driver)| {
                 self.sysfs()
                     .release_to_host(&addr, driver)
-                    .map(|r| r.summary(driver)),
-            ),
-            None => None,
-        };
+                    .map(|r| r.summary(driver))
+            });
         let sid = self.session_id.clone();
         let (result, host_text) = match &host {
             None => ("ok", Value::Null),
@@ -935,7 +947,7 @@ impl Engine {
         match host {
             Some(Err(source)) => Err(DeviceError::HostRelease {
                 id: id.into(),
-                source,
+                source: Box::new(source),
             }
             .into()),
             Some(Ok(s)) => Ok(Revoked::Done(format!("{detail}; {s}"))),
@@ -949,6 +961,7 @@ impl Engine {
         if self.state != VmState::Running || self.devices.grants.is_empty() {
             return;
         }
+        self.prune_ended_grants();
         let now = Instant::now();
         let expired: Vec<String> = self
             .devices
@@ -1034,6 +1047,7 @@ impl Engine {
         reason: &str,
         trigger: &str,
     ) -> Result<(), EngineError> {
+        self.prune_ended_grants();
         let holding = self.devices.holding_devices();
         if holding.is_empty() {
             return Ok(());
@@ -1061,6 +1075,45 @@ impl Engine {
         }))?;
         info!(devices = ?holding, trigger, "snapshot deferred while devices are granted");
         Err(err.into())
+    }
+
+    /// Forgets grants whose hypervisor process has ended by any path other than a rollback (a
+    /// cold boot after `halt clear`, say): they ended with it. Passthrough devices are given
+    /// back to their host drivers (best effort here; every rollback does it fail-closed).
+    fn prune_ended_grants(&mut self) {
+        let pid = self.backend.pid();
+        let ended: Vec<String> = self
+            .devices
+            .grants
+            .values()
+            .filter(|g| g.pid != pid)
+            .map(|g| g.spec.id.clone())
+            .collect();
+        for id in ended {
+            self.devices.grants.remove(&id);
+            let host = match self
+                .device_config(&id)
+                .ok()
+                .and_then(|c| c.vfio().map(|(a, d)| (a, d.to_string())))
+            {
+                Some((addr, driver)) => match self.sysfs().release_to_host(&addr, &driver) {
+                    Ok(r) => json!(r.summary(&driver)),
+                    Err(e) => {
+                        warn!(device = %id, error = %e, "could not give the device back to its host driver");
+                        json!(format!("failed: {e}"))
+                    }
+                },
+                None => Value::Null,
+            };
+            let sid = self.session_id.clone();
+            if let Err(e) = self.journal(events::REVOKED, json!({
+                "snapshot_id": Value::Null, "session_id": sid, "trace_id": random_id(), "result": "ok",
+                "device_id": id, "cause": "process_ended",
+                "detail": "the hypervisor process that held it ended", "host_release": host,
+            })) {
+                warn!(error = %e, "could not journal a revocation");
+            }
+        }
     }
 
     /// From the rollback executor, right after the hypervisor process ended: every grant ended

@@ -58,7 +58,7 @@ pub enum EngineError {
     #[error("the daemon is shutting down")]
     ShuttingDown,
     #[error(transparent)]
-    Device(#[from] crate::devices::DeviceError),
+    Device(Box<crate::devices::DeviceError>),
 }
 
 impl EngineError {

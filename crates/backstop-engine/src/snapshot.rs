@@ -43,7 +43,9 @@ impl Read for Preemptible<'_> {
         }
         if self.preempt.load(Ordering::SeqCst) {
             // Not `Interrupted`: std's read loops retry that kind forever.
-            return Err(std::io::Error::other("snapshot abandoned: a host trigger overrides it"));
+            return Err(std::io::Error::other(
+                "snapshot abandoned: a host trigger overrides it",
+            ));
         }
         let n = self.inner.read(buf)?;
         self.read += n as u64;
@@ -154,12 +156,21 @@ impl Engine {
             let preempt = std::sync::Arc::clone(&self.preempt);
             let stall = match (self.fault, trigger == "baseline") {
                 (Some(Fault::StallCapture(secs)), false) => {
-                    ctx.step("capture", format!("fault injection: the store stalls {secs} s after 1 MiB"), None);
+                    ctx.step(
+                        "capture",
+                        format!("fault injection: the store stalls {secs} s after 1 MiB"),
+                        None,
+                    );
                     Some(std::time::Duration::from_secs(secs))
                 }
                 _ => None,
             };
-            let mut reader = Preemptible { inner: &mut reader, preempt: &preempt, read: 0, stall };
+            let mut reader = Preemptible {
+                inner: &mut reader,
+                preempt: &preempt,
+                read: 0,
+                stall,
+            };
             let progress = &mut *ctx.progress;
             let payload = builder
                 .write_chunked("vmstate", "ram+device", &mut reader, &mut |bytes| {

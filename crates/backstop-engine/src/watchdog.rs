@@ -32,6 +32,18 @@ use crate::error::EngineError;
 pub const STORM_LIMIT: usize = 3;
 pub const STORM_WINDOW: Duration = Duration::from_secs(600);
 
+/// The trigger and reason of an emergency the hypervisor reported.
+fn emergency_of(event: &VmEvent) -> (&'static str, String) {
+    match event {
+        VmEvent::WatchdogExpired { action } => (
+            "watchdog_device",
+            format!("hardware watchdog expired (action {action})"),
+        ),
+        VmEvent::Exited { detail } => ("vm_crash", format!("hypervisor ended: {detail}")),
+        VmEvent::GuestPanicked => ("vm_crash", "guest panicked".to_string()),
+    }
+}
+
 impl Engine {
     /// One look at the running VM (from `tick`).
     pub(crate) fn watch(&mut self) {
@@ -41,14 +53,7 @@ impl Engine {
                 detail: format!("QMP failed: {e}"),
             }],
         };
-        let from_events = events.iter().find_map(|e| match e {
-            VmEvent::WatchdogExpired { action } => Some((
-                "watchdog_device",
-                format!("hardware watchdog expired (action {action})"),
-            )),
-            VmEvent::Exited { detail } => Some(("vm_crash", format!("hypervisor ended: {detail}"))),
-            VmEvent::GuestPanicked => Some(("vm_crash", "guest panicked".to_string())),
-        });
+        let from_events = events.first().map(emergency_of);
         let trigger =
             from_events.or_else(|| self.heartbeat_expired().map(|r| ("watchdog_timeout", r)));
         if let Some((trigger, reason)) = trigger {

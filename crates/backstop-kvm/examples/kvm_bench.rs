@@ -94,7 +94,11 @@ fn fill(vm: &KvmVm) -> Result<(), String> {
     let mut buf = vec![0u8; chunk];
     let layout = vm.layout().clone();
     for region in &layout.regions {
-        let start = if region.gpa == 0 { 16 << 20 } else { region.gpa };
+        let start = if region.gpa == 0 {
+            16 << 20
+        } else {
+            region.gpa
+        };
         let end = region.gpa + region.size;
         let mut gpa = start;
         while gpa < end {
@@ -135,8 +139,17 @@ fn run() -> Result<(), String> {
     println!("== full capture and restore, by guest memory size");
     println!(
         "{:>7} {:>9} {:>8} {:>7} {:>9} {:>8} | {:>10} {:>7} {:>9} {:>7} {:>7}",
-        "mem_mib", "pause_ms", "GiB/s", "memcpy%", "sync_ms", "file_MiB",
-        "restore_ms", "min_ms", "verify_ms", "map_ms", "vm_ms"
+        "mem_mib",
+        "pause_ms",
+        "GiB/s",
+        "memcpy%",
+        "sync_ms",
+        "file_MiB",
+        "restore_ms",
+        "min_ms",
+        "verify_ms",
+        "map_ms",
+        "vm_ms"
     );
     for &mib in &args.sizes_mib {
         let config = KvmVmConfig {
@@ -189,8 +202,9 @@ fn run() -> Result<(), String> {
     }
     println!(
         "(pause_ms: guest stopped while state and memory are copied out; GiB/s: that copy \
-         (read, SHA-256, zero-page skip, write to the page cache) over guest memory size, and as \
-         a share of memcpy; sync_ms: fsync + signed state + publish, guest running again; \
+         (read guest memory, skip zero pages, write into the page cache) over guest memory size, \
+         and as a share of memcpy; sync_ms: SHA-256 of the file + fsync + signed state + \
+         publish, guest running again; \
          restore_ms: median of {} restores of the same snapshot to a paused VM, each then \
          resumed and seen to tick)",
         args.restores.max(1)
@@ -219,8 +233,8 @@ fn run() -> Result<(), String> {
     for (i, &pages) in [0u32, 16, 256, 4096, 16384, 60000].iter().enumerate() {
         // Restart from the base each time: restore it, let the guest dirty `pages` pages in one
         // tick, diff. (The parameter block rewrite is a VMM write: one page of the diff.)
-        let (mut fresh, _) = KvmVm::restore(&[&base], &key, RestoreOptions::default())
-            .map_err(|e| e.to_string())?;
+        let (mut fresh, _) =
+            KvmVm::restore(&[&base], &key, RestoreOptions::default()).map_err(|e| e.to_string())?;
         fresh
             .set_program_config(program(pages, span, 300_000))
             .map_err(|e| e.to_string())?;
@@ -247,8 +261,10 @@ fn run() -> Result<(), String> {
         );
         cleanup(&d);
     }
-    println!("(dirty_pages includes the guest's counter and stack pages and the parameter page \
-              the VMM rewrote; a full image of this guest is 262144 pages)");
+    println!(
+        "(dirty_pages includes the guest's counter and stack pages and the parameter page \
+              the VMM rewrote; a full image of this guest is 262144 pages)"
+    );
     cleanup(&base);
     let _ = std::fs::remove_dir(&args.work_dir);
     Ok(())

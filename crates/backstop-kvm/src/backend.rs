@@ -25,9 +25,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use backstop_hypervisor::{
-    BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch,
-    GuestDevices, HeartbeatStatus, Peripheral, Result, RestoreReport, RevocationReport, RunState,
-    VmBackend, VmEvent,
+    BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch, GuestDevices,
+    HeartbeatStatus, Peripheral, RestoreReport, Result, RevocationReport, RunState, VmBackend,
+    VmEvent,
 };
 use backstop_integrity::HostKey;
 
@@ -246,14 +246,19 @@ impl UnpackSink {
                     if self.buf[..8] != STREAM_MAGIC {
                         return Err("ERR_SNAPSHOT_MANIFEST_INVALID: not a KVM state stream".into());
                     }
-                    let version = u32::from_le_bytes([self.buf[8], self.buf[9], self.buf[10], self.buf[11]]);
+                    let version =
+                        u32::from_le_bytes([self.buf[8], self.buf[9], self.buf[10], self.buf[11]]);
                     if version != STREAM_VERSION {
                         return Err(format!(
                             "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED: stream version {version}"
                         ));
                     }
-                    self.entries_left =
-                        u32::from_le_bytes([self.buf[12], self.buf[13], self.buf[14], self.buf[15]]);
+                    self.entries_left = u32::from_le_bytes([
+                        self.buf[12],
+                        self.buf[13],
+                        self.buf[14],
+                        self.buf[15],
+                    ]);
                     if self.entries_left > 3 {
                         return Err("ERR_SNAPSHOT_MANIFEST_INVALID: too many entries".into());
                     }
@@ -324,7 +329,9 @@ impl UnpackSink {
                 }
                 Stage::Done => {
                     if !self.buf.is_empty() {
-                        return Err("ERR_SNAPSHOT_MANIFEST_INVALID: bytes after the last entry".into());
+                        return Err(
+                            "ERR_SNAPSHOT_MANIFEST_INVALID: bytes after the last entry".into()
+                        );
                     }
                     return Ok(());
                 }
@@ -442,7 +449,10 @@ impl VmBackend for KvmBackend {
 
     fn begin_capture(&mut self, switches: &[DiskSwitch]) -> Result<CaptureStream> {
         if !switches.is_empty() {
-            return Err(cmd("begin_capture", "the KVM micro-VM has no disks to switch"));
+            return Err(cmd(
+                "begin_capture",
+                "the KVM micro-VM has no disks to switch",
+            ));
         }
         if self.capture.is_some() {
             return Err(cmd("begin_capture", "a capture is already in flight"));
@@ -658,7 +668,10 @@ mod tests {
         drop(s);
         assert_eq!(*outcome.lock().unwrap(), Some(Ok(())));
         assert_eq!(fs::read(dst.path().join(STATE_FILE)).unwrap(), b"state");
-        assert_eq!(fs::read(dst.path().join(FULL_MEMORY_FILE)).unwrap(), vec![7u8; 10_000]);
+        assert_eq!(
+            fs::read(dst.path().join(FULL_MEMORY_FILE)).unwrap(),
+            vec![7u8; 10_000]
+        );
     }
 
     #[test]
@@ -684,6 +697,9 @@ mod tests {
         s.write_all(&bytes).unwrap();
         drop(s);
         let got = outcome.lock().unwrap().clone().unwrap().unwrap_err();
-        assert!(got.starts_with("ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"), "{got}");
+        assert!(
+            got.starts_with("ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"),
+            "{got}"
+        );
     }
 }

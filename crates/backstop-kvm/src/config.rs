@@ -112,8 +112,14 @@ mod tests {
     #[test]
     fn other_backend_or_bad_shape_is_refused() {
         let text = SHIPPED.replace("backend = \"kvm\"", "backend = \"qemu\"");
-        assert!(matches!(KvmConfigFile::parse(&text), Err(ConfigError::NotKvm(_))));
+        assert!(matches!(
+            KvmConfigFile::parse(&text),
+            Err(ConfigError::NotKvm(_))
+        ));
         let text = SHIPPED.replace("memory_mib = 256", "memory_mib = 1");
-        assert!(matches!(KvmConfigFile::parse(&text), Err(ConfigError::Invalid(_))));
+        assert!(matches!(
+            KvmConfigFile::parse(&text),
+            Err(ConfigError::Invalid(_))
+        ));
     }
 }

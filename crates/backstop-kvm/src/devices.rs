@@ -239,7 +239,10 @@ mod tests {
     #[test]
     fn heartbeat_exit_epoch_and_unknown_ports() {
         let mut d = Devices::new();
-        assert_eq!(d.io_out(HEARTBEAT_PORT, &7u32.to_le_bytes()), IoAction::Continue);
+        assert_eq!(
+            d.io_out(HEARTBEAT_PORT, &7u32.to_le_bytes()),
+            IoAction::Continue
+        );
         assert_eq!(d.state().last_heartbeat.get(), 7);
         assert_eq!(d.state().heartbeat_count.get(), 1);
         assert!(d.last_heartbeat_at().is_some());

@@ -76,7 +76,9 @@ pub enum StateFileError {
     BadSignature,
     #[error("not a backstop KVM state file (magic {found:02x?})")]
     BadMagic { found: [u8; 8] },
-    #[error("state file format {major}.{minor} cannot be read by format {FORMAT_MAJOR}.{FORMAT_MINOR}")]
+    #[error(
+        "state file format {major}.{minor} cannot be read by format {FORMAT_MAJOR}.{FORMAT_MINOR}"
+    )]
     Incompatible { major: u16, minor: u16 },
     #[error("state file body crc32 {actual:08x} does not match the header's {expected:08x}")]
     Crc { expected: u32, actual: u32 },
@@ -280,7 +282,12 @@ impl VerifiedStateFile {
     }
 
     /// A section that must be present.
-    pub fn require(&self, tag: u32, index: u32, name: &'static str) -> Result<&[u8], StateFileError> {
+    pub fn require(
+        &self,
+        tag: u32,
+        index: u32,
+        name: &'static str,
+    ) -> Result<&[u8], StateFileError> {
         self.section(tag, index)
             .ok_or(StateFileError::MissingSection(name))
     }
@@ -434,7 +441,12 @@ mod tests {
     #[test]
     fn decode_helpers_check_lengths() {
         assert!(decode_exact::<U64>(&[0; 7], "x").is_err());
-        assert_eq!(decode_exact::<U64>(&[1, 0, 0, 0, 0, 0, 0, 0], "x").unwrap().get(), 1);
+        assert_eq!(
+            decode_exact::<U64>(&[1, 0, 0, 0, 0, 0, 0, 0], "x")
+                .unwrap()
+                .get(),
+            1
+        );
         assert!(decode_array::<U32>(&[0; 6], "x").is_err());
         assert_eq!(decode_array::<U32>(&[0; 8], "x").unwrap().len(), 2);
     }

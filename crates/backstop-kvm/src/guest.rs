@@ -197,7 +197,11 @@ mod tests {
             .status();
         assert!(matches!(copied, Ok(s) if s.success()), "objcopy failed");
         let bytes = std::fs::read(&bin).unwrap();
-        assert_eq!(bytes.as_slice(), COUNTER_PROGRAM, "src/guest.rs is stale: re-assemble");
+        assert_eq!(
+            bytes.as_slice(),
+            COUNTER_PROGRAM,
+            "src/guest.rs is stale: re-assemble"
+        );
     }
 
     #[test]
@@ -211,8 +215,14 @@ mod tests {
         };
         let block = cfg.to_param_block();
         assert_eq!(&block[0..4], b"BSTP");
-        assert_eq!(u32::from_le_bytes([block[4], block[5], block[6], block[7]]), 1);
-        assert_eq!(u32::from_le_bytes([block[20], block[21], block[22], block[23]]), 5);
+        assert_eq!(
+            u32::from_le_bytes([block[4], block[5], block[6], block[7]]),
+            1
+        );
+        assert_eq!(
+            u32::from_le_bytes([block[20], block[21], block[22], block[23]]),
+            5
+        );
         assert_eq!(cfg.dirty_end_gpa(), 0x10_3000);
     }
 
@@ -220,7 +230,10 @@ mod tests {
     fn tick_report_parses_only_its_own_lines() {
         assert_eq!(
             TickReport::parse("T0000002a W000002a0\n"),
-            Some(TickReport { tick: 42, writes: 672 })
+            Some(TickReport {
+                tick: 42,
+                writes: 672
+            })
         );
         assert_eq!(TickReport::parse("hello"), None);
         assert_eq!(TickReport::parse("Tzz W1"), None);

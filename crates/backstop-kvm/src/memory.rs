@@ -10,9 +10,7 @@ use std::num::NonZeroUsize;
 
 use serde::{Deserialize, Serialize};
 use vm_memory::bitmap::AtomicBitmap;
-use vm_memory::{
-    FileOffset, GuestAddress, GuestRegionMmap, MmapRegion,
-};
+use vm_memory::{FileOffset, GuestAddress, GuestRegionMmap, MmapRegion};
 
 pub use vm_memory::GuestMemoryMmap;
 
@@ -62,7 +60,9 @@ pub struct MemoryLayout {
 
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
-    #[error("guest memory of {mem_size_mib} MiB is outside {MIN_MEM_SIZE_MIB}..={MAX_MEM_SIZE_MIB} MiB")]
+    #[error(
+        "guest memory of {mem_size_mib} MiB is outside {MIN_MEM_SIZE_MIB}..={MAX_MEM_SIZE_MIB} MiB"
+    )]
     Size { mem_size_mib: u64 },
     #[error("memory layout is invalid: {0}")]
     Layout(String),
@@ -113,7 +113,10 @@ impl MemoryLayout {
         for r in &self.regions {
             let page = PAGE_SIZE as u64;
             if r.size == 0 || r.gpa % page != 0 || r.size % page != 0 {
-                return bad(format!("region {:#x}+{:#x} not page aligned", r.gpa, r.size));
+                return bad(format!(
+                    "region {:#x}+{:#x} not page aligned",
+                    r.gpa, r.size
+                ));
             }
             if r.image_offset != image_end || r.gpa < gpa_end {
                 return bad(format!("region {:#x} out of order", r.gpa));
@@ -186,17 +189,16 @@ fn build_region(
                 .with_file_offset(FileOffset::new(file, spec.image_offset))
                 .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
         }
-        None => builder.with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE),
+        None => {
+            builder.with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
+        }
     };
     let region = builder.build().map_err(|e| map_err(e.to_string()))?;
     GuestRegionMmap::new(region, GuestAddress(spec.gpa))
         .ok_or_else(|| map_err("region wraps the address space".into()))
 }
 
-fn collect(
-    layout: &MemoryLayout,
-    file: Option<&File>,
-) -> Result<GuestMem, MemoryError> {
+fn collect(layout: &MemoryLayout, file: Option<&File>) -> Result<GuestMem, MemoryError> {
     layout.validate()?;
     let regions = layout
         .regions
@@ -425,7 +427,8 @@ mod tests {
     fn vmm_writes_are_tracked_and_reset_on_take() {
         let layout = MemoryLayout::for_size(4).unwrap();
         let mem = anonymous(&layout).unwrap();
-        mem.write_slice(&[1, 2, 3], GuestAddress(0x3000 - 1)).unwrap();
+        mem.write_slice(&[1, 2, 3], GuestAddress(0x3000 - 1))
+            .unwrap();
         let mut dirty = PageBitmap::new(layout.total_pages());
         take_vmm_dirty(&mem, &layout, &mut dirty);
         assert_eq!(dirty.iter().collect::<Vec<_>>(), vec![2, 3]);
@@ -449,7 +452,11 @@ mod tests {
         read_image(&mem, &layout, 4096, &mut b).unwrap();
         assert_eq!(b[0], 0xaa);
         mem.write_slice(&[0xbb], GuestAddress(4096)).unwrap();
-        assert_eq!(std::fs::read(&path).unwrap()[4096], 0xaa, "the file never changes");
+        assert_eq!(
+            std::fs::read(&path).unwrap()[4096],
+            0xaa,
+            "the file never changes"
+        );
 
         let overlay_path = dir.path().join("overlay");
         let mut overlay = std::fs::File::create(&overlay_path).unwrap();

@@ -31,7 +31,9 @@ use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 use crate::devices::{DeviceState, Devices};
-use crate::format::{decode_exact, StateFileError, StateFileWriter, VerifiedStateFile, STATE_FILE_MAX_BYTES};
+use crate::format::{
+    decode_exact, StateFileError, StateFileWriter, VerifiedStateFile, STATE_FILE_MAX_BYTES,
+};
 use crate::memory::{self, GuestMem, MemoryError, MemoryLayout, PageBitmap, PAGE_SIZE};
 use crate::state::{tag, IoctlError, VcpuCaps, VcpuState, VmState};
 use crate::vm::{KvmVm, KvmVmConfig, Lineage, VmError, VmShell, MAX_VCPUS};
@@ -301,11 +303,9 @@ fn seal(file: &File, path: &Path) -> Result<(u64, i64, i64), CaptureError> {
 }
 
 fn is_zero_page(page: &[u8]) -> bool {
-    page.chunks_exact(8)
-        .fold(0u64, |acc, c| {
-            acc | u64::from_ne_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])
-        })
-        == 0
+    page.chunks_exact(8).fold(0u64, |acc, c| {
+        acc | u64::from_ne_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])
+    }) == 0
 }
 
 /// Writes the whole memory image (zero pages as holes); returns the pages written.
@@ -448,7 +448,9 @@ fn read_diff_index(file: &File, len: u64, image_pages: u64) -> Result<DiffIndex,
         || count > image_pages
         || h.index_offset.get() != DIFF_HEADER_LEN
         || h.data_offset.get() != diff_data_offset(count)
-        || count.checked_mul(PAGE_SIZE as u64).and_then(|d| d.checked_add(h.data_offset.get()))
+        || count
+            .checked_mul(PAGE_SIZE as u64)
+            .and_then(|d| d.checked_add(h.data_offset.get()))
             != Some(len)
     {
         return Err("diff header does not describe this file".into());
@@ -690,13 +692,12 @@ impl PreparedSnapshot {
         self.meta.memory.sha256 = hash_file(&self.mem_file, &self.mem_path)?;
         let (len, ..) = seal(&self.mem_file, &self.mem_path)?;
         let tmp = &self.tmp;
-        let meta_json = backstop_integrity::canonical::to_vec(&self.meta).map_err(|e| {
-            CaptureError::Io {
+        let meta_json =
+            backstop_integrity::canonical::to_vec(&self.meta).map_err(|e| CaptureError::Io {
                 step: "encode meta",
                 path: tmp.clone(),
                 source: std::io::Error::other(e),
-            }
-        })?;
+            })?;
         let mut w = StateFileWriter::new();
         w.push(tag::META, 0, meta_json);
         w.append(self.sections);
@@ -801,13 +802,13 @@ pub fn read_state_file(
     };
     let state = VerifiedStateFile::verify(bytes, &sig, key).map_err(state_err)?;
     let meta_bytes = state.require(tag::META, 0, "meta").map_err(state_err)?;
-    let meta: SnapshotMeta = serde_json::from_slice(meta_bytes).map_err(|e| {
-        state_err(StateFileError::Malformed(format!("meta: {e}")))
-    })?;
+    let meta: SnapshotMeta = serde_json::from_slice(meta_bytes)
+        .map_err(|e| state_err(StateFileError::Malformed(format!("meta: {e}"))))?;
     meta.layout.validate().map_err(RestoreError::Layout)?;
-    let expected = meta.config.validate().map_err(|e| {
-        state_err(StateFileError::Malformed(format!("meta config: {e}")))
-    })?;
+    let expected = meta
+        .config
+        .validate()
+        .map_err(|e| state_err(StateFileError::Malformed(format!("meta config: {e}"))))?;
     if expected != meta.layout || meta.config.vcpus > MAX_VCPUS {
         return Err(state_err(StateFileError::Malformed(
             "meta layout does not match its config".into(),
@@ -1015,7 +1016,14 @@ impl KvmVm {
             if runs.len() <= chain.options.max_overlay_runs {
                 for &(first, pages, index) in &runs {
                     let offset = diff.data_offset + (index * PAGE_SIZE) as u64;
-                    memory::overlay_pages(&memory, &layout, first, pages, &link.memory_file, offset)?;
+                    memory::overlay_pages(
+                        &memory,
+                        &layout,
+                        first,
+                        pages,
+                        &link.memory_file,
+                        offset,
+                    )?;
                 }
                 overlay_runs += runs.len() as u64;
             } else {
@@ -1045,7 +1053,9 @@ impl KvmVm {
             .collect::<Result<Vec<_>, _>>()
             .map_err(state_err)?;
         let devices: DeviceState = decode_exact(
-            state.require(tag::DEVICES, 0, "devices").map_err(state_err)?,
+            state
+                .require(tag::DEVICES, 0, "devices")
+                .map_err(state_err)?,
             "devices",
         )
         .map_err(state_err)?;
@@ -1115,10 +1125,12 @@ fn copy_diff_pages(
         link.memory_file
             .read_exact_at(&mut page, diff.data_offset + (i * PAGE_SIZE) as u64)
             .map_err(rio_err("read", &path))?;
-        let gpa = layout.gpa_of_page(p).ok_or_else(|| RestoreError::MemoryFile {
-            path: path.clone(),
-            detail: format!("page {p} outside guest memory"),
-        })?;
+        let gpa = layout
+            .gpa_of_page(p)
+            .ok_or_else(|| RestoreError::MemoryFile {
+                path: path.clone(),
+                detail: format!("page {p} outside guest memory"),
+            })?;
         memory
             .write_slice(&page, GuestAddress(gpa))
             .map_err(|e| MemoryError::Access {
@@ -1139,7 +1151,10 @@ mod tests {
         let edge = layout.regions[1].first_page();
         let pages = [1, 2, 3, 7, edge - 1, edge, edge + 1];
         let runs = page_runs(&pages, &layout);
-        assert_eq!(runs, vec![(1, 3, 0), (7, 1, 3), (edge - 1, 1, 4), (edge, 2, 5)]);
+        assert_eq!(
+            runs,
+            vec![(1, 3, 0), (7, 1, 3), (edge - 1, 1, 4), (edge, 2, 5)]
+        );
     }
 
     #[test]
@@ -1170,7 +1185,8 @@ mod tests {
         assert!(read_diff_index(&file, len - 1, layout.total_pages()).is_err());
         assert!(read_diff_index(&file, len, layout.total_pages() + 1).is_err());
         // Unsorted index.
-        file.write_all_at(&9u64.to_le_bytes(), DIFF_HEADER_LEN).unwrap();
+        file.write_all_at(&9u64.to_le_bytes(), DIFF_HEADER_LEN)
+            .unwrap();
         assert!(read_diff_index(&file, len, layout.total_pages()).is_err());
     }
 

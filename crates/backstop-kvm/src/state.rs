@@ -8,14 +8,16 @@
 
 use kvm_bindings::{
     kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_fpu, kvm_irqchip, kvm_lapic_state,
-    kvm_mp_state, kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events,
-    kvm_xcrs, kvm_xsave, CpuId, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_MAX_MSR_ENTRIES,
+    kvm_mp_state, kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs,
+    kvm_xsave, CpuId, Msrs, KVM_MAX_CPUID_ENTRIES, KVM_MAX_MSR_ENTRIES,
 };
 use kvm_ioctls::{VcpuFd, VmFd};
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
-use crate::format::{decode_array, decode_exact, StateFileError, StateFileWriter, VerifiedStateFile};
+use crate::format::{
+    decode_array, decode_exact, StateFileError, StateFileWriter, VerifiedStateFile,
+};
 
 /// Section tags of the state file. Per-vCPU sections carry the vCPU index; irqchip sections the
 /// chip id (0 PIC master, 1 PIC slave, 2 IOAPIC); all others index 0.
@@ -177,7 +179,10 @@ pub fn read_msrs(fd: &VcpuFd, indices: &[u32]) -> Result<Vec<kvm_msr_entry>, Ioc
                 ..Default::default()
             })
             .collect();
-        let mut msrs = ioctl("msrs: build", Msrs::from_entries(&entries).map_err(fam_error))?;
+        let mut msrs = ioctl(
+            "msrs: build",
+            Msrs::from_entries(&entries).map_err(fam_error),
+        )?;
         let read = ioctl("KVM_GET_MSRS", fd.get_msrs(&mut msrs))?.min(batch.len());
         out.extend_from_slice(&msrs.as_slice()[..read]);
         pos += read;
@@ -265,7 +270,10 @@ impl VcpuState {
 
     /// Loads this state into a freshly created vCPU.
     pub fn apply(&self, fd: &VcpuFd) -> Result<(), IoctlError> {
-        let cpuid = ioctl("cpuid: build", CpuId::from_entries(&self.cpuid).map_err(fam_error))?;
+        let cpuid = ioctl(
+            "cpuid: build",
+            CpuId::from_entries(&self.cpuid).map_err(fam_error),
+        )?;
         ioctl("KVM_SET_CPUID2", fd.set_cpuid2(&cpuid))?;
         write_msrs(fd, &self.msrs)?;
         ioctl("KVM_SET_SREGS", fd.set_sregs(&self.sregs))?;
@@ -317,12 +325,16 @@ impl VcpuState {
         lapic: bool,
     ) -> Result<Self, StateFileError> {
         let cpuid = decode_array(file.require(tag::CPUID, index, "cpuid")?, "cpuid")?;
-        let msrs: Vec<kvm_msr_entry> = decode_array(file.require(tag::MSRS, index, "msrs")?, "msrs")?;
+        let msrs: Vec<kvm_msr_entry> =
+            decode_array(file.require(tag::MSRS, index, "msrs")?, "msrs")?;
         if cpuid.len() > KVM_MAX_CPUID_ENTRIES {
             return Err(StateFileError::Malformed("too many cpuid entries".into()));
         }
         let lapic = if lapic {
-            Some(decode_exact(file.require(tag::LAPIC, index, "lapic")?, "lapic")?)
+            Some(decode_exact(
+                file.require(tag::LAPIC, index, "lapic")?,
+                "lapic",
+            )?)
         } else {
             None
         };
@@ -340,10 +352,16 @@ impl VcpuState {
                 .section(tag::XCRS, index)
                 .map(|b| decode_exact(b, "xcrs"))
                 .transpose()?,
-            debugregs: decode_exact(file.require(tag::DEBUGREGS, index, "debugregs")?, "debugregs")?,
+            debugregs: decode_exact(
+                file.require(tag::DEBUGREGS, index, "debugregs")?,
+                "debugregs",
+            )?,
             lapic,
             msrs,
-            events: decode_exact(file.require(tag::EVENTS, index, "vcpu_events")?, "vcpu_events")?,
+            events: decode_exact(
+                file.require(tag::EVENTS, index, "vcpu_events")?,
+                "vcpu_events",
+            )?,
         })
     }
 }
@@ -431,7 +449,10 @@ impl VmState {
                     )));
                 }
             }
-            (Some(chips), Some(decode_exact(file.require(tag::PIT2, 0, "pit2")?, "pit2")?))
+            (
+                Some(chips),
+                Some(decode_exact(file.require(tag::PIT2, 0, "pit2")?, "pit2")?),
+            )
         } else {
             (None, None)
         };
@@ -464,7 +485,10 @@ mod tests {
         f.fpr[3][5] = 9;
         f.xmm[15][15] = 10;
         let rec = FpuRecord::from(&f);
-        assert_eq!(std::mem::size_of::<FpuRecord>(), std::mem::size_of::<kvm_fpu>());
+        assert_eq!(
+            std::mem::size_of::<FpuRecord>(),
+            std::mem::size_of::<kvm_fpu>()
+        );
         let back = kvm_fpu::from(&FpuRecord::read_from_bytes(rec.as_bytes()).unwrap());
         assert_eq!(back, f);
     }

@@ -154,9 +154,8 @@ impl VmShell {
         let vm = ioctl("KVM_CREATE_VM", kvm.create_vm())?;
         VMS_CREATED.fetch_add(1, Ordering::SeqCst);
         for (slot, spec) in layout.regions.iter().enumerate() {
-            let host = memory::region_host_addr(memory, slot).ok_or_else(|| {
-                VmError::Config(format!("memory has no region {slot}"))
-            })?;
+            let host = memory::region_host_addr(memory, slot)
+                .ok_or_else(|| VmError::Config(format!("memory has no region {slot}")))?;
             let region = kvm_userspace_memory_region {
                 slot: slot as u32,
                 flags: KVM_MEM_LOG_DIRTY_PAGES,
@@ -308,7 +307,10 @@ impl KvmVm {
         let mut fds = Vec::new();
         for index in 0..config.vcpus {
             let fd = ioctl("KVM_CREATE_VCPU", shell.vm.create_vcpu(u64::from(index)))?;
-            ioctl("KVM_SET_CPUID2", fd.set_cpuid2(&cpuid_for(&shell.kvm, index)?))?;
+            ioctl(
+                "KVM_SET_CPUID2",
+                fd.set_cpuid2(&cpuid_for(&shell.kvm, index)?),
+            )?;
             fds.push(fd);
         }
         let caps = shell.caps(&fds[0])?;

@@ -1,5 +1,6 @@
 //! The micro-VM behind the engine's `VmBackend` contract: launch, heartbeats, capture stream,
 //! restore into a fresh instance, refusal of a bad stream.
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is a test failure
 
 mod common;
 
@@ -44,12 +45,23 @@ fn capture_stream_restores_into_a_fresh_backend() {
 
     b.pause().unwrap();
     let mut counter = [0u8; 4];
-    b.vm().unwrap().read_guest(backstop_kvm::guest::COUNTERS_GPA, &mut counter).unwrap();
+    b.vm()
+        .unwrap()
+        .read_guest(backstop_kvm::guest::COUNTERS_GPA, &mut counter)
+        .unwrap();
     let at_capture = u32::from_le_bytes(counter);
     b.resume().unwrap();
     let stream = capture(&mut b);
-    assert_eq!(b.run_state().unwrap(), RunState::Running, "capture resumes the guest");
-    let reached = b.vm().unwrap().wait_for_ticks(WAIT, |r| r.len() as u32 > at_capture + 10).unwrap();
+    assert_eq!(
+        b.run_state().unwrap(),
+        RunState::Running,
+        "capture resumes the guest"
+    );
+    let reached = b
+        .vm()
+        .unwrap()
+        .wait_for_ticks(WAIT, |r| r.len() as u32 > at_capture + 10)
+        .unwrap();
     b.terminate().unwrap();
     b.terminate().unwrap();
     assert_eq!(b.run_state().unwrap(), RunState::Exited);
@@ -65,17 +77,33 @@ fn capture_stream_restores_into_a_fresh_backend() {
     drop(sink);
     let report = fresh.finish_restore().unwrap();
     assert_eq!(report.devices.len(), 4);
-    assert_eq!(fresh.run_state().unwrap(), RunState::Paused, "restore leaves the VM paused");
+    assert_eq!(
+        fresh.run_state().unwrap(),
+        RunState::Paused,
+        "restore leaves the VM paused"
+    );
     fresh.notify_epoch(7).unwrap();
     fresh.resume().unwrap();
-    let after = fresh.vm().unwrap().wait_for_ticks(WAIT, |r| r.len() >= 2).unwrap();
-    assert!(after[0].tick <= at_capture + 2, "{:?} vs capture at {at_capture}", after[0]);
+    let after = fresh
+        .vm()
+        .unwrap()
+        .wait_for_ticks(WAIT, |r| r.len() >= 2)
+        .unwrap();
+    assert!(
+        after[0].tick <= at_capture + 2,
+        "{:?} vs capture at {at_capture}",
+        after[0]
+    );
     assert!(reached.last().unwrap().tick > after[0].tick + 5);
     assert_eq!(fresh.vm().unwrap().device_state().epoch.get(), 7);
     let _ = EPOCH_PORT;
     let devices = fresh.guest_devices().unwrap();
     assert!(devices.peripherals.iter().all(|p| !p.grantable));
-    assert!(fresh.revoke_devices(Duration::from_millis(10)).unwrap().revoked.is_empty());
+    assert!(fresh
+        .revoke_devices(Duration::from_millis(10))
+        .unwrap()
+        .revoked
+        .is_empty());
     // Staging directories are gone; the VM keeps its memory file open.
     assert_eq!(std::fs::read_dir(work.path()).unwrap().count(), 0);
 }
@@ -88,7 +116,10 @@ fn bad_stream_is_refused_and_no_vm_exists() {
     let work = tempfile::tempdir().unwrap();
     let mut b = backend(work.path());
     b.launch(&[], BootMode::Cold).unwrap();
-    b.vm().unwrap().wait_for_ticks(WAIT, |r| !r.is_empty()).unwrap();
+    b.vm()
+        .unwrap()
+        .wait_for_ticks(WAIT, |r| !r.is_empty())
+        .unwrap();
     let stream = capture(&mut b);
 
     let mut flipped = stream.clone();
@@ -98,8 +129,16 @@ fn bad_stream_is_refused_and_no_vm_exists() {
     truncated.truncate(stream.len() - 10);
     for (name, bytes, code) in [
         ("flipped", flipped, "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"),
-        ("truncated", truncated, "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"),
-        ("garbage", b"not a stream at all".to_vec(), "ERR_SNAPSHOT_MANIFEST_INVALID"),
+        (
+            "truncated",
+            truncated,
+            "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED",
+        ),
+        (
+            "garbage",
+            b"not a stream at all".to_vec(),
+            "ERR_SNAPSHOT_MANIFEST_INVALID",
+        ),
     ] {
         let mut fresh = backend(work.path());
         fresh.launch(&[], BootMode::Incoming).unwrap();
@@ -109,7 +148,10 @@ fn bad_stream_is_refused_and_no_vm_exists() {
         let err = fresh.finish_restore().unwrap_err();
         assert_eq!(err.code(), "ERR_BACKEND_RESTORE_CHECK", "{name}: {err}");
         assert!(err.to_string().contains(code), "{name}: {err}");
-        assert!(fresh.vm().is_none(), "{name}: a VM exists after a refused restore");
+        assert!(
+            fresh.vm().is_none(),
+            "{name}: a VM exists after a refused restore"
+        );
         assert_ne!(fresh.run_state().unwrap(), RunState::Paused);
     }
 
@@ -118,7 +160,9 @@ fn bad_stream_is_refused_and_no_vm_exists() {
         active: "/nonexistent".into(),
         captured: true,
     };
-    assert!(backend(work.path()).launch(&[disk], BootMode::Cold).is_err());
+    assert!(backend(work.path())
+        .launch(&[disk], BootMode::Cold)
+        .is_err());
     let switch = DiskSwitch {
         id: "data".into(),
         new_active: "/nonexistent".into(),
@@ -147,7 +191,10 @@ fn silent_guest_trips_the_heartbeat_watchdog_and_exit_is_reported() {
         matches!(events.as_slice(), [VmEvent::WatchdogExpired { .. }]),
         "{events:?}"
     );
-    assert!(b.poll_events().unwrap().is_empty(), "reported once per silence");
+    assert!(
+        b.poll_events().unwrap().is_empty(),
+        "reported once per silence"
+    );
 
     // A guest that exits after 3 ticks.
     let mut cfg = config(16, 1, 1, 8);

@@ -1,5 +1,6 @@
 //! A snapshot that fails any check is refused with the spec's code before any VM is created.
 //! One test function (its own binary) so the process-wide VM counter sees no other test.
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is a test failure
 
 mod common;
 
@@ -20,7 +21,11 @@ fn refused(dirs: &[PathBuf], with: &HostKey) -> String {
     let err = KvmVm::restore(dirs, with, RestoreOptions::default())
         .map(|_| ())
         .expect_err("restore must be refused");
-    assert_eq!(vms_created(), before, "a refused restore created a VM ({err})");
+    assert_eq!(
+        vms_created(),
+        before,
+        "a refused restore created a VM ({err})"
+    );
     eprintln!("refused: {}: {err}", err.code());
     err.code().to_string()
 }
@@ -43,7 +48,10 @@ fn bad_snapshots_are_refused_with_their_code_and_start_no_vm() {
     let state = std::fs::read(good.join("state.bin")).unwrap();
     let n = std::sync::atomic::AtomicUsize::new(0);
     let case = |mutate: &dyn Fn(&Path)| -> PathBuf {
-        let dir = tmp.path().join(format!("case{}", n.fetch_add(1, std::sync::atomic::Ordering::SeqCst)));
+        let dir = tmp.path().join(format!(
+            "case{}",
+            n.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        ));
         copy_snapshot(&good, &dir);
         mutate(&dir);
         dir
@@ -53,7 +61,7 @@ fn bad_snapshots_are_refused_with_their_code_and_start_no_vm() {
     // A copy with untouched bytes is fine by content; only its mtime changed, so the instant
     // (metadata) check refuses the memory file and the full check accepts it.
     let copy = case(&|_| {});
-    assert_eq!(refused(&[copy.clone()], &key()), integrity);
+    assert_eq!(refused(std::slice::from_ref(&copy), &key()), integrity);
     let full = RestoreOptions {
         memory_check: backstop_kvm::MemoryCheck::Full,
         ..RestoreOptions::default()
@@ -88,7 +96,10 @@ fn bad_snapshots_are_refused_with_their_code_and_start_no_vm() {
     assert_eq!(refused(&[d], &key()), integrity);
 
     // Signed with another key.
-    assert_eq!(refused(&[good.clone()], &HostKey::from_bytes([1; 32])), integrity);
+    assert_eq!(
+        refused(std::slice::from_ref(&good), &HostKey::from_bytes([1; 32])),
+        integrity
+    );
 
     // Wrong magic (signed): not one of our files.
     let d = case(&|d| {
@@ -112,7 +123,7 @@ fn bad_snapshots_are_refused_with_their_code_and_start_no_vm() {
         m[0x2000] ^= 0xff;
         rewrite(&d.join("memory.img"), &m);
     });
-    assert_eq!(refused(&[d.clone()], &key()), integrity);
+    assert_eq!(refused(std::slice::from_ref(&d), &key()), integrity);
     let before = vms_created();
     let err = KvmVm::restore(&[&d], &key(), full).map(|_| ()).unwrap_err();
     assert_eq!((err.code(), vms_created()), (integrity, before), "{err}");
@@ -129,15 +140,24 @@ fn bad_snapshots_are_refused_with_their_code_and_start_no_vm() {
     assert_eq!(refused(&[d], &key()), "MISSING_SNAPSHOT");
 
     // A chain that does not start with a full snapshot, or a diff after the wrong parent.
-    assert_eq!(refused(&[diff.clone()], &key()), "ERR_SNAPSHOT_MANIFEST_INVALID");
-    assert_eq!(refused(&[diff.clone(), good.clone()], &key()), "ERR_SNAPSHOT_MANIFEST_INVALID");
+    assert_eq!(
+        refused(std::slice::from_ref(&diff), &key()),
+        "ERR_SNAPSHOT_MANIFEST_INVALID"
+    );
+    assert_eq!(
+        refused(&[diff.clone(), good.clone()], &key()),
+        "ERR_SNAPSHOT_MANIFEST_INVALID"
+    );
     let other = tmp.path().join("other");
     {
         let mut vm = KvmVm::create(config(16, 1, 4, 64)).unwrap();
         vm.capture(&other, SnapshotKind::Full, &key()).unwrap();
     }
     let baseline_after_other = vms_created();
-    assert_eq!(refused(&[other, diff.clone()], &key()), "ERR_SNAPSHOT_MANIFEST_INVALID");
+    assert_eq!(
+        refused(&[other, diff.clone()], &key()),
+        "ERR_SNAPSHOT_MANIFEST_INVALID"
+    );
     assert_eq!(vms_created(), baseline_after_other);
 
     // The untouched chain still restores.

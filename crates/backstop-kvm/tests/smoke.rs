@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is a test failure
 mod common;
 
 use common::*;

@@ -1,5 +1,6 @@
 //! Snapshots of a real micro-VM on /dev/kvm: state round trip, rollback, diff chains, dirty
 //! tracking across a capture, copy-on-write restore.
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns: a failure is a test failure
 
 mod common;
 
@@ -103,10 +104,26 @@ fn every_state_piece_round_trips() {
         }
     }
     for piece in [
-        "regs", "sregs", "fpu", "xsave", "xcrs", "debugregs", "msrs", "lapic", "vcpu_events",
-        "mp_state", "cpuid", "clock", "irqchip", "pit2", "devices",
+        "regs",
+        "sregs",
+        "fpu",
+        "xsave",
+        "xcrs",
+        "debugregs",
+        "msrs",
+        "lapic",
+        "vcpu_events",
+        "mp_state",
+        "cpuid",
+        "clock",
+        "irqchip",
+        "pit2",
+        "devices",
     ] {
-        assert!(compared.contains(piece), "{piece} was not captured on this host");
+        assert!(
+            compared.contains(piece),
+            "{piece} was not captured on this host"
+        );
     }
 }
 
@@ -124,13 +141,22 @@ fn rollback_restores_the_guests_counters() {
     let at_snapshot = guest_tick(&vm);
     vm.resume();
     vm.capture(&snap, SnapshotKind::Full, &key()).unwrap();
-    assert!(!vm.is_paused(), "a capture resumes a guest that was running");
-    let later = vm.wait_for_ticks(WAIT, |r| r.len() as u32 >= at_snapshot + 20).unwrap();
+    assert!(
+        !vm.is_paused(),
+        "a capture resumes a guest that was running"
+    );
+    let later = vm
+        .wait_for_ticks(WAIT, |r| r.len() as u32 >= at_snapshot + 20)
+        .unwrap();
     let reached = later.last().unwrap().tick;
     drop(vm);
 
-    let (mut restored, summary) = KvmVm::restore(&[&snap], &key(), RestoreOptions::default()).unwrap();
-    assert!(restored.is_paused(), "a restored VM waits for an explicit resume");
+    let (mut restored, summary) =
+        KvmVm::restore(&[&snap], &key(), RestoreOptions::default()).unwrap();
+    assert!(
+        restored.is_paused(),
+        "a restored VM waits for an explicit resume"
+    );
     let captured_tick = guest_tick(&restored);
     assert!((at_snapshot..at_snapshot + 2).contains(&captured_tick));
     restored.resume();
@@ -148,9 +174,17 @@ fn rollback_restores_the_guests_counters() {
     );
     assert!(reached > first.tick + 10);
     for pair in reports.windows(2) {
-        assert_eq!(pair[1].tick, pair[0].tick + 1, "the guest counts on from the snapshot");
+        assert_eq!(
+            pair[1].tick,
+            pair[0].tick + 1,
+            "the guest counts on from the snapshot"
+        );
     }
-    assert_eq!(first.writes, first.tick * 16, "its write counter came back too");
+    assert_eq!(
+        first.writes,
+        first.tick * 16,
+        "its write counter came back too"
+    );
 }
 
 /// Full snapshot, then five diffs with the guest running in between (and one VMM write); the
@@ -186,8 +220,13 @@ fn diff_chain_of_five_restores_the_last_memory() {
     drop(chain);
     let (restored, summary) = KvmVm::restore(&dirs, &key(), RestoreOptions::default()).unwrap();
     let got = restored.page_hashes().unwrap();
-    let differing: Vec<usize> = (0..expected.len()).filter(|&i| expected[i] != got[i]).collect();
-    assert!(differing.is_empty(), "pages differ after the chain restore: {differing:?}");
+    let differing: Vec<usize> = (0..expected.len())
+        .filter(|&i| expected[i] != got[i])
+        .collect();
+    assert!(
+        differing.is_empty(),
+        "pages differ after the chain restore: {differing:?}"
+    );
     eprintln!(
         "full: {} bytes on disk for {} pages written; diffs (dirty pages, bytes): {diff_sizes:?}; \
          restore {summary:?}",
@@ -229,7 +268,8 @@ fn pages_dirtied_during_a_capture_are_in_the_next_diff() {
         let before = guest_tick(vm);
         run_ticks(vm, 3);
         during = (before, guest_tick(vm));
-        vm.write_guest(vmm_gpa, b"written by the VMM during the capture").unwrap();
+        vm.write_guest(vmm_gpa, b"written by the VMM during the capture")
+            .unwrap();
     })
     .unwrap();
     let (before, after) = during;
@@ -238,7 +278,12 @@ fn pages_dirtied_during_a_capture_are_in_the_next_diff() {
     let s2 = dir.path().join("s2");
     let d2 = vm.capture(&s2, SnapshotKind::Diff, &key()).unwrap();
     let chain = SnapshotChain::open(&[&s0, &s1, &s2], &key(), RestoreOptions::default()).unwrap();
-    let pages: BTreeSet<u64> = chain.links()[2].diff_pages().unwrap().iter().copied().collect();
+    let pages: BTreeSet<u64> = chain.links()[2]
+        .diff_pages()
+        .unwrap()
+        .iter()
+        .copied()
+        .collect();
     let mut must = BTreeSet::new();
     must.insert(COUNTERS_GPA / PAGE_SIZE as u64);
     must.insert(vmm_gpa / PAGE_SIZE as u64);
@@ -248,11 +293,15 @@ fn pages_dirtied_during_a_capture_are_in_the_next_diff() {
         must.insert(base_page + u64::from(w % 4096));
     }
     let lost: Vec<_> = must.difference(&pages).collect();
-    assert!(lost.is_empty(), "pages dirtied during the capture were lost: {lost:?}");
+    assert!(
+        lost.is_empty(),
+        "pages dirtied during the capture were lost: {lost:?}"
+    );
     assert!(d2.dirty_pages >= must.len() as u64);
     drop(chain);
     let expected = vm.page_hashes().unwrap();
-    let (restored, _) = KvmVm::restore(&[&s0, &s1, &s2], &key(), RestoreOptions::default()).unwrap();
+    let (restored, _) =
+        KvmVm::restore(&[&s0, &s1, &s2], &key(), RestoreOptions::default()).unwrap();
     assert_eq!(restored.page_hashes().unwrap(), expected);
 }
 
@@ -271,13 +320,18 @@ fn restored_guest_never_writes_the_snapshot() {
     vm.capture(&snap, SnapshotKind::Full, &key()).unwrap();
     drop(vm);
     for name in ["state.bin", "state.sig", "memory.img"] {
-        let mode = std::fs::metadata(snap.join(name)).unwrap().permissions().mode();
+        let mode = std::fs::metadata(snap.join(name))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o400, "{name}");
     }
     let before = std::fs::read(snap.join("memory.img")).unwrap();
     let (mut restored, _) = KvmVm::restore(&[&snap], &key(), RestoreOptions::default()).unwrap();
     run_ticks(&mut restored, 10);
-    restored.write_guest(PARAMS_GPA + 0x800, &[0xee; 16]).unwrap();
+    restored
+        .write_guest(PARAMS_GPA + 0x800, &[0xee; 16])
+        .unwrap();
     assert_eq!(std::fs::read(snap.join("memory.img")).unwrap(), before);
     // And a full check (hash of every byte) still passes with the VM running on the file.
     let full = RestoreOptions {
@@ -291,6 +345,9 @@ fn restored_guest_never_writes_the_snapshot() {
 fn check_no_partial_dirs(dir: &Path) {
     for entry in std::fs::read_dir(dir).unwrap() {
         let name = entry.unwrap().file_name();
-        assert!(!name.to_string_lossy().ends_with(".partial"), "{name:?} left behind");
+        assert!(
+            !name.to_string_lossy().ends_with(".partial"),
+            "{name:?} left behind"
+        );
     }
 }

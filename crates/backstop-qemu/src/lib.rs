@@ -736,7 +736,11 @@ impl VmBackend for QemuBackend {
             Some(json!({"capabilities": [{"capability": "background-snapshot", "state": true}]})),
             t,
         )?;
-        r.qmp.execute("migrate-set-parameters", Some(json!({"max-bandwidth": max_bandwidth})), t)?;
+        r.qmp.execute(
+            "migrate-set-parameters",
+            Some(json!({"max-bandwidth": max_bandwidth})),
+            t,
+        )?;
         // Network access does not survive a rollback: the restored VM's links start down.
         for nic in nics {
             r.qmp.execute(

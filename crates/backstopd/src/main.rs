@@ -150,7 +150,11 @@ fn serve(mut conn: Connection, engine: &EngineHandle) {
     let Ok(request) = conn.read_request() else {
         return;
     };
-    tracing::debug!(op = request.name(), uid = conn.peer().uid, "request received");
+    tracing::debug!(
+        op = request.name(),
+        uid = conn.peer().uid,
+        "request received"
+    );
     let caller = Caller {
         role: conn.role().as_str(),
         uid: conn.peer().uid,

@@ -1,5 +1,5 @@
 //! Shared helpers of the /dev/kvm tests.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used)] // test helpers: a failure is a test failure
 
 use std::path::Path;
 use std::time::Duration;
@@ -47,8 +47,12 @@ pub fn run_ticks(vm: &mut KvmVm, n: usize) -> Vec<TickReport> {
     vm.resume();
     let reports = vm
         .wait_for_ticks(WAIT, |r| r.len() >= have + n)
-        .unwrap_or_else(|| panic!("guest did not report {n} ticks; serial: {:?}",
-            String::from_utf8_lossy(&vm.serial_output())));
+        .unwrap_or_else(|| {
+            panic!(
+                "guest did not report {n} ticks; serial: {:?}",
+                String::from_utf8_lossy(&vm.serial_output())
+            )
+        });
     vm.pause().unwrap();
     reports
 }
