@@ -231,6 +231,7 @@ impl Engine {
             "vm": engine.cfg.vm.name, "accel": accel.as_str(), "accel_reason": accel_why,
             "swept_tmp": sweep.tmp_removed, "swept_chunks": sweep.chunks_removed,
             "fault_injection": fault.map(|f| format!("{f:?}")),
+            "sysfs_root_override": std::env::var("BACKSTOP_SYSFS_ROOT").ok(),
         }))?;
         info!(vm = %engine.cfg.vm.name, accel = accel.as_str(), reason = accel_why, "backstopd starting");
         engine.reconcile()?;

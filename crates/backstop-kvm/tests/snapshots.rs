@@ -273,7 +273,12 @@ fn pages_dirtied_during_a_capture_are_in_the_next_diff() {
     })
     .unwrap();
     let (before, after) = during;
-    assert!(after >= before + 3);
+    // `run_ticks` waits for 3 serial reports; the in-memory counter read before may already be
+    // one ahead of the last report, so at least 2 whole ticks ran inside the capture.
+    assert!(
+        after >= before + 2,
+        "the guest ran during the capture: {before} → {after}"
+    );
 
     let s2 = dir.path().join("s2");
     let d2 = vm.capture(&s2, SnapshotKind::Diff, &key()).unwrap();
