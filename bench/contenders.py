@@ -424,6 +424,49 @@ class StopCopy(Contender):
             "qemu_downtime_ms": info.get("downtime"),
         }
 
+    def background_snapshot(self):
+        """QEMU's own live snapshot (`background-snapshot`, what backstop builds on) into a
+        plain file, no store: its pause and its stream rate, for comparison."""
+        state = self.dir / "bgsnap.vmstate"
+        q = self.q
+        q.execute("migrate-set-capabilities", {"capabilities": [
+            {"capability": "background-snapshot", "state": True}]})
+        fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        t0 = time.monotonic()
+        try:
+            q.execute("getfd", {"fdname": "bench-bg"}, fd=fd)
+        finally:
+            os.close(fd)
+        q.execute("migrate", {"uri": "fd:bench-bg"})
+        ev = q.wait_event(qmplib.migrate_status("completed", "failed", "cancelled"), timeout=900)
+        t1 = time.monotonic()
+        info = q.execute("query-migrate")
+        stops = [e for e in q.events if e.get("event") in ("STOP", "RESUME")]
+        q.events = [e for e in q.events if e not in stops]
+        q.execute("migrate-set-capabilities", {"capabilities": [
+            {"capability": "background-snapshot", "state": False}]})
+        if q.execute("query-status").get("status") == "paused":
+            q.execute("cont")
+        size = os.path.getsize(state)
+        state.unlink()
+        if ev["data"]["status"] != "completed":
+            raise BenchError(f"background snapshot {ev['data']['status']}: {info.get('error-desc')}")
+        pause = None
+        st = next((e for e in stops if e["event"] == "STOP"), None)
+        rs = next((e for e in stops if e["event"] == "RESUME"), None)
+        if st and rs:
+            pause = (qmplib.event_us(rs) - qmplib.event_us(st)) / 1e3
+        return {
+            "kind": "bgsnap",
+            "t_req": t0,
+            "t_done": t1,
+            "wall_ms": (t1 - t0) * 1e3,
+            "logical_bytes": size,
+            "capture_ms": info.get("total-time"),
+            "qemu_pause_ms": pause,
+            "qemu_downtime_ms": info.get("downtime"),
+        }
+
     def rollback(self, snap):
         self.restores += 1
         layer = self.dir / f"restore-{self.restores}.qcow2"

@@ -4,8 +4,10 @@ the goals read against them, a text table and a PNG chart."""
 import statistics
 
 CONTENDERS = [("backstop", "backstop"), ("virsh", "virsh internal"), ("stopcopy", "stop-and-copy"),
-              ("dd", "dd")]
-PEERS = ["virsh", "stopcopy", "dd"]
+              ("qemubg", "QEMU bg-snap"), ("host", "host")]
+# Columns backstop is divided by. "QEMU bg-snap" is plain QEMU's own live snapshot into a file
+# (no store), measured on the stop-and-copy guest: what backstop adds on top of its mechanism.
+PEERS = ["virsh", "stopcopy", "qemubg", "host"]
 SNAP_KINDS = ("first", "idle", "dirty", "busy")
 
 MB = 1e6
@@ -59,54 +61,81 @@ def snap_value(kind, key, scale=1.0):
     return f
 
 
-# (key, section, label, unit, extractor(record) -> [values], which contenders)
+def bg(*path):
+    """From the stop-and-copy records' plain-QEMU background snapshot."""
+    def f(rec):
+        return [_g(rec, "bgsnap", *path)]
+    return f
+
+
+def bg_rate(rec):
+    b, ms = _g(rec, "bgsnap", "logical_bytes"), _g(rec, "bgsnap", "capture_ms")
+    return [b / (ms / 1e3) / MB] if b and ms else []
+
+
+def host(key):
+    def f(h):
+        return [h[key]["bytes_per_s"] / MB] if key in h else []
+    return f
+
+
+def M(key, section, label, unit, fn=None, bgfn=None, hostfn=None):
+    return {"key": key, "section": section, "label": label, "unit": unit, "fn": fn, "bg": bgfn,
+            "host": hostfn}
+
+
 METRICS = [
-    ("pause_stopped", 1, "guest stopped (its clock froze, host's did not)", "ms",
-     per_snapshot(SNAP_KINDS, "guest", "stopped_ms"), None),
-    ("pause_silence", 1, "longest silence of the guest, seen on the host", "ms",
-     per_snapshot(SNAP_KINDS, "guest", "silence_ms"), None),
-    ("pause_guest_clock", 1, "longest stall on the guest's own clock", "ms",
-     per_snapshot(("first", "idle", "dirty"), "guest", "guest_clock_stall_ms"), None),
-    ("pause_guest_clock_busy", 1, "  same, while its writer dirties RAM", "ms",
-     per_snapshot(("busy",), "guest", "guest_clock_stall_ms"), None),
-    ("pause_qemu_events", 1, "QEMU STOP->RESUME event timestamps", "ms",
-     per_snapshot(SNAP_KINDS, "qemu_pause_ms"), None),
-    ("pause_qemu_downtime", 1, "QEMU's reported downtime (query-migrate)", "ms",
-     per_snapshot(SNAP_KINDS, "qemu_downtime_ms"), None),
-    ("noise_stopped", 1, "noise: 'stopped' in a quiet 2 s window", "ms",
-     lambda r: [_g(r, "quiet", "guest", "stopped_ms")], None),
-    ("noise_silence", 1, "noise: 'silence' in a quiet 2 s window", "ms",
-     lambda r: [_g(r, "quiet", "guest", "silence_ms")], None),
-    ("noise_guest_clock", 1, "noise: guest-clock stall, quiet 2 s window", "ms",
-     lambda r: [_g(r, "quiet", "guest", "guest_clock_stall_ms")], None),
+    M("pause_stopped", 1, "guest stopped (its clock froze, host's did not)", "ms",
+      per_snapshot(SNAP_KINDS, "guest", "stopped_ms"), bg("guest", "stopped_ms")),
+    M("pause_silence", 1, "longest silence of the guest, seen on the host", "ms",
+      per_snapshot(SNAP_KINDS, "guest", "silence_ms"), bg("guest", "silence_ms")),
+    M("pause_guest_clock", 1, "longest stall on the guest's own clock", "ms",
+      per_snapshot(("first", "idle", "dirty"), "guest", "guest_clock_stall_ms"),
+      bg("guest", "guest_clock_stall_ms")),
+    M("pause_guest_clock_busy", 1, "  same, while its writer dirties RAM", "ms",
+      per_snapshot(("busy",), "guest", "guest_clock_stall_ms")),
+    M("pause_qemu_events", 1, "QEMU STOP->RESUME event timestamps", "ms",
+      per_snapshot(SNAP_KINDS, "qemu_pause_ms"), bg("qemu_pause_ms")),
+    M("pause_qemu_downtime", 1, "QEMU's reported downtime (query-migrate)", "ms",
+      per_snapshot(SNAP_KINDS, "qemu_downtime_ms"), bg("qemu_downtime_ms")),
+    M("noise_stopped", 1, "noise: 'stopped' in a quiet 2 s window", "ms",
+      lambda r: [_g(r, "quiet", "guest", "stopped_ms")]),
+    M("noise_silence", 1, "noise: 'silence' in a quiet 2 s window", "ms",
+      lambda r: [_g(r, "quiet", "guest", "silence_ms")]),
+    M("noise_guest_clock", 1, "noise: guest-clock stall, quiet 2 s window", "ms",
+      lambda r: [_g(r, "quiet", "guest", "guest_clock_stall_ms")]),
 
-    ("wall_first", 2, "wall time: first snapshot", "ms", snap_value("first", "wall_ms"), None),
-    ("wall_idle", 2, "wall time: second, guest idle", "ms", snap_value("idle", "wall_ms"), None),
-    ("wall_dirty", 2, "wall time: second, after 10% of RAM dirtied", "ms", snap_value("dirty", "wall_ms"), None),
-    ("wall_busy", 2, "wall time: while the writer runs", "ms", snap_value("busy", "wall_ms"), None),
-    ("bytes_first", 2, "stored: first snapshot", "MB", snap_value("first", "bytes_stored", 1 / MB), None),
-    ("bytes_idle", 2, "stored: second, guest idle", "MB", snap_value("idle", "bytes_stored", 1 / MB), None),
-    ("bytes_dirty", 2, "stored: second, after 10% of RAM dirtied", "MB",
-     snap_value("dirty", "bytes_stored", 1 / MB), None),
-    ("ratio_idle", 2, "stored idle / stored first", "x", ratio("idle", "first"), None),
-    ("ratio_dirty", 2, "stored dirty / stored first", "x", ratio("dirty", "first"), None),
-    ("logical_first", 2, "RAM+device state streamed (first)", "MB",
-     snap_value("first", "logical_bytes", 1 / MB), None),
+    M("wall_first", 2, "wall time: first snapshot", "ms", snap_value("first", "wall_ms"), bg("wall_ms")),
+    M("wall_idle", 2, "wall time: second, guest idle", "ms", snap_value("idle", "wall_ms")),
+    M("wall_dirty", 2, "wall time: second, after 10% of RAM dirtied", "ms", snap_value("dirty", "wall_ms")),
+    M("wall_busy", 2, "wall time: while the writer runs", "ms", snap_value("busy", "wall_ms")),
+    M("bytes_first", 2, "stored: first snapshot", "MB", snap_value("first", "bytes_stored", 1 / MB)),
+    M("bytes_idle", 2, "stored: second, guest idle", "MB", snap_value("idle", "bytes_stored", 1 / MB)),
+    M("bytes_dirty", 2, "stored: second, after 10% of RAM dirtied", "MB",
+      snap_value("dirty", "bytes_stored", 1 / MB)),
+    M("ratio_idle", 2, "stored idle / stored first", "x", ratio("idle", "first")),
+    M("ratio_dirty", 2, "stored dirty / stored first", "x", ratio("dirty", "first")),
+    M("logical_first", 2, "RAM+device state streamed (first)", "MB",
+      snap_value("first", "logical_bytes", 1 / MB), lambda r: [(_g(r, "bgsnap", "logical_bytes") or 0) / MB or None]),
 
-    ("rb_guest", 3, "request -> guest running at snapshot point", "ms",
-     lambda r: [_g(r, "rollback", "guest", "guest_running_ms")], None),
-    ("rb_tick", 3, "request -> first workload tick after it", "ms",
-     lambda r: [_g(r, "rollback", "guest", "first_tick_ms")], None),
-    ("rb_cmd", 3, "the command itself (request -> it returned)", "ms",
-     lambda r: [_g(r, "rollback", "cmd_ms")], None),
-    ("rb_reported", 3, "backstop's own total_ms", "ms",
-     lambda r: [_g(r, "rollback", "reported_total_ms")], None),
-    ("rb_restore", 3, "of which loading state into the fresh QEMU", "ms",
-     lambda r: [_g(r, "rollback", "reported_restore_ms")], None),
+    M("rb_guest", 3, "request -> guest running at snapshot point", "ms",
+      lambda r: [_g(r, "rollback", "guest", "guest_running_ms")]),
+    M("rb_tick", 3, "request -> first workload tick after it", "ms",
+      lambda r: [_g(r, "rollback", "guest", "first_tick_ms")]),
+    M("rb_cmd", 3, "the command itself (request -> it returned)", "ms",
+      lambda r: [_g(r, "rollback", "cmd_ms")]),
+    M("rb_reported", 3, "backstop's own total_ms", "ms",
+      lambda r: [_g(r, "rollback", "reported_total_ms")]),
+    M("rb_restore", 3, "of which loading state into the fresh QEMU", "ms",
+      lambda r: [_g(r, "rollback", "reported_restore_ms")]),
 
-    ("tput_store", 5, "store write: stored bytes / capture time (first)", "MB/s", rate("bytes_stored"), None),
-    ("tput_stream", 5, "state stream: RAM+device bytes / capture time", "MB/s", rate("logical_bytes"), None),
-    ("tput_dd", 5, "dd if=/dev/zero bs=1M conv=fsync, same filesystem", "MB/s", None, ["dd"]),
+    M("tput_store", 5, "store write: stored bytes / capture time (first)", "MB/s", rate("bytes_stored")),
+    M("tput_stream", 5, "state stream: RAM+device bytes / capture time", "MB/s", rate("logical_bytes"),
+      bg_rate),
+    M("tput_dd", 5, "dd if=/dev/zero bs=1M conv=fsync, same filesystem", "MB/s", hostfn=host("dd")),
+    M("tput_chunks", 5, "1 MiB files, each fsynced+renamed (store's pattern)", "MB/s",
+      hostfn=host("chunk_files")),
+    M("tput_sha256", 5, "sha256, one core (Python hashlib)", "MB/s", hostfn=host("sha256")),
 ]
 
 NOT_YET = [
@@ -132,37 +161,40 @@ def stats(values):
 
 
 def summarize(raw):
-    meta, records, dd = raw["meta"], raw["records"], raw.get("dd", [])
+    meta, records, hosts = raw["meta"], raw["records"], raw.get("host", [])
     figures = {}
-    for key, section, label, unit, fn, only in METRICS:
-        row = {"section": section, "label": label, "unit": unit, "values": {}}
+    for m in METRICS:
+        row = {"section": m["section"], "label": m["label"], "unit": m["unit"], "values": {}}
         for c, _ in CONTENDERS:
-            if only and c not in only:
-                continue
-            if c == "dd":
-                if key == "tput_dd":
-                    row["values"]["dd"] = stats([d["bytes_per_s"] / MB for d in dd])
-                continue
             vals = []
-            for r in records:
-                if r["contender"] == c and fn:
-                    vals.extend(fn(r))
+            if c == "host":
+                if m["host"]:
+                    for h in hosts:
+                        vals.extend(m["host"](h))
+            elif c == "qemubg":
+                if m["bg"]:
+                    for r in records:
+                        if r["contender"] == "stopcopy" and r.get("bgsnap"):
+                            vals.extend(m["bg"](r))
+            elif m["fn"]:
+                for r in records:
+                    if r["contender"] == c:
+                        vals.extend(m["fn"](r))
             s = stats(vals)
             if s:
                 row["values"][c] = s
+        figures[m["key"]] = row
+    # Store throughput is read against dd: put dd's median beside backstop's rows.
+    for k in ("tput_store", "tput_stream"):
+        if "host" in figures["tput_dd"]["values"]:
+            figures[k]["values"].setdefault("host", figures["tput_dd"]["values"]["host"])
+    for row in figures.values():
         b = _g(row, "values", "backstop", "median")
         row["ratios"] = {}
         for p in PEERS:
             pm = _g(row, "values", p, "median")
             if b is not None and pm:
                 row["ratios"][p] = b / pm
-        figures[key] = row
-    # Store throughput is read against dd: put dd's median beside backstop's rows.
-    dd_med = _g(figures, "tput_dd", "values", "dd", "median")
-    for k in ("tput_store", "tput_stream"):
-        b = _g(figures, k, "values", "backstop", "median")
-        if b is not None and dd_med:
-            figures[k]["ratios"]["dd"] = b / dd_med
     errors = [{"contender": r["contender"], "rep": r["rep"] + 1, "error": r["error"]}
               for r in records if r.get("error")]
     contaminated = [{"contender": r["contender"], "rep": r["rep"] + 1}
@@ -208,7 +240,7 @@ def goals(f, meta):
             "measured": f"{_med(f, 'bytes_idle'):.1f} MB of {_med(f, 'bytes_first'):.1f} MB = {r * 100:.0f}%",
             "verdict": verdict(r <= 0.10, f"{(r - 0.10) * 100:.0f} points ({r / 0.10:.1f}x the goal)"),
         })
-    t, d = _med(f, "tput_store"), _med(f, "tput_dd", "dd")
+    t, d = _med(f, "tput_store"), _med(f, "tput_dd", "host")
     if t is not None and d:
         out.append({
             "goal": "store write throughput >= 70% of dd", "size": size,
@@ -298,7 +330,8 @@ def chart(summary, path):
         return False
     f = summary["figures"]
     names = dict(CONTENDERS)
-    colors = {"backstop": "#1f77b4", "virsh": "#d62728", "stopcopy": "#ff7f0e", "dd": "#7f7f7f"}
+    colors = {"backstop": "#1f77b4", "virsh": "#d62728", "stopcopy": "#ff7f0e", "qemubg": "#2ca02c",
+              "host": "#7f7f7f"}
     panels = [
         ("Guest pause per snapshot (ms, log)", ["pause_stopped", "pause_silence", "pause_guest_clock"],
          ["stopped", "silence", "own-clock stall"], True),
@@ -307,8 +340,8 @@ def chart(summary, path):
         ("Bytes stored (MB)", ["bytes_first", "bytes_idle", "bytes_dirty"], ["first", "idle", "dirty 10%"], False),
         ("Rollback: request -> guest running (ms, log)", ["rb_guest", "rb_tick"],
          ["guest running", "first tick"], True),
-        ("Write throughput (MB/s)", ["tput_store", "tput_stream", "tput_dd"],
-         ["store write", "state stream", "dd fsync"], False),
+        ("Write throughput (MB/s)", ["tput_store", "tput_stream", "tput_dd", "tput_chunks"],
+         ["store write", "state stream", "dd fsync", "1 MiB files"], False),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.4))
     m = summary["meta"]

@@ -71,8 +71,45 @@ def dd_throughput(directory, mib):
             "bytes_per_s": int(m.group(1)) / float(m.group(2))}
 
 
-def wait_quiet(seconds):
-    time.sleep(seconds)
+def chunk_files_throughput(directory, mib, chunk=1 << 20):
+    """The store's write pattern without the store: `mib` files of 1 MiB (the store's average
+    chunk), each written to a temp name, fsynced and renamed, then the directory fsynced."""
+    d = Path(directory) / "chunk-test"
+    d.mkdir(exist_ok=True)
+    buf = bytearray(os.urandom(chunk))
+    t0 = time.monotonic()
+    try:
+        for i in range(mib):
+            buf[:8] = i.to_bytes(8, "little")
+            tmp, final = d / f".tmp-{i}", d / f"{i:08d}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, buf)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        secs = time.monotonic() - t0
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    return {"bytes": mib * chunk, "seconds": secs, "bytes_per_s": mib * chunk / secs}
+
+
+def sha256_throughput(mib=256):
+    """SHA-256 on one core of this host (Python's hashlib, OpenSSL): what hashing each chunk costs."""
+    import hashlib
+    buf = os.urandom(1 << 20)
+    h = hashlib.sha256()
+    t0 = time.monotonic()
+    for _ in range(mib):
+        h.update(buf)
+    secs = time.monotonic() - t0
+    return {"bytes": mib << 20, "seconds": secs, "bytes_per_s": (mib << 20) / secs}
 
 
 def run_rep(cls, env, rep):
@@ -88,6 +125,13 @@ def run_rep(cls, env, rep):
         rec["boot_to_filled_s"] = line.t - t_start
         c.ready()
 
+        # Everything from here is paced by the guest's writer: a burst of dirty_mib every
+        # dirty_every seconds. Right after a burst ends there is a quiet interval for the
+        # noise window, "first" and "idle".
+        start = c.serial.count()
+        i, _, _ = c.serial.wait_for(rb"BACKSTOP dirty end n=", start_index=start,
+                                    timeout=env.dirty_every * 3 + 120, what="writer burst",
+                                    alive=c.gone)
         # Noise floor: a quiet window shaped like an event, with nothing in it.
         time.sleep(measure.SIDE_S + 0.2)
         q0 = time.monotonic()
@@ -102,20 +146,22 @@ def run_rep(cls, env, rep):
         time.sleep(SETTLE_S)
         idle = c.snapshot("idle")
         rec["snapshots"]["idle"] = idle
-        # Idle means the writer did not run between the two.
-        n_lines = [ln for ln in c.serial.snapshot() if first["t_req"] <= ln.t <= idle["t_done"]]
+        # Idle means the writer did not run between the two (nor in the quiet window).
+        n_lines = [ln for ln in c.serial.snapshot() if q0 - measure.SIDE_S <= ln.t <= idle["t_done"]]
         if any(b"BACKSTOP dirty begin" in ln.text for ln in n_lines):
             idle["contaminated"] = "the writer ran between first and idle (raise --dirty-every)"
             log(f"[{c.name} rep {rep + 1}] warning: {idle['contaminated']}")
-        start = c.serial.count()
-        i, _, m = c.serial.wait_for(rb"BACKSTOP dirty end n=(\d+)", start_index=start,
+        time.sleep(SETTLE_S)
+        if hasattr(c, "background_snapshot"):
+            rec["bgsnap"] = c.background_snapshot()
+            time.sleep(SETTLE_S)
+        j, _, _ = c.serial.wait_for(rb"BACKSTOP dirty end n=", start_index=i + 1,
                                     timeout=env.dirty_every * 3 + 120, what="writer burst",
                                     alive=c.gone)
         time.sleep(0.2)
         dirty = c.snapshot("dirty")
         rec["snapshots"]["dirty"] = dirty
-        time.sleep(SETTLE_S)
-        c.serial.wait_for(rb"BACKSTOP dirty begin n=", start_index=i,
+        c.serial.wait_for(rb"BACKSTOP dirty begin n=", start_index=j,
                           timeout=env.dirty_every * 3 + 120, what="next writer burst",
                           alive=c.gone)
         busy = c.snapshot("busy")
@@ -146,7 +192,7 @@ def run_rep(cls, env, rep):
         # Guest-side figures, from the lines as they arrived.
         if "quiet" in rec:
             rec["quiet"]["guest"] = measure.snapshot_view(lines, rec["quiet"]["t_req"], rec["quiet"]["t_done"])
-        for s in rec["snapshots"].values():
+        for s in list(rec["snapshots"].values()) + ([rec["bgsnap"]] if "bgsnap" in rec else []):
             s["guest"] = measure.snapshot_view(lines, s["t_req"], s["t_done"])
         if "rollback" in rec:
             rec["rollback"]["guest"] = measure.rollback_view(
@@ -178,7 +224,7 @@ def main(argv=None):
     ap.add_argument("--memory-mib", type=int, help="guest RAM (default 1024; 256 with --quick)")
     ap.add_argument("--fill-mib", type=int, help="random data kept resident in the guest (default 400; 100 with --quick)")
     ap.add_argument("--dirty-pct", type=int, default=10, help="share of guest RAM the writer rewrites per burst (default 10)")
-    ap.add_argument("--dirty-every", type=int, help="seconds between writer bursts (default 25; 12 with --quick)")
+    ap.add_argument("--dirty-every", type=int, help="seconds between writer bursts (default 25; 15 with --quick)")
     ap.add_argument("--contenders", default="backstop,virsh,stopcopy",
                     help="comma-separated subset of backstop,virsh,stopcopy")
     ap.add_argument("--accel", choices=["auto", "tcg", "kvm"], default="auto",
@@ -199,7 +245,7 @@ def main(argv=None):
     env.fill_mib = a.fill_mib or (100 if a.quick else 400)
     env.dirty_mib = max(1, round(env.memory_mib * a.dirty_pct / 100))
     env.dirty_pct = a.dirty_pct
-    env.dirty_every = a.dirty_every or (12 if a.quick else 25)
+    env.dirty_every = a.dirty_every or (15 if a.quick else 25)
     env.accel = detect_accel() if a.accel == "auto" else a.accel
     env.guest = Path(a.guest_dir).resolve()
     env.backstopd = Path(a.bin_dir) / "backstopd"
@@ -262,23 +308,27 @@ def main(argv=None):
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, on_term)
 
-    records, dd = [], []
+    records, host = [], []
     interrupted = False
     try:
         for rep in range(env.reps):
             for n in names:
                 records.append(run_rep(C.CONTENDERS[n], env, rep))
-                raw = {"meta": meta, "records": records, "dd": dd}
+                raw = {"meta": meta, "records": records, "host": host}
                 (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
             # The physical limit, on the filesystem the store and images lived on, in this run.
             first = next((r["snapshots"].get("first") for r in records[::-1]
                           if r["contender"] == "backstop" and r["snapshots"].get("first")), None)
             mib = max(64, round(((first or {}).get("bytes_stored") or env.fill_mib << 20) / (1 << 20)))
             try:
-                dd.append(dd_throughput(env.work, mib))
-                log(f"dd conv=fsync {mib} MiB: {dd[-1]['bytes_per_s'] / 1e6:.0f} MB/s")
+                r = {"dd": dd_throughput(env.work, mib),
+                     "chunk_files": chunk_files_throughput(env.work, mib),
+                     "sha256": sha256_throughput()}
+                host.append(r)
+                log("host, same filesystem: " + ", ".join(
+                    f"{k} {v['bytes_per_s'] / 1e6:.0f} MB/s" for k, v in r.items()))
             except (C.BenchError, subprocess.SubprocessError, OSError) as e:
-                log(f"dd failed: {e}")
+                log(f"host throughput measurement failed: {e}")
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted; cleaning up")
@@ -296,7 +346,7 @@ def main(argv=None):
             log(f"cleaned up leftovers: domains {left}, qemu pids {stray}")
 
     meta["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    raw = {"meta": meta, "records": records, "dd": dd}
+    raw = {"meta": meta, "records": records, "host": host}
     (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
     summary = report.summarize(raw)
     (env.results / "summary.json").write_text(json.dumps(summary, indent=1))

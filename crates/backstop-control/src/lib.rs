@@ -9,6 +9,7 @@
 //! Transport is blocking std I/O, one connection per request.
 
 pub mod client;
+pub mod evidence;
 mod framing;
 pub mod protocol;
 pub mod server;

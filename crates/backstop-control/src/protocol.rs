@@ -27,12 +27,26 @@ pub enum Request {
     SnapshotShow { id: String },
     /// Full verification (signature, fields, versions, every checksum) without touching the VM.
     SnapshotVerify { id: String },
-    /// Roll the VM back. `to: None` means the newest verified snapshot.
+    /// Roll the VM back (spec/000 §5). Without a type: `emergency` (or neither `to` nor
+    /// `before`) is an emergency rollback to the newest verified snapshot; `to` or `before` is a
+    /// session rollback. A session rollback to anything but the newest verified snapshot needs
+    /// `reviewer_token` (spec/001 governance); `allow_newer_minor` is spec/001's explicit
+    /// compatibility mode. Micro rollbacks are `action_end` with result `failed`.
     Rollback {
         to: Option<String>,
         reason: String,
         #[serde(default)]
         emergency: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rollback_type: Option<RollbackType>,
+        /// Session rollback: the newest snapshot created at or before this RFC 3339 time.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        before: Option<String>,
+        /// A reviewer token (see [`crate::evidence`]), as read from its file.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reviewer_token: Option<Value>,
+        #[serde(default, skip_serializing_if = "is_false")]
+        allow_newer_minor: bool,
     },
     /// A person clears HALTED; the VM is then restored from the newest verified snapshot
     /// (or cold-booted when there is none).
@@ -62,6 +76,76 @@ pub enum Request {
     DeviceRevoke { id: String, reason: String },
     /// The configured devices, their grants, and the hypervisor's own view of the VM's devices.
     DeviceList,
+    /// The pre-action gate (spec/000 §4.2, §10.1): an Action Descriptor from the host broker.
+    /// Blocked when it declares no rollback support; a snapshot is taken first when the action
+    /// needs one, and if that fails the action is blocked. The descriptor is parsed strictly by
+    /// the daemon (unknown fields refused).
+    ActionBegin { descriptor: Value },
+    /// The action is over: `ok` closes it; `failed` rolls the VM back to the action's
+    /// pre-action snapshot (a micro rollback).
+    ActionEnd {
+        action_id: String,
+        result: ActionResult,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+    },
+    /// The open actions.
+    ActionList,
+    /// Apply the retention policy now (it also runs after every scheduled snapshot).
+    SnapshotPrune,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// spec/000 §5's rollback types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RollbackType {
+    /// One action: back to its pre-action snapshot.
+    Micro,
+    /// Recent changes: back to a chosen point (a snapshot, a time, or the session's start).
+    Session,
+    /// Full restore to the newest verified snapshot.
+    Emergency,
+}
+
+impl RollbackType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RollbackType::Micro => "micro",
+            RollbackType::Session => "session",
+            RollbackType::Emergency => "emergency",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<RollbackType> {
+        [
+            RollbackType::Micro,
+            RollbackType::Session,
+            RollbackType::Emergency,
+        ]
+        .into_iter()
+        .find(|t| t.as_str() == name)
+    }
+}
+
+/// How an action ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ActionResult {
+    Ok,
+    Failed,
+}
+
+impl ActionResult {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ActionResult::Ok => "ok",
+            ActionResult::Failed => "failed",
+        }
+    }
 }
 
 /// The host triggers of spec/000 §6 that arrive over the control socket. (The watchdog and the
@@ -146,6 +230,14 @@ enum StrictRequest {
         reason: String,
         #[serde(default)]
         emergency: bool,
+        #[serde(default)]
+        rollback_type: Option<RollbackType>,
+        #[serde(default)]
+        before: Option<String>,
+        #[serde(default)]
+        reviewer_token: Option<Value>,
+        #[serde(default)]
+        allow_newer_minor: bool,
     },
     HaltClear {
         reason: String,
@@ -171,6 +263,17 @@ enum StrictRequest {
         reason: String,
     },
     DeviceList {},
+    ActionBegin {
+        descriptor: Value,
+    },
+    ActionEnd {
+        action_id: String,
+        result: ActionResult,
+        #[serde(default)]
+        reason: Option<String>,
+    },
+    ActionList {},
+    SnapshotPrune {},
 }
 
 impl From<StrictRequest> for Request {
@@ -185,10 +288,18 @@ impl From<StrictRequest> for Request {
                 to,
                 reason,
                 emergency,
+                rollback_type,
+                before,
+                reviewer_token,
+                allow_newer_minor,
             } => Request::Rollback {
                 to,
                 reason,
                 emergency,
+                rollback_type,
+                before,
+                reviewer_token,
+                allow_newer_minor,
             },
             StrictRequest::HaltClear { reason } => Request::HaltClear { reason },
             StrictRequest::AuditTail { count } => Request::AuditTail { count },
@@ -213,6 +324,18 @@ impl From<StrictRequest> for Request {
             },
             StrictRequest::DeviceRevoke { id, reason } => Request::DeviceRevoke { id, reason },
             StrictRequest::DeviceList {} => Request::DeviceList,
+            StrictRequest::ActionBegin { descriptor } => Request::ActionBegin { descriptor },
+            StrictRequest::ActionEnd {
+                action_id,
+                result,
+                reason,
+            } => Request::ActionEnd {
+                action_id,
+                result,
+                reason,
+            },
+            StrictRequest::ActionList {} => Request::ActionList,
+            StrictRequest::SnapshotPrune {} => Request::SnapshotPrune,
         }
     }
 }
@@ -234,6 +357,10 @@ impl Request {
             Request::DeviceGrant { .. } => "device grant",
             Request::DeviceRevoke { .. } => "device revoke",
             Request::DeviceList => "device list",
+            Request::ActionBegin { .. } => "action begin",
+            Request::ActionEnd { .. } => "action end",
+            Request::ActionList => "action list",
+            Request::SnapshotPrune => "snapshot prune",
         }
     }
 }
@@ -282,6 +409,64 @@ pub enum Response {
     AuditVerified(AuditVerifyReport),
     /// The answer to `device grant`, `device revoke` and `device list`.
     Devices(DevicesView),
+    /// The answer to `action begin` and `action end`.
+    Action(ActionView),
+    /// The open actions.
+    Actions {
+        actions: Vec<ActionView>,
+    },
+    /// What retention removed and kept.
+    Pruned(PruneView),
+}
+
+/// One action of the pre-action gate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ActionView {
+    pub action_id: String,
+    /// `open`, `closed` (ended ok) or `rolled_back` (ended failed, micro rollback done).
+    pub state: String,
+    pub tier: u8,
+    pub kind: String,
+    pub risk_level: String,
+    /// The snapshot a micro rollback of this action returns to.
+    pub snapshot_id: Option<String>,
+    /// Whether `snapshot_id` was taken for this action (spec/000 §4.2 required one), or is the
+    /// newest snapshot at the time it began (it did not).
+    pub snapshot_taken: bool,
+    pub opened_at: String,
+    pub opened_by: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback: Option<RollbackReport>,
+}
+
+/// What `snapshot prune` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PruneView {
+    pub removed: Vec<PrunedSnapshot>,
+    pub kept: Vec<KeptSnapshot>,
+    pub chunks_removed: u64,
+    pub layers_removed: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrunedSnapshot {
+    pub snapshot_id: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptSnapshot {
+    pub snapshot_id: String,
+    pub reasons: Vec<String>,
+}
+
+/// A snapshot left off the current line by a rollback to an older one (spec/004 soft rollback).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RolledBackMark {
+    pub at: String,
+    /// The snapshot the VM was rolled back to.
+    pub rollback_to: String,
+    pub rollback_type: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -321,6 +506,12 @@ pub struct SnapshotSummary {
     pub pause_us: u64,
     /// Bytes this snapshot added to the store (after deduplication).
     pub bytes_stored: u64,
+    /// What took it: `schedule`, `pre_action`, `console`, `baseline`, ...
+    #[serde(default)]
+    pub trigger: String,
+    /// Set when a rollback to an older snapshot left this one off the current line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rolled_back: Option<RolledBackMark>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -567,6 +758,10 @@ mod tests {
             to: Some("ab".into()),
             reason: "x".into(),
             emergency: true,
+            rollback_type: None,
+            before: None,
+            reviewer_token: None,
+            allow_newer_minor: false,
         };
         let line = serde_json::to_string(&r).unwrap();
         assert_eq!(
@@ -602,8 +797,22 @@ mod tests {
                 to: None,
                 reason: "r".into(),
                 emergency: false,
+                rollback_type: Some(RollbackType::Session),
+                before: Some("2026-01-01T00:00:00Z".into()),
+                reviewer_token: Some(serde_json::json!({"reviewer": "r"})),
+                allow_newer_minor: true,
             },
             Request::HaltClear { reason: "r".into() },
+            Request::ActionBegin {
+                descriptor: serde_json::json!({"action_id": "a"}),
+            },
+            Request::ActionEnd {
+                action_id: "a".into(),
+                result: ActionResult::Failed,
+                reason: None,
+            },
+            Request::ActionList,
+            Request::SnapshotPrune,
             Request::AuditTail { count: 20 },
             Request::AuditVerify,
         ];
@@ -620,8 +829,35 @@ mod tests {
             Request::Rollback {
                 to: None,
                 reason: "r".into(),
-                emergency: false
+                emergency: false,
+                rollback_type: None,
+                before: None,
+                reviewer_token: None,
+                allow_newer_minor: false,
             }
         );
+    }
+
+    #[test]
+    fn policy_requests_are_strict() {
+        for bad in [
+            r#"{"op":"snapshot_prune","x":1}"#,
+            r#"{"op":"action_list","x":1}"#,
+            r#"{"op":"action_end","action_id":"a","result":"maybe"}"#,
+            r#"{"op":"action_end","action_id":"a"}"#,
+            r#"{"op":"action_begin"}"#,
+            r#"{"op":"rollback","reason":"r","rollback_type":"partial"}"#,
+            r#"{"op":"rollback","reason":"r","allow_newer_minor":"yes"}"#,
+            r#"{"op":"rollback","reason":"r","scope":"guest_chosen"}"#,
+        ] {
+            assert!(serde_json::from_str::<Request>(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            serde_json::to_string(&Request::SnapshotPrune).unwrap(),
+            r#"{"op":"snapshot_prune"}"#
+        );
+        assert_eq!(RollbackType::parse("micro"), Some(RollbackType::Micro));
+        assert_eq!(RollbackType::parse("full"), None);
+        assert_eq!(Request::SnapshotPrune.name(), "snapshot prune");
     }
 }

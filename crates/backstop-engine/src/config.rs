@@ -37,9 +37,25 @@ pub struct Config {
     pub rollback: RollbackConfig,
     #[serde(default)]
     pub watchdog: WatchdogConfig,
+    /// Scheduled snapshots (`[snapshots]`): always on; only the interval is configurable.
+    #[serde(default)]
+    pub snapshots: crate::policy::SnapshotsConfig,
+    /// Which snapshots are kept (`[retention]`).
+    #[serde(default)]
+    pub retention: crate::policy::RetentionConfig,
+    /// Reviewer evidence for console restores (`[restore_gate]`).
+    #[serde(default)]
+    pub restore_gate: crate::policy::RestoreGateConfig,
     /// What may be granted to the guest (`[[devices]]`); nothing else can be.
     #[serde(default)]
     pub devices: Vec<crate::devices::DeviceConfig>,
+    /// The embedded KVM backend's own table (`vm.backend = "kvm"`), parsed strictly by
+    /// `backstop-kvm` at load; see vmm-config/kvm.toml.
+    #[serde(default)]
+    pub kvm: Option<toml::Table>,
+    /// The KVM backend's parsed settings (`None` for QEMU).
+    #[serde(skip)]
+    pub kvm_backend: Option<backstop_kvm::config::KvmConfigFile>,
 }
 
 /// The heartbeat watchdog. It is always on; only its timeout is configurable, within bounds.
@@ -121,6 +137,8 @@ pub struct VmConfig {
     pub memory_mib: u64,
     #[serde(default = "one")]
     pub vcpus: u32,
+    /// The guest kernel (QEMU backend; the KVM backend runs its built-in program).
+    #[serde(default)]
     pub kernel: PathBuf,
     pub initrd: Option<PathBuf>,
     #[serde(default)]
@@ -236,6 +254,15 @@ impl Config {
             .map_err(|e: toml::de::Error| ConfigError::Parse(one_line(&e.to_string())))?;
         cfg.expand()?;
         cfg.validate()?;
+        if cfg.vm.backend == "kvm" {
+            let parsed = backstop_kvm::config::KvmConfigFile::parse(text).map_err(|e| {
+                ConfigError::Invalid {
+                    key: "kvm".into(),
+                    message: one_line(&e.to_string()),
+                }
+            })?;
+            cfg.kvm_backend = Some(parsed);
+        }
         Ok(cfg)
     }
 
@@ -257,8 +284,13 @@ impl Config {
         if let Some(k) = &d.key_path {
             d.key_path = Some(expand_path("daemon.key_path", k)?);
         }
+        if let Some(k) = &self.restore_gate.reviewer_key {
+            self.restore_gate.reviewer_key = Some(expand_path("restore_gate.reviewer_key", k)?);
+        }
         let vm = &mut self.vm;
-        vm.kernel = expand_path("vm.kernel", &vm.kernel)?;
+        if !vm.kernel.as_os_str().is_empty() {
+            vm.kernel = expand_path("vm.kernel", &vm.kernel)?;
+        }
         if let Some(i) = &vm.initrd {
             vm.initrd = Some(expand_path("vm.initrd", i)?);
         }
@@ -279,8 +311,19 @@ impl Config {
         if !valid_id(&vm.name) {
             return bad("vm.name", "use 1-32 characters from [a-z0-9_-]");
         }
-        if vm.backend != "qemu" {
-            return bad("vm.backend", "only \"qemu\" is available in this build");
+        match vm.backend.as_str() {
+            "qemu" if vm.kernel.as_os_str().is_empty() => {
+                return bad("vm.kernel", "the qemu backend needs a kernel");
+            }
+            "qemu" => {}
+            "kvm" if !vm.disks.is_empty() || !vm.nics.is_empty() => {
+                return bad("vm.disks", "the kvm backend has no disks or NICs");
+            }
+            "kvm" if self.kvm.is_none() => {
+                return bad("kvm", "the kvm backend needs a [kvm] table")
+            }
+            "kvm" => {}
+            _ => return bad("vm.backend", "one of \"qemu\", \"kvm\""),
         }
         if !(64..=1 << 20).contains(&vm.memory_mib) {
             return bad("vm.memory_mib", "must be between 64 and 1048576");
@@ -336,6 +379,7 @@ impl Config {
                 "at least one uid must be allowed on the console",
             );
         }
+        crate::policy::validate_config(self)?;
         crate::devices::validate(&self.devices, &self.vm)?;
         Ok(())
     }
@@ -427,6 +471,19 @@ mod tests {
             .iter()
             .any(|d| d.snapshot == DiskSnapshotMode::Exclude));
         assert_eq!(cfg.daemon.console_uids, vec![0]);
+    }
+
+    #[test]
+    fn the_shipped_kvm_config_loads_and_its_table_is_strict() {
+        let text = include_str!("../../../vmm-config/kvm.toml");
+        let cfg = Config::parse(text).unwrap();
+        assert_eq!(cfg.vm.backend, "kvm");
+        assert!(cfg.kvm_backend.is_some());
+        let err = Config::parse(&text.replace("[kvm]\n", "[kvm]\ncolour = 1\n")).unwrap_err();
+        assert!(err.to_string().contains("colour"), "{err}");
+        let err =
+            Config::parse(&text.replace("backend = \"kvm\"", "backend = \"xen\"")).unwrap_err();
+        assert!(err.to_string().contains("vm.backend"), "{err}");
     }
 
     #[test]

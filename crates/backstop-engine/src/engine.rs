@@ -206,7 +206,15 @@ impl Engine {
         };
         let fault = Fault::from_env();
         let mut engine = Engine {
-            backend: Box::new(QemuBackend::new(qcfg)),
+            backend: match &cfg.kvm_backend {
+                Some(k) => Box::new(backstop_kvm::KvmBackend::new(
+                    k.vm_config(),
+                    key.clone(),
+                    k.kvm.work_dir.clone(),
+                    Duration::from_secs(cfg.watchdog.heartbeat_timeout_s),
+                )),
+                None => Box::new(QemuBackend::new(qcfg)),
+            },
             cfg,
             store,
             journal,

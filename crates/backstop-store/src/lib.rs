@@ -27,6 +27,7 @@ mod error;
 mod fsutil;
 mod index;
 mod manifest;
+pub mod prune;
 mod reader;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -51,6 +52,9 @@ pub use crate::manifest::{
     ManifestInput, PayloadRef, VerifyOptions, DISK_PAYLOAD_PREFIX, INDEX_VERSION,
     KIND_DISK_LAYER_CHAIN, KIND_RAM_DEVICE, MANIFEST_MAX_BYTES, SCHEMA_VERSION, SCOPE_FULL,
     SUPPORTED_INDEX, SUPPORTED_SCHEMA,
+};
+pub use crate::prune::{
+    plan_retention, remove_layers, Candidate, RemoveReport, RetentionPlan, RetentionPolicy,
 };
 pub use crate::reader::PayloadReader;
 
