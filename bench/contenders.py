@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -321,6 +322,17 @@ def qemu_args(env, name, disk, node, serial, agent_sock, qmp_sock, pidfile, inco
     return a
 
 
+def settle_runstate(q, timeout=10.0):
+    """QEMU announces MIGRATION completed before it leaves the finish-migrate run state, and
+    `cont` is refused until it has: wait for that (milliseconds). Returns the run state."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = q.execute("query-status").get("status")
+        if st != "finish-migrate" or time.monotonic() > deadline:
+            return st
+        time.sleep(0.001)
+
+
 class StopCopy(Contender):
     name = "stopcopy"
     label = "QEMU stop-and-copy"
@@ -385,14 +397,17 @@ class StopCopy(Contender):
             os.close(fd)
         q.execute("stop")
         stop_ev = q.wait_event(qmplib.name_is("STOP"))
+        t_tx = time.monotonic()
         q.execute("transaction", {"actions": [{
             "type": "blockdev-snapshot-sync",
             "data": {"node-name": self.node, "snapshot-file": str(new_layer),
                      "snapshot-node-name": new_node, "format": "qcow2", "mode": "absolute-paths"},
         }]})
+        tx_ms = (time.monotonic() - t_tx) * 1e3
         q.execute("migrate", {"uri": "fd:bench-save"})
         ev = q.wait_event(qmplib.migrate_status("completed", "failed", "cancelled"), timeout=900)
         info = q.execute("query-migrate")
+        settle_runstate(q)
         q.execute("cont")
         resume_ev = q.wait_event(qmplib.name_is("RESUME"))
         t_resumed = time.monotonic()
@@ -417,6 +432,7 @@ class StopCopy(Contender):
             "t_done": t1,
             "wall_ms": (t1 - t0) * 1e3,
             "stop_to_cont_ms": (t_resumed - t0) * 1e3,
+            "disk_switch_ms": tx_ms,
             "bytes_stored": allocated(state) + allocated(frozen),
             "logical_bytes": size,
             "capture_ms": info.get("total-time"),
@@ -445,7 +461,7 @@ class StopCopy(Contender):
         q.events = [e for e in q.events if e not in stops]
         q.execute("migrate-set-capabilities", {"capabilities": [
             {"capability": "background-snapshot", "state": False}]})
-        if q.execute("query-status").get("status") == "paused":
+        if settle_runstate(q) in ("paused", "postmigrate"):
             q.execute("cont")
         size = os.path.getsize(state)
         state.unlink()
@@ -530,26 +546,74 @@ class StopCopy(Contender):
 
 
 # ---------------------------------------------------------------------------------------------
+class ProbeWatch:
+    """Watches for libvirt's QEMU capability probes (`qemu-system-* -machine none,accel=...`
+    with a `qmp-*` monitor dir) while a virsh command runs. libvirt re-probes when it thinks its
+    cached capabilities are stale; on this kind of machine (/dev/kvm 0600, paravirtual kvm_pvm)
+    it decides so at every QEMU start, which lands inside `snapshot-revert`."""
+
+    def __init__(self):
+        self.seen = {}
+        self.stop_flag = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop_flag:
+            now = time.monotonic()
+            for d in os.listdir("/proc"):
+                if not d.isdigit():
+                    continue
+                try:
+                    with open(f"/proc/{d}/cmdline", "rb") as f:
+                        cmd = f.read()
+                except OSError:
+                    continue
+                if b"qemu-system" in cmd and b"-machine\0none," in cmd and b"/qmp-" in cmd:
+                    first, _ = self.seen.get(d, (now, now))
+                    self.seen[d] = (first, now)
+            time.sleep(0.01)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_flag = True
+        self.thread.join(timeout=2)
+
+    def report(self):
+        if not self.seen:
+            return {"probes": 0, "probe_span_ms": 0.0}
+        firsts = [a for a, _ in self.seen.values()]
+        lasts = [b for _, b in self.seen.values()]
+        return {"probes": len(self.seen), "probe_span_ms": (max(lasts) - min(firsts)) * 1e3}
+
+
 class Virsh(Contender):
+    """One persistent domain per run (libvirt's `define` re-probes QEMU here and takes a minute
+    or more): each repetition gets a fresh disk overlay and serial log at the same paths, a
+    fresh start, and its snapshots' metadata removed at the end."""
+
     name = "virsh"
     label = "virsh (libvirt internal)"
+    defined = {}  # run work dir -> domain name
 
     def __init__(self, env, rep):
-        super().__init__(env, rep)
-        self.domain = f"bsbench-{os.getpid()}-{rep}"
-        self.defined = False
-
-    def virsh(self, *args, timeout=900, check=True):
-        return run(["virsh", "-q", "-c", LIBVIRT_URI, *args], timeout=timeout, check=check)
-
-    def start(self):
-        e = self.env
-        os.chmod(self.dir, 0o755)
+        Contender.__init__(self, env, rep)
+        self.dir = env.work / "virsh"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.domain = f"bsbench-{os.getpid()}"
         self.disk = self.dir / "disk.qcow2"
-        run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", f"{e.guest}/disk-base.qcow2", "-F",
-             "qcow2", str(self.disk)])
         self.serial_path = self.dir / "serial.log"
         self.agent_sock = self.dir / "agent.sock"
+        self.snapshots = []
+
+    @staticmethod
+    def virsh(*args, timeout=900, check=True):
+        return run(["virsh", "-q", "-c", LIBVIRT_URI, *args], timeout=timeout, check=check)
+
+    def _define(self):
+        e = self.env
         dom_type = "kvm" if e.accel == "kvm" else "qemu"
         xml = f"""<domain type='{dom_type}'>
   <name>{self.domain}</name>
@@ -561,6 +625,7 @@ class Virsh(Contender):
     <initrd>{e.guest}/initrd.img</initrd>
     <cmdline>{e.append}</cmdline>
   </os>
+  <features><acpi/><apic/></features>
   <on_poweroff>destroy</on_poweroff>
   <on_reboot>destroy</on_reboot>
   <on_crash>destroy</on_crash>
@@ -591,10 +656,25 @@ class Virsh(Contender):
 </domain>
 """
         (self.dir / "domain.xml").write_text(xml)
-        self.serial = SerialFollower(str(self.serial_path), from_start=True)
+        t0 = time.monotonic()
         self.virsh("define", str(self.dir / "domain.xml"))
-        self.defined = True
-        self.virsh("start", self.domain)
+        Virsh.defined[str(self.env.work)] = self.domain
+        return (time.monotonic() - t0) * 1e3
+
+    def start(self):
+        os.chmod(self.dir, 0o755)
+        if str(self.env.work) not in Virsh.defined:
+            self.define_ms = self._define()
+        for p in (self.disk, self.serial_path):
+            p.unlink(missing_ok=True)
+        run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", f"{self.env.guest}/disk-base.qcow2",
+             "-F", "qcow2", str(self.disk)])
+        self.serial = SerialFollower(str(self.serial_path), from_start=True)
+        with ProbeWatch() as w:
+            t0 = time.monotonic()
+            self.virsh("start", self.domain)
+            self.start_ms = (time.monotonic() - t0) * 1e3
+        self.start_probe = w.report()
 
     def gone(self):
         p = self.virsh("domstate", self.domain, check=False, timeout=60)
@@ -610,9 +690,11 @@ class Virsh(Contender):
 
     def snapshot(self, kind):
         before = allocated(self.disk)
-        t0 = time.monotonic()
-        self.virsh("snapshot-create-as", self.domain, kind)
-        t1 = time.monotonic()
+        with ProbeWatch() as w:
+            t0 = time.monotonic()
+            self.virsh("snapshot-create-as", self.domain, kind)
+            t1 = time.monotonic()
+        self.snapshots.append(kind)
         grown = allocated(self.disk) - before
         return {
             "kind": kind,
@@ -626,20 +708,25 @@ class Virsh(Contender):
             # Internal snapshots pause the guest for the whole save; QEMU reports no downtime.
             "qemu_pause_ms": None,
             "qemu_downtime_ms": None,
+            **w.report(),
         }
 
     def rollback(self, snap):
-        t0 = time.monotonic()
-        self.virsh("snapshot-revert", self.domain, snap["id"])
-        t1 = time.monotonic()
-        return {"t_req": t0, "t_done": t1, "cmd_ms": (t1 - t0) * 1e3}
+        with ProbeWatch() as w:
+            t0 = time.monotonic()
+            self.virsh("snapshot-revert", self.domain, snap["id"])
+            t1 = time.monotonic()
+        return {"t_req": t0, "t_done": t1, "cmd_ms": (t1 - t0) * 1e3, **w.report()}
+
+    def notes(self):
+        return {"define_ms": getattr(self, "define_ms", None), "start_ms": getattr(self, "start_ms", None),
+                "start_probe": getattr(self, "start_probe", None)}
 
     def stop(self):
         try:
-            if self.defined:
-                self.virsh("destroy", self.domain, check=False, timeout=60)
-                self.virsh("undefine", self.domain, "--snapshots-metadata", check=False, timeout=60)
-                self.defined = False
+            self.virsh("destroy", self.domain, check=False, timeout=120)
+            for name in self.snapshots:
+                self.virsh("snapshot-delete", self.domain, name, "--metadata", check=False, timeout=60)
         finally:
             for pid in qemu_pids_using(str(self.dir)):
                 kill_pid(pid, grace=5)
@@ -648,6 +735,14 @@ class Virsh(Contender):
     def discard(self):
         for p in self.dir.glob("*.qcow2"):
             p.unlink()
+
+    @classmethod
+    def finish(cls, env):
+        """End of the run: undefine the domain (and any snapshot metadata left)."""
+        name = cls.defined.pop(str(env.work), None)
+        if name:
+            cls.virsh("destroy", name, check=False, timeout=120)
+            cls.virsh("undefine", name, "--snapshots-metadata", check=False, timeout=120)
 
 
 CONTENDERS = {c.name: c for c in (Backstop, Virsh, StopCopy)}

@@ -42,7 +42,7 @@ stop_started() {
 	local pidfile pid
 	for pidfile in "${started[@]}"; do
 		pid=$(cat "$pidfile" 2>/dev/null || true)
-		[[ -n $pid ]] && kill "$pid" 2>/dev/null || true
+		if [[ -n $pid ]]; then kill "$pid" 2>/dev/null || true; fi
 	done
 }
 trap stop_started EXIT

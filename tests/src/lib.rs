@@ -6,6 +6,8 @@
 //! (set by CI) a missing prerequisite fails instead, so CI can never pass by skipping.
 #![allow(clippy::unwrap_used)]
 
+pub mod review;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use backstop_e2e::{disk_sector0, parse_ticks, skip_unless_ready, Daemon, Tick};
+use backstop_e2e::{disk_sector0, parse_ticks, review, skip_unless_ready, Daemon, Options, Tick};
 use serde_json::Value;
 
 const BOOT: Duration = Duration::from_secs(90);
@@ -104,7 +104,17 @@ fn ram_and_disk_are_captured_at_the_same_instant() {
     if skip_unless_ready("ram_and_disk_are_captured_at_the_same_instant") {
         return;
     }
-    let d = Daemon::start("instant");
+    // Rolling back to an older snapshot needs reviewer evidence (spec/001 governance).
+    let keys = tempfile::tempdir().unwrap();
+    let key = review::reviewer_key(keys.path());
+    let gate = review::restore_gate_toml(&key);
+    let d = Daemon::start_opts(
+        "instant",
+        &Options {
+            extra_toml: &gate,
+            ..Options::default()
+        },
+    );
     d.wait_tick(0, 2, BOOT);
     // Snapshots at different phases of the guest's write/read cycle.
     let mut ids = Vec::new();
@@ -117,7 +127,17 @@ fn ram_and_disk_are_captured_at_the_same_instant() {
         let top = d.last_tick().unwrap().ram;
         d.wait_tick(0, top + 2, STEP);
         let before = d.serial_len();
-        d.ok(&["rollback", "--to", id, "--reason", "same-instant check"]);
+        let token = review::token(&key, id);
+        let token = token.to_str().unwrap();
+        d.ok(&[
+            "rollback",
+            "--to",
+            id,
+            "--reviewer-token",
+            token,
+            "--reason",
+            "same-instant check",
+        ]);
         for t in restored_ticks(&d, before, snap_disk) {
             assert_eq!(
                 t.ram, t.disk,

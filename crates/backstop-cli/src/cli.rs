@@ -2,8 +2,9 @@
 
 use std::path::PathBuf;
 
-use backstop_control::{Request, TriggerKind};
+use backstop_control::{ActionResult, Request, RollbackType, TriggerKind};
 use clap::{Parser, Subcommand};
+use serde_json::Value;
 
 /// Where backstopd listens unless told otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/backstop/control.sock";
@@ -53,17 +54,33 @@ pub enum Command {
     /// Create, list, show and verify snapshots.
     #[command(subcommand)]
     Snapshot(SnapshotCommand),
-    /// Roll the VM back to a verified snapshot.
+    /// Roll the VM back to a verified snapshot (spec/000 §5). Emergency (the default without
+    /// --to/--before): the newest verified snapshot, never blocked. Session: --to ID, the newest
+    /// snapshot at or before --before TIME, or where this daemon session started; anything but
+    /// the newest verified snapshot needs --reviewer-token. (Micro: `action end ID --result
+    /// failed`.)
     Rollback {
-        /// Snapshot id (or unique prefix); default: the newest verified snapshot.
+        /// Snapshot id (or unique prefix) of a session rollback.
         #[arg(long, value_name = "ID", value_parser = non_empty)]
         to: Option<String>,
         /// Why; recorded in the audit journal.
         #[arg(long, value_parser = non_empty)]
         reason: String,
-        /// Emergency rollback: never blocked by the restore policy gate.
+        /// Emergency rollback (same as --type emergency).
         #[arg(long)]
         emergency: bool,
+        /// micro, session or emergency.
+        #[arg(long = "type", value_name = "TYPE", value_parser = rollback_type)]
+        rollback_type: Option<RollbackType>,
+        /// Session rollback to the newest snapshot created at or before this RFC 3339 time.
+        #[arg(long, value_name = "TIME", value_parser = non_empty)]
+        before: Option<String>,
+        /// Reviewer evidence: a token file made with `backstop review sign`.
+        #[arg(long = "reviewer-token", value_name = "FILE", value_parser = json_file)]
+        reviewer_token: Option<Value>,
+        /// Accept a snapshot of a newer minor schema/index version (spec/001 compatibility mode).
+        #[arg(long)]
+        compat: bool,
     },
     /// Clear a HALTED VM (restores the newest verified snapshot).
     #[command(subcommand)]
@@ -88,6 +105,60 @@ pub enum Command {
     /// Grant, revoke and list the devices declared in the daemon's config.
     #[command(subcommand)]
     Device(DeviceCommand),
+    /// The pre-action gate: begin and end actions described by Action Descriptors.
+    #[command(subcommand)]
+    Action(ActionCommand),
+    /// Reviewer evidence for restores (runs here, without the daemon).
+    #[command(subcommand)]
+    Review(ReviewCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ActionCommand {
+    /// Submit an Action Descriptor (JSON file). A snapshot is taken first when spec/000 §4.2
+    /// requires one; the action is blocked if it fails or if the action declares no rollback.
+    Begin {
+        /// The descriptor: {action_id, tier, kind, risk_level, declared_effects, rollback}.
+        #[arg(value_name = "FILE", value_parser = json_file)]
+        descriptor: Value,
+    },
+    /// End an open action: ok closes it; failed rolls the VM back to its pre-action snapshot.
+    End {
+        #[arg(value_name = "ID", value_parser = non_empty)]
+        action_id: String,
+        /// ok or failed.
+        #[arg(long, value_parser = action_result)]
+        result: ActionResult,
+        /// Why; recorded in the audit journal.
+        #[arg(long, value_parser = non_empty)]
+        reason: Option<String>,
+    },
+    /// The open actions.
+    List,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ReviewCommand {
+    /// Create a new reviewer key (32 random bytes, mode 0600); never overwrites one.
+    Keygen {
+        #[arg(value_name = "FILE")]
+        key: PathBuf,
+    },
+    /// Sign a reviewer token allowing a restore of one snapshot; prints it (JSON) on stdout.
+    Sign {
+        /// The reviewer key (the daemon's `[restore_gate] reviewer_key`).
+        #[arg(long, value_name = "FILE")]
+        key: PathBuf,
+        /// The full snapshot id the restore may go to.
+        #[arg(long, value_name = "ID", value_parser = non_empty)]
+        snapshot: String,
+        /// Who reviewed it.
+        #[arg(long, value_parser = non_empty)]
+        reviewer: String,
+        /// How long the token is valid (90s, 10m, 2h; at most 7 days).
+        #[arg(long = "expires-in", value_name = "DURATION", default_value = "1h", value_parser = lease)]
+        expires_in: u64,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -141,6 +212,8 @@ pub enum SnapshotCommand {
         #[arg(value_parser = non_empty)]
         id: String,
     },
+    /// Apply the retention policy now (it also runs after every scheduled snapshot).
+    Prune,
 }
 
 #[derive(Debug, Subcommand)]
@@ -180,14 +253,23 @@ impl Command {
             Command::Snapshot(SnapshotCommand::Verify { id }) => {
                 Request::SnapshotVerify { id: id.clone() }
             }
+            Command::Snapshot(SnapshotCommand::Prune) => Request::SnapshotPrune,
             Command::Rollback {
                 to,
                 reason,
                 emergency,
+                rollback_type,
+                before,
+                reviewer_token,
+                compat,
             } => Request::Rollback {
                 to: to.clone(),
                 reason: reason.clone(),
                 emergency: *emergency,
+                rollback_type: *rollback_type,
+                before: before.clone(),
+                reviewer_token: reviewer_token.clone(),
+                allow_newer_minor: *compat,
             },
             Command::Halt(HaltCommand::Clear { reason }) => Request::HaltClear {
                 reason: reason.clone(),
@@ -213,7 +295,83 @@ impl Command {
                 reason: reason.clone(),
             },
             Command::Device(DeviceCommand::List) => Request::DeviceList,
+            Command::Action(ActionCommand::Begin { descriptor }) => Request::ActionBegin {
+                descriptor: descriptor.clone(),
+            },
+            Command::Action(ActionCommand::End {
+                action_id,
+                result,
+                reason,
+            }) => Request::ActionEnd {
+                action_id: action_id.clone(),
+                result: *result,
+                reason: reason.clone(),
+            },
+            Command::Action(ActionCommand::List) => Request::ActionList,
+            // Never sent: `review` runs locally (see `local`); status is harmless if it were.
+            Command::Review(_) => Request::Status,
         }
+    }
+
+    /// Commands that run here without the daemon: `Some((exit code, stdout, stderr))`.
+    pub fn local(&self) -> Option<(u8, String, String)> {
+        let Command::Review(review) = self else {
+            return None;
+        };
+        let done = match review {
+            ReviewCommand::Keygen { key } => backstop_control::evidence::create_key(key)
+                .map(|()| format!("reviewer key written to {}\n", key.display())),
+            ReviewCommand::Sign {
+                key,
+                snapshot,
+                reviewer,
+                expires_in,
+            } => backstop_control::evidence::load_key(key).and_then(|k| {
+                let secs = i64::try_from(*expires_in).unwrap_or(i64::MAX);
+                let until = time::OffsetDateTime::now_utc()
+                    .checked_add(time::Duration::seconds(secs))
+                    .unwrap_or(time::OffsetDateTime::now_utc());
+                let t = backstop_control::evidence::sign(&k, snapshot, reviewer, until)?;
+                Ok(serde_json::to_string_pretty(&t).unwrap_or_default() + "\n")
+            }),
+        };
+        Some(match done {
+            Ok(out) => (crate::exit::OK, out, String::new()),
+            Err(e) => (
+                crate::exit::FAILED,
+                String::new(),
+                format!("backstop: ERR_REVIEWER_EVIDENCE: {e}\n"),
+            ),
+        })
+    }
+}
+
+/// Largest JSON file the console reads (descriptors, tokens).
+const JSON_FILE_MAX_BYTES: u64 = 64 * 1024;
+
+/// Reads and parses a small JSON file named on the command line.
+fn json_file(path: &str) -> Result<Value, String> {
+    use std::io::Read;
+    let f = std::fs::File::open(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let mut bytes = Vec::new();
+    f.take(JSON_FILE_MAX_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read {path}: {e}"))?;
+    if bytes.len() as u64 > JSON_FILE_MAX_BYTES {
+        return Err(format!("{path} is larger than {JSON_FILE_MAX_BYTES} bytes"));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| format!("{path} is not JSON: {e}"))
+}
+
+fn rollback_type(value: &str) -> Result<RollbackType, String> {
+    RollbackType::parse(value).ok_or_else(|| "one of: micro, session, emergency".to_string())
+}
+
+fn action_result(value: &str) -> Result<ActionResult, String> {
+    match value {
+        "ok" => Ok(ActionResult::Ok),
+        "failed" => Ok(ActionResult::Failed),
+        _ => Err("ok or failed".into()),
     }
 }
 
@@ -299,7 +457,11 @@ mod tests {
             Request::Rollback {
                 to: None,
                 reason: "r".into(),
-                emergency: false
+                emergency: false,
+                rollback_type: None,
+                before: None,
+                reviewer_token: None,
+                allow_newer_minor: false,
             }
         );
         assert_eq!(
@@ -307,7 +469,11 @@ mod tests {
             Request::Rollback {
                 to: Some("ab".into()),
                 reason: "r".into(),
-                emergency: true
+                emergency: true,
+                rollback_type: None,
+                before: None,
+                reviewer_token: None,
+                allow_newer_minor: false,
             }
         );
         assert_eq!(
@@ -364,6 +530,133 @@ mod tests {
         let help = Cli::command().render_long_help().to_string();
         assert!(help.contains("Exit status:"), "{help}");
         assert!(help.contains("4  the VM is halted"), "{help}");
+    }
+
+    #[test]
+    fn policy_commands_become_requests() {
+        let d = tempfile::tempdir().unwrap();
+        let desc = d.path().join("action.json");
+        std::fs::write(&desc, r#"{"action_id":"a1","tier":2}"#).unwrap();
+        let token = d.path().join("token.json");
+        std::fs::write(&token, r#"{"reviewer":"alice"}"#).unwrap();
+        let desc_s = desc.to_str().unwrap();
+        let token_s = token.to_str().unwrap();
+        assert_eq!(
+            request(&["action", "begin", desc_s]),
+            Request::ActionBegin {
+                descriptor: serde_json::json!({"action_id": "a1", "tier": 2})
+            }
+        );
+        assert_eq!(
+            request(&["action", "end", "a1", "--result", "failed"]),
+            Request::ActionEnd {
+                action_id: "a1".into(),
+                result: ActionResult::Failed,
+                reason: None
+            }
+        );
+        assert_eq!(request(&["action", "list"]), Request::ActionList);
+        assert_eq!(request(&["snapshot", "prune"]), Request::SnapshotPrune);
+        assert_eq!(
+            request(&[
+                "rollback",
+                "--type",
+                "session",
+                "--before",
+                "2026-05-01T12:00:00Z",
+                "--reviewer-token",
+                token_s,
+                "--compat",
+                "--reason",
+                "r",
+            ]),
+            Request::Rollback {
+                to: None,
+                reason: "r".into(),
+                emergency: false,
+                rollback_type: Some(RollbackType::Session),
+                before: Some("2026-05-01T12:00:00Z".into()),
+                reviewer_token: Some(serde_json::json!({"reviewer": "alice"})),
+                allow_newer_minor: true,
+            }
+        );
+        let missing = d.path().join("none.json");
+        let not_json = d.path().join("bad.json");
+        std::fs::write(&not_json, "{").unwrap();
+        for args in [
+            &["action", "begin", missing.to_str().unwrap()][..],
+            &["action", "begin", not_json.to_str().unwrap()],
+            &["action", "end", "a1", "--result", "maybe"],
+            &["action", "end", "a1"],
+            &["rollback", "--type", "partial", "--reason", "r"],
+            &["review", "sign", "--key", "k", "--reviewer", "a"],
+        ] {
+            assert_eq!(parse(args).unwrap_err().exit_code(), 2, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn review_keygen_and_sign_run_locally() {
+        let d = tempfile::tempdir().unwrap();
+        let key = d.path().join("reviewer.key");
+        let key_s = key.to_str().unwrap();
+        let (code, out, _) = parse(&["review", "keygen", key_s])
+            .unwrap()
+            .command
+            .local()
+            .unwrap();
+        assert_eq!(code, 0, "{out}");
+        let id = "0123456789abcdef0123456789abcdef";
+        let cli = parse(&[
+            "review",
+            "sign",
+            "--key",
+            key_s,
+            "--snapshot",
+            id,
+            "--reviewer",
+            "alice",
+        ])
+        .unwrap();
+        let (code, out, err) = cli.command.local().unwrap();
+        assert_eq!(code, 0, "{err}");
+        let token: Value = serde_json::from_str(&out).unwrap();
+        let k = backstop_control::evidence::load_key(&key).unwrap();
+        let now = time::OffsetDateTime::now_utc();
+        assert_eq!(
+            backstop_control::evidence::verify(&k, &token, id, now)
+                .unwrap()
+                .reviewer,
+            "alice"
+        );
+        // A short id cannot be signed; a second keygen does not overwrite.
+        let cli = parse(&[
+            "review",
+            "sign",
+            "--key",
+            key_s,
+            "--snapshot",
+            "0123",
+            "--reviewer",
+            "a",
+        ])
+        .unwrap();
+        let (code, _, err) = cli.command.local().unwrap();
+        assert_eq!(code, 1);
+        assert!(
+            err.starts_with("backstop: ERR_REVIEWER_EVIDENCE: "),
+            "{err}"
+        );
+        assert_eq!(
+            parse(&["review", "keygen", key_s])
+                .unwrap()
+                .command
+                .local()
+                .unwrap()
+                .0,
+            1
+        );
+        assert!(parse(&["status"]).unwrap().command.local().is_none());
     }
 
     #[test]

@@ -78,6 +78,10 @@ mod tests {
             to: None,
             reason: "r".into(),
             emergency: false,
+            rollback_type: None,
+            before: None,
+            reviewer_token: None,
+            allow_newer_minor: false,
         };
         let out = outcome(&req, &halted, false);
         assert_eq!(out.exit_code, exit::HALTED);

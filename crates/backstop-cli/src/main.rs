@@ -10,6 +10,11 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = Cli::parse(); // a usage error exits 2 here (exit::USAGE)
+    if let Some((code, stdout, stderr)) = cli.command.local() {
+        let _ = io::stdout().lock().write_all(stdout.as_bytes());
+        let _ = io::stderr().lock().write_all(stderr.as_bytes());
+        return ExitCode::from(code);
+    }
     let request = cli.command.request();
 
     let mut display = ProgressDisplay::new(cli.json);

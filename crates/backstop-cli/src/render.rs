@@ -3,8 +3,8 @@
 use std::fmt::Write as _;
 
 use backstop_control::{
-    AuditVerifyReport, DevicesView, HypervisorDevicesView, Progress, Request, Response,
-    RollbackReport, SnapshotSummary, SnapshotView, StatusView, VerifyReport,
+    ActionView, AuditVerifyReport, DevicesView, HypervisorDevicesView, Progress, PruneView,
+    Request, Response, RollbackReport, SnapshotSummary, SnapshotView, StatusView, VerifyReport,
 };
 use serde_json::{json, Value};
 use time::format_description::well_known::Rfc3339;
@@ -53,7 +53,86 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::AuditEntries { entries } => audit_entries_text(entries),
         Response::AuditVerified(report) => audit_verified_text(report),
         Response::Devices(view) => devices_text(view),
+        Response::Action(view) => action_text(view),
+        Response::Actions { actions } => actions_text(actions),
+        Response::Pruned(view) => pruned_text(view),
     }
+}
+
+/// `action begin` / `action end`: one line, plus the rollback line of a failed action.
+fn action_text(a: &ActionView) -> String {
+    let snapshot = match (&a.snapshot_id, a.snapshot_taken) {
+        (Some(id), true) => format!("pre-action snapshot {} taken", clean(id)),
+        (Some(id), false) => format!("no snapshot required; bounded by snapshot {}", clean(id)),
+        (None, _) => "no snapshot".to_string(),
+    };
+    let mut text = format!(
+        "action {} {}: {} (tier {}, {}, risk {})\n",
+        clean(&a.action_id),
+        clean(&a.state),
+        snapshot,
+        a.tier,
+        clean(&a.action_kind),
+        clean(&a.risk_level)
+    );
+    if let Some(r) = &a.rollback {
+        text.push_str(&rolled_back_text(r));
+    }
+    text
+}
+
+fn actions_text(actions: &[ActionView]) -> String {
+    if actions.is_empty() {
+        return "no open actions\n".to_string();
+    }
+    let rows: Vec<Vec<String>> = actions
+        .iter()
+        .map(|a| {
+            vec![
+                clean(&a.action_id),
+                a.tier.to_string(),
+                clean(&a.action_kind),
+                clean(&a.risk_level),
+                a.snapshot_id
+                    .as_deref()
+                    .map_or_else(|| "-".into(), short_id),
+                short_time(&a.opened_at),
+                clean(&a.opened_by),
+            ]
+        })
+        .collect();
+    table(
+        &["ACTION", "TIER", "KIND", "RISK", "SNAPSHOT", "OPENED", "BY"],
+        &rows,
+    )
+}
+
+fn pruned_text(p: &PruneView) -> String {
+    let mut text = format!(
+        "pruned {} snapshot(s), kept {}; {} chunk(s) and {} disk layer(s) removed\n",
+        p.removed.len(),
+        p.kept.len(),
+        p.chunks_removed,
+        p.layers_removed
+    );
+    for r in &p.removed {
+        let _ = writeln!(
+            text,
+            "  removed {}: {}",
+            short_id(&r.snapshot_id),
+            clean(&r.reason)
+        );
+    }
+    for k in &p.kept {
+        let reasons: Vec<String> = k.reasons.iter().map(|r| clean(r)).collect();
+        let _ = writeln!(
+            text,
+            "  kept    {}: {}",
+            short_id(&k.snapshot_id),
+            reasons.join("; ")
+        );
+    }
+    text
 }
 
 /// `--json`: the response as one pretty-printed JSON document, newline-terminated.
@@ -166,22 +245,35 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
     if snapshots.is_empty() {
         return "no snapshots\n".to_string();
     }
-    let header = ["ID", "CREATED", "BY", "SCOPE", "PAUSE", "STORED", "REASON"];
-    let rows: Vec<[String; 7]> = snapshots
+    let header = [
+        "ID", "CREATED", "BY", "TRIGGER", "SCOPE", "PAUSE", "STORED", "LINE", "REASON",
+    ];
+    let rows: Vec<[String; 9]> = snapshots
         .iter()
         .map(|s| {
+            let line = match &s.rolled_back {
+                // spec/004 soft rollback: still listed, marked, with where the VM went.
+                Some(m) => format!("rolled back → {}", short_id(&m.rollback_to)),
+                None => "current".to_string(),
+            };
             [
                 short_id(&s.snapshot_id),
                 short_time(&s.created_at),
                 clean(&s.created_by),
+                if s.trigger.is_empty() {
+                    "-".to_string()
+                } else {
+                    clean(&s.trigger)
+                },
                 clean(&s.scope),
                 human_pause(s.pause_us),
                 human_bytes(s.bytes_stored),
+                line,
                 clean(&s.reason),
             ]
         })
         .collect();
-    let right_aligned = [false, false, false, false, true, true, false];
+    let right_aligned = [false, false, false, false, false, true, true, false, false];
     let mut widths = header.map(str::len);
     for row in &rows {
         for (width, cell) in widths.iter_mut().zip(row) {
@@ -583,6 +675,8 @@ mod tests {
             reason: reason.into(),
             pause_us: 3_200,
             bytes_stored: 1536,
+            trigger: "console".into(),
+            rolled_back: None,
         }
     }
 
@@ -646,15 +740,20 @@ mod tests {
         let mut big = summary("0123456789abcdef0123", "before update");
         big.bytes_stored = 3 * 1024 * 1024 * 1024 + 200 * 1024 * 1024;
         big.pause_us = 1_250_000;
+        big.rolled_back = Some(Box::new(backstop_control::RolledBackMark {
+            at: "2026-05-01T13:00:00Z".into(),
+            rollback_to: "ffff0000ffff0000".into(),
+            rollback_type: "session".into(),
+        }));
         let list = Response::SnapshotList {
             snapshots: vec![summary("ffff0000ffff0000", "x"), big],
         };
         let text = human(&Request::SnapshotList, &list);
         assert_eq!(
             text,
-            "ID            CREATED              BY       SCOPE  PAUSE   STORED  REASON\n\
-             ffff0000ffff  2026-05-01 12:00:03  console  full   3.2ms  1.5 KiB  x\n\
-             0123456789ab  2026-05-01 12:00:03  console  full   1.25s  3.2 GiB  before update\n"
+            "ID            CREATED              BY       TRIGGER  SCOPE  PAUSE   STORED  LINE                        REASON\n\
+             ffff0000ffff  2026-05-01 12:00:03  console  console  full   3.2ms  1.5 KiB  current                     x\n\
+             0123456789ab  2026-05-01 12:00:03  console  console  full   1.25s  3.2 GiB  rolled back → ffff0000ffff  before update\n"
         );
         let empty = Response::SnapshotList { snapshots: vec![] };
         assert_eq!(human(&Request::SnapshotList, &empty), "no snapshots\n");
@@ -730,6 +829,10 @@ mod tests {
             to: None,
             reason: "r".into(),
             emergency: false,
+            rollback_type: None,
+            before: None,
+            reviewer_token: None,
+            allow_newer_minor: false,
         };
         assert_eq!(
             human(&req, &Response::RolledBack(report.clone())),
@@ -925,6 +1028,72 @@ mod tests {
         assert_eq!(
             human(&Request::DeviceList, &Response::Devices(empty)),
             "no devices configured\nhypervisor view: unavailable (no VM running)\n"
+        );
+    }
+
+    #[test]
+    fn actions_and_prune_results_read_as_sentences_and_tables() {
+        let mut a = ActionView {
+            action_id: "pkg-42".into(),
+            state: "open".into(),
+            tier: 2,
+            action_kind: "package_install".into(),
+            risk_level: "HIGH".into(),
+            snapshot_id: Some("0123456789abcdef".into()),
+            snapshot_taken: true,
+            opened_at: "2026-05-01T12:00:00.000Z".into(),
+            opened_by: "policy:uid=0".into(),
+            rollback: None,
+        };
+        let req = Request::ActionList;
+        assert_eq!(
+            human(&req, &Response::Action(a.clone())),
+            "action pkg-42 open: pre-action snapshot 0123456789abcdef taken \
+             (tier 2, package_install, risk HIGH)\n"
+        );
+        assert_eq!(
+            human(&req, &Response::Actions { actions: vec![a.clone()] }),
+            "ACTION  TIER  KIND             RISK  SNAPSHOT      OPENED               BY\n\
+             pkg-42  2     package_install  HIGH  0123456789ab  2026-05-01 12:00:00  policy:uid=0\n"
+        );
+        assert_eq!(
+            human(&req, &Response::Actions { actions: vec![] }),
+            "no open actions\n"
+        );
+        a.state = "rolled_back".into();
+        a.rollback = Some(Box::new(RollbackReport {
+            snapshot_id: "0123456789abcdef".into(),
+            rollback_type: "micro".into(),
+            trigger: "action_failed".into(),
+            epoch: 2,
+            skipped: vec![],
+            revoked: vec![],
+            total_ms: 900,
+            restore_ms: 200,
+        }));
+        let text = human(&req, &Response::Action(a));
+        assert!(text.starts_with("action pkg-42 rolled_back: "), "{text}");
+        assert!(
+            text.contains("\nrolled back to 0123456789abcdef (micro, action_failed)"),
+            "{text}"
+        );
+        let p = PruneView {
+            removed: vec![backstop_control::PrunedSnapshot {
+                snapshot_id: "aaaa0000aaaa0000".into(),
+                reason: "beyond retention (last 1, 0 hourly, 0 daily)".into(),
+            }],
+            kept: vec![backstop_control::KeptSnapshot {
+                snapshot_id: "bbbb0000bbbb0000".into(),
+                reasons: vec!["protected: the newest verified snapshot".into()],
+            }],
+            chunks_removed: 3,
+            layers_removed: 1,
+        };
+        assert_eq!(
+            human(&Request::SnapshotPrune, &Response::Pruned(p)),
+            "pruned 1 snapshot(s), kept 1; 3 chunk(s) and 1 disk layer(s) removed\n\
+             \x20 removed aaaa0000aaaa: beyond retention (last 1, 0 hourly, 0 daily)\n\
+             \x20 kept    bbbb0000bbbb: protected: the newest verified snapshot\n"
         );
     }
 

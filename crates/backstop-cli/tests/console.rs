@@ -127,6 +127,8 @@ fn list() -> Response {
             reason: "scheduled".into(),
             pause_us: 3000,
             bytes_stored: 4096,
+            trigger: "schedule".into(),
+            rolled_back: None,
         }],
     }
 }
@@ -179,6 +181,10 @@ fn commands_send_the_right_requests() {
                 to: Some("0123".into()),
                 reason: "bad update".into(),
                 emergency: true,
+                rollback_type: None,
+                before: None,
+                reviewer_token: None,
+                allow_newer_minor: false,
             },
         ),
         (

@@ -426,7 +426,8 @@ pub struct ActionView {
     /// `open`, `closed` (ended ok) or `rolled_back` (ended failed, micro rollback done).
     pub state: String,
     pub tier: u8,
-    pub kind: String,
+    /// `filesystem_bulk_change`, `package_install`, ... (not `kind`: replies use that tag).
+    pub action_kind: String,
     pub risk_level: String,
     /// The snapshot a micro rollback of this action returns to.
     pub snapshot_id: Option<String>,
@@ -436,7 +437,7 @@ pub struct ActionView {
     pub opened_at: String,
     pub opened_by: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rollback: Option<RollbackReport>,
+    pub rollback: Option<Box<RollbackReport>>,
 }
 
 /// What `snapshot prune` did.
@@ -511,7 +512,7 @@ pub struct SnapshotSummary {
     pub trigger: String,
     /// Set when a rollback to an older snapshot left this one off the current line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rolled_back: Option<RolledBackMark>,
+    pub rolled_back: Option<Box<RolledBackMark>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -859,5 +860,37 @@ mod tests {
         assert_eq!(RollbackType::parse("micro"), Some(RollbackType::Micro));
         assert_eq!(RollbackType::parse("full"), None);
         assert_eq!(Request::SnapshotPrune.name(), "snapshot prune");
+        // Replies are tagged `kind` and responses `type`: an action view must survive both.
+        let view = ActionView {
+            action_id: "a".into(),
+            state: "open".into(),
+            tier: 2,
+            action_kind: "package_install".into(),
+            risk_level: "HIGH".into(),
+            snapshot_id: None,
+            snapshot_taken: false,
+            opened_at: "t".into(),
+            opened_by: "c".into(),
+            rollback: None,
+        };
+        for r in [
+            Response::Action(view.clone()),
+            Response::Actions {
+                actions: vec![view],
+            },
+            Response::Pruned(PruneView {
+                removed: vec![],
+                kept: vec![],
+                chunks_removed: 0,
+                layers_removed: 0,
+            }),
+        ] {
+            let line = serde_json::to_string(&Reply::Done(r.clone())).unwrap();
+            assert_eq!(
+                serde_json::from_str::<Reply>(&line).unwrap(),
+                Reply::Done(r),
+                "{line}"
+            );
+        }
     }
 }

@@ -115,6 +115,8 @@ pub struct Engine {
     pub(crate) status_out: Option<std::sync::Arc<std::sync::Mutex<StatusView>>>,
     /// Devices granted to the guest now (see `devices.rs`).
     pub(crate) devices: crate::devices::DeviceLedger,
+    /// Schedule, retention, actions, restore gate (see `policy/`).
+    pub(crate) policy: crate::policy::Policy,
 }
 
 pub fn random_id() -> String {
@@ -215,6 +217,7 @@ impl Engine {
                 )),
                 None => Box::new(QemuBackend::new(qcfg)),
             },
+            policy: crate::policy::Policy::new(&cfg),
             cfg,
             store,
             journal,
@@ -500,19 +503,7 @@ impl Engine {
                 let m = self.create_snapshot(ctx, &reason, "console")?;
                 Ok(Response::Snapshot(snapshot_view(&m)))
             }
-            Request::SnapshotList => {
-                let snapshots = self
-                    .store
-                    .list()
-                    .map_err(EngineError::Store)?
-                    .into_iter()
-                    .filter_map(|e| match e {
-                        ListEntry::Valid(m) => Some(summary(&m)),
-                        _ => None,
-                    })
-                    .collect();
-                Ok(Response::SnapshotList { snapshots })
-            }
+            Request::SnapshotList => self.snapshot_list(),
             Request::SnapshotShow { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
                 let m = self
@@ -552,11 +543,21 @@ impl Engine {
                 to,
                 reason,
                 emergency,
+                rollback_type,
+                before,
+                reviewer_token,
+                allow_newer_minor,
             } => {
-                let reason = non_empty("reason", reason)?;
-                let kind = if emergency { "emergency" } else { "session" };
-                let r = self.rollback(ctx, to.as_deref(), &reason, ctx.caller.role, kind)?;
-                Ok(Response::RolledBack(r))
+                let ask = crate::policy::restore_gate::RollbackAsk {
+                    to,
+                    reason,
+                    emergency,
+                    rollback_type,
+                    before,
+                    reviewer_token,
+                    allow_newer_minor,
+                };
+                Ok(Response::RolledBack(self.console_rollback(ctx, ask)?))
             }
             Request::HaltClear { reason } => {
                 let reason = non_empty("reason", reason)?;
@@ -588,6 +589,14 @@ impl Engine {
             } => self.device_grant(ctx, ids, lease_s, reason),
             Request::DeviceRevoke { id, reason } => self.device_revoke(ctx, id, reason),
             Request::DeviceList => self.device_list(),
+            Request::ActionBegin { descriptor } => self.action_begin(ctx, descriptor),
+            Request::ActionEnd {
+                action_id,
+                result,
+                reason,
+            } => self.action_end(ctx, action_id, result, reason),
+            Request::ActionList => self.action_list(),
+            Request::SnapshotPrune => self.prune_request(ctx),
             Request::AuditVerify => {
                 let out = backstop_journal::verify(&self.journal_path, &self.key)?;
                 Ok(Response::AuditVerified(AuditVerifyReport {
@@ -668,6 +677,7 @@ impl Engine {
     pub fn tick(&mut self) {
         self.expire_device_leases();
         crate::systemd::watchdog_ping();
+        self.policy_tick();
         if self.state != VmState::Running {
             return;
         }
@@ -722,6 +732,8 @@ pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
             .and_then(Value::as_u64)
             .unwrap_or(0),
         bytes_stored: m.bytes_stored,
+        trigger: m.trigger.clone(),
+        rolled_back: None,
     }
 }
 

@@ -59,6 +59,8 @@ pub enum EngineError {
     ShuttingDown,
     #[error(transparent)]
     Device(Box<crate::devices::DeviceError>),
+    #[error(transparent)]
+    Policy(Box<crate::policy::PolicyError>),
 }
 
 impl EngineError {
@@ -82,6 +84,7 @@ impl EngineError {
             EngineError::Backend { source, .. } => source.code(),
             EngineError::ShuttingDown => "ERR_SHUTTING_DOWN",
             EngineError::Device(e) => e.code(),
+            EngineError::Policy(e) => e.code(),
             EngineError::Abandoned => "ERR_SNAPSHOT_ABANDONED",
         }
     }

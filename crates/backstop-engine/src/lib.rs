@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 mod handle;
 mod layers;
+pub mod policy;
 pub mod records;
 pub mod rollback;
 pub mod snapshot;

@@ -19,7 +19,7 @@ use tracing::info;
 use backstop_control::{RollbackReport, SkippedSnapshot};
 use backstop_hypervisor::{BootMode, DiskAttachment};
 use backstop_journal::events;
-use backstop_store::{ListEntry, VerifiedSnapshot, VerifyOptions};
+use backstop_store::{ListEntry, VerifiedSnapshot};
 
 use crate::engine::{now_rfc3339, Ctx, Engine, Fault};
 use crate::error::EngineError;
@@ -79,11 +79,9 @@ impl Engine {
             }
         };
         let snapshot_id = target.manifest.snapshot_id.clone();
-        // Issue 2 has no reviewer gate yet; the decision is still journaled (spec/001 chain).
-        self.journal(events::SNAPSHOT_RESTORE_POLICY_DECISION, json!({
-            "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "allowed",
-            "decision": "allow", "basis": format!("{rollback_type} rollback by {}", ctx.caller.label()),
-        }))?;
+        // The restore gate (policy/restore_gate.rs): journals its decision; a block leaves the
+        // VM untouched. Emergency, watchdog and host-trigger rollbacks are never blocked.
+        self.restore_gate(ctx, trigger, rollback_type, &target)?;
         self.state = self.state.transition(Transition::BeginRollback)?;
         self.publish();
         self.journal(events::ROLLBACK_INITIATED, json!({
@@ -125,6 +123,7 @@ impl Engine {
                     "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
                     "timestamp": now_rfc3339(), "revoked": report.revoked, "epoch": report.epoch,
                 }))?;
+                self.mark_rolled_back(&snapshot_id, rollback_type, &trace);
                 info!(snapshot_id = %snapshot_id, total_ms = report.total_ms, restore_ms, epoch = report.epoch, "rolled back");
                 Ok(report)
             }
@@ -153,7 +152,7 @@ impl Engine {
         ctx: &mut Ctx,
         to: Option<&str>,
     ) -> Result<(VerifiedSnapshot, Vec<SkippedSnapshot>), EngineError> {
-        let opts = VerifyOptions::default();
+        let opts = self.restore_verify_options();
         let fingerprint = self.backend.config_fingerprint();
         if let Some(to) = to {
             let id = self.store.resolve(to).map_err(EngineError::Store)?;
@@ -171,7 +170,11 @@ impl Engine {
             return Ok((v, Vec::new()));
         }
         let mut skipped = Vec::new();
-        let entries = self.store.list().map_err(EngineError::Store)?;
+        // Snapshots a rollback left off the current line (soft rollback) are not candidates.
+        let entries: Vec<ListEntry> = (self.store.list().map_err(EngineError::Store)?)
+            .into_iter()
+            .filter(|e| !self.policy.is_rolled_back(e.snapshot_id()))
+            .collect();
         for entry in entries.into_iter().rev() {
             let (id, result) = match entry {
                 ListEntry::Valid(m) => {

@@ -1,0 +1,460 @@
+//! Snapshot policy: when snapshots are taken, which are kept, and which restores are allowed.
+//!
+//! * [`schedule`]: a snapshot every `[snapshots] schedule_minutes` (default 30) from the newest
+//!   snapshot of any kind; a slot that passes without one (daemon down, VM halted, snapshot
+//!   deferred or failed) is journaled as `snapshot.schedule.missed`, never skipped silently.
+//! * [`retention`]: the host's `[retention]` policy (last N, hourly, daily, rolled-back grace),
+//!   applied after each scheduled snapshot and on `snapshot prune`. The newest verified snapshot
+//!   and the pre-action snapshot of every open action are never removed; nothing a kept snapshot
+//!   depends on (chunks, disk layers) is removed either (see `backstop_store::prune`).
+//! * [`actions`]: the pre-action gate (spec/000 §4.2, §10.1) for Action Descriptors from the host
+//!   broker; a failed action is undone by a micro rollback to its pre-action snapshot.
+//! * [`restore_gate`]: spec/001's restore gate — compatibility (by the store's verification,
+//!   with the explicit compatibility mode), governance (reviewer evidence for a console restore
+//!   to anything but the newest verified snapshot) — and spec/004's soft rollback marks.
+//!
+//! Durable records live in `<state_dir>/policy/` (never in the store, whose manifests are
+//! immutable): `actions.json` (open actions) and `rolled-back.json` (soft-rollback marks).
+//! Nothing here is reachable from the guest channel: every input arrives on the control socket.
+
+pub mod actions;
+pub mod restore_gate;
+pub mod retention;
+pub mod schedule;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use time::OffsetDateTime;
+
+use crate::config::{Config, ConfigError};
+
+pub use actions::{ActionDescriptor, ActionKind, OpenAction, RiskLevel};
+
+/// A schedule slot passed without a snapshot.
+pub const EV_SCHEDULE_MISSED: &str = "snapshot.schedule.missed";
+/// Retention removed a snapshot (one entry per snapshot).
+pub const EV_PRUNED: &str = "snapshot.pruned";
+/// A retention run finished (what it removed in total).
+pub const EV_PRUNE_COMPLETED: &str = "snapshot.prune.completed";
+/// A rollback left snapshots off the current line (spec/004 soft rollback).
+pub const EV_MARKED_ROLLED_BACK: &str = "snapshot.marked_rolled_back";
+/// An Action Descriptor was accepted; the action is open.
+pub const EV_ACTION_BEGUN: &str = "action.begun";
+/// The pre-action gate blocked an action.
+pub const EV_ACTION_BLOCKED: &str = "action.blocked";
+/// An action request was refused before the gate (malformed, duplicate, unknown id).
+pub const EV_ACTION_REFUSED: &str = "action.refused";
+/// An action ended (`ok`, or `failed` and rolled back).
+pub const EV_ACTION_ENDED: &str = "action.ended";
+
+/// `[snapshots]`: scheduled snapshots are always on; only their interval is configurable.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotsConfig {
+    /// Minutes between scheduled snapshots, counted from the newest snapshot of any kind.
+    #[serde(default = "default_schedule_minutes")]
+    pub schedule_minutes: u64,
+    /// Overrides `schedule_minutes` with seconds (tests and demos; at least 5).
+    #[serde(default)]
+    pub schedule_seconds: Option<u64>,
+}
+
+impl Default for SnapshotsConfig {
+    fn default() -> Self {
+        Self {
+            schedule_minutes: default_schedule_minutes(),
+            schedule_seconds: None,
+        }
+    }
+}
+
+impl SnapshotsConfig {
+    pub fn interval(&self) -> Duration {
+        Duration::from_secs(
+            self.schedule_seconds
+                .unwrap_or(self.schedule_minutes.saturating_mul(60)),
+        )
+    }
+}
+
+fn default_schedule_minutes() -> u64 {
+    30
+}
+
+/// `[retention]`: which snapshots are kept (spec/000 §4.1 "host-defined").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// The newest N snapshots of the current line.
+    #[serde(default = "default_keep_last")]
+    pub keep_last: u32,
+    /// Plus the newest snapshot of each of the last H hours that have one.
+    #[serde(default = "default_hourly")]
+    pub hourly: u32,
+    /// Plus the newest snapshot of each of the last D days that have one.
+    #[serde(default = "default_daily")]
+    pub daily: u32,
+    /// Snapshots a rollback left behind stay listed (marked) this long, then are deleted.
+    #[serde(default = "default_rolled_back_hours")]
+    pub keep_rolled_back_hours: u64,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        Self {
+            keep_last: default_keep_last(),
+            hourly: default_hourly(),
+            daily: default_daily(),
+            keep_rolled_back_hours: default_rolled_back_hours(),
+        }
+    }
+}
+
+impl RetentionConfig {
+    pub fn policy(&self) -> backstop_store::RetentionPolicy {
+        backstop_store::RetentionPolicy {
+            keep_last: self.keep_last,
+            hourly: self.hourly,
+            daily: self.daily,
+            keep_rolled_back_s: self.keep_rolled_back_hours.saturating_mul(3600),
+        }
+    }
+}
+
+fn default_keep_last() -> u32 {
+    10
+}
+fn default_hourly() -> u32 {
+    24
+}
+fn default_daily() -> u32 {
+    7
+}
+fn default_rolled_back_hours() -> u64 {
+    24
+}
+
+/// `[restore_gate]`: reviewer evidence for console restores (spec/001 governance).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreGateConfig {
+    /// 32-byte HMAC key (mode 0600) that reviewer tokens are signed with. Without it, a console
+    /// restore can only go to the newest verified snapshot.
+    pub reviewer_key: Option<PathBuf>,
+}
+
+/// Bounds of `[snapshots]`, `[retention]` and `[restore_gate]`, each refusal naming its key.
+pub fn validate_config(cfg: &Config) -> Result<(), ConfigError> {
+    let bad = |key: &str, message: String| {
+        Err(ConfigError::Invalid {
+            key: key.into(),
+            message,
+        })
+    };
+    let s = &cfg.snapshots;
+    if !(1..=1440).contains(&s.schedule_minutes) {
+        return bad(
+            "snapshots.schedule_minutes",
+            "must be between 1 and 1440; scheduled snapshots cannot be turned off (spec/000 §4.1)"
+                .into(),
+        );
+    }
+    if let Some(secs) = s.schedule_seconds {
+        if !(5..=86_400).contains(&secs) {
+            return bad(
+                "snapshots.schedule_seconds",
+                "must be between 5 and 86400; scheduled snapshots cannot be turned off".into(),
+            );
+        }
+    }
+    let r = &cfg.retention;
+    if !(1..=10_000).contains(&r.keep_last) {
+        return bad(
+            "retention.keep_last",
+            "must be between 1 and 10000 (the newest verified snapshot is always kept)".into(),
+        );
+    }
+    for (key, v) in [("retention.hourly", r.hourly), ("retention.daily", r.daily)] {
+        if v > 10_000 {
+            return bad(key, "must be at most 10000".into());
+        }
+    }
+    if r.keep_rolled_back_hours > 8760 {
+        return bad(
+            "retention.keep_rolled_back_hours",
+            "must be at most 8760".into(),
+        );
+    }
+    if let Some(k) = &cfg.restore_gate.reviewer_key {
+        if !k.is_absolute() {
+            return bad(
+                "restore_gate.reviewer_key",
+                "must be an absolute path".into(),
+            );
+        }
+        if *k == cfg.key_path() {
+            return bad(
+                "restore_gate.reviewer_key",
+                "must not be the host key: reviewers sign with their own key".into(),
+            );
+        }
+        if k.starts_with(cfg.daemon.state_dir.join("store")) {
+            return bad(
+                "restore_gate.reviewer_key",
+                "must not be inside the snapshot store (spec/000 §3.2)".into(),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Errors of the snapshot policy, each with its stable code.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error("action descriptor refused: {0}")]
+    DescriptorInvalid(String),
+    #[error("action {action_id} declares no rollback support: blocked (spec/000 §10.1)")]
+    RollbackUnsupported { action_id: String },
+    #[error("action {action_id} blocked: its pre-action snapshot failed ({code}: {message})")]
+    PreActionSnapshotFailed {
+        action_id: String,
+        code: String,
+        message: String,
+    },
+    #[error("action {0} is already open")]
+    AlreadyOpen(String),
+    #[error("no open action {0}")]
+    NotOpen(String),
+    #[error("restore of snapshot {snapshot_id} blocked by the restore policy: {reason}")]
+    RestoreBlocked { snapshot_id: String, reason: String },
+    #[error("policy records in {path} cannot be used: {reason}")]
+    Records { path: String, reason: String },
+}
+
+impl PolicyError {
+    pub fn code(&self) -> &'static str {
+        match self {
+            PolicyError::DescriptorInvalid(_) => "ERR_ACTION_DESCRIPTOR_INVALID",
+            PolicyError::RollbackUnsupported { .. } => "ERR_ACTION_ROLLBACK_UNSUPPORTED",
+            PolicyError::PreActionSnapshotFailed { .. } => "ERR_PRE_ACTION_SNAPSHOT_FAILED",
+            PolicyError::AlreadyOpen(_) => "ERR_ACTION_ALREADY_OPEN",
+            PolicyError::NotOpen(_) => "ERR_ACTION_NOT_OPEN",
+            PolicyError::RestoreBlocked { .. } => "ERR_SNAPSHOT_RESTORE_POLICY_BLOCKED",
+            PolicyError::Records { .. } => "ERR_POLICY_RECORDS_UNREADABLE",
+        }
+    }
+}
+
+impl From<PolicyError> for crate::EngineError {
+    fn from(e: PolicyError) -> Self {
+        crate::EngineError::Policy(Box::new(e))
+    }
+}
+
+/// A soft-rollback mark (`rolled-back.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mark {
+    /// RFC 3339.
+    pub at: String,
+    pub rollback_to: String,
+    pub rollback_type: String,
+    pub trace_id: String,
+}
+
+/// What the console asked of the rollback in progress; read by the restore gate.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RestoreRequest {
+    /// A session rollback from the console: spec/001 governance applies.
+    pub governed: bool,
+    pub reviewer_token: Option<Value>,
+    pub allow_newer_minor: bool,
+}
+
+/// The engine's policy state (one field of [`crate::Engine`]).
+pub struct Policy {
+    dir: PathBuf,
+    pub(crate) actions: BTreeMap<String, OpenAction>,
+    pub(crate) marks: BTreeMap<String, Mark>,
+    /// Set when a record file could not be read: mutations and pruning are refused.
+    pub(crate) records_error: Option<String>,
+    pub(crate) schedule: schedule::Schedule,
+    /// When this daemon session started (the default point of a session rollback).
+    pub(crate) session_started: OffsetDateTime,
+    pub(crate) pending: Option<RestoreRequest>,
+}
+
+const ACTIONS_FILE: &str = "actions.json";
+const MARKS_FILE: &str = "rolled-back.json";
+
+impl Policy {
+    /// Loads the durable records from `<state_dir>/policy/`. An unreadable record is not fatal
+    /// here (the daemon must still be able to roll back); it is journaled at the first tick and
+    /// refuses the operations that depend on it.
+    pub fn new(cfg: &Config) -> Policy {
+        let dir = cfg.daemon.state_dir.join("policy");
+        let mut errors = Vec::new();
+        let actions = read_record(&dir.join(ACTIONS_FILE)).unwrap_or_else(|e| {
+            errors.push(e);
+            BTreeMap::new()
+        });
+        let marks = read_record(&dir.join(MARKS_FILE)).unwrap_or_else(|e| {
+            errors.push(e);
+            BTreeMap::new()
+        });
+        Policy {
+            dir,
+            actions,
+            marks,
+            records_error: (!errors.is_empty()).then(|| errors.join("; ")),
+            schedule: schedule::Schedule::new(cfg.snapshots.interval()),
+            session_started: OffsetDateTime::now_utc(),
+            pending: None,
+        }
+    }
+
+    pub fn is_rolled_back(&self, snapshot_id: &str) -> bool {
+        self.marks.contains_key(snapshot_id)
+    }
+
+    /// Whether the rollback in progress may accept a newer minor version (spec/001's explicit
+    /// compatibility mode, `--compat`).
+    pub fn allow_newer_minor(&self) -> bool {
+        self.pending.as_ref().is_some_and(|p| p.allow_newer_minor)
+    }
+
+    pub(crate) fn check_records(&self) -> Result<(), PolicyError> {
+        match &self.records_error {
+            Some(reason) => Err(PolicyError::Records {
+                path: self.dir.display().to_string(),
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn save_actions(&self) -> Result<(), PolicyError> {
+        self.check_records()?;
+        write_record(&self.dir.join(ACTIONS_FILE), &self.actions)
+    }
+
+    pub(crate) fn save_marks(&self) -> Result<(), PolicyError> {
+        self.check_records()?;
+        write_record(&self.dir.join(MARKS_FILE), &self.marks)
+    }
+}
+
+fn read_record<T: for<'de> Deserialize<'de> + Default>(path: &Path) -> Result<T, String> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(T::default()),
+        Err(e) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+fn write_record<T: Serialize>(path: &Path, value: &T) -> Result<(), PolicyError> {
+    let err = |reason: String| PolicyError::Records {
+        path: path.display().to_string(),
+        reason,
+    };
+    let bytes = serde_json::to_vec_pretty(value).map_err(|e| err(e.to_string()))?;
+    crate::durable::write_atomic(path, &bytes).map_err(|e| err(e.to_string()))
+}
+
+/// RFC 3339 of `t` with milliseconds (as everywhere else in the journal).
+pub(crate) fn rfc3339(t: OffsetDateTime) -> String {
+    let fmt = time::macros::format_description!(
+        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+    );
+    t.to_offset(time::UtcOffset::UTC)
+        .format(&fmt)
+        .unwrap_or_else(|_| "1970-01-01T00:00:00.000Z".into())
+}
+
+pub(crate) fn parse_time(s: &str) -> Option<OffsetDateTime> {
+    OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use crate::config::DEFAULT_CONFIG;
+    use crate::Config;
+
+    /// The default config without its policy tables (they are at its end), plus `extra`.
+    fn with(extra: &str) -> Result<Config, String> {
+        let base = DEFAULT_CONFIG
+            .find("\n[snapshots]")
+            .map_or(DEFAULT_CONFIG, |i| &DEFAULT_CONFIG[..i]);
+        Config::parse(&format!("{base}\n{extra}")).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_are_the_spec_s_thirty_minutes() {
+        let shipped = Config::parse(DEFAULT_CONFIG).unwrap();
+        assert_eq!(shipped.snapshots.interval().as_secs(), 1800);
+        assert_eq!(
+            (
+                shipped.retention.keep_last,
+                shipped.retention.hourly,
+                shipped.retention.daily
+            ),
+            (10, 24, 7)
+        );
+        let cfg = with("").unwrap();
+        assert_eq!(cfg.snapshots.interval().as_secs(), 1800);
+        assert_eq!(cfg.retention.keep_last, 10);
+        assert!(cfg.restore_gate.reviewer_key.is_none());
+        let cfg = with("[snapshots]\nschedule_minutes = 5\n").unwrap();
+        assert_eq!(cfg.snapshots.interval().as_secs(), 300);
+        let cfg = with("[snapshots]\nschedule_seconds = 7\n").unwrap();
+        assert_eq!(cfg.snapshots.interval().as_secs(), 7);
+    }
+
+    #[test]
+    fn the_schedule_cannot_be_turned_off_and_bounds_name_their_key() {
+        for (extra, key) in [
+            (
+                "[snapshots]\nschedule_minutes = 0",
+                "snapshots.schedule_minutes",
+            ),
+            (
+                "[snapshots]\nschedule_minutes = 100000",
+                "snapshots.schedule_minutes",
+            ),
+            (
+                "[snapshots]\nschedule_seconds = 1",
+                "snapshots.schedule_seconds",
+            ),
+            ("[snapshots]\nenabled = false", "snapshots.enabled"),
+            ("[snapshots]\ndisabled = true", "snapshots.disabled"),
+            ("[retention]\nkeep_last = 0", "retention.keep_last"),
+            ("[retention]\ndaily = 99999", "retention.daily"),
+            (
+                "[retention]\nkeep_rolled_back_hours = 99999",
+                "retention.keep_rolled_back_hours",
+            ),
+            (
+                "[restore_gate]\nreviewer_key = \"relative.key\"",
+                "restore_gate.reviewer_key",
+            ),
+            (
+                "[restore_gate]\nreviewer_key = \"/var/lib/backstop/keys/host.key\"",
+                "restore_gate.reviewer_key",
+            ),
+            (
+                "[restore_gate]\nreviewer_key = \"/var/lib/backstop/store/k\"",
+                "restore_gate.reviewer_key",
+            ),
+            ("[retention]\ncolour = 1", "colour"),
+        ] {
+            let err = with(extra).unwrap_err();
+            assert!(err.contains(key), "{extra}: {err}");
+        }
+        with("[restore_gate]\nreviewer_key = \"/etc/backstop/reviewer.key\"").unwrap();
+    }
+}

@@ -1,0 +1,364 @@
+//! The restore gate (spec/001) and soft rollback (spec/004).
+//!
+//! * Compatibility is the store's verification, run before the gate: an unsupported major
+//!   `schema_version`/`index_version` is `ERR_SNAPSHOT_COMPATIBILITY_BLOCKED`, a newer minor is
+//!   accepted only in the explicit compatibility mode (`--compat`), and missing or malformed
+//!   versions are `ERR_SNAPSHOT_MANIFEST_INVALID`.
+//! * Governance: a session rollback asked for on the control socket (`--to`, `--before`, or
+//!   the session start) to anything other than the newest verified snapshot of the current
+//!   line needs reviewer evidence — a token for that snapshot signed with the key named by
+//!   `[restore_gate] reviewer_key` — or it is `ERR_SNAPSHOT_RESTORE_POLICY_BLOCKED` and the VM
+//!   is not touched. Emergency, watchdog, host-trigger and micro rollbacks are never blocked
+//!   (spec/000 wins); their decision, `override`, is journaled all the same.
+//! * After a rollback to X, the snapshots listed after X stay (listed, verifiable), marked
+//!   rolled back; the newest-verified choice skips them, and retention may delete them after
+//!   `[retention] keep_rolled_back_hours`.
+
+use serde_json::{json, Value};
+use time::OffsetDateTime;
+use tracing::{info, warn};
+
+use backstop_control::{evidence, Response, RollbackReport, RollbackType, RolledBackMark};
+use backstop_journal::events;
+use backstop_store::{ListEntry, StoreError, VerifiedSnapshot, VerifyOptions};
+
+use crate::engine::{summary, Ctx, Engine};
+use crate::error::EngineError;
+use crate::policy::{
+    parse_time, rfc3339, Mark, PolicyError, RestoreRequest, EV_MARKED_ROLLED_BACK,
+};
+
+/// A `rollback` request from the control socket, as sent.
+#[derive(Debug, Clone)]
+pub struct RollbackAsk {
+    pub to: Option<String>,
+    pub reason: String,
+    pub emergency: bool,
+    pub rollback_type: Option<RollbackType>,
+    pub before: Option<String>,
+    pub reviewer_token: Option<Value>,
+    pub allow_newer_minor: bool,
+}
+
+impl Engine {
+    /// `rollback` from the console or the policy engine: works out the type and the target, then
+    /// runs the rollback executor with the gate's inputs set.
+    pub(crate) fn console_rollback(
+        &mut self,
+        ctx: &mut Ctx,
+        ask: RollbackAsk,
+    ) -> Result<RollbackReport, EngineError> {
+        let reason = ask.reason.trim().to_string();
+        if reason.is_empty() || reason.len() > 1024 {
+            return Err(EngineError::BadRequest(
+                "--reason must say something (at most 1024 bytes)".into(),
+            ));
+        }
+        let ty = match (ask.rollback_type, ask.emergency) {
+            (Some(RollbackType::Emergency), _) | (None, true) => RollbackType::Emergency,
+            (Some(t), true) => {
+                return Err(EngineError::BadRequest(format!(
+                    "--emergency contradicts --type {}",
+                    t.as_str()
+                )))
+            }
+            (Some(t), false) => t,
+            (None, false) if ask.to.is_some() || ask.before.is_some() => RollbackType::Session,
+            (None, false) => RollbackType::Emergency,
+        };
+        let target =
+            match ty {
+                RollbackType::Micro => return Err(EngineError::BadRequest(
+                    "a micro rollback undoes one action: `backstop action end ID --result failed`"
+                        .into(),
+                )),
+                RollbackType::Emergency => {
+                    if ask.to.is_some() || ask.before.is_some() || ask.reviewer_token.is_some() {
+                        return Err(EngineError::BadRequest(
+                            "an emergency rollback always goes to the newest verified snapshot: \
+                         drop --to/--before/--reviewer-token, or ask for --type session"
+                                .into(),
+                        ));
+                    }
+                    None
+                }
+                RollbackType::Session => match (&ask.to, &ask.before) {
+                    (Some(_), Some(_)) => {
+                        return Err(EngineError::BadRequest(
+                            "give --to or --before, not both".into(),
+                        ))
+                    }
+                    (Some(to), None) => Some(to.clone()),
+                    (None, Some(before)) => {
+                        let t = parse_time(before).ok_or_else(|| {
+                            EngineError::BadRequest(format!(
+                            "--before {before:?} is not an RFC 3339 time (2026-05-01T12:00:00Z)"
+                        ))
+                        })?;
+                        Some(self.session_target(Some(t))?)
+                    }
+                    (None, None) => Some(self.session_target(None)?),
+                },
+            };
+        self.policy.pending = Some(RestoreRequest {
+            governed: ty == RollbackType::Session,
+            reviewer_token: ask.reviewer_token,
+            allow_newer_minor: ask.allow_newer_minor,
+        });
+        let role = ctx.caller.role;
+        let r = self.rollback(ctx, target.as_deref(), &reason, role, ty.as_str());
+        self.policy.pending = None;
+        r
+    }
+
+    /// The newest snapshot of the current line created at or before `before`; without a time,
+    /// the one this daemon session started from (the newest at or before its start, else the
+    /// first one taken after it: the baseline of a cold boot).
+    fn session_target(&self, before: Option<OffsetDateTime>) -> Result<String, EngineError> {
+        let live: Vec<(OffsetDateTime, String)> = self
+            .store
+            .list()
+            .map_err(EngineError::Store)?
+            .into_iter()
+            .filter_map(|e| match e {
+                ListEntry::Valid(m) if !self.policy.is_rolled_back(&m.snapshot_id) => {
+                    parse_time(&m.created_at).map(|t| (t, m.snapshot_id))
+                }
+                _ => None,
+            })
+            .collect();
+        let bound = before.unwrap_or(self.policy.session_started);
+        let found = live.iter().rev().find(|(t, _)| *t <= bound).or_else(|| {
+            if before.is_none() {
+                live.first()
+            } else {
+                None
+            }
+        });
+        found.map(|(_, id)| id.clone()).ok_or_else(|| {
+            EngineError::Store(StoreError::MissingSnapshot {
+                given: format!("a snapshot created at or before {}", rfc3339(bound)),
+            })
+        })
+    }
+
+    /// The gate, between choosing (and verifying) the target and touching the VM. Journals
+    /// `snapshot.restore.policy_decision` (allow / override / block); a block also journals
+    /// `snapshot.restore.failed` and leaves the VM untouched.
+    pub(crate) fn restore_gate(
+        &mut self,
+        ctx: &mut Ctx,
+        trigger: &str,
+        rollback_type: &str,
+        target: &VerifiedSnapshot,
+    ) -> Result<(), EngineError> {
+        let request = self.policy.pending.take().unwrap_or_default();
+        let id = target.manifest.snapshot_id.clone();
+        let sid = self.session_id.clone();
+        let trace = ctx.trace_id.clone();
+        let by = ctx.caller.label();
+        let compat = request.allow_newer_minor;
+        if !request.governed {
+            // spec/000 wins: emergency, watchdog, host triggers and micro rollbacks are never
+            // blocked by governance. The decision is recorded as an override.
+            return self.journal(events::SNAPSHOT_RESTORE_POLICY_DECISION, json!({
+                "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
+                "decision": "override", "rollback_type": rollback_type, "trigger": trigger,
+                "basis": format!("{rollback_type} rollback ({trigger}) by {by}: never blocked by the restore gate (spec/000)"),
+                "compatibility_mode": compat, "schema_version": target.manifest.schema_version,
+                "index_version": target.manifest.index_version,
+            }));
+        }
+        let decision = self.governance(ctx, &id, request.reviewer_token.as_ref());
+        match decision {
+            Ok((basis, reviewer)) => self.journal(events::SNAPSHOT_RESTORE_POLICY_DECISION, json!({
+                "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
+                "decision": "allow", "rollback_type": rollback_type, "trigger": trigger, "basis": basis,
+                "reviewer": reviewer, "compatibility_mode": compat,
+                "schema_version": target.manifest.schema_version, "index_version": target.manifest.index_version,
+            })),
+            Err(reason) => {
+                let e = PolicyError::RestoreBlocked {
+                    snapshot_id: id.clone(),
+                    reason,
+                };
+                self.journal(events::SNAPSHOT_RESTORE_POLICY_DECISION, json!({
+                    "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "blocked",
+                    "decision": "block", "rollback_type": rollback_type, "trigger": trigger,
+                    "basis": e.to_string(), "code": e.code(), "requested_by": by,
+                }))?;
+                self.journal(events::SNAPSHOT_RESTORE_FAILED, json!({
+                    "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "refused",
+                    "code": e.code(), "error": e.to_string(), "vm_halted": false, "vm_touched": false,
+                }))?;
+                warn!(snapshot_id = %id, code = e.code(), "restore blocked by the restore gate");
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Ok((basis, reviewer)) or Err(why blocked).
+    fn governance(
+        &mut self,
+        ctx: &mut Ctx,
+        id: &str,
+        token: Option<&Value>,
+    ) -> Result<(String, Option<String>), String> {
+        // `id` has just been verified; it is the newest verified one unless a newer snapshot of
+        // the current line verifies too.
+        if !self.policy.is_rolled_back(id) {
+            match self.newer_live_verified(ctx, id) {
+                Ok(None) => {
+                    return Ok((
+                        "the newest verified snapshot: no reviewer evidence needed".into(),
+                        None,
+                    ))
+                }
+                Ok(Some(_)) => {}
+                Err(e) => return Err(format!("cannot tell the newest verified snapshot: {e}")),
+            }
+        }
+        let what = if self.policy.is_rolled_back(id) {
+            "a rolled-back snapshot"
+        } else {
+            "not the newest verified snapshot"
+        };
+        let Some(token) = token else {
+            return Err(format!(
+                "{id} is {what}; restoring it needs reviewer evidence (--reviewer-token)"
+            ));
+        };
+        let Some(key_path) = self.cfg.restore_gate.reviewer_key.clone() else {
+            return Err(format!(
+                "{id} is {what} and no reviewer key is configured ([restore_gate] reviewer_key)"
+            ));
+        };
+        let key = evidence::load_key(&key_path).map_err(|e| e.to_string())?;
+        let t = evidence::verify(&key, token, id, OffsetDateTime::now_utc())
+            .map_err(|e| format!("{id} is {what}; {e}"))?;
+        Ok((
+            format!(
+                "{what}: reviewer evidence from {} (token expires {})",
+                t.reviewer, t.expires_at
+            ),
+            Some(t.reviewer),
+        ))
+    }
+
+    /// The newest snapshot of the current line listed after `id` that verifies completely and
+    /// fits this VM's shape, if any.
+    fn newer_live_verified(
+        &mut self,
+        ctx: &mut Ctx,
+        id: &str,
+    ) -> Result<Option<String>, EngineError> {
+        let fingerprint = self.backend.config_fingerprint();
+        let entries = self.store.list().map_err(EngineError::Store)?;
+        let Some(pos) = entries.iter().position(|e| e.snapshot_id() == id) else {
+            return Ok(None);
+        };
+        for e in entries[pos + 1..].iter().rev() {
+            let ListEntry::Valid(m) = e else { continue };
+            if self.policy.is_rolled_back(&m.snapshot_id) {
+                continue;
+            }
+            ctx.step(
+                "verify",
+                format!("verifying {} (is it newer and intact?)", m.snapshot_id),
+                None,
+            );
+            if let Ok(v) = self.store.verify(&m.snapshot_id, &VerifyOptions::default()) {
+                if v.manifest.config_fingerprint == fingerprint {
+                    return Ok(Some(m.snapshot_id.clone()));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// After a completed rollback to `target`: every snapshot listed after it is marked rolled
+    /// back (soft rollback, spec/004), and the target itself, if it was, is on the line again.
+    /// Never fails the rollback (it is done); a mark that cannot be saved is journaled.
+    pub(crate) fn mark_rolled_back(&mut self, target: &str, rollback_type: &str, trace: &str) {
+        let Ok(entries) = self.store.list() else {
+            return;
+        };
+        let Some(pos) = entries.iter().position(|e| e.snapshot_id() == target) else {
+            return;
+        };
+        let at = rfc3339(OffsetDateTime::now_utc());
+        let mut marked = Vec::new();
+        for e in &entries[pos + 1..] {
+            if let ListEntry::Valid(m) = e {
+                if !self.policy.marks.contains_key(&m.snapshot_id) {
+                    self.policy.marks.insert(
+                        m.snapshot_id.clone(),
+                        Mark {
+                            at: at.clone(),
+                            rollback_to: target.to_string(),
+                            rollback_type: rollback_type.to_string(),
+                            trace_id: trace.to_string(),
+                        },
+                    );
+                    marked.push(m.snapshot_id.clone());
+                }
+            }
+        }
+        let unmarked = self.policy.marks.remove(target).is_some();
+        if marked.is_empty() && !unmarked {
+            return;
+        }
+        let saved = self.policy.save_marks();
+        let sid = self.session_id.clone();
+        let _ = self.journal(
+            EV_MARKED_ROLLED_BACK,
+            json!({
+                "snapshot_id": target, "session_id": sid, "trace_id": trace,
+                "result": if saved.is_ok() { "ok" } else { "failed" },
+                "marked": marked, "target_unmarked": unmarked, "rollback_type": rollback_type,
+                "error": saved.as_ref().err().map(|e| e.to_string()),
+            }),
+        );
+        if let Err(e) = saved {
+            tracing::error!(error = %e, "could not save soft-rollback marks");
+        } else {
+            info!(
+                target,
+                marked = marked.len(),
+                "snapshots after the rollback point marked rolled back"
+            );
+        }
+    }
+
+    /// `snapshot list`: every valid snapshot with its trigger and soft-rollback mark.
+    pub(crate) fn snapshot_list(&self) -> Result<Response, EngineError> {
+        let snapshots = self
+            .store
+            .list()
+            .map_err(EngineError::Store)?
+            .into_iter()
+            .filter_map(|e| match e {
+                ListEntry::Valid(m) => {
+                    let mut s = summary(&m);
+                    s.rolled_back = self.policy.marks.get(&m.snapshot_id).map(|k| {
+                        Box::new(RolledBackMark {
+                            at: k.at.clone(),
+                            rollback_to: k.rollback_to.clone(),
+                            rollback_type: k.rollback_type.clone(),
+                        })
+                    });
+                    Some(s)
+                }
+                _ => None,
+            })
+            .collect();
+        Ok(Response::SnapshotList { snapshots })
+    }
+
+    /// Verify options for the rollback in progress (spec/001's explicit compatibility mode).
+    pub(crate) fn restore_verify_options(&self) -> VerifyOptions {
+        VerifyOptions {
+            allow_newer_minor: self.policy.allow_newer_minor(),
+        }
+    }
+}

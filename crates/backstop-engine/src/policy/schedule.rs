@@ -1,0 +1,293 @@
+//! Scheduled snapshots (spec/000 §4.1): one every `interval` from the newest snapshot of any
+//! kind. The schedule is a grid of slots anchored at that snapshot: slot `k` is due at
+//! `anchor + k·interval`. A slot is served by a snapshot taken when it comes due; a slot that
+//! passes without one is *missed* and journaled (`snapshot.schedule.missed`, with how many and
+//! why): the daemon was down, the VM was halted, the snapshot was deferred or failed, or the
+//! engine was busy with a long operation. A missed slot is never made up by a burst: the next
+//! snapshot is due one interval after the last slot accounted for.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use time::OffsetDateTime;
+use tracing::{info, warn};
+
+use backstop_control::Progress;
+use backstop_store::ListEntry;
+
+use crate::engine::{random_id, Caller, Ctx, Engine};
+use crate::policy::{parse_time, rfc3339, EV_SCHEDULE_MISSED};
+use crate::state::VmState;
+
+/// The schedule's memory. Times are wall-clock (they are compared with manifests' `created_at`,
+/// which survive restarts); `recheck_at` is monotonic and only spares the store a listing on
+/// every tick.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    pub interval: Duration,
+    /// `created_at` of the newest snapshot seen.
+    last_at: Option<OffsetDateTime>,
+    /// The last slot accounted as missed (the grid continues from there).
+    missed_through: Option<OffsetDateTime>,
+    started: bool,
+    recheck_at: Option<Instant>,
+}
+
+/// What [`Schedule::slots`] finds at a given time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Due {
+    /// Slots that came due since the anchor (≥ 1 when due).
+    pub slots: u64,
+    /// The newest of them.
+    pub slot_at: OffsetDateTime,
+}
+
+impl Schedule {
+    pub fn new(interval: Duration) -> Schedule {
+        Schedule {
+            interval,
+            last_at: None,
+            missed_through: None,
+            started: false,
+            recheck_at: None,
+        }
+    }
+
+    fn interval_t(&self) -> time::Duration {
+        time::Duration::try_from(self.interval).unwrap_or(time::Duration::MAX)
+    }
+
+    /// The point the grid counts from.
+    fn anchor(&self) -> Option<OffsetDateTime> {
+        match (self.last_at, self.missed_through) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The slots due at `now` (`None`: not due; no anchor means due at once).
+    pub fn due(&self, now: OffsetDateTime) -> Option<Due> {
+        let Some(anchor) = self.anchor() else {
+            return Some(Due {
+                slots: 1,
+                slot_at: now,
+            });
+        };
+        let i = self.interval_t();
+        if now < anchor + i {
+            return None;
+        }
+        let elapsed = (now - anchor).whole_milliseconds();
+        let step = i.whole_milliseconds().max(1);
+        let slots = u64::try_from(elapsed / step).unwrap_or(u64::MAX).max(1);
+        let slot_at = anchor + i * (slots.min(u32::MAX as u64) as u32);
+        Some(Due { slots, slot_at })
+    }
+
+    /// A snapshot was published at `at` (any trigger): the grid restarts there.
+    pub fn snapshot_taken(&mut self, at: OffsetDateTime) {
+        match self.last_at {
+            Some(l) if l >= at => {}
+            _ => self.last_at = Some(at),
+        }
+        if self.missed_through.is_some_and(|m| m <= at) {
+            self.missed_through = None;
+        }
+    }
+
+    /// Slots up to `slot_at` are accounted for (journaled as missed).
+    pub fn missed_until(&mut self, slot_at: OffsetDateTime) {
+        self.missed_through = Some(self.missed_through.map_or(slot_at, |m| m.max(slot_at)));
+    }
+}
+
+impl Engine {
+    /// From `tick`: takes the scheduled snapshot when due, and journals slots that passed
+    /// without one. Never fails: what goes wrong is journaled and tried again at the next slot.
+    pub(crate) fn policy_tick(&mut self) {
+        if !self.policy.schedule.started {
+            self.policy.schedule.started = true;
+            self.schedule_start();
+            return;
+        }
+        if self
+            .policy
+            .schedule
+            .recheck_at
+            .is_some_and(|t| Instant::now() < t)
+        {
+            return;
+        }
+        let now = OffsetDateTime::now_utc();
+        if self.policy.schedule.due(now).is_none() {
+            self.schedule_recheck(now);
+            return;
+        }
+        // Due by what we knew: a snapshot taken since (console, pre-action) moves the grid.
+        self.refresh_newest_snapshot();
+        let Some(due) = self.policy.schedule.due(now) else {
+            self.schedule_recheck(now);
+            return;
+        };
+        let trace = random_id();
+        if due.slots > 1 {
+            // The engine could not look in time (a long rollback or capture held it).
+            self.journal_missed(&trace, due.slots - 1, "engine_busy", None, due.slot_at);
+        }
+        let why = match self.state {
+            VmState::Running => None,
+            VmState::Halted => Some("vm_halted".to_string()),
+            other => Some(format!("vm_{}", other.as_str())),
+        };
+        if let Some(why) = why {
+            self.journal_missed(&trace, 1, &why, None, due.slot_at);
+            self.policy.schedule.missed_until(due.slot_at);
+            self.schedule_recheck(now);
+            return;
+        }
+        let mut sink = |_p: Progress| {};
+        let mut ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: trace.clone(),
+            progress: &mut sink,
+        };
+        match self.create_snapshot(&mut ctx, "scheduled snapshot", "schedule") {
+            Ok(m) => {
+                if let Some(at) = parse_time(&m.created_at) {
+                    self.policy.schedule.snapshot_taken(at);
+                }
+                info!(snapshot_id = %m.snapshot_id, "scheduled snapshot taken");
+                if let Err(e) = self.prune(&mut ctx, "after a scheduled snapshot") {
+                    warn!(code = e.code(), error = %e, "retention after the scheduled snapshot failed");
+                }
+            }
+            Err(e) => {
+                let why = if e.code() == "ERR_SNAPSHOT_DEFERRED" {
+                    "snapshot_deferred"
+                } else {
+                    "snapshot_failed"
+                };
+                warn!(code = e.code(), error = %e, "scheduled snapshot not taken");
+                self.journal_missed(&trace, 1, why, Some((e.code(), e.to_string())), due.slot_at);
+                self.policy.schedule.missed_until(due.slot_at);
+            }
+        }
+        self.schedule_recheck(OffsetDateTime::now_utc());
+    }
+
+    /// At the first tick after start-up: slots that passed while the daemon was down (or the VM
+    /// halted from a previous run) are journaled; the grid continues from the newest snapshot.
+    fn schedule_start(&mut self) {
+        let now = OffsetDateTime::now_utc();
+        if let Some(e) = self.policy.records_error.clone() {
+            let sid = self.session_id.clone();
+            let _ = self.journal(
+                "policy.records_unreadable",
+                json!({
+                    "snapshot_id": Value::Null, "session_id": sid, "trace_id": Value::Null, "result": "failed",
+                    "code": "ERR_POLICY_RECORDS_UNREADABLE", "error": e,
+                }),
+            );
+        }
+        self.refresh_newest_snapshot();
+        if let Some(due) = self.policy.schedule.due(now) {
+            if self.policy.schedule.last_at.is_some() {
+                let why = if self.state == VmState::Halted {
+                    "vm_halted"
+                } else {
+                    "daemon_down"
+                };
+                self.journal_missed(&random_id(), due.slots, why, None, due.slot_at);
+                self.policy.schedule.missed_until(due.slot_at);
+            }
+        }
+        self.schedule_recheck(now);
+    }
+
+    fn refresh_newest_snapshot(&mut self) {
+        let newest = self.store.list().ok().and_then(|l| {
+            l.iter()
+                .filter_map(|e| match e {
+                    ListEntry::Valid(m) => parse_time(&m.created_at),
+                    ListEntry::Corrupt { .. } => None,
+                })
+                .max()
+        });
+        if let Some(at) = newest {
+            self.policy.schedule.snapshot_taken(at);
+        }
+    }
+
+    /// Sleeps the schedule check until the next slot (at most a minute, so a changed wall
+    /// clock is noticed).
+    fn schedule_recheck(&mut self, now: OffsetDateTime) {
+        let s = &self.policy.schedule;
+        let wait = match s.anchor() {
+            Some(a) => {
+                let next = a + s.interval_t();
+                Duration::try_from(next - now).unwrap_or_default()
+            }
+            None => Duration::ZERO,
+        };
+        self.policy.schedule.recheck_at = Some(Instant::now() + wait.min(Duration::from_secs(60)));
+    }
+
+    fn journal_missed(
+        &mut self,
+        trace: &str,
+        missed: u64,
+        why: &str,
+        error: Option<(&str, String)>,
+        slot_at: OffsetDateTime,
+    ) {
+        let sid = self.session_id.clone();
+        let s = &self.policy.schedule;
+        let fields = json!({
+            "snapshot_id": Value::Null, "session_id": sid, "trace_id": trace, "result": "missed",
+            "missed": missed, "why": why, "code": error.as_ref().map(|e| e.0), "error": error.map(|e| e.1),
+            "interval_s": s.interval.as_secs(), "last_snapshot_at": s.last_at.map(rfc3339),
+            "slot_at": rfc3339(slot_at),
+        });
+        warn!(missed, why, "scheduled snapshot slot(s) missed");
+        if let Err(e) = self.journal(EV_SCHEDULE_MISSED, fields) {
+            tracing::error!(error = %e, "could not journal a missed schedule slot");
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use time::macros::datetime;
+
+    use super::*;
+
+    #[test]
+    fn slots_count_from_the_newest_snapshot_and_missed_ones_move_the_grid() {
+        let mut s = Schedule::new(Duration::from_secs(1800));
+        let t0 = datetime!(2026-03-01 10:00 UTC);
+        // No snapshot yet: due at once.
+        assert_eq!(s.due(t0).unwrap().slots, 1);
+        s.snapshot_taken(t0);
+        assert_eq!(s.due(t0 + time::Duration::minutes(29)), None);
+        let d = s.due(t0 + time::Duration::minutes(30)).unwrap();
+        assert_eq!((d.slots, d.slot_at), (1, t0 + time::Duration::minutes(30)));
+        // Down for 2 h 10 min: four slots passed.
+        let later = t0 + time::Duration::minutes(130);
+        let d = s.due(later).unwrap();
+        assert_eq!((d.slots, d.slot_at), (4, t0 + time::Duration::minutes(120)));
+        // Accounted as missed: the next one is due at 10:00 + 150 min, not at once.
+        s.missed_until(d.slot_at);
+        assert_eq!(s.due(later), None);
+        assert_eq!(s.due(t0 + time::Duration::minutes(150)).unwrap().slots, 1);
+        // A console snapshot at 12:25 restarts the grid there.
+        let c = t0 + time::Duration::minutes(145);
+        s.snapshot_taken(c);
+        assert_eq!(s.due(t0 + time::Duration::minutes(150)), None);
+        assert!(s.due(c + time::Duration::minutes(30)).is_some());
+        // An older snapshot never moves it back; a clock behind the anchor is "not due".
+        s.snapshot_taken(t0);
+        assert_eq!(s.due(c), None);
+        assert_eq!(s.due(t0), None);
+    }
+}
