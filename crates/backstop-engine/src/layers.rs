@@ -28,6 +28,29 @@ impl Layers {
         backing: &Path,
         backing_fmt: &str,
     ) -> Result<(), EngineError> {
+        let args: [&std::ffi::OsStr; 4] = [
+            "-F".as_ref(),
+            backing_fmt.as_ref(),
+            "-b".as_ref(),
+            backing.as_os_str(),
+        ];
+        self.qemu_img_create(path, &args, &[], "qemu-img create overlay")
+    }
+
+    /// Creates an empty standalone qcow2 image (excluded disks with `create_size_mib`).
+    pub fn create_image(&self, path: &Path, size_mib: u64) -> Result<(), EngineError> {
+        let size = format!("{size_mib}M");
+        self.qemu_img_create(path, &[], &[size.as_ref()], "qemu-img create image")
+    }
+
+    /// `qemu-img create -q -f qcow2 BEFORE... PATH AFTER...` (parent directory created first).
+    fn qemu_img_create(
+        &self,
+        path: &Path,
+        before: &[&std::ffi::OsStr],
+        after: &[&std::ffi::OsStr],
+        step: &'static str,
+    ) -> Result<(), EngineError> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
                 step: "create layer dir",
@@ -35,51 +58,16 @@ impl Layers {
             })?;
         }
         let out = Command::new(&self.qemu_img)
-            .args(["create", "-q", "-f", "qcow2", "-F", backing_fmt, "-b"])
-            .arg(backing)
-            .arg(path)
-            .output()
-            .map_err(|source| EngineError::Io {
-                step: "run qemu-img",
-                source,
-            })?;
-        if !out.status.success() {
-            return Err(EngineError::Io {
-                step: "qemu-img create overlay",
-                source: std::io::Error::other(
-                    String::from_utf8_lossy(&out.stderr).trim().to_string(),
-                ),
-            });
-        }
-        Ok(())
-    }
-
-    /// Creates an empty standalone qcow2 image (excluded disks with `create_size_mib`).
-    pub fn create_image(&self, path: &Path, size_mib: u64) -> Result<(), EngineError> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
-                step: "create image dir",
-                source,
-            })?;
-        }
-        let out = Command::new(&self.qemu_img)
             .args(["create", "-q", "-f", "qcow2"])
+            .args(before)
             .arg(path)
-            .arg(format!("{size_mib}M"))
+            .args(after)
             .output()
             .map_err(|source| EngineError::Io {
                 step: "run qemu-img",
                 source,
             })?;
-        if !out.status.success() {
-            return Err(EngineError::Io {
-                step: "qemu-img create image",
-                source: std::io::Error::other(
-                    String::from_utf8_lossy(&out.stderr).trim().to_string(),
-                ),
-            });
-        }
-        Ok(())
+        check_output(out, step)
     }
 
     /// Makes a frozen layer read-only on disk and flushes it.
@@ -97,5 +85,56 @@ impl Layers {
                 step: "fsync frozen layer",
                 source,
             })
+    }
+}
+
+/// A failed `qemu-img` becomes an error carrying its stderr.
+fn check_output(out: std::process::Output, step: &'static str) -> Result<(), EngineError> {
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(EngineError::Io {
+        step,
+        source: std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_string()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qemu_img_present() -> bool {
+        Command::new("qemu-img")
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    }
+
+    #[test]
+    fn images_and_overlays_are_created_and_a_failure_carries_stderr() {
+        if !qemu_img_present() {
+            eprintln!(
+                "SKIPPED images_and_overlays_are_created_and_a_failure_carries_stderr: no qemu-img"
+            );
+            return;
+        }
+        let d = tempfile::tempdir().unwrap();
+        let l = Layers {
+            dir: d.path().into(),
+            qemu_img: "qemu-img".into(),
+        };
+        let base = d.path().join("a/base.qcow2");
+        l.create_image(&base, 4).unwrap();
+        let top = l.layer_path("data", 1);
+        l.create_overlay(&top, &base, "qcow2").unwrap();
+        assert!(top.exists());
+        let err = l
+            .create_overlay(
+                &d.path().join("x.qcow2"),
+                &d.path().join("missing.qcow2"),
+                "qcow2",
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("qemu-img create overlay"), "{err}");
     }
 }
