@@ -11,4 +11,4 @@ scripts/setup.sh
 ci/lint.sh
 cargo build --workspace --all-targets
 # The end-to-end tests boot real guests under TCG on a 2-core machine: two at a time at most.
-BACKSTOP_REQUIRE_E2E=1 cargo test --workspace -- --test-threads=2
+BACKSTOP_REQUIRE_E2E=1 cargo test --workspace --no-fail-fast -- --test-threads=2

@@ -40,7 +40,13 @@ fn capture_stream_restores_into_a_fresh_backend() {
     assert_eq!(b.run_state().unwrap(), RunState::Running);
     let vm = b.vm().unwrap();
     vm.wait_for_ticks(WAIT, |r| r.len() >= 3).unwrap();
-    assert!(b.heartbeats().count >= 3);
+    // The heartbeat port write and the serial report of a tick are separate exits: wait for the
+    // heartbeats too rather than assume they landed with the ticks.
+    let deadline = std::time::Instant::now() + WAIT;
+    while b.heartbeats().count < 3 {
+        assert!(std::time::Instant::now() < deadline, "no 3 heartbeats: {:?}", b.heartbeats());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     assert!(b.poll_events().unwrap().is_empty());
 
     b.pause().unwrap();
