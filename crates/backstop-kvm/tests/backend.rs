@@ -44,7 +44,11 @@ fn capture_stream_restores_into_a_fresh_backend() {
     // heartbeats too rather than assume they landed with the ticks.
     let deadline = std::time::Instant::now() + WAIT;
     while b.heartbeats().count < 3 {
-        assert!(std::time::Instant::now() < deadline, "no 3 heartbeats: {:?}", b.heartbeats());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no 3 heartbeats: {:?}",
+            b.heartbeats()
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(b.poll_events().unwrap().is_empty());
