@@ -349,7 +349,7 @@ def _cell(s):
         return ""
     if s["n"] == 1:
         return _fmt(s["median"])
-    return f"{_fmt(s['median'])} [{_fmt(s['min'])}-{_fmt(s['max'])}]"
+    return f"{_fmt(s['median'])} [{_fmt(s['min'])}..{_fmt(s['max'])}]"
 
 
 def table(summary):
@@ -362,7 +362,7 @@ def table(summary):
         f"accel {m['accel']}, {m['reps']} repetition(s)" + (" [--quick]" if m.get("quick") else ""))
     lines.append(f"{m.get('versions', {}).get('qemu') or ''}; libvirt {m.get('versions', {}).get('libvirt') or '-'}; "
                  f"{m['started']} .. {m.get('finished', '')}")
-    lines.append("cells: median [min-max] over repetitions (pause rows: over every snapshot); "
+    lines.append("cells: median [min..max] over repetitions (pause rows: over every snapshot); "
                  "backstop / peer: ratio of medians (s&c: stop-and-copy, bg: plain QEMU background "
                  "snapshot to a file, host: dd)")
     cols = [c for c, _ in CONTENDERS if any(c in r["values"] for r in f.values())]

@@ -30,6 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
+sys.dont_write_bytecode = True  # no __pycache__ in the tree
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import contenders as C  # noqa: E402
