@@ -242,7 +242,9 @@ def main(argv=None):
     ap.add_argument("--keep-logs", action="store_true", help="copy serial and daemon logs into the results")
     ap.add_argument("--guest-dir", default=os.environ.get("BACKSTOP_GUEST_DIR") or
                     str(Path.home() / ".cache/backstop/guest"))
-    ap.add_argument("--bin-dir", default=str(Path(__file__).resolve().parent.parent / "target/release"))
+    # cargo puts binaries under $CARGO_TARGET_DIR when it is set, else ./target.
+    target = os.environ.get("CARGO_TARGET_DIR") or str(Path(__file__).resolve().parent.parent / "target")
+    ap.add_argument("--bin-dir", default=str(Path(target) / "release"))
     a = ap.parse_args(argv)
 
     env = Env()
