@@ -50,10 +50,12 @@ wait_ticks 3
 echo "guest says:   $(last_tick)"
 
 echo "== snapshot"
+before_snap=$(last_tick)
 "$bs" snapshot create --reason "demo: before the change"
 id=$("$bs" --json snapshot list | python3 -c 'import json,sys; print(json.load(sys.stdin)["snapshots"][-1]["snapshot_id"])')
 pause=$("$bs" --json snapshot show "$id" | python3 -c 'import json,sys; print(json.load(sys.stdin)["summary"]["pause_us"])')
-echo "guest says:   $(last_tick)   <- snapshot point"
+echo "guest says:   $before_snap   <- last tick before the snapshot request"
+echo "              $(last_tick)   <- first tick after it (the capture instant lies between)"
 
 echo "== the guest changes its RAM counter and its disk"
 wait_ticks 8
