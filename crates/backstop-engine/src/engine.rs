@@ -72,7 +72,8 @@ impl Ctx<'_> {
 pub enum Fault {
     /// Kill the fresh QEMU while it loads the snapshot's state.
     KillDuringRestoreLoad,
-    /// Stall a capture after the disk switch for this many seconds (to kill the daemon mid-create).
+    /// Make the store stall for this many seconds once 1 MiB of a capture's state has been read
+    /// (a slow store; used to kill the daemon, or send a trigger, mid-create). Not the baseline.
     StallCapture(u64),
 }
 

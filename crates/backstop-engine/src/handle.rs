@@ -164,8 +164,13 @@ fn next_message(
     pending.remove(pos).ok_or(RecvTimeoutError::Timeout)
 }
 
+/// Longest an idle engine leaves the published status unrefreshed (scheduled snapshots and
+/// similar background changes show up within this).
+const STATUS_REFRESH: Duration = Duration::from_secs(2);
+
 fn run(mut engine: Engine, rx: mpsc::Receiver<Msg>) {
     let mut pending = std::collections::VecDeque::new();
+    let mut last_publish = std::time::Instant::now();
     loop {
         match next_message(&rx, &mut pending) {
             Ok(Msg::Urgent(job)) => {
@@ -183,8 +188,17 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Msg>) {
                 return;
             }
             Err(RecvTimeoutError::Timeout) => {
+                // A status lists and checks every manifest: refresh it when the tick changed
+                // the VM's state or epoch, otherwise at most every STATUS_REFRESH (jobs publish
+                // on their own when they finish).
+                let before = (engine.state, engine.vm.epoch);
                 engine.tick();
-                engine.publish();
+                if (engine.state, engine.vm.epoch) != before
+                    || last_publish.elapsed() >= STATUS_REFRESH
+                {
+                    engine.publish();
+                    last_publish = std::time::Instant::now();
+                }
             }
         }
     }
