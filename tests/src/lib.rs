@@ -446,6 +446,11 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.run_dir);
+        // BACKSTOP_E2E_KEEP=1 keeps the state directory (store, journal, serial log) to look at.
+        if std::env::var_os("BACKSTOP_E2E_KEEP").is_some() {
+            self.dir.disable_cleanup(true);
+            eprintln!("kept {}", self.dir.path().display());
+        }
     }
 }
 

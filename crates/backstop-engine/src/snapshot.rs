@@ -11,10 +11,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde_json::{json, Value};
-use tracing::info;
+use tracing::{info, warn};
 
-use backstop_hypervisor::DiskSwitch;
+use backstop_hypervisor::{DiskSwitch, StreamLayout};
 use backstop_journal::events;
+use backstop_qemu::MigrationChunker;
 use backstop_store::{Manifest, ManifestInput};
 
 use crate::engine::{Ctx, Engine, Fault};
@@ -172,18 +173,41 @@ impl Engine {
                 stall,
             };
             let progress = &mut *ctx.progress;
-            let payload = builder
-                .write_chunked("vmstate", "ram+device", &mut reader, &mut |bytes| {
-                    progress(backstop_control::Progress {
-                        step: "capture".into(),
-                        message: "storing RAM and device state".into(),
-                        bytes: Some(bytes),
-                    });
-                })
-                .map_err(|source| EngineError::SnapshotStore {
-                    step: "store state",
-                    source,
-                })?;
+            let mut on_chunk = |bytes| {
+                progress(backstop_control::Progress {
+                    step: "capture".into(),
+                    message: "storing RAM and device state".into(),
+                    bytes: Some(bytes),
+                });
+            };
+            let (payload, chunking) = match stream.layout {
+                StreamLayout::Opaque => {
+                    let p =
+                        builder.write_chunked("vmstate", "ram+device", &mut reader, &mut on_chunk);
+                    (p, json!({"method": "content-defined"}))
+                }
+                StreamLayout::QemuMigration { page_size } => {
+                    let mut chunker = MigrationChunker::new(&mut reader, page_size);
+                    let p =
+                        builder.write_chunks("vmstate", "ram+device", &mut chunker, &mut on_chunk);
+                    let r = chunker.report();
+                    if let Some(why) = &r.fallback {
+                        warn!(reason = %why, "RAM stream not understood: the rest was cut content-defined");
+                    }
+                    (
+                        p,
+                        json!({
+                            "method": "qemu-page-records", "page_records": r.page_records,
+                            "record_chunks": r.record_chunks, "content_defined_chunks": r.cdc_chunks,
+                            "fallback": r.fallback,
+                        }),
+                    )
+                }
+            };
+            let payload = payload.map_err(|source| EngineError::SnapshotStore {
+                step: "store state",
+                source,
+            })?;
             let report =
                 self.backend
                     .finish_capture()
@@ -204,7 +228,7 @@ impl Engine {
             let capture = json!({
                 "backend": self.backend.kind(), "accel": self.backend.accel(),
                 "pause_us": report.pause_us, "downtime_ms": report.downtime_ms, "state_bytes": report.state_bytes,
-                "capture_ms": capture_ms, "vmstate_bytes": payload.total_bytes,
+                "capture_ms": capture_ms, "vmstate_bytes": payload.total_bytes, "chunking": chunking,
             });
             ctx.step("publish", "signing and publishing the manifest", None);
             let m = builder

@@ -50,6 +50,18 @@ pub struct CaptureStream {
     pub reader: Box<dyn Read + Send>,
     /// Layers that became immutable at the capture instant (the previous top layers), per disk.
     pub frozen_layers: Vec<(String, PathBuf)>,
+    /// What the stream is, so the store can cut it where snapshots share bytes.
+    pub layout: StreamLayout,
+}
+
+/// The structure of a capture stream, as far as chunking it for deduplication is concerned.
+/// It never changes what is stored, only where chunk boundaries fall.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamLayout {
+    /// No structure the store knows: content-defined chunks.
+    Opaque,
+    /// A QEMU migration stream whose RAM pages are `page_size` bytes: cut at page records.
+    QemuMigration { page_size: u64 },
 }
 
 /// Figures of a finished capture.

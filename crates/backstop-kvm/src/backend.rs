@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use backstop_hypervisor::{
     BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch, GuestDevices,
-    HeartbeatStatus, Peripheral, RestoreReport, Result, RevocationReport, RunState, VmBackend,
-    VmEvent,
+    HeartbeatStatus, Peripheral, RestoreReport, Result, RevocationReport, RunState, StreamLayout,
+    VmBackend, VmEvent,
 };
 use backstop_integrity::HostKey;
 
@@ -473,6 +473,7 @@ impl VmBackend for KvmBackend {
         Ok(CaptureStream {
             reader,
             frozen_layers: Vec::new(),
+            layout: StreamLayout::Opaque,
         })
     }
 

@@ -16,6 +16,7 @@ mod agent;
 mod cmdline;
 pub mod devices;
 pub mod qmp;
+pub mod stream_chunks;
 
 use std::fs::File;
 use std::io::Write;
@@ -29,12 +30,13 @@ use serde_json::{json, Value};
 
 use backstop_hypervisor::{
     BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch,
-    RestoreReport, Result, RevocationReport, RunState, VmBackend, VmEvent,
+    RestoreReport, Result, RevocationReport, RunState, StreamLayout, VmBackend, VmEvent,
 };
 
 pub use agent::{AgentStats, GUEST_LINE_MAX};
 pub use cmdline::{command_line, fingerprint};
 use qmp::Qmp;
+pub use stream_chunks::{ChunkingReport, MigrationChunker};
 
 /// Which accelerator QEMU uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -472,6 +474,8 @@ impl VmBackend for QemuBackend {
         Ok(CaptureStream {
             reader: Box::new(reader),
             frozen_layers: frozen,
+            // x86 guests only (qemu-system-x86_64): 4 KiB target pages.
+            layout: StreamLayout::QemuMigration { page_size: 4096 },
         })
     }
 

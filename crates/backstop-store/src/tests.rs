@@ -763,6 +763,108 @@ fn open_payload_refuses_unknown_and_unchunked_payloads() {
     assert!(matches!(err, StoreError::NotChunked { .. }), "{err}");
 }
 
+// ---------------------------------------------------------------- caller-cut chunks
+
+#[test]
+fn caller_cut_chunks_round_trip_dedup_within_and_across_snapshots() {
+    let fx = Fixture::new();
+    let a = random_bytes(1, 64 * 1024);
+    let b = random_bytes(2, 300_000);
+    let c = random_bytes(3, 10);
+    let cut = |parts: &[&Vec<u8>]| -> Vec<std::io::Result<Vec<u8>>> {
+        parts.iter().map(|p| Ok((*p).clone())).collect()
+    };
+
+    // `a` twice in one payload: stored once, still two entries in the index.
+    let mut builder = fx.store.begin().unwrap();
+    let p = builder
+        .write_chunks(
+            "vmstate",
+            KIND_RAM_DEVICE,
+            &mut cut(&[&a, &b, &a]).into_iter(),
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(p.chunks, 3);
+    assert_eq!(p.total_bytes as usize, 2 * a.len() + b.len());
+    assert_eq!(p.new_bytes as usize, a.len() + b.len());
+    assert_eq!(
+        fx.chunk_files(),
+        0,
+        "nothing reaches chunks/ before publish"
+    );
+    let first = builder.publish(input("first")).unwrap();
+    assert_eq!(fx.chunk_files(), 2);
+
+    // The next snapshot shares `b`: only `c` is new.
+    let mut builder = fx.store.begin().unwrap();
+    let p = builder
+        .write_chunks(
+            "vmstate",
+            KIND_RAM_DEVICE,
+            &mut cut(&[&b, &c]).into_iter(),
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(p.new_bytes as usize, c.len());
+    let second = builder.publish(input("second")).unwrap();
+    assert_eq!(second.bytes_stored as usize, c.len());
+    assert_eq!(fx.chunk_files(), 3);
+
+    for (m, want) in [
+        (&first, [a.clone(), b.clone(), a.clone()].concat()),
+        (&second, [b, c].concat()),
+    ] {
+        let v = fx
+            .store
+            .verify(&m.snapshot_id, &VerifyOptions::default())
+            .unwrap();
+        let mut back = Vec::new();
+        fx.store
+            .open_payload(&v, "vmstate")
+            .unwrap()
+            .read_to_end(&mut back)
+            .unwrap();
+        assert_eq!(back, want);
+    }
+}
+
+#[test]
+fn caller_cut_chunks_out_of_bounds_or_failing_are_refused() {
+    let fx = Fixture::new();
+    for bad in [Vec::new(), vec![0u8; 4 * MIB + 1]] {
+        let mut b = fx.store.begin().unwrap();
+        let err = b
+            .write_chunks(
+                "vmstate",
+                KIND_RAM_DEVICE,
+                &mut vec![Ok(vec![1u8; 10]), Ok(bad)].into_iter(),
+                &mut |_| {},
+            )
+            .unwrap_err();
+        assert_code(&err, MANIFEST_INVALID);
+        assert!(err.to_string().contains("chunk length"), "{err}");
+    }
+    let mut b = fx.store.begin().unwrap();
+    let err = b
+        .write_chunks(
+            "vmstate",
+            KIND_RAM_DEVICE,
+            &mut vec![
+                Ok(vec![1u8; 10]),
+                Err(std::io::Error::other("capture died")),
+            ]
+            .into_iter(),
+            &mut |_| {},
+        )
+        .unwrap_err();
+    assert!(matches!(err, StoreError::ReadSource { .. }), "{err}");
+    drop(b);
+    assert_eq!(fx.chunk_files(), 0);
+    assert_eq!(fx.tmp_entries(), 0);
+    assert!(fx.store.list().unwrap().is_empty());
+}
+
 // ---------------------------------------------------------------- building with bad input
 
 #[test]
@@ -853,13 +955,16 @@ fn dropped_builder_leaves_nothing_after_reopen() {
             &mut |_| {},
         )
         .unwrap();
-    assert!(fx.chunk_files() > chunks_before);
+    assert!(p.new_bytes > 0);
+    // New chunks wait in the build directory: nothing unpublished ever enters chunks/.
+    assert_eq!(fx.chunk_files(), chunks_before);
+    let pending = fs::read_dir(b.dir().join("pending")).unwrap().count() as u64;
+    assert_eq!(pending, p.chunks);
     drop(b);
     assert_eq!(fx.tmp_entries(), 0, "drop removes the build directory");
 
     let report = fx.reopen();
-    assert_eq!(report.tmp_removed, 0);
-    assert_eq!(report.chunks_removed, p.chunks);
+    assert_eq!(report, SweepReport::default());
     assert_eq!(fx.chunk_files(), chunks_before);
     assert_eq!(
         fx.store.list().unwrap(),
@@ -888,8 +993,13 @@ fn build_interrupted_by_a_crash_is_swept_at_open() {
         p.new_bytes > 0 && p.new_bytes < p.total_bytes,
         "shares chunks with earlier"
     );
+    assert_eq!(
+        fx.chunk_files(),
+        chunks_before,
+        "pending chunks stay in tmp/"
+    );
     std::mem::forget(b);
-    // ...and a chunk was half written when it died.
+    // ...and a chunk was half written when it died (a store written by an older version).
     let stray = fx.root().join("chunks/ab/.tmp-0011223344556677");
     fs::create_dir_all(stray.parent().unwrap()).unwrap();
     fs::write(&stray, b"partial").unwrap();
@@ -907,7 +1017,7 @@ fn build_interrupted_by_a_crash_is_swept_at_open() {
 
     let report = fx.reopen();
     assert_eq!(report.tmp_removed, 2);
-    assert!(report.chunks_removed >= 2, "{report:?}");
+    assert_eq!(report.chunks_removed, 1, "the stray: {report:?}");
     assert_eq!(fx.tmp_entries(), 0);
     assert!(!stray.exists());
     assert_eq!(fx.chunk_files(), chunks_before, "only the orphans are gone");
