@@ -90,8 +90,11 @@ pub struct Tick {
     pub scratch: Option<u64>,
 }
 
+/// Complete lines only: the guest may be mid-line (`ram=12 disk=1` of `disk=12`).
 pub fn parse_ticks(text: &str) -> Vec<Tick> {
-    text.lines()
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete
+        .lines()
         .filter_map(|l| {
             let rest = l.trim().strip_prefix("BACKSTOP tick ram=")?;
             let (ram, rest) = rest.split_once(" disk=")?;
@@ -550,6 +553,12 @@ mod tests {
                     scratch: Some(9)
                 }
             ]
+        );
+        // A line still being printed is not a tick yet.
+        assert_eq!(parse_ticks("BACKSTOP tick ram=12 disk=1").len(), 0);
+        assert_eq!(
+            parse_ticks("BACKSTOP tick ram=5 disk=5\r\nBACKSTOP tick ram=6 disk=").len(),
+            1
         );
     }
 }

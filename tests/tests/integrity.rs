@@ -24,7 +24,15 @@ fn a_flipped_byte_anywhere_refuses_the_rollback_and_leaves_the_guest_running() {
         let index: serde_json::Value =
             serde_json::from_slice(&std::fs::read(snap_dir.join("vmstate.index")).unwrap())
                 .unwrap();
-        let sha = index["chunks"][0]["sha256"].as_str().unwrap().to_string();
+        // The largest chunk: RAM pages (the first is the stream's short preamble).
+        let largest = index["chunks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .max_by_key(|c| c["len"].as_u64().unwrap())
+            .unwrap();
+        assert!(largest["len"].as_u64().unwrap() > 8192, "{largest}");
+        let sha = largest["sha256"].as_str().unwrap().to_string();
         d.state_dir()
             .join(format!("store/chunks/{}/{}", &sha[..2], sha))
     };

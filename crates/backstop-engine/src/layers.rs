@@ -37,6 +37,49 @@ impl Layers {
         self.qemu_img_create(path, &args, &[], "qemu-img create overlay")
     }
 
+    /// Creates an empty qcow2 overlay on `active`, the layer a running QEMU writes to: the
+    /// backing file is recorded but not opened (`-u`; QEMU holds its write lock), so the virtual
+    /// size is given.
+    pub fn create_overlay_on_active(
+        &self,
+        path: &Path,
+        active: &Path,
+        size_bytes: u64,
+    ) -> Result<(), EngineError> {
+        let size = size_bytes.to_string();
+        let before: [&std::ffi::OsStr; 5] = [
+            "-u".as_ref(),
+            "-F".as_ref(),
+            "qcow2".as_ref(),
+            "-b".as_ref(),
+            active.as_os_str(),
+        ];
+        self.qemu_img_create(path, &before, &[size.as_ref()], "qemu-img create overlay")
+    }
+
+    /// The virtual size of a qcow2 image, read even while QEMU has it open (`info -U`: only
+    /// the header is read, which does not change while the image is written).
+    pub fn virtual_size(&self, image: &Path) -> Result<u64, EngineError> {
+        let step = "qemu-img info";
+        let out = Command::new(&self.qemu_img)
+            .args(["info", "-U", "--output=json"])
+            .arg(image)
+            .output()
+            .map_err(|source| EngineError::Io {
+                step: "run qemu-img",
+                source,
+            })?;
+        let stdout = out.stdout.clone();
+        check_output(out, step)?;
+        serde_json::from_slice::<serde_json::Value>(&stdout)
+            .ok()
+            .and_then(|v| v["virtual-size"].as_u64())
+            .ok_or_else(|| EngineError::Io {
+                step,
+                source: std::io::Error::other(format!("no virtual-size for {}", image.display())),
+            })
+    }
+
     /// Creates an empty standalone qcow2 image (excluded disks with `create_size_mib`).
     pub fn create_image(&self, path: &Path, size_mib: u64) -> Result<(), EngineError> {
         let size = format!("{size_mib}M");
@@ -136,5 +179,21 @@ mod tests {
             )
             .unwrap_err();
         assert!(err.to_string().contains("qemu-img create overlay"), "{err}");
+
+        // An overlay on a layer QEMU holds open: size read with -U, backing recorded unopened.
+        assert_eq!(l.virtual_size(&top).unwrap(), 4 << 20);
+        let next = l.layer_path("data", 2);
+        l.create_overlay_on_active(&next, &top, 4 << 20).unwrap();
+        let info = Command::new("qemu-img")
+            .args(["info", "--output=json"])
+            .arg(&next)
+            .output()
+            .unwrap();
+        let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+        assert_eq!(info["backing-filename"], top.display().to_string());
+        assert_eq!(info["backing-filename-format"], "qcow2");
+        assert_eq!(info["virtual-size"], 4 << 20);
+        let err = l.virtual_size(&d.path().join("missing.qcow2")).unwrap_err();
+        assert!(err.to_string().contains("qemu-img info"), "{err}");
     }
 }

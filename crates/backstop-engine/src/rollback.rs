@@ -299,25 +299,44 @@ impl Engine {
                 );
             }
         }
-        let mut payload = self
+        let payload = self
             .store
             .open_payload(target, "vmstate")
             .map_err(|e| ("open state", e.to_string()))?;
-        let mut buf = vec![0u8; 1 << 20];
-        let mut done = 0u64;
-        loop {
-            let n = std::io::Read::read(&mut payload, &mut buf)
-                .map_err(|e| ("read state", e.to_string()))?;
-            if n == 0 {
-                break;
+        // One thread reads (and re-checks) chunks while this one feeds QEMU, so reading the
+        // store and QEMU's loading overlap instead of taking turns.
+        std::thread::scope(|scope| -> Result<(), (&'static str, String)> {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<std::io::Result<Vec<u8>>>(8);
+            scope.spawn(move || {
+                let mut payload = payload;
+                loop {
+                    let mut buf = vec![0u8; 1 << 20];
+                    let item = read_full(&mut payload, &mut buf).map(|n| {
+                        buf.truncate(n);
+                        buf
+                    });
+                    let end = matches!(&item, Ok(b) if b.is_empty()) || item.is_err();
+                    // The receiver hung up (the load failed): stop reading.
+                    if tx.send(item).is_err() || end {
+                        return;
+                    }
+                }
+            });
+            let mut done = 0u64;
+            for item in rx {
+                let buf = item.map_err(|e| ("read state", e.to_string()))?;
+                if buf.is_empty() {
+                    break;
+                }
+                sink.write_all(&buf)
+                    .map_err(|e| ("load state", e.to_string()))?;
+                done += buf.len() as u64;
+                if done % (64 << 20) < buf.len() as u64 {
+                    ctx.step("restore", "loading RAM and device state", Some(done));
+                }
             }
-            sink.write_all(&buf[..n])
-                .map_err(|e| ("load state", e.to_string()))?;
-            done += n as u64;
-            if done % (64 << 20) < n as u64 {
-                ctx.step("restore", "loading RAM and device state", Some(done));
-            }
-        }
+            Ok(())
+        })?;
         sink.flush().map_err(|e| ("load state", e.to_string()))?;
         drop(sink);
         let rr = self
@@ -345,4 +364,18 @@ impl Engine {
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
         Ok((revoked, restore_ms.max(rr.load_ms)))
     }
+}
+
+/// Reads until `buf` is full or the stream ends; the count read (0 only at the end).
+fn read_full(r: &mut dyn std::io::Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
 }

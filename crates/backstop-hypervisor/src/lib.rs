@@ -39,8 +39,9 @@ pub enum BootMode {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskSwitch {
     pub id: String,
-    /// New overlay the guest writes to after the capture instant. Its backing file is the layer
-    /// that was active until then, which becomes the snapshot's immutable disk layer.
+    /// New overlay the guest writes to after the capture instant, created by the caller. Its
+    /// backing file is the layer that was active until then, which becomes the snapshot's
+    /// immutable disk layer.
     pub new_active: PathBuf,
 }
 
@@ -136,6 +137,10 @@ pub enum BackendError {
     NotRunning { step: &'static str },
     #[error("restored VM failed its check: {0}")]
     RestoreCheck(String),
+    /// The disks did switch to the new overlays (the guest now writes them), but the RAM capture
+    /// did not start. The caller must keep the new layers in the disks' chains.
+    #[error("capture did not start after the disk switch: {0}")]
+    CaptureAfterSwitch(Box<BackendError>),
 }
 
 impl BackendError {
@@ -145,6 +150,7 @@ impl BackendError {
             BackendError::Launch(_) => "ERR_BACKEND_LAUNCH",
             BackendError::Timeout { .. } => "ERR_BACKEND_TIMEOUT",
             BackendError::RestoreCheck(_) => "ERR_BACKEND_RESTORE_CHECK",
+            BackendError::CaptureAfterSwitch(inner) => inner.code(),
             _ => "ERR_BACKEND",
         }
     }
@@ -170,7 +176,10 @@ pub trait VmBackend: Send {
     fn poll_events(&mut self) -> Result<Vec<VmEvent>>;
 
     /// Pauses the guest, switches every captured disk at the same instant, starts the
-    /// RAM/device capture and lets the guest run on while the state streams out.
+    /// RAM/device capture and lets the guest run on while the state streams out. Each switch's
+    /// `new_active` already exists: an empty overlay whose backing file is the disk's active
+    /// layer (created by the caller outside the pause). An error other than
+    /// [`BackendError::CaptureAfterSwitch`] means the disks did not switch.
     fn begin_capture(&mut self, switches: &[DiskSwitch]) -> Result<CaptureStream>;
     /// Waits for the capture started by `begin_capture` to finish (after its stream hit EOF).
     fn finish_capture(&mut self) -> Result<CaptureReport>;

@@ -92,8 +92,13 @@ impl TickReport {
     /// Parses `T0000002a W000002a0`; anything else is `None`.
     pub fn parse(line: &str) -> Option<Self> {
         let (t, w) = line.trim_end().split_once(' ')?;
-        let tick = u32::from_str_radix(t.strip_prefix('T')?, 16).ok()?;
-        let writes = u32::from_str_radix(w.strip_prefix('W')?, 16).ok()?;
+        let hex8 = |s: &str| {
+            (s.len() == 8)
+                .then(|| u32::from_str_radix(s, 16).ok())
+                .flatten()
+        };
+        let tick = hex8(t.strip_prefix('T')?)?;
+        let writes = hex8(w.strip_prefix('W')?)?;
         Some(Self { tick, writes })
     }
 }
@@ -237,5 +242,8 @@ mod tests {
         );
         assert_eq!(TickReport::parse("hello"), None);
         assert_eq!(TickReport::parse("Tzz W1"), None);
+        // A line caught half-printed is not a report of 0 writes.
+        assert_eq!(TickReport::parse("T0000002a W0000"), None);
+        assert_eq!(TickReport::parse("T0000002a W000002a00"), None);
     }
 }

@@ -459,7 +459,14 @@ impl KvmVm {
 
     /// The program's tick reports in the serial output collected so far.
     pub fn tick_reports(&self) -> Vec<TickReport> {
-        String::from_utf8_lossy(&self.serial_output())
+        let out = self.serial_output();
+        // Only complete lines: the guest may be in the middle of printing the last one (a
+        // half-printed `W0000` would read as 0 writes).
+        let complete = out
+            .iter()
+            .rposition(|&b| b == b'\n')
+            .map_or(&out[..0], |end| &out[..end]);
+        String::from_utf8_lossy(complete)
             .lines()
             .filter_map(TickReport::parse)
             .collect()

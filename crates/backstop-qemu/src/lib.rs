@@ -1,6 +1,7 @@
 //! QEMU backend: launches and supervises one `qemu-system-x86_64`, drives it over QMP.
 //!
-//! * Capture: `stop` → one QMP `transaction` of `blockdev-snapshot-sync` for every captured disk
+//! * Capture: the new overlays (created by the caller) are opened with `blockdev-add`, then
+//!   `stop` → one QMP `transaction` of `blockdev-snapshot` for every captured disk
 //!   → `migrate` with the `background-snapshot` capability into a pipe whose write end QEMU got by
 //!   SCM_RIGHTS. On QEMU 7.2 a background snapshot started on a paused VM resumes it as soon as
 //!   the device state is saved, so the guest's pause is stop + disk switch + device state, and the
@@ -270,14 +271,24 @@ fn log_tail(path: &Path) -> String {
     lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
 }
 
+/// A pipe for a state stream, enlarged to 1 MiB where the host allows it: with the default
+/// 64 KiB, QEMU and backstop take turns every 64 KiB and a stream of hundreds of MiB spends
+/// its time switching between them.
 fn pipe() -> Result<(File, File)> {
     let (r, w) =
         nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| BackendError::Io {
             step: "pipe",
             source: e.into(),
         })?;
+    // Best effort: an unprivileged process is capped by /proc/sys/fs/pipe-max-size.
+    let _ = nix::fcntl::fcntl(
+        w.as_raw_fd(),
+        nix::fcntl::FcntlArg::F_SETPIPE_SZ(STATE_PIPE_BYTES),
+    );
     Ok((File::from(r), File::from(w)))
 }
+
+const STATE_PIPE_BYTES: nix::libc::c_int = 1 << 20;
 
 impl VmBackend for QemuBackend {
     fn kind(&self) -> &'static str {
@@ -402,6 +413,7 @@ impl VmBackend for QemuBackend {
         // Which node each disk's device currently writes to: its active layer's node name.
         let mut actions = Vec::new();
         let mut frozen = Vec::new();
+        let mut added = Vec::new();
         let mut new_disks = self.disks.clone();
         let mut new_nodes = self.active_nodes.clone();
         for sw in switches {
@@ -417,31 +429,74 @@ impl VmBackend for QemuBackend {
                 .cloned()
                 .unwrap_or_else(|| cmdline::node_name(&sw.id));
             let fresh = cmdline::fresh_node_name(&sw.id, &sw.new_active);
+            added.push(fresh.clone());
             actions.push(json!({
-                "type": "blockdev-snapshot-sync",
-                "data": {
-                    "node-name": node,
-                    "snapshot-file": sw.new_active,
-                    "snapshot-node-name": fresh,
-                    "format": "qcow2",
-                    "mode": "absolute-paths",
-                }
+                "type": "blockdev-snapshot",
+                "data": { "node": node, "overlay": fresh }
             }));
             new_nodes.insert(sw.id.clone(), fresh);
             frozen.push((sw.id.clone(), disk.active.clone()));
             disk.active = sw.new_active.clone();
         }
-        let (reader, writer) = pipe()?;
+        // Opening the new overlays happens before the pause: inside it only the switch itself
+        // (a graph change in memory) remains. Created by the caller, they have no backing node
+        // yet (`blockdev-snapshot` attaches the old top layer).
         let r = self.running_mut("capture")?;
-        r.qmp.execute_with_fd(
-            "getfd",
-            Some(json!({"fdname": "backstop-capture"})),
-            Some(writer.as_raw_fd()),
-            t,
-        )?;
+        let mut opened = Vec::new();
+        let mut open_result = Ok(());
+        for (sw, node) in switches.iter().zip(&added) {
+            let args = json!({
+                "driver": "qcow2", "node-name": node, "backing": null,
+                "file": { "driver": "file", "filename": sw.new_active },
+            });
+            match r.qmp.execute("blockdev-add", Some(args), t) {
+                Ok(_) => opened.push(node.clone()),
+                Err(e) => {
+                    open_result = Err(e);
+                    break;
+                }
+            }
+        }
+        let close_opened = |r: &mut Running| {
+            for node in &opened {
+                let _ = r
+                    .qmp
+                    .execute("blockdev-del", Some(json!({ "node-name": node })), t);
+            }
+        };
+        if let Err(e) = open_result {
+            close_opened(r);
+            return Err(e);
+        }
+        let (reader, writer) = match pipe() {
+            Ok(p) => p,
+            Err(e) => {
+                close_opened(r);
+                return Err(e);
+            }
+        };
+        let prepared = r
+            .qmp
+            .execute_with_fd(
+                "getfd",
+                Some(json!({"fdname": "backstop-capture"})),
+                Some(writer.as_raw_fd()),
+                t,
+            )
+            .and_then(|_| r.qmp.execute("stop", None, t))
+            .and_then(|_| r.qmp.wait_event("STOP", t, "stop"));
         drop(writer);
-        r.qmp.execute("stop", None, t)?;
-        let stop = r.qmp.wait_event("STOP", t, "stop")?;
+        let stop = match prepared {
+            Ok(stop) => stop,
+            Err(e) => {
+                let _ = r
+                    .qmp
+                    .execute("closefd", Some(json!({"fdname": "backstop-capture"})), t);
+                let _ = r.qmp.execute("cont", None, t);
+                close_opened(r);
+                return Err(e);
+            }
+        };
         // From here the guest is paused: every error path must resume it.
         let switched = if actions.is_empty() {
             Ok(Value::Null)
@@ -454,6 +509,7 @@ impl VmBackend for QemuBackend {
                 .qmp
                 .execute("closefd", Some(json!({"fdname": "backstop-capture"})), t);
             let _ = r.qmp.execute("cont", None, t);
+            close_opened(r);
             return Err(e);
         }
         if let Err(e) = r
@@ -464,7 +520,7 @@ impl VmBackend for QemuBackend {
             let _ = r.qmp.execute("cont", None, t);
             self.disks = new_disks;
             self.active_nodes = new_nodes;
-            return Err(e);
+            return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
         }
         r.capture = Some(CaptureInFlight {
             stop_us: Self::event_us(&stop),
