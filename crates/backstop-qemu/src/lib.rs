@@ -818,6 +818,11 @@ impl VmBackend for QemuBackend {
                 )));
             }
         }
+        tracing::info!(
+            load_ms,
+            checked_ms = started.elapsed().as_millis() as u64 - load_ms,
+            "restored state loaded and checked"
+        );
         Ok(RestoreReport { load_ms, devices })
     }
 

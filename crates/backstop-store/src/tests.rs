@@ -481,6 +481,27 @@ fn flipped_byte_in_chunk_fails() {
 }
 
 #[test]
+fn with_several_bad_chunks_verify_names_the_first_in_stream_order() {
+    // Chunks are checked on several threads; the error must not depend on which finished first.
+    let fx = Fixture::new();
+    let m = fx.snapshot(&random_bytes(5, 12 * MIB), &[], "many chunks");
+    let bytes = fs::read(fx.snap_dir(&m.snapshot_id).join("vmstate.index")).unwrap();
+    let chunks = ChunkIndex::parse(&bytes).unwrap().chunks;
+    assert!(chunks.len() >= 6, "{} chunks", chunks.len());
+    for c in &chunks[2..] {
+        fs::remove_file(fx.chunk_file(&c.sha256)).unwrap();
+    }
+    flip_byte(&fx.chunk_file(&chunks[1].sha256), 100);
+    for _ in 0..5 {
+        let err = fx.verify_err(&m.snapshot_id);
+        assert!(
+            matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunks[1].sha256)),
+            "{err}"
+        );
+    }
+}
+
+#[test]
 fn deleted_chunk_fails() {
     let fx = Fixture::new();
     let id = fx.small_snapshot().snapshot_id;
