@@ -250,12 +250,15 @@ def goals(f, meta):
                         f"{fmt(silence)} (quiet-window floor {fmt(_med(f, 'noise_silence'))})",
             "verdict": verdict(stopped <= 5, f"{stopped - 5:.1f} ms ({stopped / 5:.1f}x the goal)"),
             "reading": (
-                f"QEMU's own background snapshot, alone, stops this guest {fmt(bg)}. backstop's pause "
-                f"window also holds its QMP round trips and the disk switch, a blockdev-snapshot-sync "
-                f"transaction that creates the new qcow2 overlay while the guest is stopped (that "
-                f"transaction took {fmt(sw)} inside the stop-and-copy peer's pause). Suggested: create "
-                f"and blockdev-add the overlays before `stop` and link them with blockdev-snapshot in the "
-                f"transaction, leaving stop + link + migrate start in the window. After the pause the "
+                f"QEMU's own background snapshot, started on the running guest, stops it {fmt(bg)}: its "
+                f"migration setup (bitmaps over all of RAM; ~80 ms at 1 GiB, MIGRATION setup -> active, "
+                f"measured with a bare QMP script) runs before its internal stop. backstop must stop the "
+                f"guest itself so that the disk switch and the RAM capture share one instant, so that "
+                f"setup runs inside backstop's pause. The new overlays are created and opened "
+                f"(blockdev-add) before `stop`; inside the window are only stop, a blockdev-snapshot "
+                f"transaction (a graph change; creating the qcow2 there took {fmt(sw)} in the "
+                f"stop-and-copy peer) and migrate. On a 256 MiB guest the whole pause is ~11 ms. After the "
+                f"pause the "
                 f"guest runs slowed while RAM streams out: its own clock saw stalls of {fmt(own)} "
                 f"({fmt(own_busy)} while its writer dirtied RAM, each first write to a page waiting for "
                 f"its copy-out) against a quiet-window floor of {fmt(floor)}."),
@@ -275,13 +278,15 @@ def goals(f, meta):
                        + (f" as measured; {verdict(b <= vn / 10, f'{b - vn / 10:.0f} ms ({b / vn * 10:.1f}x)')}"
                           f" against virsh without the re-probe" if probe and vn else ""),
             "reading": (
-                f"backstop's {fmt(total)} = verify the snapshot (signature, every chunk and disk layer), "
-                f"end QEMU, start a fresh one, stream the state in ({fmt(loaded)}, every chunk re-checked), "
-                f"check, resume. A bare stop-and-copy restore (no verification, state from one flat file) "
-                f"reaches the guest in {fmt(sc)}, loading in {fmt(sc_load)}; the difference is backstop's "
-                f"own work (this run does not split it further). Candidates: start the fresh QEMU while "
-                f"verifying, and cache per-chunk verification (issue 5) rather than hashing each chunk "
-                f"before the restore and again while streaming."
+                f"backstop's {fmt(total)} = verify the snapshot (signature, every chunk and disk layer, on "
+                f"up to 4 threads), end QEMU, start a fresh one, stream the state in ({fmt(loaded)}: a "
+                f"reader thread re-checks every chunk and feeds a 1 MiB pipe), check, resume. A bare "
+                f"stop-and-copy restore (no verification, state from one flat file) reaches the guest in "
+                f"{fmt(sc)}, loading in {fmt(sc_load)}. Loading dominates and is QEMU consuming the "
+                f"stream: the daemon log's `restored state loaded` line gives load_ms; on this host the "
+                f"same stream loaded by a bare QEMU varied 0.4-2.3 s between runs (from a pipe or a file), "
+                f"so staging it in memory first was tried and dropped. Candidate: start the fresh QEMU "
+                f"while verifying."
                 + (f" libvirt re-probes QEMU's capabilities inside every revert on this machine "
                    f"({fmt(probe)}): /dev/kvm is 0600 root and paravirtual (kvm_pvm), and libvirt's "
                    f"KVM check flips, so its cache never stays valid; on a stock KVM host that time "
@@ -296,12 +301,12 @@ def goals(f, meta):
                         + (f" (after 10% of RAM dirtied: {rd * 100:.0f}%)" if rd is not None else ""),
             "verdict": verdict(r <= 0.10, f"{(r - 0.10) * 100:.0f} points ({r / 0.10:.1f}x the goal)"),
             "reading": (
-                "background-snapshot writes RAM pages in the order the migration thread and the guest's "
-                "write faults reach them, so the same RAM yields a different byte stream each time and "
-                "content-defined chunks of it rarely repeat (README, known limits; issue 5). Deduplicating "
-                "per guest page (or per fixed run of pages, keyed by guest-physical address from the "
-                "stream's page headers) instead of over the raw stream would make an idle snapshot cost "
-                "about the pages that changed."),
+                "the store cuts QEMU's stream at page records, one chunk per 64 KiB run of guest "
+                "addresses (crates/backstop-qemu/src/stream_chunks.rs), so RAM that did not change lands "
+                "in chunks that did not change, although background-snapshot writes pages in the order "
+                "the migration thread and the guest's write faults reach them. What remains is the "
+                "scattered pages the guest changed, each costing its whole run; "
+                "scripts/bench-incremental.sh breaks it down page by page."),
         })
     t, d = _med(f, "tput_store"), _med(f, "tput_dd", "host")
     if t is not None and d:
@@ -319,13 +324,14 @@ def goals(f, meta):
                 + f"; the same QEMU streams a stopped guest at {fmt(sc, 'MB/s')}. backstop's capture moved "
                 f"state at {fmt(stream, 'MB/s')}"
                 + (f", {stream / bgs * 100:.0f}% of that bare stream, so the daemon's side (pipe, chunking, "
-                   f"hashing, one file and fsync per chunk) loses the other {100 - stream / bgs * 100:.0f}%"
+                   f"hashing, one file per chunk) loses the other {100 - stream / bgs * 100:.0f}%"
                    if stream and bgs and stream < bgs else "")
                 + f". The store's write pattern alone (1 MiB files, each fsynced and renamed) does "
                 f"{fmt(chunks, 'MB/s')} on this filesystem and sha256 {fmt(sha, 'MB/s')} on one core: neither "
                 f"the disk nor the hash is the limit by itself; chunking, hashing and writing run one after "
-                f"another on one thread while QEMU waits on the pipe, on a host whose other core runs the TCG vCPU. Candidates: overlap them (hash and "
-                f"write on other threads, a deeper pipe), batch the per-chunk fsyncs before publish. Why "
+                f"another on one thread while QEMU waits on the (1 MiB) pipe, on a host whose other core runs the TCG vCPU; "
+                f"chunk files are made durable by one syncfs at publish. Candidate: hash and write on "
+                f"another thread. Why "
                 f"the live stream is so much slower than a stopped one is not measured here (under TCG, "
                 f"write-protect faults and copy-out on QEMU's one migration thread are the suspects; KVM "
                 f"hosts will differ)."),

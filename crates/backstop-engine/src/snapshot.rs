@@ -151,8 +151,12 @@ impl Engine {
         let stream = match self.backend.begin_capture(&switches) {
             Ok(stream) => stream,
             Err(BackendError::CaptureAfterSwitch(source)) => {
-                // The guest writes the new overlays now: they join the chains (no snapshot
-                // refers to the layers they froze, which is harmless).
+                // The guest writes the new overlays now: they join the chains, and the layers
+                // below them are immutable from here like any frozen layer (no snapshot of
+                // their own: the next snapshot's chain includes them).
+                for (_, old_active) in &captured {
+                    self.layers.freeze(old_active)?;
+                }
                 for sw in &switches {
                     self.vm
                         .chains
