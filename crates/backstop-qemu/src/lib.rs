@@ -4,7 +4,8 @@
 //!   `stop` → one QMP `transaction` of `blockdev-snapshot` for every captured disk
 //!   → `migrate` with the `background-snapshot` capability into a pipe whose write end QEMU got by
 //!   SCM_RIGHTS. On QEMU 7.2 a background snapshot started on a paused VM resumes it as soon as
-//!   the device state is saved, so the guest's pause is stop + disk switch + device state, and the
+//!   the device state is saved, so the guest's pause is stop + disk switch + QEMU's migration
+//!   setup (it grows with RAM: ~80 ms at 1 GiB) + device state, and the
 //!   disks and RAM are captured at the same instant. RAM streams out while the guest runs.
 //! * Restore: a fresh QEMU started with `-incoming defer -S`, state written into a pipe handed over
 //!   with `getfd` + `migrate-incoming fd:`, then checked while still paused.
@@ -290,6 +291,15 @@ fn pipe() -> Result<(File, File)> {
 
 const STATE_PIPE_BYTES: nix::libc::c_int = 1 << 20;
 
+/// Removes block nodes opened for a capture that did not happen (best effort).
+fn close_nodes(r: &mut Running, nodes: &[String], t: Duration) {
+    for node in nodes {
+        let _ = r
+            .qmp
+            .execute("blockdev-del", Some(json!({ "node-name": node })), t);
+    }
+}
+
 impl VmBackend for QemuBackend {
     fn kind(&self) -> &'static str {
         "qemu"
@@ -413,7 +423,6 @@ impl VmBackend for QemuBackend {
         // Which node each disk's device currently writes to: its active layer's node name.
         let mut actions = Vec::new();
         let mut frozen = Vec::new();
-        let mut added = Vec::new();
         let mut new_disks = self.disks.clone();
         let mut new_nodes = self.active_nodes.clone();
         for sw in switches {
@@ -429,7 +438,6 @@ impl VmBackend for QemuBackend {
                 .cloned()
                 .unwrap_or_else(|| cmdline::node_name(&sw.id));
             let fresh = cmdline::fresh_node_name(&sw.id, &sw.new_active);
-            added.push(fresh.clone());
             actions.push(json!({
                 "type": "blockdev-snapshot",
                 "data": { "node": node, "overlay": fresh }
@@ -443,31 +451,19 @@ impl VmBackend for QemuBackend {
         // yet (`blockdev-snapshot` attaches the old top layer).
         let r = self.running_mut("capture")?;
         let mut opened = Vec::new();
-        let mut open_result = Ok(());
-        for (sw, node) in switches.iter().zip(&added) {
+        for sw in switches {
+            let node = cmdline::fresh_node_name(&sw.id, &sw.new_active);
             let args = json!({
                 "driver": "qcow2", "node-name": node, "backing": null,
                 "file": { "driver": "file", "filename": sw.new_active },
             });
-            match r.qmp.execute("blockdev-add", Some(args), t) {
-                Ok(_) => opened.push(node.clone()),
-                Err(e) => {
-                    open_result = Err(e);
-                    break;
-                }
+            if let Err(e) = r.qmp.execute("blockdev-add", Some(args), t) {
+                close_nodes(r, &opened, t);
+                return Err(e);
             }
+            opened.push(node);
         }
-        let close_opened = |r: &mut Running| {
-            for node in &opened {
-                let _ = r
-                    .qmp
-                    .execute("blockdev-del", Some(json!({ "node-name": node })), t);
-            }
-        };
-        if let Err(e) = open_result {
-            close_opened(r);
-            return Err(e);
-        }
+        let close_opened = |r: &mut Running| close_nodes(r, &opened, t);
         let (reader, writer) = match pipe() {
             Ok(p) => p,
             Err(e) => {

@@ -81,7 +81,8 @@ enum State<R: Read> {
 }
 
 impl<R: Read> MigrationChunker<R> {
-    /// `page_size` is the target's page size (4096 on x86); it must be a power of two.
+    /// `page_size` is the target's page size (4096 on x86): a power of two from 512 to 64 KiB;
+    /// anything else is taken as 4096 (cutting only affects dedup, never the bytes).
     pub fn new(reader: R, page_size: u64) -> Self {
         let page_size = if page_size.is_power_of_two() && (512..=65536).contains(&page_size) {
             page_size
@@ -99,7 +100,6 @@ impl<R: Read> MigrationChunker<R> {
                 ram_section: [0; 4],
                 block: Vec::new(),
                 block_ordinal: 0,
-                have_block: false,
                 prev: None,
                 page_size,
                 page_records: 0,
@@ -200,10 +200,9 @@ struct Parser<R: Read> {
     cur: Vec<u8>,
     phase: Phase,
     ram_section: [u8; 4],
-    /// The RAM block the last record named.
+    /// The RAM block the last record named, and how many block changes so far (0: none named).
     block: Vec<u8>,
     block_ordinal: u64,
-    have_block: bool,
     prev: Option<Place>,
     page_size: u64,
     page_records: u64,
@@ -366,13 +365,12 @@ impl<R: Read> Parser<R> {
                 return Ok(Some(self.tail(Some("truncated RAM record".into()))));
             }
             let idstr = &self.unread()[9..9 + n];
-            if !self.have_block || idstr != self.block.as_slice() {
+            if self.block_ordinal == 0 || idstr != self.block.as_slice() {
                 self.block = idstr.to_vec();
                 self.block_ordinal += 1;
-                self.have_block = true;
             }
             len += 1 + n;
-        } else if !self.have_block {
+        } else if self.block_ordinal == 0 {
             return Ok(Some(
                 self.tail(Some("a RAM record continues a block never named".into())),
             ));

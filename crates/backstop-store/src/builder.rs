@@ -11,7 +11,7 @@ use fastcdc::v2020::{Error as CdcError, StreamCDC};
 
 use crate::error::StoreError;
 use crate::fsutil::{
-    create_private_subdir, digests_of, digests_of_reader, fsync_dir, fsync_file, write_new_synced,
+    create_private_subdir, digests_of, digests_of_reader, fsync_dir, write_new_synced,
 };
 use crate::index::{ChunkIndex, ChunkRef, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES, CHUNK_MIN_BYTES};
 use crate::manifest::{
@@ -19,7 +19,7 @@ use crate::manifest::{
     seal, signature_file, Checksum, DiskLayer, Manifest, ManifestInput, PayloadRef, VerifyOptions,
     DISK_PAYLOAD_PREFIX, INDEX_VERSION, KIND_DISK_LAYER_CHAIN, SCHEMA_VERSION, SCOPE_FULL,
 };
-use crate::{Paths, MANIFEST_FILE, SIGNATURE_FILE};
+use crate::{chunk_path, Paths, MANIFEST_FILE, SIGNATURE_FILE};
 
 /// A snapshot being built. Nothing it writes is visible as a snapshot until [`publish`]
 /// renames its directory into `snapshots/`; dropping it unpublished removes the directory.
@@ -345,18 +345,8 @@ impl SnapshotBuilder {
         // (and the chunk directories are fsynced), so no final name ever points at lost bytes.
         self.commit_pending_chunks()?;
 
-        // Every file of the snapshot, then its directory.
-        let entries = fs::read_dir(&self.dir).map_err(|source| StoreError::ReadDir {
-            path: self.dir.clone(),
-            source,
-        })?;
-        for entry in entries {
-            let entry = entry.map_err(|source| StoreError::ReadDir {
-                path: self.dir.clone(),
-                source,
-            })?;
-            fsync_file(&entry.path())?;
-        }
+        // Every file in the build directory was fsynced as it was written (indexes, manifest,
+        // signature); now the directory holding their names.
         fsync_dir(&self.dir)?;
 
         let target = self.paths.snapshots.join(&manifest.snapshot_id);
@@ -393,7 +383,7 @@ impl SnapshotBuilder {
         if self.pending.contains(sha256) {
             return Ok(false);
         }
-        let path = self.chunk_path(sha256);
+        let path = chunk_path(&self.paths.chunks, sha256);
         match fs::symlink_metadata(&path) {
             Ok(meta) if meta.is_file() && meta.len() == data.len() as u64 => return Ok(false),
             // A chunk of the wrong length is damaged: publishing replaces it with the right bytes.
@@ -420,11 +410,6 @@ impl SnapshotBuilder {
         Ok(true)
     }
 
-    fn chunk_path(&self, sha256: &str) -> PathBuf {
-        let (prefix, _) = sha256.split_at(2);
-        self.paths.chunks.join(prefix).join(sha256)
-    }
-
     /// `syncfs` on the store's file system, then every pending chunk renamed to its final name,
     /// then the chunk directories that changed fsynced.
     fn commit_pending_chunks(&mut self) -> Result<(), StoreError> {
@@ -436,7 +421,7 @@ impl SnapshotBuilder {
         let mut dirty_dirs = BTreeSet::new();
         for sha256 in std::mem::take(&mut self.pending) {
             let from = pending_dir.join(&sha256);
-            let to = self.chunk_path(&sha256);
+            let to = chunk_path(&self.paths.chunks, &sha256);
             let dir = to.parent().map(Path::to_path_buf).unwrap_or_default();
             if create_private_subdir(&dir)? {
                 dirty_dirs.insert(self.paths.chunks.clone());

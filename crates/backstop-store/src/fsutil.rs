@@ -45,16 +45,6 @@ pub(crate) fn fsync_dir(path: &Path) -> Result<(), StoreError> {
         })
 }
 
-/// fsyncs a regular file.
-pub(crate) fn fsync_file(path: &Path) -> Result<(), StoreError> {
-    File::open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(|source| StoreError::Fsync {
-            path: path.into(),
-            source,
-        })
-}
-
 /// Writes a new file (mode 0600, must not exist yet) and fsyncs it.
 pub(crate) fn write_new_synced(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
     let mut file = OpenOptions::new()

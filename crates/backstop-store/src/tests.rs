@@ -109,6 +109,18 @@ impl Fixture {
         ChunkIndex::parse(&bytes).unwrap().chunks.remove(0)
     }
 
+    /// Verifies snapshot `id` and reads its `vmstate` payload back.
+    fn read_back(&self, id: &str) -> Vec<u8> {
+        let v = self.store.verify(id, &VerifyOptions::default()).unwrap();
+        let mut back = Vec::new();
+        self.store
+            .open_payload(&v, "vmstate")
+            .unwrap()
+            .read_to_end(&mut back)
+            .unwrap();
+        back
+    }
+
     fn verify_err(&self, id: &str) -> StoreError {
         self.store
             .verify(id, &VerifyOptions::default())
@@ -297,16 +309,7 @@ fn layout_is_private_and_manifest_is_canonical_and_signed() {
 fn empty_stream_round_trips() {
     let fx = Fixture::new();
     let m = fx.snapshot(&[], &[], "empty state");
-    let v = fx
-        .store
-        .verify(&m.snapshot_id, &VerifyOptions::default())
-        .unwrap();
-    let mut back = Vec::new();
-    fx.store
-        .open_payload(&v, "vmstate")
-        .unwrap()
-        .read_to_end(&mut back)
-        .unwrap();
+    let back = fx.read_back(&m.snapshot_id);
     assert!(back.is_empty());
 }
 
@@ -357,16 +360,7 @@ fn stream_with_ten_percent_changed_adds_a_small_fraction() {
         "{new} of {len} stored again"
     );
     assert!(new < len as u64 / 4, "{new} of {len} stored again");
-    let v = fx
-        .store
-        .verify(&after.snapshot_id, &VerifyOptions::default())
-        .unwrap();
-    let mut back = Vec::new();
-    fx.store
-        .open_payload(&v, "vmstate")
-        .unwrap()
-        .read_to_end(&mut back)
-        .unwrap();
+    let back = fx.read_back(&after.snapshot_id);
     assert!(back == data);
 }
 
@@ -836,16 +830,7 @@ fn caller_cut_chunks_round_trip_dedup_within_and_across_snapshots() {
         (&first, [a.clone(), b.clone(), a.clone()].concat()),
         (&second, [b, c].concat()),
     ] {
-        let v = fx
-            .store
-            .verify(&m.snapshot_id, &VerifyOptions::default())
-            .unwrap();
-        let mut back = Vec::new();
-        fx.store
-            .open_payload(&v, "vmstate")
-            .unwrap()
-            .read_to_end(&mut back)
-            .unwrap();
+        let back = fx.read_back(&m.snapshot_id);
         assert_eq!(back, want);
     }
 }
