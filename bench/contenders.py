@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -103,7 +104,8 @@ class Contender:
     def __init__(self, env, rep):
         self.env = env
         self.rep = rep
-        self.dir = env.work / f"{self.name}-{rep}"
+        # One directory per QEMU version too (every contender runs once per version).
+        self.dir = env.work / f"{self.name}-{getattr(env, 'qemu_label', 'qemu')}-{rep}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.serial = None
 
@@ -163,13 +165,10 @@ class Backstop(Contender):
     def start(self):
         e = self.env
         shutil.rmtree(self.run_dir, ignore_errors=True)
-        cfg = f"""# written by bench/ for one repetition
-[daemon]
-state_dir = "{self.state}"
-run_dir = "{self.run_dir}"
-
+        cfg = self.daemon_table() + f"""
 [vm]
 name = "bench"
+qemu_binary = "{e.qemu}"
 accel = "{e.accel}"
 memory_mib = {e.memory_mib}
 vcpus = 1
@@ -185,6 +184,19 @@ path = "{e.guest}/disk-base.qcow2"
 format = "qcow2"
 snapshot = "capture"
 """
+        self.serial = SerialFollower(str(self.state / "bench-serial.log"), from_start=True)
+        self.launch(cfg)
+
+    def daemon_table(self):
+        return f"""# written by bench/ for one repetition
+[daemon]
+state_dir = "{self.state}"
+run_dir = "{self.run_dir}"
+"""
+
+    def launch(self, cfg):
+        """Writes the config, starts backstopd on it and waits until its console answers."""
+        e = self.env
         conf = self.dir / "backstop.toml"
         conf.write_text(cfg)
         env = dict(os.environ, BACKSTOP_LOG="info")
@@ -196,7 +208,6 @@ snapshot = "capture"
                 stderr=log,
                 env=env,
             )
-        self.serial = SerialFollower(str(self.state / "bench-serial.log"), from_start=True)
         deadline = time.monotonic() + 180
         while True:
             if self.proc.poll() is not None:
@@ -249,6 +260,7 @@ snapshot = "capture"
             "capture_ms": v.get("capture_ms") or cap.get("capture_ms"),
             "qemu_pause_ms": (s.get("pause_us") or 0) / 1e3,
             "qemu_downtime_ms": cap.get("downtime_ms"),
+            "pause_breakdown_us": cap.get("pause_breakdown_us"),
         }
 
     def rollback(self, snap):
@@ -289,6 +301,91 @@ snapshot = "capture"
 
     def discard(self):
         shutil.rmtree(self.state, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+def watchdog_expiries(env, reps, timeout_s=4, hb_stop_at=12):
+    """Watchdog expiry -> guest running (as scripts/bench-watchdog.sh): backstopd on `env.qemu`
+    with a heartbeat timeout, one snapshot while the agent is alive, then the guest's agent falls
+    silent at uptime `hb_stop_at` s (again after every restore). Per expiry, from the audit
+    journal: detect_ms (silence noticed past the timeout), restore_ms (the engine's total_ms,
+    rollback request -> guest resumed), beyond_ms = detect + restore."""
+    work = Path(tempfile.mkdtemp(prefix=f"wd-{env.qemu_label}-", dir=env.work))
+    run_dir = Path(f"/tmp/bsw-{os.getpid()}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    conf = work / "c.toml"
+    conf.write_text(f"""# written by bench/ for the watchdog measurement
+[daemon]
+state_dir = "{work / 'state'}"
+run_dir = "{run_dir}"
+[vm]
+name = "bench"
+qemu_binary = "{env.qemu}"
+accel = "{env.accel}"
+memory_mib = 256
+kernel = "{env.guest}/vmlinuz"
+initrd = "{env.guest}/initrd.img"
+append = "console=ttyS0 quiet panic=-1 no_timer_check backstop.hb_stop_at={hb_stop_at}"
+[[vm.disks]]
+id = "data"
+path = "{env.guest}/disk-base.qcow2"
+[watchdog]
+heartbeat_timeout_s = {timeout_s}
+boot_grace_s = 60
+""")
+    log = open(work / "backstopd.log", "ab")
+    proc = subprocess.Popen([str(env.backstopd), "--config", str(conf)], stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=log, env=dict(os.environ, BACKSTOP_LOG="info"))
+    rows = []
+
+    def cli(*args):
+        return subprocess.run([str(env.backstop), "--socket", str(run_dir / "control.sock"), *args],
+                              capture_output=True, text=True, timeout=300)
+
+    try:
+        deadline = time.monotonic() + 180
+        while cli("status").returncode != 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError("watchdog: backstopd did not come up")
+            time.sleep(0.2)
+        serial = work / "state" / "bench-serial.log"
+        while b"BACKSTOP tick ram=3 " not in (serial.read_bytes() if serial.exists() else b""):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError("watchdog: the guest did not tick")
+            time.sleep(0.2)
+        if cli("snapshot", "create", "--reason", "bench: agent alive").returncode != 0:
+            raise BenchError("watchdog: snapshot failed")
+        journal = work / "state" / "audit" / "journal.jsonl"
+        deadline = time.monotonic() + 60 * reps + 60
+        while len(rows) < reps and time.monotonic() < deadline:
+            entries = [json.loads(l) for l in journal.read_text().splitlines() if l.strip()]
+            init = [e for e in entries if e["event"] == "rollback.initiated"
+                    and e["fields"].get("trigger") == "watchdog_timeout"]
+            done = [e for e in entries if e["event"] == "snapshot.restore.completed"]
+            n = min(len(init), len(done))
+            while len(rows) < n:
+                i = len(rows)
+                silent = int(init[i]["fields"]["reason"].split("for ")[1].split(" ms")[0])
+                detect = silent - timeout_s * 1000
+                total = done[-(n - i)]["fields"]["total_ms"]
+                rows.append({"qemu": env.qemu_label, "rep": i, "timeout_s": timeout_s,
+                             "detect_ms": detect, "restore_ms": total, "beyond_ms": detect + total})
+            time.sleep(0.5)
+        if len(rows) < reps:
+            raise BenchError(f"watchdog: {len(rows)} of {reps} expiries seen")
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        for pid in qemu_pids_using(str(work)):
+            kill_pid(pid, grace=5)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,6 +686,53 @@ class ProbeWatch:
         return {"probes": len(self.seen), "probe_span_ms": (max(lasts) - min(firsts)) * 1e3}
 
 
+def domain_xml(env, name, disk, serial_path, agent_sock):
+    """The libvirt domain of the bench guest (virsh's contender, and the one backstop adopts):
+    the same kernel, command line, memory and device kinds as the other contenders."""
+    e = env
+    dom_type = "kvm" if e.accel == "kvm" else "qemu"
+    return f"""<domain type='{dom_type}'>
+  <name>{name}</name>
+  <memory unit='MiB'>{e.memory_mib}</memory>
+  <vcpu>1</vcpu>
+  <os>
+    <type arch='x86_64' machine='q35'>hvm</type>
+    <kernel>{e.guest}/vmlinuz</kernel>
+    <initrd>{e.guest}/initrd.img</initrd>
+    <cmdline>{e.append}</cmdline>
+  </os>
+  <features><acpi/><apic/></features>
+  <on_poweroff>destroy</on_poweroff>
+  <on_reboot>destroy</on_reboot>
+  <on_crash>destroy</on_crash>
+  <devices>
+    <emulator>{e.qemu}</emulator>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='qcow2'/>
+      <source file='{disk}'/>
+      <target dev='vda' bus='virtio'/>
+    </disk>
+    <serial type='file'>
+      <source path='{serial_path}' append='on'/>
+      <target port='0'/>
+    </serial>
+    <channel type='unix'>
+      <source mode='bind' path='{agent_sock}'/>
+      <target type='virtio' name='org.backstop.agent.0'/>
+    </channel>
+    <interface type='user'>
+      <model type='virtio'/>
+    </interface>
+    <watchdog model='i6300esb' action='pause'/>
+    <controller type='usb' model='none'/>
+    <memballoon model='none'/>
+  </devices>
+  <!-- QEMU as root, files left as they are: the guest lives under root's cache. -->
+  <seclabel type='static' model='dac' relabel='no'><label>+0:+0</label></seclabel>
+</domain>
+"""
+
+
 class Virsh(Contender):
     """One persistent domain per run (libvirt's `define` re-probes QEMU here and takes a minute
     or more): each repetition gets a fresh disk overlay and serial log at the same paths, a
@@ -613,48 +757,7 @@ class Virsh(Contender):
         return run(["virsh", "-q", "-c", LIBVIRT_URI, *args], timeout=timeout, check=check)
 
     def _define(self):
-        e = self.env
-        dom_type = "kvm" if e.accel == "kvm" else "qemu"
-        xml = f"""<domain type='{dom_type}'>
-  <name>{self.domain}</name>
-  <memory unit='MiB'>{e.memory_mib}</memory>
-  <vcpu>1</vcpu>
-  <os>
-    <type arch='x86_64' machine='q35'>hvm</type>
-    <kernel>{e.guest}/vmlinuz</kernel>
-    <initrd>{e.guest}/initrd.img</initrd>
-    <cmdline>{e.append}</cmdline>
-  </os>
-  <features><acpi/><apic/></features>
-  <on_poweroff>destroy</on_poweroff>
-  <on_reboot>destroy</on_reboot>
-  <on_crash>destroy</on_crash>
-  <devices>
-    <emulator>{e.qemu}</emulator>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='qcow2'/>
-      <source file='{self.disk}'/>
-      <target dev='vda' bus='virtio'/>
-    </disk>
-    <serial type='file'>
-      <source path='{self.serial_path}' append='on'/>
-      <target port='0'/>
-    </serial>
-    <channel type='unix'>
-      <source mode='bind' path='{self.agent_sock}'/>
-      <target type='virtio' name='org.backstop.agent.0'/>
-    </channel>
-    <interface type='user'>
-      <model type='virtio'/>
-    </interface>
-    <watchdog model='i6300esb' action='pause'/>
-    <controller type='usb' model='none'/>
-    <memballoon model='none'/>
-  </devices>
-  <!-- QEMU as root, files left as they are: the guest lives under root's cache. -->
-  <seclabel type='static' model='dac' relabel='no'><label>+0:+0</label></seclabel>
-</domain>
-"""
+        xml = domain_xml(self.env, self.domain, self.disk, self.serial_path, self.agent_sock)
         (self.dir / "domain.xml").write_text(xml)
         t0 = time.monotonic()
         self.virsh("define", str(self.dir / "domain.xml"))
@@ -745,4 +848,75 @@ class Virsh(Contender):
             cls.virsh("undefine", name, "--snapshots-metadata", check=False, timeout=120)
 
 
-CONTENDERS = {c.name: c for c in (Backstop, Virsh, StopCopy)}
+class BackstopLibvirt(Backstop):
+    """backstopd guarding a libvirt domain it adopts (issue 14): the virsh contender's domain
+    XML, defined and started with virsh, then `backend = "libvirt"` — libvirt's disk-only
+    snapshot plus QEMU's background snapshot, restore through libvirt keeping name and UUID.
+    A fresh domain per repetition (a restore redefines it onto backstop's layers)."""
+
+    name = "bslibvirt"
+    label = "backstop on libvirt"
+
+    def __init__(self, env, rep):
+        Backstop.__init__(self, env, rep)
+        self.domain = f"bsbench-lv-{os.getpid()}-{rep}"
+        self.vdir = self.dir / "domain"
+        self.disk = self.vdir / "disk.qcow2"
+        self.serial_path = self.vdir / "serial.log"
+
+    def start(self):
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self.vdir.mkdir(parents=True, exist_ok=True)
+        for d in (self.env.work, self.dir, self.vdir):
+            os.chmod(d, 0o755)
+        run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", f"{self.env.guest}/disk-base.qcow2",
+             "-F", "qcow2", str(self.disk)])
+        xml = domain_xml(self.env, self.domain, self.disk, self.serial_path, self.vdir / "agent.sock")
+        (self.vdir / "domain.xml").write_text(xml)
+        Virsh.virsh("define", str(self.vdir / "domain.xml"))
+        self.serial = SerialFollower(str(self.serial_path), from_start=True)
+        Virsh.virsh("start", self.domain)
+        self.launch(self.daemon_table() + f"""
+[vm]
+name = "bench"
+backend = "libvirt"
+
+[vm.libvirt]
+uri = "{LIBVIRT_URI}"
+domain = "{self.domain}"
+layers_dir = "{self.vdir / 'layers'}"
+""")
+
+    def gone(self):
+        why = Backstop.gone(self)
+        if why:
+            return why
+        p = Virsh.virsh("domstate", self.domain, check=False, timeout=60)
+        if p.returncode != 0 or p.stdout.strip() not in ("running", "paused"):
+            return f"domain is {p.stdout.strip() or p.stderr.strip()}"
+        return None
+
+    def stop(self):
+        try:
+            if self.proc and self.proc.poll() is None:
+                # A clean stop leaves the adopted domain running: it is ended below.
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        finally:
+            Virsh.virsh("destroy", self.domain, check=False, timeout=120)
+            Virsh.virsh("undefine", self.domain, check=False, timeout=120)
+            for pid in qemu_pids_using(str(self.vdir)):
+                kill_pid(pid, grace=5)
+            self.close_serial()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def discard(self):
+        shutil.rmtree(self.state, ignore_errors=True)
+        shutil.rmtree(self.vdir, ignore_errors=True)
+
+
+CONTENDERS = {c.name: c for c in (Backstop, BackstopLibvirt, Virsh, StopCopy)}

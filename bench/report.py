@@ -4,8 +4,8 @@ the goals read against them, a text table and a PNG chart."""
 import statistics
 import textwrap
 
-CONTENDERS = [("backstop", "backstop"), ("virsh", "virsh internal"), ("stopcopy", "stop-and-copy"),
-              ("qemubg", "QEMU bg-snap"), ("host", "host")]
+CONTENDERS = [("backstop", "backstop"), ("bslibvirt", "backstop on libvirt"), ("virsh", "virsh internal"),
+              ("stopcopy", "stop-and-copy"), ("qemubg", "QEMU bg-snap"), ("host", "host")]
 # Columns backstop is divided by. "QEMU bg-snap" is plain QEMU's own live snapshot into a file
 # (no store), measured on the stop-and-copy guest: what backstop adds on top of its mechanism.
 PEERS = ["virsh", "stopcopy", "qemubg", "host"]
@@ -153,7 +153,8 @@ METRICS = [
 
 NOT_YET = [
     (4, "watchdog expiry -> guest running",
-     "not in this run; the heartbeat watchdog (issue 3) has its own measurement, scripts/bench-watchdog.sh"),
+     "per QEMU version in the headline table above (its own small guest: the heartbeat watchdog's "
+     "expiry, as scripts/bench-watchdog.sh)"),
     (6, "embedded KVM backend: restore time vs guest memory",
      "not in this run; scripts/bench-kvm.sh (issue 6) measures it on its own guest program"
      " (a stock Linux guest does not boot on this machine's paravirtual KVM)"),
@@ -176,7 +177,7 @@ def stats(values):
     return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
 
 
-def summarize(raw):
+def summarize_one(raw):
     meta, records, hosts = raw["meta"], raw["records"], raw.get("host", [])
     figures = {}
     for m in METRICS:
@@ -358,7 +359,7 @@ def _cell(s):
     return f"{_fmt(s['median'])} [{_fmt(s['min'])}..{_fmt(s['max'])}]"
 
 
-def table(summary):
+def table_one(summary):
     m = summary["meta"]
     f = summary["figures"]
     lines = []
@@ -366,7 +367,7 @@ def table(summary):
         f"backstop benchmark: {m['memory_mib']} MiB guest, {m['fill_mib']} MiB random data resident, "
         f"writer {m['dirty_mib']} MiB ({m['dirty_pct']}% of RAM) every {m['dirty_every_s']} s, "
         f"accel {m['accel']}, {m['reps']} repetition(s)" + (" [--quick]" if m.get("quick") else ""))
-    lines.append(f"{m.get('versions', {}).get('qemu') or ''}; libvirt {m.get('versions', {}).get('libvirt') or '-'}; "
+    lines.append(f"{summary.get('qemu_version') or m.get('versions', {}).get('qemu') or ''}; libvirt {m.get('versions', {}).get('libvirt') or '-'}; "
                  f"{m['started']} .. {m.get('finished', '')}")
     lines.append("cells: median [min..max] over repetitions (pause rows: over every snapshot); "
                  "backstop / peer: ratio of medians (s&c: stop-and-copy, bg: plain QEMU background "
@@ -417,7 +418,7 @@ def table(summary):
     return "\n".join(lines) + "\n"
 
 
-def chart(summary, path):
+def chart_one(summary, path):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -426,7 +427,7 @@ def chart(summary, path):
         return False
     f = summary["figures"]
     names = dict(CONTENDERS)
-    colors = {"backstop": "#1f77b4", "virsh": "#d62728", "stopcopy": "#ff7f0e", "qemubg": "#2ca02c",
+    colors = {"backstop": "#1f77b4", "bslibvirt": "#9467bd", "virsh": "#d62728", "stopcopy": "#ff7f0e", "qemubg": "#2ca02c",
               "host": "#7f7f7f"}
     panels = [
         ("Guest pause per snapshot (ms, log)", ["pause_stopped", "pause_silence", "pause_guest_clock"],
@@ -474,3 +475,179 @@ def chart(summary, path):
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+# --- per QEMU version (issue 21): every contender runs once per QEMU in the same run -----------
+
+def qemu_labels(raw):
+    """The QEMU versions of a run, in run order; one unnamed version for a run from before."""
+    labels = [q["label"] for q in raw["meta"].get("qemus") or []]
+    for r in raw["records"]:
+        if r.get("qemu") and r["qemu"] not in labels:
+            labels.append(r["qemu"])
+    return labels or [None]
+
+
+def _major(label):
+    try:
+        return int(str(label).split(".")[0])
+    except ValueError:
+        return None
+
+
+def summarize(raw):
+    """One summary per QEMU version (the same figures as before for each), and a headline table:
+    pause, rollback, watchdog, store/dd per version with the goal each is held against."""
+    meta = raw["meta"]
+    per = {}
+    qemus = {q["label"]: q for q in meta.get("qemus") or []}
+    for lab in qemu_labels(raw):
+        sub = dict(raw, records=[r for r in raw["records"] if lab is None or r.get("qemu") == lab])
+        one = summarize_one(sub)
+        one["qemu_version"] = _g(qemus, lab, "version") or lab
+        per[str(lab)] = one
+    return {"meta": meta, "per_qemu": per, "headline": headline(raw, per)}
+
+
+def _ratio_stats(vals, base):
+    if not base:
+        return None
+    return stats([v / base for v in vals if isinstance(v, (int, float))])
+
+
+def headline(raw, per):
+    meta = raw["meta"]
+    size = f"{meta['memory_mib']} MiB guest" + ("" if meta["memory_mib"] == 1024 else
+                                                 " (goals are stated for 1 GiB)")
+    # virsh runs on the system QEMU only (libvirt is packaged with it): its rollback is the
+    # reference for every version, named with the version it ran on.
+    virsh = next(((lab, _g(s, "figures", "rb_guest", "values", "virsh")) for lab, s in per.items()
+                  if _g(s, "figures", "rb_guest", "values", "virsh")), (None, None))
+    rows = []
+    for lab, s in per.items():
+        f = s["figures"]
+        major = _major(lab)
+        pause_goal = 5 if (major or 0) >= 9 else 12
+        out = {"qemu": lab, "version": s.get("qemu_version"), "size": size, "rows": []}
+
+        def row(name, st, unit, goal, ok):
+            out["rows"].append({"figure": name, "stats": st, "unit": unit, "goal": goal,
+                                "meets": None if st is None or ok is None else ok(st["median"])})
+
+        pst = _g(f, "pause_qemu_events", "values", "backstop")
+        row("pause (QEMU STOP->RESUME)", pst, "ms", f"<= {pause_goal} ms at 1 GiB",
+            lambda m: m <= pause_goal)
+        row("pause seen by the guest (its clock stopped)", _g(f, "pause_stopped", "values", "backstop"),
+            "ms", f"<= {pause_goal} ms at 1 GiB", lambda m: m <= pause_goal)
+        # Where the pause went, phase by phase (backstop's manifest, every snapshot of this QEMU).
+        phases = {}
+        for r in raw["records"]:
+            if r["contender"] != "backstop" or (lab != "None" and r.get("qemu") != lab):
+                continue
+            for snap in (r.get("snapshots") or {}).values():
+                for name, us in snap.get("pause_breakdown_us") or []:
+                    phases.setdefault(name, []).append(us / 1e3)
+        out["pause_breakdown_ms"] = {k: stats(v) for k, v in phases.items()}
+        rb = _g(f, "rb_guest", "values", "backstop")
+        sc = _g(f, "rb_guest", "values", "stopcopy")
+        rb_vals = [_g(r, "rollback", "guest", "guest_running_ms") for r in raw["records"]
+                   if r["contender"] == "backstop" and (lab == "None" or r.get("qemu") == lab)]
+        row("rollback: request -> guest running", rb, "ms", "-", None)
+        row("rollback / bare stop-and-copy restore (same QEMU)",
+            _ratio_stats(rb_vals, sc and sc["median"]), "x", "<= 1.0", lambda m: m <= 1.0)
+        row(f"rollback / virsh snapshot-revert (virsh on QEMU {virsh[0]})" if virsh[0]
+            else "rollback / virsh snapshot-revert (virsh not in this run)",
+            _ratio_stats(rb_vals, virsh[1] and virsh[1]["median"]), "x", "<= 0.1", lambda m: m <= 0.1)
+        # Issue 14: the libvirt backend (a domain libvirt runs, adopted) against virsh on the
+        # same domain XML and QEMU.
+        lv = _g(f, "pause_qemu_events", "values", "bslibvirt")
+        if lv or _g(f, "rb_guest", "values", "bslibvirt"):
+            row("libvirt backend: pause per snapshot", lv, "ms", "<= 10 ms at 1 GiB", lambda m: m <= 10)
+            row("libvirt backend: pause seen by the guest",
+                _g(f, "pause_stopped", "values", "bslibvirt"), "ms", "<= 10 ms at 1 GiB",
+                lambda m: m <= 10)
+            lv_rb = [_g(r, "rollback", "guest", "guest_running_ms") for r in raw["records"]
+                     if r["contender"] == "bslibvirt" and (lab == "None" or r.get("qemu") == lab)]
+            row("libvirt backend: rollback -> guest running", _g(f, "rb_guest", "values", "bslibvirt"),
+                "ms", "-", None)
+            row("libvirt backend: rollback / virsh snapshot-revert",
+                _ratio_stats(lv_rb, virsh[1] and virsh[1]["median"]), "x", "<= 0.2", lambda m: m <= 0.2)
+        wd = [w for w in raw.get("watchdog") or [] if str(w.get("qemu")) == lab and "beyond_ms" in w]
+        wd_err = [w["error"] for w in raw.get("watchdog") or [] if str(w.get("qemu")) == lab and w.get("error")]
+        row("watchdog: expiry -> guest running, past the timeout", stats([w["beyond_ms"] for w in wd]),
+            "ms", "<= 300 ms", lambda m: m <= 300)
+        out["watchdog_error"] = wd_err[0] if wd_err else None
+        dd = _g(f, "tput_dd", "values", "host", "median")
+        store_vals = [v for r in raw["records"] if r["contender"] == "backstop"
+                      and (lab == "None" or r.get("qemu") == lab) for v in rate("bytes_stored")(r)]
+        row("store / dd (fsync), first snapshot", _ratio_stats(store_vals, dd), "x", ">= 0.70",
+            lambda m: m >= 0.70)
+        rows.append(out)
+    return rows
+
+
+def headline_table(summary):
+    m = summary["meta"]
+    lines = [f"backstop per QEMU version: {m['memory_mib']} MiB guest, {m['fill_mib']} MiB data, "
+             f"{m['reps']} repetition(s)" + (" [--quick]" if m.get("quick") else "")
+             + f", watchdog {m.get('watchdog_reps', '-')} expiry(ies) per QEMU"]
+    h = m.get("host") or {}
+    lines.append(f"commit {m.get('git_commit') or '-'}; CPU {h.get('cpu_model') or '-'} x{h.get('nproc')}; "
+                 f"kernel {h.get('kernel')}; accel {m.get('accel')}")
+    for q in m.get("qemus") or []:
+        lines.append(f"QEMU {q['label']}: {q['binary']} ({q['version']})"
+                     + ("" if q.get("virsh", True) else "; virsh not run on it (libvirt uses the system QEMU)"))
+    lines.append("cells: median [min..max] (n)")
+    for v in summary["headline"]:
+        lines.append("")
+        lines.append(f"QEMU {v['qemu']}  [{v['size']}]")
+        w = max(len(r["figure"]) for r in v["rows"]) + 2
+        for r in v["rows"]:
+            st = r["stats"]
+            cell = "-" if not st else f"{_cell(st)} ({st['n']})"
+            verdict = "" if r["meets"] is None else ("meets" if r["meets"] else "misses")
+            lines.append(f"  {r['figure']:<{w}}{cell:>24} {r['unit']:<3} goal {r['goal']:<20} {verdict}")
+        if v.get("watchdog_error"):
+            lines.append(f"  watchdog: {v['watchdog_error']}")
+        pb = v.get("pause_breakdown_ms") or {}
+        if pb:
+            lines.append("  pause breakdown (ms, median [min..max]): "
+                         + ", ".join(f"{k} {_cell(st)}" for k, st in pb.items()))
+    return "\n".join(lines) + "\n"
+
+
+def table(summary):
+    parts = [headline_table(summary)]
+    for lab, s in summary["per_qemu"].items():
+        parts.append("=" * 100 + "\n" + f"QEMU {lab}: all figures\n" + table_one(s))
+    return "\n".join(parts)
+
+
+def chart(summary, path):
+    """One chart per QEMU version: chart.png for the first, chart-<version>.png for the others."""
+    from pathlib import Path
+    path = Path(path)
+    drawn = False
+    for i, (lab, s) in enumerate(summary["per_qemu"].items()):
+        p = path if i == 0 else path.with_name(f"{path.stem}-{lab}{path.suffix}")
+        drawn = chart_one(s, p) or drawn
+    return drawn
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    import sys
+    ap = argparse.ArgumentParser(description="Redraw a saved run's table (and chart) from raw.json.")
+    ap.add_argument("raw", help="raw.json of a run (results/<timestamp>/raw.json)")
+    ap.add_argument("--chart", help="also draw the chart(s) into this PNG path")
+    ap.add_argument("--summary", help="also write summary.json here")
+    a = ap.parse_args()
+    with open(a.raw) as fh:
+        summary = summarize(json.load(fh))
+    sys.stdout.write(table(summary))
+    if a.summary:
+        with open(a.summary, "w") as fh:
+            json.dump(summary, fh, indent=1)
+    if a.chart and not chart(summary, a.chart):
+        print("no chart: matplotlib missing", file=sys.stderr)

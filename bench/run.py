@@ -14,6 +14,11 @@ and drives it through the same steps:
     rollback           to "busy" (the newest); timed until the restored guest speaks on its console
 
 Contenders are interleaved within each repetition so that drift on the host hits all alike.
+Every contender runs once per QEMU version (--qemu; scripts/bench.sh passes the system QEMU and
+the QEMU 10 wrapper), except virsh, which runs on the system QEMU libvirt is packaged with. After
+the repetitions, the watchdog's expiry -> guest running is measured per QEMU version. raw.json
+records the git commit, CPU model, kernel and every QEMU version; `python3 bench/report.py
+raw.json` redraws the table from it.
 """
 
 import argparse
@@ -113,12 +118,44 @@ def sha256_throughput(mib=256):
     return {"bytes": mib << 20, "seconds": secs, "bytes_per_s": (mib << 20) / secs}
 
 
+def git_commit(root):
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def cpu_model():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def qemu_version(binary):
+    """(`--version`'s first line, "major.minor.micro")."""
+    try:
+        first = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                               timeout=60).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return None, None
+    m = re.search(r"version (\d+\.\d+\.\d+)", first)
+    return first, (m.group(1) if m else None)
+
+
 def run_rep(cls, env, rep):
     c = cls(env, rep)
-    rec = {"contender": c.name, "rep": rep, "snapshots": {}, "error": None}
+    rec = {"contender": c.name, "qemu": env.qemu_label, "rep": rep, "snapshots": {}, "error": None}
     t_start = time.monotonic()
     try:
-        log(f"[{c.name} rep {rep + 1}] boot")
+        log(f"[{c.name} qemu {env.qemu_label} rep {rep + 1}] boot")
         c.start()
         i_fill, line, m = c.serial.wait_for(rb"BACKSTOP fill mib=\d+ ms=(\d+)", timeout=600, what="guest fill",
                                       alive=c.gone)
@@ -144,7 +181,7 @@ def run_rep(cls, env, rep):
         time.sleep(SETTLE_S)
         rec["quiet"] = {"t_req": q0, "t_done": q1}
 
-        log(f"[{c.name} rep {rep + 1}] snapshots")
+        log(f"[{c.name} qemu {env.qemu_label} rep {rep + 1}] snapshots")
         first = c.snapshot("first")
         rec["snapshots"]["first"] = first
         time.sleep(SETTLE_S)
@@ -154,7 +191,7 @@ def run_rep(cls, env, rep):
         n_lines = [ln for ln in c.serial.snapshot() if q0 - measure.SIDE_S <= ln.t <= idle["t_done"]]
         if any(b"BACKSTOP dirty begin" in ln.text for ln in n_lines):
             idle["contaminated"] = "the writer ran between first and idle (raise --dirty-every)"
-            log(f"[{c.name} rep {rep + 1}] warning: {idle['contaminated']}")
+            log(f"[{c.name} qemu {env.qemu_label} rep {rep + 1}] warning: {idle['contaminated']}")
         time.sleep(SETTLE_S)
         if hasattr(c, "background_snapshot"):
             rec["bgsnap"] = c.background_snapshot()
@@ -174,7 +211,7 @@ def run_rep(cls, env, rep):
 
         # To the newest snapshot: the rollback every contender offers without more ado (backstop
         # asks reviewer evidence for an older one, which is a policy step, not a restore cost).
-        log(f"[{c.name} rep {rep + 1}] rollback")
+        log(f"[{c.name} qemu {env.qemu_label} rep {rep + 1}] rollback")
         rb = c.rollback(busy)
         rb["to"] = "busy"
         rec["rollback"] = rb
@@ -187,7 +224,7 @@ def run_rep(cls, env, rep):
         time.sleep(1.0)
     except Exception as e:  # noqa: BLE001 - recorded, the run goes on with the other contenders
         rec["error"] = f"{type(e).__name__}: {e}"
-        log(f"[{c.name} rep {rep + 1}] FAILED: {rec['error']}")
+        log(f"[{c.name} qemu {env.qemu_label} rep {rep + 1}] FAILED: {rec['error']}")
         rec["traceback"] = traceback.format_exc()
     finally:
         lines = c.serial.snapshot() if c.serial else []
@@ -206,7 +243,7 @@ def run_rep(cls, env, rep):
                 lines, rec["rollback"]["t_req"], rec["snapshots"]["busy"]["t_req"])
         rec["wall_s"] = time.monotonic() - t_start
         if env.keep_logs:
-            keep = env.results / "logs" / f"{c.name}-{rep + 1}"
+            keep = env.results / "logs" / f"{c.name}-{env.qemu_label}-{rep + 1}"
             keep.mkdir(parents=True, exist_ok=True)
             (keep / "serial.log").write_bytes(b"\n".join(ln.text for ln in lines) + b"\n")
             for f in ("backstopd.log", "qemu.log", "domain.xml", "backstop.toml"):
@@ -232,8 +269,18 @@ def main(argv=None):
     ap.add_argument("--fill-mib", type=int, help="random data kept resident in the guest (default 400; 100 with --quick)")
     ap.add_argument("--dirty-pct", type=int, default=10, help="share of guest RAM the writer rewrites per burst (default 10)")
     ap.add_argument("--dirty-every", type=int, help="seconds between writer bursts (default 25; 15 with --quick)")
-    ap.add_argument("--contenders", default="backstop,virsh,stopcopy",
-                    help="comma-separated subset of backstop,virsh,stopcopy")
+    ap.add_argument("--contenders", default="backstop,bslibvirt,virsh,stopcopy",
+                    help="comma-separated subset of backstop,bslibvirt (backstop guarding a "
+                         "libvirt domain),virsh,stopcopy")
+    ap.add_argument("--qemu", action="append", metavar="BINARY",
+                    help="a QEMU to run every contender on (repeat for several; default: the "
+                         "system qemu-system-x86_64 and $BENCH_QEMU10, which scripts/bench.sh sets "
+                         "to the QEMU 10 wrapper scripts/setup.sh prints)")
+    ap.add_argument("--virsh-all-qemus", action="store_true",
+                    help="run the virsh contender on every --qemu (default: the first only, the "
+                         "system QEMU libvirt is packaged with)")
+    ap.add_argument("--watchdog-reps", type=int,
+                    help="watchdog expiries per QEMU (default --reps; 0 skips the measurement)")
     ap.add_argument("--accel", choices=["auto", "tcg", "kvm"], default="auto",
                     help="accelerator for every contender (auto: as backstop's accel=auto)")
     ap.add_argument("--results", help="results directory (default results/<timestamp>)")
@@ -259,7 +306,21 @@ def main(argv=None):
     env.guest = Path(a.guest_dir).resolve()
     env.backstopd = Path(a.bin_dir) / "backstopd"
     env.backstop = Path(a.bin_dir) / "backstop"
-    env.qemu = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
+    system_qemu = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
+    binaries = a.qemu or [system_qemu] + ([os.environ["BENCH_QEMU10"]]
+                                          if os.environ.get("BENCH_QEMU10") else [])
+    env.qemus = []
+    for b in binaries:
+        first, ver = qemu_version(b)
+        if not first:
+            ap.error(f"{b} --version failed")
+        label = ver or Path(b).name
+        if any(q["label"] == label for q in env.qemus):
+            continue
+        env.qemus.append({"label": label, "binary": b, "version": first,
+                          "virsh": a.virsh_all_qemus or not env.qemus})
+    env.qemu, env.qemu_label = env.qemus[0]["binary"], env.qemus[0]["label"]
+    env.watchdog_reps = env.reps if a.watchdog_reps is None else a.watchdog_reps
     env.keep_logs = a.keep_logs
     env.append = (
         "console=ttyS0 quiet panic=-1 backstop.stallmeter=1"
@@ -275,9 +336,10 @@ def main(argv=None):
     for f in ("vmlinuz", "initrd.img", "disk-base.qcow2"):
         if not (env.guest / f).exists():
             ap.error(f"guest file {env.guest / f} missing (scripts/setup.sh builds it)")
-    if "backstop" in names and not env.backstopd.exists():
+    if ("backstop" in names or "bslibvirt" in names) and not env.backstopd.exists():
         ap.error(f"{env.backstopd} missing (cargo build --release -p backstopd -p backstop-cli)")
 
+    t_run = time.monotonic()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     root = Path(__file__).resolve().parent.parent
     env.results = Path(a.results) if a.results else root / "results" / stamp
@@ -293,7 +355,11 @@ def main(argv=None):
         "fill_mib": env.fill_mib, "dirty_mib": env.dirty_mib, "dirty_pct": env.dirty_pct,
         "dirty_every_s": env.dirty_every, "accel": env.accel, "contenders": names,
         "append": env.append, "workdir": str(env.work),
-        "host": {"nproc": os.cpu_count(), "kernel": os.uname().release},
+        "host": {"nproc": os.cpu_count(), "kernel": os.uname().release,
+                 "kernel_version": os.uname().version, "cpu_model": cpu_model()},
+        "git_commit": git_commit(root),
+        "qemus": env.qemus,
+        "watchdog_reps": env.watchdog_reps,
         "versions": {},
     }
     for key, cmd in (("qemu", [env.qemu, "--version"]), ("libvirt", ["virsh", "--version"]),
@@ -317,14 +383,23 @@ def main(argv=None):
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, on_term)
 
-    records, host = [], []
+    records, host, watchdog = [], [], []
+
+    def save():
+        raw = {"meta": meta, "records": records, "host": host, "watchdog": watchdog}
+        (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
+
     interrupted = False
     try:
         for rep in range(env.reps):
-            for n in names:
-                records.append(run_rep(C.CONTENDERS[n], env, rep))
-                raw = {"meta": meta, "records": records, "host": host}
-                (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
+            # Versions and contenders interleaved within each repetition: host drift hits all.
+            for q in env.qemus:
+                env.qemu, env.qemu_label = q["binary"], q["label"]
+                for n in names:
+                    if n in ("virsh", "bslibvirt") and not q["virsh"]:
+                        continue
+                    records.append(run_rep(C.CONTENDERS[n], env, rep))
+                    save()
             # The physical limit, on the filesystem the store and images lived on, in this run.
             first = next((r["snapshots"].get("first") for r in records[::-1]
                           if r["contender"] == "backstop" and r["snapshots"].get("first")), None)
@@ -338,6 +413,20 @@ def main(argv=None):
                     f"{k} {v['bytes_per_s'] / 1e6:.0f} MB/s" for k, v in r.items()))
             except (C.BenchError, subprocess.SubprocessError, OSError) as e:
                 log(f"host throughput measurement failed: {e}")
+        # Watchdog expiry -> guest running, per QEMU (its own small guest, as bench-watchdog.sh).
+        if "backstop" in names and env.watchdog_reps > 0:
+            for q in env.qemus:
+                env.qemu, env.qemu_label = q["binary"], q["label"]
+                log(f"[watchdog qemu {q['label']}] {env.watchdog_reps} expiries")
+                try:
+                    rows = C.watchdog_expiries(env, env.watchdog_reps)
+                    watchdog.extend(rows)
+                    log(f"[watchdog qemu {q['label']}] beyond the timeout: "
+                        + ", ".join(f"{r['beyond_ms']} ms" for r in rows))
+                except (C.BenchError, subprocess.SubprocessError, OSError, ValueError, KeyError) as e:
+                    watchdog.append({"qemu": q["label"], "error": f"{type(e).__name__}: {e}"})
+                    log(f"[watchdog qemu {q['label']}] FAILED: {e}")
+                save()
     except KeyboardInterrupt:
         interrupted = True
         log("interrupted; cleaning up")
@@ -359,7 +448,8 @@ def main(argv=None):
             log(f"cleaned up leftovers: domains {left}, qemu pids {stray}")
 
     meta["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    raw = {"meta": meta, "records": records, "host": host}
+    meta["wall_s"] = round(time.monotonic() - t_run, 1)
+    raw = {"meta": meta, "records": records, "host": host, "watchdog": watchdog}
     (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
     summary = report.summarize(raw)
     (env.results / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -369,7 +459,9 @@ def main(argv=None):
     chart = report.chart(summary, env.results / "chart.png")
     log(f"wrote {env.results}/summary.json, raw.json, table.txt" + (", chart.png" if chart else
                                                                      " (no chart: matplotlib missing)"))
-    failed = [f"{r['contender']} rep {r['rep'] + 1}: {r['error']}" for r in records if r.get("error")]
+    failed = [f"{r['contender']} qemu {r.get('qemu')} rep {r['rep'] + 1}: {r['error']}"
+              for r in records if r.get("error")]
+    failed += [f"watchdog qemu {w['qemu']}: {w['error']}" for w in watchdog if w.get("error")]
     if failed or interrupted:
         for f in failed:
             log(f"FAILED {f}")

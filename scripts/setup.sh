@@ -59,7 +59,61 @@ esac
 
 "$here/build-guest.sh" || die "building the test guest failed"
 
+# QEMU 10 beside the system's 7.2, never replacing it: bookworm-backports' packages unpacked
+# with dpkg-deb into a directory (they run on bookworm's libraries), behind a wrapper that
+# `exec`s the binary (same pid: PR_SET_PDEATHSIG and pid tracking keep working) with the
+# unpacked firmware (-L) and modules. The QEMU end-to-end tests run against both.
+qemu10_dir=${BACKSTOP_QEMU10_DIR:-$HOME/.cache/backstop/qemu-10}
+qemu10=$qemu10_dir/bin/qemu-system-x86_64
+if [[ -x $qemu10 ]] && "$qemu10" --version 2>/dev/null | head -n1 | grep -q "version 10\."; then
+	:
+else
+	[[ $EUID -eq 0 ]] || die "installing QEMU 10 needs root (rerun as root)"
+	export DEBIAN_FRONTEND=noninteractive
+	# The backports suite, on the host the system's own Debian sources use.
+	mirror=$(grep -rhoE 'https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null |
+		head -n1 | tr -d ' ' | sed 's,/$,,') || true
+	mirror=${mirror:-http://deb.debian.org/debian}
+	if ! grep -rqsE '^[^#]*bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+		log "adding bookworm-backports ($mirror)"
+		echo "deb $mirror bookworm-backports main" >/etc/apt/sources.list.d/backstop-bookworm-backports.list
+	fi
+	apt-get update -q >/dev/null || die "apt-get update failed"
+	work=$(mktemp -d)
+	chmod 0755 "$work" # apt downloads as _apt
+	trap 'rm -rf "$work"' EXIT
+	# Backports is never the candidate (priority 100): name the suite.
+	(cd "$work" && apt-get download -q qemu-system-x86/bookworm-backports \
+		qemu-system-common/bookworm-backports qemu-system-data/bookworm-backports) ||
+		die "apt-get download of QEMU 10 from bookworm-backports failed"
+	rm -rf "$qemu10_dir.new"
+	mkdir -p "$qemu10_dir.new/bin"
+	for deb in "$work"/*.deb; do
+		dpkg-deb -x "$deb" "$qemu10_dir.new" || die "dpkg-deb -x $deb failed"
+	done
+	{
+		echo '#!/bin/sh'
+		echo '# QEMU 10 from bookworm-backports, unpacked by backstop scripts/setup.sh. exec keeps the pid.'
+		echo "QEMU_MODULE_DIR='$qemu10_dir/usr/lib/x86_64-linux-gnu/qemu'"
+		echo 'export QEMU_MODULE_DIR'
+		echo "exec '$qemu10_dir/usr/bin/qemu-system-x86_64' -L '$qemu10_dir/usr/share/qemu' \"\$@\""
+	} >"$qemu10_dir.new/bin/qemu-system-x86_64"
+	chmod 0755 "$qemu10_dir.new/bin/qemu-system-x86_64"
+	rm -rf "$qemu10_dir"
+	mv "$qemu10_dir.new" "$qemu10_dir"
+	version=$("$qemu10" --version 2>&1 | head -n1) || true
+	[[ $version == *"version 10."* ]] || die "the unpacked QEMU 10 does not run: $version"
+fi
+
+# libvirt (the libvirt backend and its tests): opt-in, ~55 s on a fresh machine (apt).
+if [[ ${BACKSTOP_WITH_LIBVIRT:-0} == 1 ]]; then
+	"$here/setup-libvirt.sh" >&2 || die "setting up libvirt failed"
+fi
+
 guest=${BACKSTOP_GUEST_DIR:-$HOME/.cache/backstop/guest}
 log "$qemu_version"
 log "guest: $guest ($(sed -n 's/^kernel_release=//p' "$guest/stamp"))"
+log "QEMU 10: $qemu10 ($("$qemu10" --version | head -n1))"
+# stdout: the guest directory, then the QEMU 10 wrapper (BACKSTOP_QEMU for the second test pass).
 echo "$guest"
+echo "$qemu10"

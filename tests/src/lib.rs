@@ -24,6 +24,16 @@ pub fn guest_dir() -> PathBuf {
     }
 }
 
+/// The QEMU the end-to-end tests run: `BACKSTOP_QEMU` (e.g. the QEMU 10 wrapper that
+/// scripts/setup.sh prints), else `qemu-system-x86_64` on PATH. Written into each test's config
+/// as `vm.qemu_binary`.
+pub fn qemu_binary() -> String {
+    match std::env::var("BACKSTOP_QEMU") {
+        Ok(q) if !q.is_empty() => q,
+        _ => "qemu-system-x86_64".into(),
+    }
+}
+
 /// The workspace's built binaries (`cargo build --workspace` runs before the tests).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
@@ -43,7 +53,7 @@ pub fn missing_prerequisite() -> Option<String> {
             ));
         }
     }
-    for tool in ["qemu-system-x86_64", "qemu-img"] {
+    for tool in [qemu_binary().as_str(), "qemu-img"] {
         let ok = Command::new(tool)
             .arg("--version")
             .stdout(Stdio::null())
@@ -173,6 +183,7 @@ run_dir = "{run}"
 
 [vm]
 name = "e2e"
+qemu_binary = "{qemu}"
 accel = "auto"
 memory_mib = 256
 kernel = "{g}/vmlinuz"
@@ -199,6 +210,7 @@ create_size_mib = 16
             state = state.display(),
             run = run_dir.display(),
             g = g.display(),
+            qemu = qemu_binary(),
         );
         let config_path = dir.path().join("backstop.toml");
         std::fs::write(&config_path, config).unwrap();
@@ -214,6 +226,152 @@ create_size_mib = 16
         };
         d.launch();
         d
+    }
+
+    /// A daemon on a config of the test's own making, not launched yet (`launch` starts it).
+    /// `config` gets the state and run directories and returns the whole TOML file.
+    pub fn prepare_custom(
+        name: &str,
+        config: &dyn Fn(&Path, &Path) -> String,
+        env: &[(&str, &str)],
+    ) -> Daemon {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("bs-{name}-"))
+            .tempdir()
+            .unwrap();
+        let run_dir = PathBuf::from(format!("/tmp/bsr-{}-{}", std::process::id(), short(name)));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        let config_path = dir.path().join("backstop.toml");
+        std::fs::write(&config_path, config(&dir.path().join("state"), &run_dir)).unwrap();
+        Daemon {
+            dir,
+            run_dir,
+            config_path,
+            child: None,
+            extra_env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    /// A daemon guarding several VMs: a daemon file with `vms_dir`, and one `NAME.toml` per
+    /// VM (the same small test guest each). `extra_daemon` goes into `[daemon]`; `bad_files`
+    /// are written into `vms.d/` as they are (file name, content).
+    pub fn start_many(
+        name: &str,
+        vms: &[&str],
+        extra_daemon: &str,
+        bad_files: &[(&str, &str)],
+        env: &[(&str, &str)],
+    ) -> Daemon {
+        let mut d = Self::prepare_many(name, vms, extra_daemon, bad_files, env);
+        d.launch();
+        d
+    }
+
+    /// [`Daemon::start_many`] without starting the daemon (to prepare its state first).
+    pub fn prepare_many(
+        name: &str,
+        vms: &[&str],
+        extra_daemon: &str,
+        bad_files: &[(&str, &str)],
+        env: &[(&str, &str)],
+    ) -> Daemon {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("bs-{name}-"))
+            .tempdir()
+            .unwrap();
+        let run_dir = PathBuf::from(format!("/tmp/bsr-{}-{}", std::process::id(), short(name)));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        let g = guest_dir();
+        let state = dir.path().join("state");
+        let vms_dir = dir.path().join("vms.d");
+        std::fs::create_dir_all(&vms_dir).unwrap();
+        for vm in vms {
+            let file = format!(
+                r#"[vm]
+name = "{vm}"
+qemu_binary = "{qemu}"
+accel = "auto"
+memory_mib = 192
+kernel = "{g}/vmlinuz"
+initrd = "{g}/initrd.img"
+append = "console=ttyS0 quiet panic=-1 no_timer_check"
+watchdog_device = true
+
+[[vm.disks]]
+id = "data"
+path = "{g}/disk-base.qcow2"
+snapshot = "capture"
+"#,
+                qemu = qemu_binary(),
+                g = g.display(),
+            );
+            std::fs::write(vms_dir.join(format!("{vm}.toml")), file).unwrap();
+        }
+        for (file, content) in bad_files {
+            std::fs::write(vms_dir.join(file), content).unwrap();
+        }
+        let config = format!(
+            "[daemon]\nstate_dir = \"{}\"\nrun_dir = \"{}\"\nvms_dir = \"{}\"\n{extra_daemon}\n",
+            state.display(),
+            run_dir.display(),
+            vms_dir.display()
+        );
+        let config_path = dir.path().join("backstop.toml");
+        std::fs::write(&config_path, config).unwrap();
+        Daemon {
+            dir,
+            run_dir,
+            config_path,
+            child: None,
+            extra_env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    /// A VM's own state directory in a many-VM daemon.
+    pub fn vm_state_dir(&self, vm: &str) -> PathBuf {
+        self.state_dir().join("vms").join(vm)
+    }
+
+    /// A VM's serial output (many-VM daemon).
+    pub fn vm_serial(&self, vm: &str) -> String {
+        std::fs::read(self.vm_state_dir(vm).join(format!("{vm}-serial.log")))
+            .map(|b| String::from_utf8_lossy(&b).into_owned())
+            .unwrap_or_default()
+    }
+
+    /// A VM's journal entries (many-VM daemon), oldest first.
+    pub fn vm_journal(&self, vm: &str) -> Vec<Value> {
+        read_journal(&self.vm_state_dir(vm).join("audit/journal.jsonl"))
+    }
+
+    /// The daemon's own journal (daemon events, refused VM files), oldest first.
+    pub fn daemon_journal(&self) -> Vec<Value> {
+        read_journal(&self.state_dir().join("daemon/journal.jsonl"))
+    }
+
+    /// The console for one VM (`--vm NAME`), JSON output.
+    pub fn cli_vm(&self, vm: &str, args: &[&str]) -> Output {
+        let mut all = vec!["--vm", vm];
+        all.extend_from_slice(args);
+        self.cli(&all)
+    }
+
+    /// [`Daemon::cli_vm`] that must succeed; its JSON answer.
+    pub fn ok_vm(&self, vm: &str, args: &[&str]) -> Value {
+        let out = self.cli_vm(vm, args);
+        assert!(
+            out.status.success(),
+            "backstop --vm {vm} {args:?} failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
     }
 
     pub fn state_dir(&self) -> PathBuf {
@@ -234,6 +392,63 @@ create_size_mib = 16
 
     /// (Re)starts the daemon process and waits for its socket to answer `status`.
     pub fn launch(&mut self) {
+        self.spawn();
+        self.wait_up();
+    }
+
+    /// Starts backstopd without waiting for it to serve (to crash it while it starts).
+    pub fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .unwrap();
+        let mut cmd = Command::new(bin("backstopd"));
+        cmd.arg("--config")
+            .arg(&self.config_path)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        cmd.env("BACKSTOP_LOG", "info");
+        for (k, v) in &self.extra_env {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn().unwrap());
+    }
+
+    /// Waits until the spawned backstopd serves `status`.
+    pub fn wait_up(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    panic!("backstopd exited early ({st}); log:\n{}", self.log());
+                }
+            }
+            if self.socket().exists() {
+                let out = self.cli(&["status"]);
+                // Up: it answers, even if only to refuse this uid.
+                let stdout = String::from_utf8_lossy(&out.stdout);
+                // (A daemon of several VMs answers a status without --vm by naming them.)
+                if out.status.success()
+                    || stdout.contains("ERR_CONTROL_PERMISSION_DENIED")
+                    || stdout.contains("ERR_VM_NOT_NAMED")
+                {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "backstopd did not come up; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Starts the daemon and waits until its control socket answers at all, even with an
+    /// error: for a VM the daemon must refuse to start while it serves the others.
+    pub fn launch_answering(&mut self) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -251,25 +466,10 @@ create_size_mib = 16
         }
         self.child = Some(cmd.spawn().unwrap());
         let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            if let Some(c) = self.child.as_mut() {
-                if let Ok(Some(st)) = c.try_wait() {
-                    panic!("backstopd exited early ({st}); log:\n{}", self.log());
-                }
-            }
-            if self.socket().exists() {
-                let out = self.cli(&["status"]);
-                // Up: it answers, even if only to refuse this uid.
-                if out.status.success()
-                    || String::from_utf8_lossy(&out.stdout)
-                        .contains("ERR_CONTROL_PERMISSION_DENIED")
-                {
-                    return;
-                }
-            }
+        while !self.socket().exists() || self.cli(&["status"]).stdout.is_empty() {
             assert!(
                 Instant::now() < deadline,
-                "backstopd did not come up; log:\n{}",
+                "backstopd did not answer; log:\n{}",
                 self.log()
             );
             std::thread::sleep(Duration::from_millis(100));
@@ -295,7 +495,9 @@ create_size_mib = 16
                 nix::unistd::Pid::from_raw(c.id() as i32),
                 nix::sys::signal::Signal::SIGTERM,
             );
-            let deadline = Instant::now() + Duration::from_secs(20);
+            // A clean stop takes a final snapshot of each guest first: give it the time the
+            // systemd unit does (TimeoutStopSec) before ending it like a crash.
+            let deadline = Instant::now() + Duration::from_secs(90);
             while Instant::now() < deadline {
                 if let Ok(Some(_)) = c.try_wait() {
                     return;
@@ -464,6 +666,15 @@ fn short(name: &str) -> String {
         .collect()
 }
 
+/// Journal entries of the journal file at `path` (parsed), oldest first.
+pub fn read_journal(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
 pub fn tail(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
@@ -527,6 +738,54 @@ pub fn cli_as_uid(socket: &Path, uid: u32, args: &[&str]) -> (i32, String) {
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs the console as `uid` with primary group `gid`: (exit code, stdout).
+pub fn cli_as(socket: &Path, uid: u32, gid: u32, args: &[&str]) -> (i32, String) {
+    let out = Command::new(bin("backstop"))
+        .arg("--socket")
+        .arg(socket)
+        .arg("--json")
+        .args(args)
+        .uid(uid)
+        .gid(gid)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// Runs the console as `uid`, primary group `gid` and supplementary `groups`: (exit code,
+/// stdout). The identity is set in the child by hand (std's `uid` clears supplementary groups).
+pub fn cli_as_groups(
+    socket: &Path,
+    uid: u32,
+    gid: u32,
+    groups: &[u32],
+    args: &[&str],
+) -> (i32, String) {
+    let groups: Vec<libc::gid_t> = groups.to_vec();
+    let mut cmd = Command::new(bin("backstop"));
+    cmd.arg("--socket").arg(socket).arg("--json").args(args);
+    // SAFETY: setgroups/setgid/setuid are async-signal-safe; `groups` is owned by the closure.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(groups.len(), groups.as_ptr()) != 0
+                || libc::setgid(gid) != 0
+                || libc::setuid(uid) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
     )
 }
 

@@ -670,3 +670,54 @@ fn a_failed_host_release_halts_and_never_resumes_the_vm() {
     assert_eq!(d.status()["state"], "running");
     assert_eq!(fake.driver(GPU).as_deref(), Some("nvidia"));
 }
+
+/// Issue 18: every rollback takes each NIC's link down (spec/000 §8), so a NIC that no
+/// `[[devices]]` entry controls must still be grantable — under its own name, journaled, with
+/// a lease — or the guest's network stays down for good after the first rollback.
+#[test]
+fn a_configured_nic_can_be_granted_again_after_a_rollback() {
+    if skip_unless_ready("a_configured_nic_can_be_granted_again_after_a_rollback") {
+        return;
+    }
+    let mut d = Daemon::start("nicgrant");
+    d.wait_tick(0, 2, BOOT);
+    wait_link(&d, "net0", true);
+    let list = d.ok(&["device", "list"]);
+    let net0 = list["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["id"] == "net0")
+        .unwrap_or_else(|| panic!("net0 not listed: {list}"))
+        .clone();
+    assert_eq!(net0["class"], "network", "{net0}");
+    assert!(net0["grant"].is_null(), "{net0}");
+
+    d.ok(&["rollback", "--reason", "e2e: rollback"]);
+    wait_link(&d, "net0", false);
+
+    d.ok(&[
+        "device",
+        "grant",
+        "net0",
+        "--lease",
+        "10m",
+        "--reason",
+        "e2e: network back",
+    ]);
+    wait_link(&d, "net0", true);
+    let granted: Vec<Value> = d
+        .journal()
+        .into_iter()
+        .filter(|e| e["event"] == "device.granted")
+        .collect();
+    assert_eq!(granted.len(), 1, "{granted:?}");
+    assert!(
+        granted[0].to_string().contains("net0"),
+        "the grant names the NIC: {}",
+        granted[0]
+    );
+    d.ok(&["device", "revoke", "net0", "--reason", "e2e: done"]);
+    wait_link(&d, "net0", false);
+    d.stop();
+}

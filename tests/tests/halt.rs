@@ -180,3 +180,111 @@ fn kill_9_during_snapshot_create_leaves_no_partial_snapshot() {
     // The restarted daemon brought the VM back from the newest snapshot.
     assert_eq!(d.status()["state"], "running");
 }
+
+/// A host out of descriptors is not a host with bad snapshots: a rollback whose verification
+/// hits EMFILE (the daemon's descriptor limit really lowered to what it holds, by fault
+/// injection, for that one verification) is refused with `ERR_HOST_RESOURCE_EXHAUSTED`, skips
+/// no snapshot, does not HALT, and leaves the guest running on the same QEMU; the next rollback
+/// works.
+#[test]
+fn descriptor_exhaustion_during_a_rollback_is_reported_as_such_and_never_halts() {
+    if skip_unless_ready(
+        "descriptor_exhaustion_during_a_rollback_is_reported_as_such_and_never_halts",
+    ) {
+        return;
+    }
+    let mut d = Daemon::start_with(
+        "emfile",
+        "",
+        &[("BACKSTOP_FAULT_INJECT", "verify.no-descriptors")],
+    );
+    d.wait_tick(0, 2, Duration::from_secs(90));
+    let pid = d.status()["pid"].as_u64().unwrap();
+    let out = d.cli(&["rollback", "--reason", "no descriptors"]);
+    let err: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err["error"]["code"], "ERR_HOST_RESOURCE_EXHAUSTED", "{err}");
+    let st = d.status();
+    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(
+        st["pid"].as_u64(),
+        Some(pid),
+        "the guest's QEMU was replaced"
+    );
+    let journal = d.journal();
+    assert!(
+        !journal
+            .iter()
+            .any(|e| e["event"] == "snapshot.verify.skipped"),
+        "a snapshot was judged bad for want of descriptors"
+    );
+    assert!(!journal.iter().any(|e| e["event"] == "vm.halted"));
+    assert!(journal
+        .iter()
+        .any(|e| e["event"] == "snapshot.restore.failed"
+            && e["fields"]["code"] == "ERR_HOST_RESOURCE_EXHAUSTED"
+            && e["fields"]["vm_halted"] == false));
+    // The guest runs on, and with descriptors back the same request works.
+    let from = d.serial_len();
+    d.wait_tick(from, 0, Duration::from_secs(30));
+    let rb = d.ok(&["rollback", "--reason", "descriptors back"]);
+    assert!(
+        rb["summary"]["snapshot_id"].is_string() || rb["snapshot_id"].is_string(),
+        "{rb}"
+    );
+    assert_eq!(d.status()["state"], "running");
+    d.stop();
+}
+
+/// Issue 18: `halt clear --to ID` restores the snapshot a person chose. One the restore gate
+/// refuses (not the newest verified, no reviewer evidence) or that does not exist leaves the VM
+/// HALTED exactly as it was — same code, no QEMU; the newest verified one needs no evidence.
+#[test]
+fn halt_clear_to_a_chosen_snapshot_and_a_refused_one_stays_halted() {
+    if skip_unless_ready("halt_clear_to_a_chosen_snapshot_and_a_refused_one_stays_halted") {
+        return;
+    }
+    let mut d = Daemon::start("haltto");
+    d.wait_tick(0, 1, Duration::from_secs(90));
+    let s1 = d.ok(&["snapshot", "create", "--reason", "s1"])["summary"]["snapshot_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let s2 = d.ok(&["snapshot", "create", "--reason", "s2"])["summary"]["snapshot_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    d.kill9();
+    std::fs::write(
+        d.state_dir().join("rollback-inflight.json"),
+        br#"{"snapshot_id":"x","trace_id":"t","started_at":"s"}"#,
+    )
+    .unwrap();
+    d.launch();
+    assert_eq!(d.status()["halted"]["code"], "ERR_ROLLBACK_INTERRUPTED");
+
+    for (to, want) in [
+        (&s1[..8], "ERR_SNAPSHOT_RESTORE_POLICY_BLOCKED"),
+        ("ffffffffffff", "MISSING_SNAPSHOT"),
+    ] {
+        let out = d.cli(&["halt", "clear", "--reason", "try", "--to", to]);
+        let err: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(err["error"]["code"], want, "--to {to}: {err}");
+        let st = d.status();
+        assert_eq!(st["state"], "halted", "--to {to}: {st}");
+        assert_eq!(st["halted"]["code"], "ERR_ROLLBACK_INTERRUPTED", "{st}");
+        assert!(st["pid"].is_null(), "a QEMU runs while HALTED: {st}");
+    }
+
+    let cleared = d.ok(&["halt", "clear", "--reason", "the newest", "--to", &s2[..10]]);
+    assert_eq!(cleared["restored_from"], s2.as_str(), "{cleared}");
+    assert_eq!(d.status()["state"], "running");
+    let from = d.serial_len();
+    d.wait_ticks_until(
+        from,
+        Duration::from_secs(60),
+        "guest runs after halt clear --to",
+        |t| t.len() >= 2,
+    );
+    d.ok(&["audit", "verify"]);
+}

@@ -318,6 +318,21 @@ fn pre_action_gate_rollback_types_restore_gate_and_excluded_state() {
         String::from_utf8_lossy(&out.stdout).contains(&baseline),
         "the refusal names the target"
     );
+    // Issue 18: the refusal names both ways forward — the signing command for this very
+    // snapshot with the configured key, and the emergency rollback with what it journals.
+    let refusal = String::from_utf8_lossy(&out.stdout).to_string();
+    for way in [
+        "backstop review sign --key",
+        &format!("--snapshot {baseline}"),
+        "--reviewer-token FILE",
+        "backstop rollback --emergency",
+        "rollback_type emergency",
+    ] {
+        assert!(
+            refusal.contains(way),
+            "the refusal lacks {way:?}: {refusal}"
+        );
+    }
     let wrong = review::token(&key, &s2);
     let out = d.cli(&[
         "rollback",

@@ -60,6 +60,25 @@ fn rollback_brings_ram_and_disk_back_to_the_snapshot_point() {
     let rb = d.ok(&["rollback", "--to", &id, "--reason", "test: undo the change"]);
     assert_eq!(rb["snapshot_id"], id.as_str());
     assert_eq!(rb["epoch"], 1);
+    // The rollback says where its time went, every phase in order, within its total.
+    let phases: Vec<(String, u64)> = rb["phases"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no phases: {rb}"))
+        .iter()
+        .map(|p| {
+            (
+                p["phase"].as_str().unwrap().to_string(),
+                p["ms"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let names: Vec<&str> = phases.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        ["choose", "gate", "revoke", "end", "overlays", "launch", "load", "check", "resume"]
+    );
+    let sum: u64 = phases.iter().map(|(_, ms)| ms).sum();
+    assert!(sum <= rb["total_ms"].as_u64().unwrap() + 1, "{rb}");
     let pid_after = d.status()["pid"].as_u64().unwrap();
 
     // After resume the restored guest continues from the snapshot point: the first tick that is

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use backstop_control::{ActionResult, Request, RollbackType, TriggerKind};
+use backstop_control::{ActionResult, HostTrigger, Request, RollbackType};
 use clap::{Parser, Subcommand};
 use serde_json::Value;
 
@@ -43,6 +43,11 @@ pub struct Cli {
     #[arg(long, global = true)]
     pub json: bool,
 
+    /// The VM the command is for (required when backstopd guards more than one; `backstop vms`
+    /// lists them).
+    #[arg(long, global = true, value_name = "NAME", env = "BACKSTOP_VM")]
+    pub vm: Option<String>,
+
     #[command(subcommand)]
     pub command: Command,
 }
@@ -51,6 +56,17 @@ pub struct Cli {
 pub enum Command {
     /// Show the guarded VM's state.
     Status,
+    /// List every VM backstopd guards: backend, state, epoch, newest snapshot and heartbeat age.
+    Vms {
+        /// Keep the view live, redrawn every SECS seconds (default 2) until interrupted; with
+        /// --json, one JSON line per refresh. A daemon that goes away is shown, not fatal.
+        #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2",
+              value_parser = clap::value_parser!(u64).range(1..=3600))]
+        watch: Option<u64>,
+    },
+    /// Re-read the VM files (daemon.vms_dir): start new VMs, stop removed ones cleanly; the
+    /// other VMs are not disturbed.
+    Reload,
     /// Create, list, show and verify snapshots.
     #[command(subcommand)]
     Snapshot(SnapshotCommand),
@@ -72,8 +88,9 @@ pub enum Command {
         /// micro, session or emergency.
         #[arg(long = "type", value_name = "TYPE", value_parser = rollback_type)]
         rollback_type: Option<RollbackType>,
-        /// Session rollback to the newest snapshot created at or before this RFC 3339 time.
-        #[arg(long, value_name = "TIME", value_parser = non_empty)]
+        /// Session rollback to the newest snapshot created at or before this time: RFC 3339, or
+        /// `YYYY-MM-DD HH:MM:SS` in UTC as `snapshot list` prints it.
+        #[arg(long, value_name = "TIME", value_parser = time_arg)]
         before: Option<String>,
         /// Reviewer evidence: a token file made with `backstop review sign`.
         #[arg(long = "reviewer-token", value_name = "FILE", value_parser = json_file)]
@@ -94,7 +111,7 @@ pub enum Command {
     Trigger {
         /// The trigger.
         #[arg(value_parser = trigger_kind)]
-        kind: TriggerKind,
+        kind: HostTrigger,
         /// Why; recorded in the audit journal (never shown to the guest).
         #[arg(long, value_parser = non_empty)]
         reason: String,
@@ -155,8 +172,8 @@ pub enum ReviewCommand {
         /// Who reviewed it.
         #[arg(long, value_parser = non_empty)]
         reviewer: String,
-        /// How long the token is valid (90s, 10m, 2h; at most 7 days).
-        #[arg(long = "expires-in", value_name = "DURATION", default_value = "1h", value_parser = lease)]
+        /// How long the token is valid (90s, 10m, 2h, 7d, "1h 30m"; at most 7 days).
+        #[arg(long = "expires-in", value_name = "DURATION", default_value = "1h", value_parser = expiry)]
         expires_in: u64,
     },
 }
@@ -223,6 +240,14 @@ pub enum HaltCommand {
         /// Why; recorded in the audit journal.
         #[arg(long, value_parser = non_empty)]
         reason: String,
+        /// Restore this snapshot (an id or unique prefix) instead of the newest verified one;
+        /// anything but the newest verified snapshot needs --reviewer-token. Refused: the VM
+        /// stays HALTED.
+        #[arg(long, value_name = "ID", value_parser = non_empty)]
+        to: Option<String>,
+        /// Reviewer evidence for --to: a token file made with `backstop review sign`.
+        #[arg(long = "reviewer-token", value_name = "FILE", value_parser = json_file, requires = "to")]
+        reviewer_token: Option<Value>,
     },
 }
 
@@ -234,8 +259,12 @@ pub enum AuditCommand {
         #[arg(short = 'n', long = "count", value_name = "N", default_value_t = 20)]
         count: usize,
     },
-    /// Verify the whole hash chain.
-    Verify,
+    /// Verify the whole hash chain (of the VM; with --daemon, of the daemon journal and of
+    /// every VM chain head it anchored, so a truncated VM journal shows).
+    Verify {
+        #[arg(long)]
+        daemon: bool,
+    },
 }
 
 impl Command {
@@ -243,6 +272,8 @@ impl Command {
     pub fn request(&self) -> Request {
         match self {
             Command::Status => Request::Status,
+            Command::Vms { .. } => Request::Vms,
+            Command::Reload => Request::Reload,
             Command::Snapshot(SnapshotCommand::Create { reason }) => Request::SnapshotCreate {
                 reason: reason.clone(),
             },
@@ -271,11 +302,23 @@ impl Command {
                 reviewer_token: reviewer_token.clone(),
                 allow_newer_minor: *compat,
             },
-            Command::Halt(HaltCommand::Clear { reason }) => Request::HaltClear {
+            Command::Halt(HaltCommand::Clear {
+                reason, to: None, ..
+            }) => Request::HaltClear {
                 reason: reason.clone(),
             },
+            Command::Halt(HaltCommand::Clear {
+                reason,
+                to: Some(to),
+                reviewer_token,
+            }) => Request::HaltClearTo {
+                reason: reason.clone(),
+                to: to.clone(),
+                reviewer_token: reviewer_token.clone(),
+            },
             Command::Audit(AuditCommand::Tail { count }) => Request::AuditTail { count: *count },
-            Command::Audit(AuditCommand::Verify) => Request::AuditVerify,
+            Command::Audit(AuditCommand::Verify { daemon: false }) => Request::AuditVerify,
+            Command::Audit(AuditCommand::Verify { daemon: true }) => Request::DaemonAuditVerify,
             Command::Trigger {
                 kind,
                 reason,
@@ -364,7 +407,7 @@ fn json_file(path: &str) -> Result<Value, String> {
 }
 
 fn rollback_type(value: &str) -> Result<RollbackType, String> {
-    RollbackType::parse(value).ok_or_else(|| "one of: micro, session, emergency".to_string())
+    RollbackType::parse(value).map_err(|_| "one of: micro, session, emergency".to_string())
 }
 
 fn action_result(value: &str) -> Result<ActionResult, String> {
@@ -398,9 +441,47 @@ fn lease(value: &str) -> Result<u64, String> {
     }
 }
 
-fn trigger_kind(value: &str) -> Result<TriggerKind, String> {
-    TriggerKind::parse(value).ok_or_else(|| {
-        let names: Vec<&str> = TriggerKind::ALL.iter().map(|k| k.as_str()).collect();
+/// `--expires-in`: a duration as people write it (humantime: 90s, 10m, 2h, 7d, "1h 30m"; bare
+/// digits are seconds), from 1 s to the 7 days a reviewer token may live.
+fn expiry(value: &str) -> Result<u64, String> {
+    const MAX: u64 = 7 * 86_400;
+    let v = value.trim();
+    let secs = if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+        v.parse::<u64>().map_err(|_| "too long".to_string())?
+    } else {
+        humantime::parse_duration(v)
+            .map_err(|e| format!("a duration like 90s, 10m, 2h or 7d ({e})"))?
+            .as_secs()
+    };
+    match secs {
+        0 => Err("must be at least 1 s".into()),
+        s if s > MAX => Err("at most 7 days".into()),
+        s => Ok(s),
+    }
+}
+
+/// `--before`: an RFC 3339 time, or `YYYY-MM-DD HH:MM:SS` / `YYYY-MM-DDTHH:MM:SS` taken as UTC
+/// (what `snapshot list` prints); sent to the daemon as RFC 3339.
+fn time_arg(value: &str) -> Result<String, String> {
+    use time::format_description::well_known::Rfc3339;
+    let v = value.trim();
+    if let Ok(t) = time::OffsetDateTime::parse(v, &Rfc3339) {
+        return t.format(&Rfc3339).map_err(|e| e.to_string());
+    }
+    let spaced = time::macros::format_description!("[year]-[month]-[day] [hour]:[minute]:[second]");
+    let t_sep = time::macros::format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]");
+    time::PrimitiveDateTime::parse(v, &spaced)
+        .or_else(|_| time::PrimitiveDateTime::parse(v, &t_sep))
+        .map_err(|_| {
+            "a time like 2026-05-01T12:00:00Z, or 2026-05-01 12:00:00 (UTC) as `snapshot list` prints"
+                .to_string()
+        })
+        .and_then(|t| t.assume_utc().format(&Rfc3339).map_err(|e| e.to_string()))
+}
+
+fn trigger_kind(value: &str) -> Result<HostTrigger, String> {
+    HostTrigger::parse(value).ok_or_else(|| {
+        let names: Vec<&str> = HostTrigger::ALL.iter().map(|k| k.as_str()).collect();
         format!("unknown trigger; one of: {}", names.join(", "))
     })
 }
@@ -437,6 +518,30 @@ mod tests {
     #[test]
     fn commands_become_requests() {
         assert_eq!(request(&["status"]), Request::Status);
+        assert_eq!(request(&["vms"]), Request::Vms);
+        assert_eq!(request(&["vms", "--watch"]), Request::Vms);
+        for (args, want) in [
+            (&["vms"][..], None),
+            (&["vms", "--watch"], Some(2)),
+            (&["vms", "--watch", "5"], Some(5)),
+        ] {
+            match parse(args).unwrap().command {
+                Command::Vms { watch } => assert_eq!(watch, want, "{args:?}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        for bad in [&["vms", "--watch", "0"][..], &["vms", "--watch", "x"]] {
+            assert_eq!(parse(bad).unwrap_err().exit_code(), 2, "{bad:?}");
+        }
+        assert_eq!(request(&["reload"]), Request::Reload);
+        assert_eq!(
+            request(&["audit", "verify", "--daemon"]),
+            Request::DaemonAuditVerify
+        );
+        let cli = parse(&["--vm", "web1", "snapshot", "list"]).unwrap();
+        assert_eq!(cli.vm.as_deref(), Some("web1"));
+        let cli = parse(&["snapshot", "list", "--vm", "web2"]).unwrap();
+        assert_eq!(cli.vm.as_deref(), Some("web2"));
         assert_eq!(
             request(&["snapshot", "create", "--reason", "before update"]),
             Request::SnapshotCreate {
@@ -481,6 +586,21 @@ mod tests {
             Request::HaltClear {
                 reason: "ok".into()
             }
+        );
+        assert_eq!(
+            request(&["halt", "clear", "--reason", "ok", "--to", "ab12"]),
+            Request::HaltClearTo {
+                reason: "ok".into(),
+                to: "ab12".into(),
+                reviewer_token: None,
+            }
+        );
+        // Evidence only goes with a chosen snapshot.
+        assert_eq!(
+            parse(&["halt", "clear", "--reason", "ok", "--reviewer-token", "/x"])
+                .unwrap_err()
+                .exit_code(),
+            2
         );
         assert_eq!(
             request(&["audit", "tail"]),
@@ -688,6 +808,35 @@ mod tests {
         for (text, secs) in [("90", 90), ("90s", 90), ("2m", 120), ("1h", 3600)] {
             assert_eq!(lease(text), Ok(secs), "{text}");
         }
+        // Issue 18: the token's lifetime reads like its help text.
+        for (text, secs) in [
+            ("7d", 604_800),
+            ("1h 30m", 5_400),
+            ("90", 90),
+            ("2h", 7_200),
+        ] {
+            assert_eq!(expiry(text), Ok(secs), "{text}");
+        }
+        for bad in ["8d", "0", "0s", "soon", "", "-1h"] {
+            assert!(expiry(bad).is_err(), "{bad}");
+        }
+        // `--before` takes back what `snapshot list` prints (UTC), and RFC 3339 with any offset.
+        for (text, want) in [
+            ("2026-05-01 12:00:03", "2026-05-01T12:00:03Z"),
+            ("2026-05-01T12:00:03", "2026-05-01T12:00:03Z"),
+            ("2026-05-01T14:00:03+02:00", "2026-05-01T14:00:03+02:00"),
+            ("2026-05-01T12:00:03.5Z", "2026-05-01T12:00:03.5Z"),
+        ] {
+            assert_eq!(time_arg(text).as_deref(), Ok(want), "{text}");
+        }
+        for bad in ["yesterday", "2026-13-01 00:00:00", "", "2026-05-01"] {
+            assert!(time_arg(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            crate::render::short_time(&time_arg("2026-05-01 12:00:03").unwrap()),
+            "2026-05-01 12:00:03",
+            "list -> --before -> list is the identity"
+        );
         for args in [
             &["device", "grant", "--reason", "r"][..],
             &["device", "grant", "gpu"],

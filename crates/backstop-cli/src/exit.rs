@@ -1,6 +1,6 @@
 //! Exit status of `backstop`, so scripts can tell failures apart (also in `backstop --help`).
 
-use backstop_control::{codes, ClientError, Response};
+use backstop_control::{ClientError, Response};
 
 /// The operation succeeded.
 pub const OK: u8 = 0;
@@ -15,18 +15,6 @@ pub const HALTED: u8 = 4;
 /// A snapshot or the audit journal failed verification.
 pub const INTEGRITY: u8 = 5;
 
-/// Codes that mean "what is stored cannot be trusted or used".
-pub const INTEGRITY_CODES: [&str; 4] = [
-    "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED",
-    "ERR_SNAPSHOT_MANIFEST_INVALID",
-    "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED",
-    "MISSING_SNAPSHOT",
-];
-
-/// Codes that mean "the VM is HALTED now": a request refused because it was, or a rollback
-/// that failed and halted it.
-pub const HALTED_CODES: [&str; 2] = ["ERR_VM_HALTED", "ERR_ROLLBACK_FAILED_HALTED"];
-
 /// Exit status for a failed call.
 pub fn for_error(err: &ClientError) -> u8 {
     match err {
@@ -35,14 +23,10 @@ pub fn for_error(err: &ClientError) -> u8 {
     }
 }
 
-/// Exit status for an error code.
+/// Exit status for an error code: what [`backstop_common::ErrorCode`] says of it (a code this
+/// console does not know, from a newer daemon, is a plain failure).
 pub fn for_code(code: &str) -> u8 {
-    match code {
-        codes::PERMISSION_DENIED | codes::UNAVAILABLE => UNREACHABLE,
-        c if HALTED_CODES.contains(&c) => HALTED,
-        c if INTEGRITY_CODES.contains(&c) => INTEGRITY,
-        _ => FAILED,
-    }
+    backstop_common::codes::exit_status_of(code).code()
 }
 
 /// Exit status for a successful call: the daemon answered, but the answer may be bad news.
@@ -90,7 +74,12 @@ mod tests {
         );
         assert_eq!(for_error(&failed("ERR_VM_HALTED")), HALTED);
         assert_eq!(for_error(&failed("ERR_ROLLBACK_FAILED_HALTED")), HALTED);
-        for code in INTEGRITY_CODES {
+        for code in [
+            "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED",
+            "ERR_SNAPSHOT_MANIFEST_INVALID",
+            "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED",
+            "MISSING_SNAPSHOT",
+        ] {
             assert_eq!(for_error(&failed(code)), INTEGRITY, "{code}");
         }
         assert_eq!(

@@ -12,6 +12,12 @@ pub mod render;
 
 use backstop_control::{ClientError, Request, Response};
 
+/// The console's command line as clap sees it (for its man pages and shell completions,
+/// rendered by `backstop-dist`).
+pub fn command() -> clap::Command {
+    <cli::Cli as clap::CommandFactory>::command()
+}
+
 /// Everything a finished call prints, and how the process ends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
@@ -48,6 +54,33 @@ pub fn outcome(request: &Request, result: &Result<Response, ClientError>, json: 
             }
         }
     }
+}
+
+/// One refresh of `backstop vms --watch`: the table under a line with the time (on a terminal
+/// after a clear-screen, elsewhere after a blank line, so a log of it reads top to bottom), or
+/// with `json` one compact line `{"at":…,"vms":…}` / `{"at":…,"error":…}`. A failed call is shown
+/// and the watch goes on (the daemon may be restarting).
+pub fn watch_frame(
+    result: &Result<Response, ClientError>,
+    json: bool,
+    terminal: bool,
+    at: &str,
+) -> String {
+    if json {
+        let doc = match result {
+            Ok(r) => serde_json::json!({"at": at, "vms": r}),
+            Err(e) => {
+                serde_json::json!({"at": at, "error": {"code": e.code(), "message": e.message()}})
+            }
+        };
+        return doc.to_string() + "\n";
+    }
+    let body = match result {
+        Ok(r) => render::human(&Request::Vms, r),
+        Err(e) => render::error_line(e.code(), &e.message()),
+    };
+    let head = if terminal { "\x1b[H\x1b[2J" } else { "\n" };
+    format!("{head}backstop vms at {at} (every refresh; Ctrl-C ends)\n{body}")
 }
 
 #[cfg(test)]
@@ -110,6 +143,33 @@ mod tests {
             "backstop: ERR_CONTROL_UNAVAILABLE: backstopd is not running \
              (no socket at /run/backstop/control.sock)\n"
         );
+    }
+
+    #[test]
+    fn a_watch_frame_clears_only_a_terminal_and_json_is_one_line() {
+        let down: Result<Response, ClientError> = Err(ClientError::Connect {
+            path: PathBuf::from("/run/backstop/control.sock"),
+            source: io::ErrorKind::NotFound.into(),
+        });
+        let at = "2026-05-01T12:00:00Z";
+        let tty = watch_frame(&down, false, true, at);
+        assert!(tty.starts_with("\x1b[H\x1b[2J"), "{tty:?}");
+        assert!(tty.contains("ERR_CONTROL_UNAVAILABLE"), "{tty}");
+        let log = watch_frame(&down, false, false, at);
+        assert!(
+            !log.contains('\x1b'),
+            "no ANSI when not a terminal: {log:?}"
+        );
+        assert!(log.contains(at));
+        let line = watch_frame(&down, true, true, at);
+        assert_eq!(line.lines().count(), 1);
+        let doc: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(doc["error"]["code"], "ERR_CONTROL_UNAVAILABLE");
+        assert_eq!(doc["at"], at);
+        let ok: Result<Response, ClientError> = Ok(Response::Vms { vms: Vec::new() });
+        let doc: serde_json::Value =
+            serde_json::from_str(&watch_frame(&ok, true, false, at)).unwrap();
+        assert!(doc["vms"].is_object(), "{doc}");
     }
 
     #[test]

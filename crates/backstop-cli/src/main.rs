@@ -1,6 +1,6 @@
 //! `backstop`: parse the command line, send one request, print the answer.
 
-use std::io::{self, Write};
+use std::io::{self, IsTerminal, Write};
 use std::process::ExitCode;
 
 use backstop_cli::cli::Cli;
@@ -16,10 +16,14 @@ fn main() -> ExitCode {
         return ExitCode::from(code);
     }
     let request = cli.command.request();
+    if let backstop_cli::cli::Command::Vms { watch: Some(secs) } = cli.command {
+        watch(&cli, &request, secs);
+    }
 
     let mut display = ProgressDisplay::new(cli.json);
-    let result = ControlClient::connect(&cli.socket)
-        .and_then(|mut client| client.call(&request, &mut |p| display.update(p)));
+    let result = ControlClient::connect(&cli.socket).and_then(|mut client| {
+        client.call_vm(cli.vm.as_deref(), &request, &mut |p| display.update(p))
+    });
     display.finish();
 
     let outcome = backstop_cli::outcome(&request, &result, cli.json);
@@ -28,4 +32,24 @@ fn main() -> ExitCode {
     let _ = io::stdout().lock().write_all(outcome.stdout.as_bytes());
     let _ = io::stderr().lock().write_all(outcome.stderr.as_bytes());
     ExitCode::from(outcome.exit_code)
+}
+
+/// `backstop vms --watch`: the view again every `secs` seconds until interrupted (SIGINT's
+/// default action ends the process). Never returns.
+fn watch(cli: &Cli, request: &backstop_control::Request, secs: u64) -> ! {
+    let terminal = io::stdout().is_terminal();
+    loop {
+        let result = ControlClient::connect(&cli.socket)
+            .and_then(|mut client| client.call_vm(None, request, &mut |_| {}));
+        let at = time::OffsetDateTime::now_utc()
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default();
+        let frame = backstop_cli::watch_frame(&result, cli.json, terminal, &at);
+        if io::stdout().lock().write_all(frame.as_bytes()).is_err() {
+            // stdout closed (`| head`): nothing more to show.
+            std::process::exit(0);
+        }
+        let _ = io::stdout().flush();
+        std::thread::sleep(std::time::Duration::from_secs(secs));
+    }
 }

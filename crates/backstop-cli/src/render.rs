@@ -4,7 +4,8 @@ use std::fmt::Write as _;
 
 use backstop_control::{
     ActionView, AuditVerifyReport, DevicesView, HypervisorDevicesView, Progress, PruneView,
-    Request, Response, RollbackReport, SnapshotSummary, SnapshotView, StatusView, VerifyReport,
+    ReloadReport, Request, Response, RollbackReport, SnapshotSummary, SnapshotView, StatusView,
+    VerifyReport, VmSummary,
 };
 use serde_json::{json, Value};
 use time::format_description::well_known::Rfc3339;
@@ -56,6 +57,8 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::Action(view) => action_text(view),
         Response::Actions { actions } => actions_text(actions),
         Response::Pruned(view) => pruned_text(view),
+        Response::Vms { vms } => vms_text(vms),
+        Response::Reloaded(r) => reloaded_text(r),
     }
 }
 
@@ -105,6 +108,72 @@ fn actions_text(actions: &[ActionView]) -> String {
         &["ACTION", "TIER", "KIND", "RISK", "SNAPSHOT", "OPENED", "BY"],
         &rows,
     )
+}
+
+fn reloaded_text(r: &ReloadReport) -> String {
+    let list = |v: &[String]| {
+        if v.is_empty() {
+            "-".to_string()
+        } else {
+            v.iter().map(|n| clean(n)).collect::<Vec<_>>().join(", ")
+        }
+    };
+    let mut text = format!(
+        "added: {}\nremoved: {}\nchanged, not applied: {}\n",
+        list(&r.added),
+        list(&r.removed),
+        list(&r.changed_not_applied)
+    );
+    if !r.applied.is_empty() {
+        let _ = writeln!(
+            text,
+            "changed and applied (restarted from a final snapshot): {}",
+            list(&r.applied)
+        );
+    }
+    for (name, why) in &r.refused {
+        let _ = writeln!(text, "refused {}: {}", clean(name), clean(why));
+    }
+    text
+}
+
+/// `backstop vms`: one line per VM; ages in seconds, `-` where there is none.
+fn vms_text(vms: &[VmSummary]) -> String {
+    if vms.is_empty() {
+        return "no VMs\n".into();
+    }
+    let mut text = format!(
+        "{:<20} {:<8} {:<16} {:>5} {:>9} {:>12} {:>10}\n",
+        "NAME", "BACKEND", "STATE", "EPOCH", "SNAPSHOTS", "NEWEST AGE", "HEARTBEAT"
+    );
+    let now = time::OffsetDateTime::now_utc();
+    for v in vms {
+        let newest = v
+            .newest_snapshot_at
+            .as_deref()
+            .and_then(|t| time::OffsetDateTime::parse(t, &Rfc3339).ok())
+            .map(|t| format!("{}s", (now - t).whole_seconds().max(0)))
+            .unwrap_or_else(|| "-".into());
+        let heartbeat = v
+            .heartbeat_age_ms
+            .map(|ms| format!("{:.1}s", ms as f64 / 1000.0))
+            .unwrap_or_else(|| "-".into());
+        let _ = writeln!(
+            text,
+            "{:<20} {:<8} {:<16} {:>5} {:>9} {:>12} {:>10}",
+            clean(&v.name),
+            clean(&v.backend),
+            clean(&v.state),
+            v.epoch,
+            v.snapshots,
+            newest,
+            heartbeat
+        );
+        if let Some(r) = &v.reason {
+            let _ = writeln!(text, "  {}: {}", clean(&v.name), clean(r));
+        }
+    }
+    text
 }
 
 fn pruned_text(p: &PruneView) -> String {
@@ -193,6 +262,13 @@ fn status_text(s: &StatusView) -> String {
         ),
         ("session", clean(&s.session_id)),
     ];
+    for (k, v) in &s.backend_details {
+        let v = match v {
+            serde_json::Value::String(t) => t.clone(),
+            other => other.to_string(),
+        };
+        rows.push((k.as_str(), clean(&v)));
+    }
     if let Some(halt) = &s.halted {
         rows.push(("halted since", clean(&halt.since)));
         rows.push(("halt code", clean(&halt.code)));
@@ -230,7 +306,7 @@ fn snapshot_text(view: &SnapshotView) -> String {
             ),
         ),
         ("reason", clean(&s.reason)),
-        ("pause", human_pause(s.pause_us)),
+        ("pause", pause_with_breakdown(s.pause_us, &view.manifest)),
         ("capture", format!("{} ms", view.capture_ms)),
         ("stored", human_bytes(s.bytes_stored)),
     ]);
@@ -335,7 +411,7 @@ fn rolled_back_text(r: &RollbackReport) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    format!(
+    let mut text = format!(
         "rolled back to {} ({}, {}) in {} ms, restore {} ms; epoch {}; revoked: {}; skipped: {}\n",
         clean(&r.snapshot_id),
         clean(&r.rollback_type),
@@ -345,7 +421,16 @@ fn rolled_back_text(r: &RollbackReport) -> String {
         r.epoch,
         revoked,
         skipped
-    )
+    );
+    if !r.phases.is_empty() {
+        let phases: Vec<String> = r
+            .phases
+            .iter()
+            .map(|p| format!("{} {} ms", clean(&p.phase), p.ms))
+            .collect();
+        let _ = writeln!(text, "phases: {}", phases.join(", "));
+    }
+    text
 }
 
 fn audit_entries_text(entries: &[Value]) -> String {
@@ -635,6 +720,28 @@ pub fn human_bytes(bytes: u64) -> String {
 }
 
 /// A guest pause: `850us`, `3.2ms`, `1.25s`.
+/// The pause and where it went, from the manifest's `capture.pause_breakdown_us` (a list of
+/// `[phase, µs]`): `3.2ms: stop 410 µs, switch 95 µs, …`. Just the pause when the manifest has
+/// no breakdown (older manifests, the KVM backend, a guest that was paused).
+fn pause_with_breakdown(pause_us: u64, manifest: &Value) -> String {
+    let parts: Vec<String> = manifest
+        .pointer("/capture/pause_breakdown_us")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|p| {
+            let name = p.get(0)?.as_str()?;
+            let us = p.get(1)?.as_u64()?;
+            Some(format!("{} {us} µs", clean(name)))
+        })
+        .collect();
+    if parts.is_empty() {
+        human_pause(pause_us)
+    } else {
+        format!("{}: {}", human_pause(pause_us), parts.join(", "))
+    }
+}
+
 pub fn human_pause(pause_us: u64) -> String {
     if pause_us < 1_000 {
         format!("{pause_us}us")
@@ -692,6 +799,9 @@ mod tests {
             newest_snapshot: Some("abcdef0123456789".into()),
             halted,
             session_id: "sess-1".into(),
+            newest_snapshot_at: None,
+            heartbeat_age_ms: None,
+            backend_details: Default::default(),
         }
     }
 
@@ -783,6 +893,56 @@ mod tests {
     }
 
     #[test]
+    fn snapshot_show_prints_the_pause_breakdown() {
+        let mut sum = summary("abc", "r");
+        sum.pause_us = 3_200;
+        let manifest = json!({"snapshot_id": "abc", "capture": {"pause_us": 3_200,
+            "pause_breakdown_us": [["stop", 410], ["switch", 95], ["migrate", 700],
+                                   ["setup", 300], ["tracking", 1_100], ["resume", 595]]}});
+        let view = SnapshotView {
+            summary: sum.clone(),
+            manifest,
+            capture_ms: 2100,
+        };
+        let req = Request::SnapshotShow { id: "abc".into() };
+        let text = human(&req, &Response::Snapshot(view));
+        assert!(
+            text.contains(
+                "pause:     3.2ms: stop 410 µs, switch 95 µs, migrate 700 µs, setup 300 µs, \
+                 tracking 1100 µs, resume 595 µs\n"
+            ),
+            "{text}"
+        );
+        // The manifest (and so --json) carries it as recorded.
+        assert!(text.contains("\"pause_breakdown_us\": [\n"), "{text}");
+        // No breakdown (an older manifest, the KVM backend): the pause alone.
+        for manifest in [
+            json!({"snapshot_id": "abc", "capture": {"pause_us": 3_200}}),
+            json!({"capture": {"pause_breakdown_us": []}}),
+            json!({"capture": {"pause_breakdown_us": [["x"], 5, null]}}),
+        ] {
+            let view = SnapshotView {
+                summary: sum.clone(),
+                manifest,
+                capture_ms: 2100,
+            };
+            let text = human(&req, &Response::Snapshot(view));
+            assert!(text.contains("pause:     3.2ms\n"), "{text}");
+        }
+        // A phase name is printed clean.
+        let view = SnapshotView {
+            summary: sum,
+            manifest: json!({"capture": {"pause_breakdown_us": [["st\u{1b}[2Jop", 1]]}}),
+            capture_ms: 1,
+        };
+        let text = human(&req, &Response::Snapshot(view));
+        assert!(
+            text.contains("pause:     3.2ms: st\\u{1b}[2Jop 1 µs\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn snapshot_create_prints_one_line() {
         let view = SnapshotView {
             summary: summary("abc", "r"),
@@ -824,6 +984,7 @@ mod tests {
             revoked: vec![],
             total_ms: 812,
             restore_ms: 250,
+            phases: Vec::new(),
         };
         let req = Request::Rollback {
             to: None,
@@ -1070,6 +1231,7 @@ mod tests {
             revoked: vec![],
             total_ms: 900,
             restore_ms: 200,
+            phases: Vec::new(),
         }));
         let text = human(&req, &Response::Action(a));
         assert!(text.starts_with("action pkg-42 rolled_back: "), "{text}");
@@ -1152,5 +1314,57 @@ mod tests {
             "2026-05-01 12:00:03"
         );
         assert_eq!(short_time("yesterday"), "yesterday");
+    }
+
+    #[test]
+    fn vms_and_reload_are_one_line_each_and_say_why_a_vm_does_not_run() {
+        let vms = vec![
+            VmSummary {
+                name: "web1".into(),
+                backend: "qemu".into(),
+                state: "running".into(),
+                epoch: 2,
+                snapshots: 3,
+                newest_snapshot_at: None,
+                heartbeat_age_ms: Some(1500),
+                reason: None,
+            },
+            VmSummary {
+                name: "bad".into(),
+                backend: String::new(),
+                state: "config_invalid".into(),
+                epoch: 0,
+                snapshots: 0,
+                newest_snapshot_at: None,
+                heartbeat_age_ms: None,
+                reason: Some("ERR_CONFIG_INVALID: line\n2".into()),
+            },
+        ];
+        let text = human(&Request::Vms, &Response::Vms { vms });
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 4, "{text}");
+        assert!(lines[0].starts_with("NAME"));
+        assert!(
+            lines[1].starts_with("web1")
+                && lines[1].contains("running")
+                && lines[1].contains("1.5s")
+        );
+        assert!(lines[2].starts_with("bad") && lines[2].contains("config_invalid"));
+        assert_eq!(lines[3], "  bad: ERR_CONFIG_INVALID: line\\n2");
+        assert_eq!(
+            human(&Request::Vms, &Response::Vms { vms: vec![] }),
+            "no VMs\n"
+        );
+        let r = ReloadReport {
+            added: vec!["d".into()],
+            removed: vec![],
+            changed_not_applied: vec!["a".into()],
+            applied: vec![],
+            refused: vec![("x".into(), "bad file".into())],
+        };
+        assert_eq!(
+            human(&Request::Reload, &Response::Reloaded(r)),
+            "added: d\nremoved: -\nchanged, not applied: a\nrefused x: bad file\n"
+        );
     }
 }

@@ -112,6 +112,9 @@ fn status() -> Response {
         newest_snapshot: Some("0123456789abcdef".into()),
         halted: None,
         session_id: "s".into(),
+        newest_snapshot_at: None,
+        heartbeat_age_ms: None,
+        backend_details: Default::default(),
     })
 }
 
@@ -252,6 +255,7 @@ fn a_uid_the_daemon_refuses_is_exit_3() {
     let access = AccessPolicy {
         console_uids: vec![4242],
         policy_uids: vec![],
+        ..AccessPolicy::default()
     };
     let daemon = FakeDaemon::start(access, |_| done(status()));
     let out = daemon.run(&["status"]);
@@ -373,6 +377,7 @@ fn progress_goes_to_stderr_as_plain_lines_and_not_with_json() {
                 revoked: vec!["usb:0".into()],
                 total_ms: 900,
                 restore_ms: 250,
+                phases: Vec::new(),
             })),
         ]
     });

@@ -110,7 +110,19 @@ impl ControlClient {
         req: &Request,
         on_progress: &mut dyn FnMut(&Progress),
     ) -> Result<Response, ClientError> {
-        let mut line = serde_json::to_vec(req).map_err(|source| ClientError::Encode { source })?;
+        self.call_vm(None, req, on_progress)
+    }
+
+    /// [`ControlClient::call`] for the VM named `vm` (`None`: the daemon's only VM).
+    pub fn call_vm(
+        &mut self,
+        vm: Option<&str>,
+        req: &Request,
+        on_progress: &mut dyn FnMut(&Progress),
+    ) -> Result<Response, ClientError> {
+        let mut line = crate::Envelope::new(vm, req.clone())
+            .encode()
+            .map_err(|source| ClientError::Encode { source })?;
         line.push(b'\n');
         if let Err(source) = framing::write_all(&self.stream, &line, WriteMode::Blocking) {
             // The daemon may have answered and closed before reading everything (a refused

@@ -51,6 +51,15 @@ pub enum Request {
     /// A person clears HALTED; the VM is then restored from the newest verified snapshot
     /// (or cold-booted when there is none).
     HaltClear { reason: String },
+    /// A person clears HALTED and chooses the snapshot it is restored from (a session rollback:
+    /// anything but the newest verified snapshot needs reviewer evidence, as for `rollback`).
+    /// Refused before anything changes: the VM stays HALTED.
+    HaltClearTo {
+        reason: String,
+        to: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reviewer_token: Option<Value>,
+    },
     /// The last `count` audit entries.
     AuditTail { count: usize },
     /// Walk the whole audit chain.
@@ -58,7 +67,7 @@ pub enum Request {
     /// A host trigger (spec/000 §6), normally from the host policy engine. Overrides whatever is
     /// in flight: a snapshot being taken is abandoned and never published.
     Trigger {
-        kind: TriggerKind,
+        kind: HostTrigger,
         reason: String,
         /// The action(s) the trigger concerns, recorded in the journal (spec/000 §11).
         #[serde(default)]
@@ -93,43 +102,22 @@ pub enum Request {
     ActionList,
     /// Apply the retention policy now (it also runs after every scheduled snapshot).
     SnapshotPrune,
+    /// Every VM this daemon guards (answered by the daemon, for any VM).
+    Vms,
+    /// Re-read the VM files (`daemon.vms_dir`): start new VMs, stop removed ones; the others
+    /// are not disturbed (answered by the daemon).
+    Reload,
+    /// Verify the daemon journal, and that every VM journal still holds the entries the daemon
+    /// journal anchored (answered by the daemon).
+    DaemonAuditVerify,
 }
 
 fn is_false(b: &bool) -> bool {
     !*b
 }
 
-/// spec/000 §5's rollback types.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RollbackType {
-    /// One action: back to its pre-action snapshot.
-    Micro,
-    /// Recent changes: back to a chosen point (a snapshot, a time, or the session's start).
-    Session,
-    /// Full restore to the newest verified snapshot.
-    Emergency,
-}
-
-impl RollbackType {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RollbackType::Micro => "micro",
-            RollbackType::Session => "session",
-            RollbackType::Emergency => "emergency",
-        }
-    }
-
-    pub fn parse(name: &str) -> Option<RollbackType> {
-        [
-            RollbackType::Micro,
-            RollbackType::Session,
-            RollbackType::Emergency,
-        ]
-        .into_iter()
-        .find(|t| t.as_str() == name)
-    }
-}
+/// spec/000 §5's rollback types (the shared vocabulary's; the same strings on the wire).
+pub use backstop_common::RollbackType;
 
 /// How an action ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -152,7 +140,7 @@ impl ActionResult {
 /// console are triggers too, but they have their own paths.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum TriggerKind {
+pub enum HostTrigger {
     /// The policy engine's `FORCE_ROLLBACK`.
     #[serde(alias = "FORCE_ROLLBACK")]
     ForceRollback,
@@ -166,42 +154,54 @@ pub enum TriggerKind {
     UndefinedBehaviour,
 }
 
-impl TriggerKind {
-    pub const ALL: [TriggerKind; 5] = [
-        TriggerKind::ForceRollback,
-        TriggerKind::PostPromotionValidationFailed,
-        TriggerKind::Tier0Violation,
-        TriggerKind::SandboxContradiction,
-        TriggerKind::UndefinedBehaviour,
+impl HostTrigger {
+    pub const ALL: [HostTrigger; 5] = [
+        HostTrigger::ForceRollback,
+        HostTrigger::PostPromotionValidationFailed,
+        HostTrigger::Tier0Violation,
+        HostTrigger::SandboxContradiction,
+        HostTrigger::UndefinedBehaviour,
     ];
+
+    /// The trigger as the journal names it.
+    pub fn kind(self) -> backstop_common::TriggerKind {
+        use backstop_common::TriggerKind as K;
+        match self {
+            HostTrigger::ForceRollback => K::ForceRollback,
+            HostTrigger::PostPromotionValidationFailed => K::PostPromotionValidationFailed,
+            HostTrigger::Tier0Violation => K::Tier0Violation,
+            HostTrigger::SandboxContradiction => K::SandboxContradiction,
+            HostTrigger::UndefinedBehaviour => K::UndefinedBehaviour,
+        }
+    }
 
     /// The name on the wire and in the journal.
     pub fn as_str(self) -> &'static str {
         match self {
-            TriggerKind::ForceRollback => "force_rollback",
-            TriggerKind::PostPromotionValidationFailed => "post_promotion_validation_failed",
-            TriggerKind::Tier0Violation => "tier0_violation",
-            TriggerKind::SandboxContradiction => "sandbox_contradiction",
-            TriggerKind::UndefinedBehaviour => "undefined_behaviour",
+            HostTrigger::ForceRollback => "force_rollback",
+            HostTrigger::PostPromotionValidationFailed => "post_promotion_validation_failed",
+            HostTrigger::Tier0Violation => "tier0_violation",
+            HostTrigger::SandboxContradiction => "sandbox_contradiction",
+            HostTrigger::UndefinedBehaviour => "undefined_behaviour",
         }
     }
 
     /// The rollback type each trigger calls for (spec/000 §5): failed promotions and sandbox
     /// contradictions are a single action gone wrong (micro); the rest are full emergencies.
-    pub fn rollback_type(self) -> &'static str {
+    pub fn rollback_type(self) -> RollbackType {
         match self {
-            TriggerKind::PostPromotionValidationFailed | TriggerKind::SandboxContradiction => {
-                "micro"
+            HostTrigger::PostPromotionValidationFailed | HostTrigger::SandboxContradiction => {
+                RollbackType::Micro
             }
-            TriggerKind::ForceRollback
-            | TriggerKind::Tier0Violation
-            | TriggerKind::UndefinedBehaviour => "emergency",
+            HostTrigger::ForceRollback
+            | HostTrigger::Tier0Violation
+            | HostTrigger::UndefinedBehaviour => RollbackType::Emergency,
         }
     }
 
-    pub fn parse(name: &str) -> Option<TriggerKind> {
-        TriggerKind::ALL.into_iter().find(|k| {
-            k.as_str() == name || (name == "FORCE_ROLLBACK" && *k == TriggerKind::ForceRollback)
+    pub fn parse(name: &str) -> Option<HostTrigger> {
+        HostTrigger::ALL.into_iter().find(|k| {
+            k.as_str() == name || (name == "FORCE_ROLLBACK" && *k == HostTrigger::ForceRollback)
         })
     }
 }
@@ -242,12 +242,18 @@ enum StrictRequest {
     HaltClear {
         reason: String,
     },
+    HaltClearTo {
+        reason: String,
+        to: String,
+        #[serde(default)]
+        reviewer_token: Option<Value>,
+    },
     AuditTail {
         count: usize,
     },
     AuditVerify {},
     Trigger {
-        kind: TriggerKind,
+        kind: HostTrigger,
         reason: String,
         #[serde(default)]
         action_ids: Vec<String>,
@@ -274,6 +280,9 @@ enum StrictRequest {
     },
     ActionList {},
     SnapshotPrune {},
+    Vms {},
+    Reload {},
+    DaemonAuditVerify {},
 }
 
 impl From<StrictRequest> for Request {
@@ -302,6 +311,15 @@ impl From<StrictRequest> for Request {
                 allow_newer_minor,
             },
             StrictRequest::HaltClear { reason } => Request::HaltClear { reason },
+            StrictRequest::HaltClearTo {
+                reason,
+                to,
+                reviewer_token,
+            } => Request::HaltClearTo {
+                reason,
+                to,
+                reviewer_token,
+            },
             StrictRequest::AuditTail { count } => Request::AuditTail { count },
             StrictRequest::AuditVerify {} => Request::AuditVerify,
             StrictRequest::Trigger {
@@ -336,6 +354,9 @@ impl From<StrictRequest> for Request {
             },
             StrictRequest::ActionList {} => Request::ActionList,
             StrictRequest::SnapshotPrune {} => Request::SnapshotPrune,
+            StrictRequest::Vms {} => Request::Vms,
+            StrictRequest::Reload {} => Request::Reload,
+            StrictRequest::DaemonAuditVerify {} => Request::DaemonAuditVerify,
         }
     }
 }
@@ -350,7 +371,7 @@ impl Request {
             Request::SnapshotShow { .. } => "snapshot show",
             Request::SnapshotVerify { .. } => "snapshot verify",
             Request::Rollback { .. } => "rollback",
-            Request::HaltClear { .. } => "halt clear",
+            Request::HaltClear { .. } | Request::HaltClearTo { .. } => "halt clear",
             Request::AuditTail { .. } => "audit tail",
             Request::AuditVerify => "audit verify",
             Request::Trigger { .. } => "trigger",
@@ -361,6 +382,9 @@ impl Request {
             Request::ActionEnd { .. } => "action end",
             Request::ActionList => "action list",
             Request::SnapshotPrune => "snapshot prune",
+            Request::Vms => "vms",
+            Request::Reload => "reload",
+            Request::DaemonAuditVerify => "audit verify --daemon",
         }
     }
 }
@@ -368,6 +392,9 @@ impl Request {
 /// One line from the daemon.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
+// One reply value lives per connection for a moment: its size does not matter, boxing would
+// only add noise at every construction site.
+#[allow(clippy::large_enum_variant)]
 pub enum Reply {
     /// A step of a long operation has started or advanced.
     Progress(Progress),
@@ -417,6 +444,12 @@ pub enum Response {
     },
     /// What retention removed and kept.
     Pruned(PruneView),
+    /// Every VM this daemon guards.
+    Vms {
+        vms: Vec<VmSummary>,
+    },
+    /// What a reload changed.
+    Reloaded(ReloadReport),
 }
 
 /// One action of the pre-action gate.
@@ -484,6 +517,53 @@ pub struct StatusView {
     pub newest_snapshot: Option<String>,
     pub halted: Option<HaltView>,
     pub session_id: String,
+    /// When the newest snapshot was taken (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub newest_snapshot_at: Option<String>,
+    /// How long ago the guest agent's last valid heartbeat arrived (none yet: `None`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_age_ms: Option<u64>,
+    /// What the backend says about itself (libvirt: `domain`, `capture_mode`, `reconnects`).
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub backend_details: serde_json::Map<String, serde_json::Value>,
+}
+
+/// What `backstop reload` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReloadReport {
+    /// VMs started (new files, or files that were refused before and are good now).
+    pub added: Vec<String>,
+    /// VMs whose file is gone: stopped cleanly (final snapshot) and no longer guarded.
+    pub removed: Vec<String>,
+    /// Running VMs whose file changed the VM's shape (memory, disks, devices, …): kept running
+    /// as they were, since their snapshots cannot restore into the new shape (remove and re-add
+    /// the file to cold-boot it on the new one).
+    pub changed_not_applied: Vec<String>,
+    /// Running VMs whose file changed anything else (watchdog, retention, schedule, …): stopped
+    /// cleanly and started again on the new file, resuming from that final snapshot.
+    #[serde(default)]
+    pub applied: Vec<String>,
+    /// Files refused (name, reason); a VM already running under that name keeps running.
+    pub refused: Vec<(String, String)>,
+}
+
+/// One line of `backstop vms`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmSummary {
+    pub name: String,
+    /// `qemu`, `kvm`, … (empty for a VM whose config was refused).
+    pub backend: String,
+    /// The lifecycle state, or `config_invalid` / `start_failed` for a VM that does not run.
+    pub state: String,
+    pub epoch: u64,
+    pub snapshots: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub newest_snapshot_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_age_ms: Option<u64>,
+    /// Why it does not run (`config_invalid`, `start_failed`) or why it is HALTED.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -547,6 +627,17 @@ pub struct RollbackReport {
     pub total_ms: u64,
     /// Time to load RAM and device state into the fresh VM, milliseconds.
     pub restore_ms: u64,
+    /// Where the time went, in order: `choose` (list and verify the target), `gate`, `revoke`,
+    /// `end`, `overlays`, `launch`, `load`, `check`, `resume`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub phases: Vec<PhaseTime>,
+}
+
+/// One phase of an operation and how long it took.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhaseTime {
+    pub phase: String,
+    pub ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -857,8 +948,8 @@ mod tests {
             serde_json::to_string(&Request::SnapshotPrune).unwrap(),
             r#"{"op":"snapshot_prune"}"#
         );
-        assert_eq!(RollbackType::parse("micro"), Some(RollbackType::Micro));
-        assert_eq!(RollbackType::parse("full"), None);
+        assert_eq!(RollbackType::parse("micro"), Ok(RollbackType::Micro));
+        assert!(RollbackType::parse("full").is_err());
         assert_eq!(Request::SnapshotPrune.name(), "snapshot prune");
         // Replies are tagged `kind` and responses `type`: an action view must survive both.
         let view = ActionView {

@@ -6,6 +6,7 @@
 //! and writes [`Reply`] lines; its [`ProgressSink`] never lets a vanished client disturb the
 //! operation that is reporting progress.
 
+use backstop_common::ErrorCode;
 use std::fs::{self, DirBuilder, Permissions};
 use std::io::{self, BufReader};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
@@ -29,13 +30,22 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a single reply write may wait for a client that does not read.
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Which uids may use the socket, and as what.
+/// Which peers may use the socket, and as what: by uid, and optionally by the peer's (primary)
+/// gid as the kernel recorded it at `connect(2)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AccessPolicy {
     /// People at the console (full access).
     pub console_uids: Vec<u32>,
     /// The host policy engine.
     pub policy_uids: Vec<u32>,
+    /// Peers whose gid is one of these are consoles too.
+    pub console_gids: Vec<u32>,
+    /// Peers whose gid is one of these are policy engines.
+    pub policy_gids: Vec<u32>,
+    /// The group that may reach the socket on disk: the directory becomes 0710 and the socket
+    /// 0660, both of this group (default: none, root only: 0700 and 0600). Reaching the socket
+    /// is not using it: the peer check above still decides.
+    pub socket_gid: Option<u32>,
 }
 
 impl Default for AccessPolicy {
@@ -43,6 +53,9 @@ impl Default for AccessPolicy {
         AccessPolicy {
             console_uids: vec![0],
             policy_uids: vec![0],
+            console_gids: Vec::new(),
+            policy_gids: Vec::new(),
+            socket_gid: None,
         }
     }
 }
@@ -51,9 +64,15 @@ impl AccessPolicy {
     /// The role of `uid`, or `None` when it may not use the socket at all.
     /// A uid in both lists is a console.
     pub fn role_of(&self, uid: u32) -> Option<Role> {
-        if self.console_uids.contains(&uid) {
+        self.role_of_peer(uid, None)
+    }
+
+    /// The role of a peer by uid, then by gid: a console by either wins over a policy engine.
+    pub fn role_of_peer(&self, uid: u32, gid: Option<u32>) -> Option<Role> {
+        let in_gids = |gids: &[u32]| gid.is_some_and(|g| gids.contains(&g));
+        if self.console_uids.contains(&uid) || in_gids(&self.console_gids) {
             Some(Role::Console)
-        } else if self.policy_uids.contains(&uid) {
+        } else if self.policy_uids.contains(&uid) || in_gids(&self.policy_gids) {
             Some(Role::Policy)
         } else {
             None
@@ -61,21 +80,9 @@ impl AccessPolicy {
     }
 }
 
-/// What an accepted peer is allowed to be.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Role {
-    Console,
-    Policy,
-}
-
-impl Role {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Console => "console",
-            Role::Policy => "policy",
-        }
-    }
-}
+/// What an accepted peer is allowed to be (the shared vocabulary's [`Role`]; a peer is never
+/// `Daemon`).
+pub use backstop_common::Role;
 
 /// The peer's credentials as the kernel recorded them at `connect(2)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +131,12 @@ pub enum ControlError {
     RemoveStale { path: PathBuf, source: io::Error },
     #[error("binding {path}")]
     Bind { path: PathBuf, source: io::Error },
+    #[error("chown {path} to group {gid}")]
+    ChownGroup {
+        path: PathBuf,
+        gid: u32,
+        source: io::Error,
+    },
     #[error("chmod 0600 {path}")]
     ChmodSocket { path: PathBuf, source: io::Error },
     #[error("configuring the listening socket")]
@@ -160,7 +173,7 @@ pub enum ControlError {
 
 impl ControlError {
     /// Stable code for the journal and the console.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         use ControlError::*;
         match self {
             NoParent { .. }
@@ -174,16 +187,21 @@ impl ControlError {
             | RemoveStale { .. }
             | Bind { .. }
             | ChmodSocket { .. }
-            | Listener { .. } => codes::SOCKET_SETUP,
-            AlreadyListening { .. } => codes::ALREADY_LISTENING,
-            Poll { .. } | Accept { .. } | PeerCred { .. } | Configure { .. } => codes::ACCEPT,
-            ClosedBeforeRequest | ReadRequest { .. } | Send { .. } | ClientGone => {
-                codes::DISCONNECTED
+            | ChownGroup { .. }
+            | Listener { .. } => ErrorCode::ControlSocketSetup,
+            AlreadyListening { .. } => ErrorCode::ControlAlreadyListening,
+            Poll { .. } | Accept { .. } | PeerCred { .. } | Configure { .. } => {
+                ErrorCode::ControlAccept
             }
-            RequestTimeout { .. } => codes::REQUEST_TIMEOUT,
-            RequestTooLong { .. } | RequestUnterminated | BadRequest { .. } => codes::BAD_REQUEST,
-            Encode { .. } => codes::INTERNAL,
-            AlreadyAnswered => codes::ALREADY_ANSWERED,
+            ClosedBeforeRequest | ReadRequest { .. } | Send { .. } | ClientGone => {
+                ErrorCode::ControlDisconnected
+            }
+            RequestTimeout { .. } => ErrorCode::ControlRequestTimeout,
+            RequestTooLong { .. } | RequestUnterminated | BadRequest { .. } => {
+                ErrorCode::ControlBadRequest
+            }
+            Encode { .. } => ErrorCode::ControlInternal,
+            AlreadyAnswered => ErrorCode::ControlAlreadyAnswered,
         }
     }
 }
@@ -223,6 +241,9 @@ impl ControlServer {
                 source,
             }
         })?;
+        if let Some(gid) = access.socket_gid {
+            open_to_group(dir, socket_path, gid)?;
+        }
         let meta = fs::symlink_metadata(socket_path).map_err(|source| ControlError::Inspect {
             path: path.clone(),
             source,
@@ -312,7 +333,7 @@ impl ControlServer {
         };
         configure(&stream).map_err(|source| ControlError::Configure { source })?;
 
-        let Some(role) = self.access.role_of(peer.uid) else {
+        let Some(role) = self.access.role_of_peer(peer.uid, Some(peer.gid)) else {
             let refusal = Reply::Failed {
                 code: codes::PERMISSION_DENIED.to_string(),
                 message: format!("uid {} is not allowed on this socket", peer.uid),
@@ -387,6 +408,34 @@ fn prepare_dir(dir: &Path) -> Result<(), ControlError> {
             .map_err(|source| ControlError::ChmodDir { path, source })?;
     }
     Ok(())
+}
+
+/// Lets group `gid` reach the socket: the socket (already bound) becomes `root:gid 0660`, then
+/// the directory `root:gid 0710` (traverse, not list). In that order, so the directory opens
+/// only once the socket is as it will stay.
+fn open_to_group(dir: &Path, socket: &Path, gid: u32) -> Result<(), ControlError> {
+    let group = Some(nix::unistd::Gid::from_raw(gid));
+    let chown = |p: &Path| {
+        nix::unistd::chown(p, None, group).map_err(|e| ControlError::ChownGroup {
+            path: p.to_path_buf(),
+            gid,
+            source: io::Error::from(e),
+        })
+    };
+    chown(socket)?;
+    fs::set_permissions(socket, Permissions::from_mode(0o660)).map_err(|source| {
+        ControlError::ChmodSocket {
+            path: socket.to_path_buf(),
+            source,
+        }
+    })?;
+    chown(dir)?;
+    fs::set_permissions(dir, Permissions::from_mode(0o710)).map_err(|source| {
+        ControlError::ChmodDir {
+            path: dir.to_path_buf(),
+            source,
+        }
+    })
 }
 
 fn remove_stale_socket(socket_path: &Path) -> Result<(), ControlError> {
@@ -475,10 +524,20 @@ impl Connection {
 
     /// [`read_request`](Self::read_request) with another time limit.
     pub fn read_request_within(&mut self, timeout: Duration) -> Result<Request, ControlError> {
+        self.read_envelope_within(timeout).map(|e| e.request)
+    }
+
+    /// Reads the request line with the VM it is for and its protocol version (see
+    /// [`crate::Envelope`]); bounded and strict like [`read_request`](Self::read_request).
+    pub fn read_envelope(&mut self) -> Result<crate::Envelope, ControlError> {
+        self.read_envelope_within(REQUEST_TIMEOUT)
+    }
+
+    fn read_envelope_within(&mut self, timeout: Duration) -> Result<crate::Envelope, ControlError> {
         let deadline = Instant::now() + timeout;
         let error = match framing::read_line(&mut self.reader, MAX_LINE_BYTES, Some(deadline)) {
-            Ok(line) => match serde_json::from_slice::<Request>(&line) {
-                Ok(request) => return Ok(request),
+            Ok(line) => match crate::Envelope::decode(&line) {
+                Ok(envelope) => return Ok(envelope),
                 Err(source) => ControlError::BadRequest { source },
             },
             Err(LineError::TooLong) => ControlError::RequestTooLong {

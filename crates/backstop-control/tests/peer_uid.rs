@@ -94,6 +94,9 @@ fn status() -> Response {
             since: "s".into(),
         }),
         session_id: "s1".into(),
+        newest_snapshot_at: None,
+        heartbeat_age_ms: None,
+        backend_details: Default::default(),
     })
 }
 
@@ -114,6 +117,7 @@ fn non_root_peers_are_gated_by_the_filesystem_and_by_their_uid() {
     let access = AccessPolicy {
         console_uids: vec![0],
         policy_uids: vec![4242],
+        ..AccessPolicy::default()
     };
     let server = ControlServer::bind(&path, access).unwrap();
     assert_eq!(connect_as(4242, &path, request, b""), CONNECT_EACCES);

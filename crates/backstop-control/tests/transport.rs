@@ -187,6 +187,7 @@ fn a_uid_not_allowed_is_refused_before_its_request_is_read() {
     let access = AccessPolicy {
         console_uids: vec![4242],
         policy_uids: vec![4242],
+        ..AccessPolicy::default()
     };
     let server = ControlServer::bind(&path, access).unwrap();
     let handle = thread::spawn(move || server.accept().unwrap());
@@ -215,6 +216,7 @@ fn roles_follow_the_access_policy() {
     let policy = AccessPolicy {
         console_uids: vec![0, 1000],
         policy_uids: vec![998, 1000],
+        ..AccessPolicy::default()
     };
     assert_eq!(policy.role_of(0), Some(Role::Console));
     assert_eq!(policy.role_of(1000), Some(Role::Console));
@@ -227,6 +229,7 @@ fn roles_follow_the_access_policy() {
             AccessPolicy {
                 console_uids: vec![],
                 policy_uids: vec![0],
+                ..AccessPolicy::default()
             },
             Role::Policy,
         ),
@@ -503,4 +506,21 @@ fn accept_timeout_returns_none_when_nobody_comes() {
         server.accept_timeout(Duration::from_secs(5)).unwrap(),
         Some(Accepted::Conn(_))
     ));
+}
+
+#[test]
+fn groups_give_roles_and_a_console_by_either_wins() {
+    let policy = AccessPolicy {
+        console_uids: vec![0],
+        policy_uids: vec![998],
+        console_gids: vec![50],
+        policy_gids: vec![60],
+        socket_gid: None,
+    };
+    assert_eq!(policy.role_of_peer(1234, Some(50)), Some(Role::Console));
+    assert_eq!(policy.role_of_peer(1234, Some(60)), Some(Role::Policy));
+    assert_eq!(policy.role_of_peer(998, Some(50)), Some(Role::Console));
+    assert_eq!(policy.role_of_peer(1234, Some(70)), None);
+    assert_eq!(policy.role_of_peer(1234, None), None);
+    assert_eq!(policy.role_of(998), Some(Role::Policy));
 }

@@ -1,14 +1,15 @@
 //! Errors of the engine's operations. Every error has a stable code: the spec's where one exists.
 
+use backstop_common::ErrorCode;
 use backstop_hypervisor::BackendError;
 use backstop_journal::JournalError;
 use backstop_store::StoreError;
 
-use crate::state::InvalidTransition;
+use crate::lifecycle::InvalidTransition;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("the VM is HALTED ({reason}); only `status` and `halt clear` are accepted")]
+    #[error("the VM is HALTED ({reason}); only `status`, `audit` and `halt clear` are accepted")]
     Halted { reason: String },
     #[error("{0}")]
     BadRequest(String),
@@ -39,6 +40,9 @@ pub enum EngineError {
     RollbackHalted { step: &'static str, detail: String },
     #[error("no verified snapshot to roll back to; the VM is HALTED")]
     NoVerifiedSnapshot,
+    /// The host is short of descriptors or memory: nothing is concluded from the failure.
+    #[error("{step}: the host is out of resources ({detail}); nothing was changed, retry")]
+    ResourceExhausted { step: &'static str, detail: String },
     #[error("journal: {0}")]
     Journal(#[from] JournalError),
     #[error(transparent)]
@@ -53,8 +57,12 @@ pub enum EngineError {
         step: &'static str,
         source: BackendError,
     },
+    #[error("only {free_mib} MiB free in the VM's state directory (min_free_mib = {min_free_mib}): snapshot refused, the VM runs on")]
+    NoSpace { free_mib: u64, min_free_mib: u64 },
     #[error("snapshot abandoned: a host trigger overrides it; nothing was published")]
     Abandoned,
+    #[error("snapshot abandoned: the store took no state for {waited_ms} ms (max_capture_stall_ms = {bound_ms}), so the guest would have stayed stalled; nothing was published, the guest runs on")]
+    CaptureStalled { waited_ms: u64, bound_ms: u64 },
     #[error("the daemon is shutting down")]
     ShuttingDown,
     #[error(transparent)]
@@ -64,28 +72,31 @@ pub enum EngineError {
 }
 
 impl EngineError {
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            EngineError::Halted { .. } => "ERR_VM_HALTED",
-            EngineError::BadRequest(_) => "ERR_BAD_REQUEST",
-            EngineError::NotPermitted(_) => "ERR_CONTROL_PERMISSION_DENIED",
-            EngineError::Transition(_) => "ERR_VM_BUSY",
+            EngineError::Halted { .. } => ErrorCode::VmHalted,
+            EngineError::BadRequest(_) => ErrorCode::BadRequest,
+            EngineError::NotPermitted(_) => ErrorCode::ControlPermissionDenied,
+            EngineError::Transition(_) => ErrorCode::VmBusy,
             EngineError::SnapshotStore { source, .. } => match source.code() {
-                "ERR_STORE_IO" => "ERR_SNAPSHOT_CREATE_FAILED",
+                ErrorCode::StoreIo => ErrorCode::SnapshotCreateFailed,
                 c => c,
             },
-            EngineError::SnapshotBackend { .. } => "ERR_SNAPSHOT_CREATE_FAILED",
+            EngineError::SnapshotBackend { .. } => ErrorCode::SnapshotCreateFailed,
             EngineError::Verify { source, .. } | EngineError::Store(source) => source.code(),
-            EngineError::ShapeMismatch { .. } => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED",
-            EngineError::RollbackHalted { .. } => "ERR_ROLLBACK_FAILED_HALTED",
-            EngineError::NoVerifiedSnapshot => "MISSING_SNAPSHOT",
+            EngineError::ShapeMismatch { .. } => ErrorCode::SnapshotCompatibilityBlocked,
+            EngineError::RollbackHalted { .. } => ErrorCode::RollbackFailedHalted,
+            EngineError::NoVerifiedSnapshot => ErrorCode::MissingSnapshot,
+            EngineError::ResourceExhausted { .. } => ErrorCode::HostResourceExhausted,
             EngineError::Journal(e) => e.code(),
-            EngineError::Io { .. } => "ERR_IO",
+            EngineError::Io { .. } => ErrorCode::Io,
             EngineError::Backend { source, .. } => source.code(),
-            EngineError::ShuttingDown => "ERR_SHUTTING_DOWN",
+            EngineError::ShuttingDown => ErrorCode::ShuttingDown,
             EngineError::Device(e) => e.code(),
             EngineError::Policy(e) => e.code(),
-            EngineError::Abandoned => "ERR_SNAPSHOT_ABANDONED",
+            EngineError::Abandoned => ErrorCode::SnapshotAbandoned,
+            EngineError::CaptureStalled { .. } => ErrorCode::SnapshotStalled,
+            EngineError::NoSpace { .. } => ErrorCode::SnapshotNoSpace,
         }
     }
 }

@@ -5,13 +5,18 @@
 //! * `rollback-inflight.json`: written before a rollback touches the VM, removed after the
 //!   restored VM runs. Finding it at start-up means a rollback never finished: HALTED.
 //! * `halted.json`: the VM is HALTED, why, and since when. Only `halt clear` removes it.
+//! * `clean-stop.json`: the daemon stopped cleanly and took this final snapshot of the paused
+//!   guest; the next start resumes from exactly it, then removes the record.
+//! * `reserve.bin`: 1 MiB kept allocated so that on a full filesystem the HALT record and the
+//!   journal entries around it can still be written: released when such a write fails (the
+//!   write is then retried once), re-made when the VM starts or is cleared.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::durable;
+use backstop_common::durable;
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VmRecord {
@@ -35,6 +40,13 @@ pub struct InflightRecord {
     pub snapshot_id: String,
     pub trace_id: String,
     pub started_at: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CleanStopRecord {
+    pub snapshot_id: String,
+    pub trace_id: String,
+    pub stopped_at: String,
 }
 
 pub struct Records {
@@ -104,7 +116,49 @@ impl Records {
     pub fn clear_inflight(&self) -> std::io::Result<()> {
         durable::remove_durably(&self.path("rollback-inflight.json"))
     }
+    pub fn clean_stop(&self) -> std::io::Result<Option<CleanStopRecord>> {
+        self.read("clean-stop.json")
+    }
+    pub fn set_clean_stop(&self, r: &CleanStopRecord) -> std::io::Result<()> {
+        self.write("clean-stop.json", r)
+    }
+    pub fn clear_clean_stop(&self) -> std::io::Result<()> {
+        durable::remove_durably(&self.path("clean-stop.json"))
+    }
+
+    /// Makes the space reserve if it is missing (best effort: on a full disk it stays missing
+    /// and is tried again next time).
+    pub fn ensure_reserve(&self) {
+        let p = self.path(RESERVE);
+        if std::fs::metadata(&p).is_ok_and(|m| m.len() == RESERVE_BYTES) {
+            return;
+        }
+        let made = (|| {
+            let tmp = self.path("reserve.bin.tmp");
+            let f = std::fs::File::create(&tmp)?;
+            // Written, not sparse: the blocks must really be taken.
+            std::io::Write::write_all(&mut &f, &vec![0u8; RESERVE_BYTES as usize])?;
+            f.sync_all()?;
+            durable::rename_durably(&tmp, &p)
+        })();
+        if let Err(e) = made {
+            let _ = std::fs::remove_file(self.path("reserve.bin.tmp"));
+            tracing::warn!(error = %e, "no space reserve for the HALT record");
+        }
+    }
+
+    /// Frees the reserve; true if there was one to free.
+    pub fn release_reserve(&self) -> bool {
+        let released = std::fs::remove_file(self.path(RESERVE)).is_ok();
+        if released {
+            tracing::warn!("space reserve released to write the HALT record");
+        }
+        released
+    }
 }
+
+const RESERVE: &str = "reserve.bin";
+const RESERVE_BYTES: u64 = 1 << 20;
 
 #[cfg(test)]
 mod tests {

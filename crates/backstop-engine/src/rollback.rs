@@ -9,6 +9,7 @@
 //!    verified state streamed in (each chunk re-checked as it streams), the result checked.
 //! 5. New epoch recorded, guest resumed, marker removed, guest told the epoch (never the reason).
 
+use backstop_common::AuditEvent;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -16,15 +17,98 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tracing::info;
 
-use backstop_control::{RollbackReport, SkippedSnapshot};
+use backstop_control::{PhaseTime, RollbackReport, SkippedSnapshot};
 use backstop_hypervisor::{BootMode, DiskAttachment};
-use backstop_journal::events;
-use backstop_store::{ListEntry, VerifiedSnapshot};
+use backstop_store::{ListEntry, VerifiedSnapshot, VerifyOptions};
 
-use crate::engine::{now_rfc3339, Ctx, Engine, Fault};
+use backstop_common::time::now_rfc3339;
+use backstop_common::{ErrorCode, RollbackType, TriggerKind};
+
+use crate::actor::{Ctx, VmActor};
 use crate::error::EngineError;
+use crate::fault::Fault;
+use crate::lifecycle::Transition;
+use crate::policy::RestoreRequest;
 use crate::records::InflightRecord;
-use crate::state::{Transition, VmState};
+
+/// Where a rollback's time goes, phase by phase (journaled with it and shown by the console).
+pub(crate) struct PhaseClock {
+    mark: Instant,
+    phases: Vec<PhaseTime>,
+}
+
+impl PhaseClock {
+    fn start() -> PhaseClock {
+        PhaseClock {
+            mark: Instant::now(),
+            phases: Vec::new(),
+        }
+    }
+
+    /// Ends the current phase, naming it.
+    fn done(&mut self, phase: &str) {
+        let now = Instant::now();
+        self.phases.push(PhaseTime {
+            phase: phase.into(),
+            ms: now.duration_since(self.mark).as_millis() as u64,
+        });
+        self.mark = now;
+    }
+
+    fn as_json(&self) -> serde_json::Value {
+        serde_json::Value::Object(
+            self.phases
+                .iter()
+                .map(|p| (p.phase.clone(), p.ms.into()))
+                .collect(),
+        )
+    }
+}
+
+/// Everything a rollback is asked with: where to, why, what set it off, the actions it undoes
+/// (journaled with it, spec/000 §11) and what the restore gate needs. Passed in whole, so no
+/// state is left behind between the asker and the executor.
+#[derive(Debug, Clone)]
+pub(crate) struct RollbackPlan {
+    /// A named target; `None`: the newest verified snapshot of the current line.
+    pub to: Option<String>,
+    pub reason: String,
+    pub trigger: TriggerKind,
+    pub rollback_type: RollbackType,
+    pub action_ids: Vec<String>,
+    pub gate: RestoreRequest,
+    /// The daemon's own resume after a clean stop: no rollback happened from the guest's point
+    /// of view, so the epoch stays and the guest is not told one.
+    pub resume: bool,
+}
+
+impl RollbackPlan {
+    /// An emergency rollback to the newest verified snapshot, never gated (spec/000 §5.3).
+    pub(crate) fn emergency(trigger: TriggerKind, reason: impl Into<String>) -> RollbackPlan {
+        RollbackPlan {
+            to: None,
+            reason: reason.into(),
+            trigger,
+            rollback_type: RollbackType::Emergency,
+            action_ids: Vec::new(),
+            gate: RestoreRequest::default(),
+            resume: false,
+        }
+    }
+
+    /// The resume after a clean stop: exactly the snapshot the stop took, never gated.
+    pub(crate) fn resume(snapshot_id: &str) -> RollbackPlan {
+        RollbackPlan {
+            to: Some(snapshot_id.to_string()),
+            reason: "backstopd started after a clean stop: resuming from its final snapshot".into(),
+            trigger: TriggerKind::DaemonResume,
+            rollback_type: RollbackType::Session,
+            action_ids: Vec::new(),
+            gate: RestoreRequest::default(),
+            resume: true,
+        }
+    }
+}
 
 /// The disk chains a manifest records, by disk id.
 fn manifest_chains(v: &VerifiedSnapshot) -> Vec<(String, Vec<PathBuf>)> {
@@ -39,31 +123,38 @@ fn manifest_chains(v: &VerifiedSnapshot) -> Vec<(String, Vec<PathBuf>)> {
         .collect()
 }
 
-impl Engine {
+impl VmActor {
     pub(crate) fn rollback(
         &mut self,
         ctx: &mut Ctx,
-        to: Option<&str>,
-        reason: &str,
-        trigger: &str,
-        rollback_type: &str,
+        plan: RollbackPlan,
     ) -> Result<RollbackReport, EngineError> {
         let started = Instant::now();
         let sid = self.session_id.clone();
         let trace = ctx.trace_id.clone();
-        let action_ids = std::mem::take(&mut self.trigger_action_ids);
-        self.journal(events::SNAPSHOT_RESTORE_REQUESTED, json!({
+        let RollbackPlan {
+            to,
+            reason,
+            trigger,
+            rollback_type,
+            action_ids,
+            gate,
+            resume,
+        } = plan;
+        let (to, reason) = (to.as_deref(), reason.as_str());
+        let mut clock = PhaseClock::start();
+        self.journal(AuditEvent::SnapshotRestoreRequested, json!({
             "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "pending",
             "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "requested_by": ctx.caller.label(),
             "action_ids": action_ids,
         }))?;
 
         // 1. Choose and verify, touching nothing.
-        let (target, skipped) = match self.choose_target(ctx, to) {
+        let (target, skipped) = match self.choose_target(ctx, to, &gate) {
             Ok(t) => t,
             Err(e) => {
                 let halting = matches!(e, EngineError::NoVerifiedSnapshot);
-                self.journal(events::SNAPSHOT_RESTORE_FAILED, json!({
+                self.journal(AuditEvent::SnapshotRestoreFailed, json!({
                     "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "refused",
                     "code": e.code(), "error": e.to_string(), "vm_halted": halting,
                 }))?;
@@ -79,12 +170,14 @@ impl Engine {
             }
         };
         let snapshot_id = target.manifest.snapshot_id.clone();
+        clock.done("choose");
         // The restore gate (policy/restore_gate.rs): journals its decision; a block leaves the
         // VM untouched. Emergency, watchdog and host-trigger rollbacks are never blocked.
-        self.restore_gate(ctx, trigger, rollback_type, &target)?;
-        self.state = self.state.transition(Transition::BeginRollback)?;
+        self.restore_gate(ctx, trigger, rollback_type, gate, &target)?;
+        clock.done("gate");
+        self.transition(Transition::BeginRollback, &trace)?;
         self.publish();
-        self.journal(events::ROLLBACK_INITIATED, json!({
+        self.journal(AuditEvent::RollbackInitiated, json!({
             "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "pending",
             "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
             "timestamp": now_rfc3339(),
@@ -94,7 +187,7 @@ impl Engine {
             trace_id: trace.clone(),
             started_at: now_rfc3339(),
         }) {
-            self.state = VmState::Running;
+            self.transition(Transition::AbortRollback, &trace)?;
             return Err(EngineError::Io {
                 step: "write rollback marker",
                 source,
@@ -102,44 +195,46 @@ impl Engine {
         }
 
         // 2.-5. Any failure from here on halts.
-        match self.replace_vm(ctx, &target) {
+        match self.replace_vm(ctx, &target, resume, &mut clock) {
             Ok((revoked, restore_ms)) => {
                 let report = RollbackReport {
                     snapshot_id: snapshot_id.clone(),
-                    rollback_type: rollback_type.into(),
-                    trigger: trigger.into(),
+                    rollback_type: rollback_type.as_str().into(),
+                    trigger: trigger.as_str().into(),
                     epoch: self.vm.epoch,
                     skipped,
                     revoked,
                     total_ms: started.elapsed().as_millis() as u64,
                     restore_ms,
+                    phases: clock.phases.clone(),
                 };
-                self.journal(events::SNAPSHOT_RESTORE_COMPLETED, json!({
+                self.journal(AuditEvent::SnapshotRestoreCompleted, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "ok",
                     "epoch": report.epoch, "total_ms": report.total_ms, "restore_ms": restore_ms,
                 }))?;
-                self.journal(events::ROLLBACK_COMPLETED, json!({
+                self.journal(AuditEvent::RollbackCompleted, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "ok",
                     "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
                     "timestamp": now_rfc3339(), "revoked": report.revoked, "epoch": report.epoch,
+                    "total_ms": report.total_ms, "phases_ms": clock.as_json(),
                 }))?;
                 self.mark_rolled_back(&snapshot_id, rollback_type, &trace);
                 info!(snapshot_id = %snapshot_id, total_ms = report.total_ms, restore_ms, epoch = report.epoch, "rolled back");
                 Ok(report)
             }
             Err((step, detail)) => {
-                let _ = self.journal(events::SNAPSHOT_RESTORE_FAILED, json!({
+                let _ = self.journal(AuditEvent::SnapshotRestoreFailed, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "failed",
                     "code": "ERR_ROLLBACK_FAILED_HALTED", "step": step, "error": detail, "vm_touched": true,
                 }));
-                let _ = self.journal(events::ROLLBACK_FAILED, json!({
+                let _ = self.journal(AuditEvent::RollbackFailed, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "failed",
                     "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
                     "timestamp": now_rfc3339(), "step": step,
                 }));
                 self.enter_halt(
                     &trace,
-                    "ERR_ROLLBACK_FAILED_HALTED",
+                    ErrorCode::RollbackFailedHalted,
                     &format!("rollback to {snapshot_id} failed at {step}: {detail}"),
                 );
                 Err(EngineError::RollbackHalted { step, detail })
@@ -151,8 +246,12 @@ impl Engine {
         &mut self,
         ctx: &mut Ctx,
         to: Option<&str>,
+        gate: &RestoreRequest,
     ) -> Result<(VerifiedSnapshot, Vec<SkippedSnapshot>), EngineError> {
-        let opts = self.restore_verify_options();
+        // spec/001's explicit compatibility mode (`--compat`) widens what verifies.
+        let opts = VerifyOptions {
+            allow_newer_minor: gate.allow_newer_minor,
+        };
         let fingerprint = self.backend.config_fingerprint();
         if let Some(to) = to {
             let id = self.store.resolve(to).map_err(EngineError::Store)?;
@@ -179,7 +278,23 @@ impl Engine {
             let (id, result) = match entry {
                 ListEntry::Valid(m) => {
                     ctx.step("verify", format!("verifying {}", m.snapshot_id), None);
-                    let r = self.store.verify(&m.snapshot_id, &opts);
+                    let r = {
+                        let _squeeze = crate::fault::squeeze_descriptors(self.fault);
+                        self.store.verify(&m.snapshot_id, &opts)
+                    };
+                    // Out of descriptors or memory says nothing about the snapshot: skipping
+                    // it (and then HALTing for want of one) would turn a busy host into a
+                    // halted VM. The rollback is refused as it is; nothing was touched yet.
+                    if let Some(io) = r
+                        .as_ref()
+                        .err()
+                        .and_then(|e| backstop_common::resources::exhaustion(e))
+                    {
+                        return Err(EngineError::ResourceExhausted {
+                            step: "verify",
+                            detail: format!("{}: {io}", m.snapshot_id),
+                        });
+                    }
                     (m.snapshot_id, r.map_err(|e| e.code().to_string()))
                 }
                 ListEntry::Corrupt {
@@ -192,7 +307,7 @@ impl Engine {
                 Err(code) => code,
             };
             let sid = self.session_id.clone();
-            self.journal(events::SNAPSHOT_VERIFY_SKIPPED, json!({
+            self.journal(AuditEvent::SnapshotVerifySkipped, json!({
                 "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "skipped", "code": code,
             }))?;
             skipped.push(SkippedSnapshot {
@@ -208,6 +323,8 @@ impl Engine {
         &mut self,
         ctx: &mut Ctx,
         target: &VerifiedSnapshot,
+        resume: bool,
+        clock: &mut PhaseClock,
     ) -> Result<(Vec<String>, u64), (&'static str, String)> {
         let bound = Duration::from_millis(self.cfg.rollback.revoke_timeout_ms);
         let mut revoked = Vec::new();
@@ -233,6 +350,7 @@ impl Engine {
                 )),
             }
         }
+        clock.done("revoke");
         self.backend
             .terminate()
             .map_err(|e| ("end qemu", e.to_string()))?;
@@ -243,6 +361,7 @@ impl Engine {
             .release_host_devices(&ctx.trace_id)
             .map_err(|e| ("release host devices", e))?;
         revoked.extend(released);
+        clock.done("end");
 
         ctx.step(
             "restore",
@@ -278,6 +397,7 @@ impl Engine {
             d
         };
 
+        clock.done("overlays");
         ctx.step(
             "restore",
             "starting a fresh VM, paused, waiting for state",
@@ -286,6 +406,7 @@ impl Engine {
         self.backend
             .launch(&disks, BootMode::Incoming)
             .map_err(|e| ("launch fresh vm", e.to_string()))?;
+        clock.done("launch");
         let load_started = Instant::now();
         let mut sink = self
             .backend
@@ -339,16 +460,20 @@ impl Engine {
         })?;
         sink.flush().map_err(|e| ("load state", e.to_string()))?;
         drop(sink);
+        clock.done("load");
         let rr = self
             .backend
             .finish_restore()
             .map_err(|e| ("check restored vm", e.to_string()))?;
+        clock.done("check");
         let restore_ms = load_started.elapsed().as_millis() as u64;
         if !self.cfg.vm.nics.is_empty() {
             revoked.push("network links down in the restored VM".into());
         }
 
-        vm.epoch += 1;
+        if !resume {
+            vm.epoch += 1;
+        }
         self.vm = vm;
         self.save_vm()
             .map_err(|e| ("record new epoch", e.to_string()))?;
@@ -358,9 +483,13 @@ impl Engine {
         self.records
             .clear_inflight()
             .map_err(|e| ("remove rollback marker", e.to_string()))?;
-        self.state = VmState::Running;
+        self.transition(Transition::RolledBack, &ctx.trace_id.clone())
+            .map_err(|e| ("record the new state", e.to_string()))?;
         self.running_since = Some(Instant::now());
-        let _ = self.backend.notify_epoch(self.vm.epoch);
+        if !resume {
+            let _ = self.backend.notify_epoch(self.vm.epoch);
+        }
+        clock.done("resume");
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
         Ok((revoked, restore_ms.max(rr.load_ms)))
     }

@@ -6,22 +6,33 @@
 //! layers, streams the state into the store, and publishes last. Until the publish renames the
 //! build directory into place the snapshot does not exist.
 
+use backstop_common::AuditEvent;
 use std::io::Read;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::{json, Value};
 use tracing::{info, warn};
 
-use backstop_hypervisor::{BackendError, DiskSwitch, StreamLayout};
-use backstop_journal::events;
-use backstop_qemu::MigrationChunker;
+use backstop_hypervisor::{BackendError, DiskSwitch, DiskSwitchTiming};
 use backstop_store::{Manifest, ManifestInput};
 
-use crate::engine::{Ctx, Engine, Fault};
+use crate::actor::{Ctx, VmActor};
+use crate::capture_buffer;
 use crate::error::EngineError;
-use crate::state::Transition;
+use crate::fault::Fault;
+use crate::lifecycle::Transition;
+
+/// The deepest a running disk chain (base image, snapshot layers, writable top) may grow before
+/// its middle is merged into the top (libvirt refuses chains deeper than 200, and every layer is
+/// one more lookup for QEMU's reads).
+pub const MAX_RUNNING_CHAIN: usize = 16;
+
+/// How much of the state stream is held in memory while the store is slower than QEMU
+/// (see [`capture_buffer`]).
+const CAPTURE_BUFFER_BYTES: usize = 32 << 20;
 
 /// The capture stream, abandoned as soon as a host trigger is waiting: a rollback overrides a
 /// snapshot in flight, which is then never published.
@@ -55,7 +66,62 @@ impl Read for Preemptible<'_> {
     }
 }
 
-impl Engine {
+/// At most `limit` captures at once across a daemon's VMs: a background snapshot's write faults
+/// stall the guest while the store writes, so concurrent captures slow every guest and compete
+/// for the disk. Rollbacks never take a slot.
+pub struct CaptureSlots {
+    limit: u32,
+    busy: std::sync::Mutex<u32>,
+    freed: std::sync::Condvar,
+}
+
+/// A capture slot, given back on drop.
+pub struct CaptureSlot<'a>(&'a CaptureSlots);
+
+impl CaptureSlots {
+    pub fn new(limit: u32) -> CaptureSlots {
+        CaptureSlots {
+            limit: limit.max(1),
+            busy: std::sync::Mutex::new(0),
+            freed: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Waits for a slot; gives up (`None`) as soon as `preempt` is set.
+    pub fn acquire(&self, preempt: &AtomicBool) -> Option<CaptureSlot<'_>> {
+        let mut busy = self.busy.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if preempt.load(Ordering::SeqCst) {
+                return None;
+            }
+            if *busy < self.limit {
+                *busy += 1;
+                return Some(CaptureSlot(self));
+            }
+            busy = self
+                .freed
+                .wait_timeout(busy, std::time::Duration::from_millis(100))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+impl Drop for CaptureSlot<'_> {
+    fn drop(&mut self) {
+        let mut busy = self.0.busy.lock().unwrap_or_else(|p| p.into_inner());
+        *busy = busy.saturating_sub(1);
+        self.0.freed.notify_one();
+    }
+}
+
+/// Free space of the filesystem holding `dir`, in MiB.
+fn free_mib(dir: &std::path::Path) -> Option<u64> {
+    let st = nix::sys::statvfs::statvfs(dir).ok()?;
+    Some(st.blocks_available() as u64 * st.fragment_size() as u64 / (1 << 20))
+}
+
+impl VmActor {
     pub(crate) fn create_snapshot(
         &mut self,
         ctx: &mut Ctx,
@@ -64,10 +130,21 @@ impl Engine {
     ) -> Result<Manifest, EngineError> {
         // A VM holding a granted device cannot be snapshotted (see devices.rs): deferred.
         self.defer_snapshot_while_granted(ctx, reason, trigger)?;
-        self.state = self.state.transition(Transition::BeginSnapshot)?;
+        #[cfg(feature = "fault-injection")]
+        if let Some(crate::fault::Fault::PanicOnSnapshot(vm)) = self.fault {
+            if vm == self.cfg.vm.name && trigger != "baseline" {
+                panic!("fault injection: actor.panic-on-snapshot={vm}");
+            }
+        }
+        // One of the daemon's capture slots (a trigger waiting makes this give up).
+        let captures = Arc::clone(&self.captures);
+        let Some(_slot) = captures.acquire(&self.preempt) else {
+            return Err(EngineError::Abandoned);
+        };
+        self.transition(Transition::BeginSnapshot, &ctx.trace_id.clone())?;
         self.publish();
         let sid = self.session_id.clone();
-        self.journal(events::SNAPSHOT_CREATE_REQUESTED, json!({
+        self.journal(AuditEvent::SnapshotCreateRequested, json!({
             "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "pending",
             "reason": reason, "trigger": trigger, "created_by": ctx.caller.label(), "scope": "full",
         }))?;
@@ -78,17 +155,18 @@ impl Engine {
                 e
             }
         });
-        self.state = self.state.transition(Transition::EndSnapshot)?;
+        self.transition(Transition::EndSnapshot, &ctx.trace_id.clone())?;
         match outcome {
             Ok(m) => {
-                self.journal(events::SNAPSHOT_CREATE_COMPLETED, json!({
+                self.journal(AuditEvent::SnapshotCreateCompleted, json!({
                     "snapshot_id": m.snapshot_id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
                     "pause_us": m.capture.get("pause_us"), "bytes_stored": m.bytes_stored,
                 }))?;
+                self.bound_running_chains(ctx)?;
                 Ok(m)
             }
             Err(e) => {
-                self.journal(events::SNAPSHOT_CREATE_FAILED, json!({
+                self.journal(AuditEvent::SnapshotCreateFailed, json!({
                     "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "failed",
                     "code": e.code(), "error": e.to_string(),
                 }))?;
@@ -97,12 +175,76 @@ impl Engine {
         }
     }
 
+    /// Every snapshot adds a layer to each captured disk's running chain; past
+    /// [`MAX_RUNNING_CHAIN`] the layers between the base image and the writable top are merged
+    /// into the top, live, so the chain is base + top again. The merged layers stay on disk
+    /// byte-identical while a snapshot names them (prune collects them after). A merge that
+    /// fails leaves the chain as it was and is only logged: the snapshot itself is fine.
+    fn bound_running_chains(&mut self, ctx: &mut Ctx) -> Result<(), EngineError> {
+        let deep: Vec<(String, Vec<PathBuf>)> = self
+            .vm
+            .chains
+            .iter()
+            .filter(|(_, chain)| chain.len() > MAX_RUNNING_CHAIN)
+            .map(|(d, c)| (d.clone(), c.clone()))
+            .collect();
+        for (disk, chain) in deep {
+            let (Some(base), Some(top)) = (chain.first().cloned(), chain.last().cloned()) else {
+                continue;
+            };
+            ctx.step(
+                "flatten",
+                format!(
+                    "merging {} layers of disk {disk} into its top layer",
+                    chain.len() - 2
+                ),
+                None,
+            );
+            let started = Instant::now();
+            if let Err(e) =
+                self.backend
+                    .flatten_disk(&disk, &base, std::time::Duration::from_secs(600))
+            {
+                warn!(disk, error = %e, depth = chain.len(), "could not merge the running chain");
+                continue;
+            }
+            self.vm.chains.insert(disk.clone(), vec![base, top]);
+            self.save_vm()?;
+            self.journal(AuditEvent::DiskChainFlattened, json!({
+                "session_id": self.session_id, "trace_id": ctx.trace_id, "snapshot_id": Value::Null,
+                "result": "ok", "disk": disk, "depth_before": chain.len(), "depth_after": 2,
+                "ms": started.elapsed().as_millis() as u64,
+            }))?;
+        }
+        Ok(())
+    }
+
+    /// The guest writes the new overlays from now: each joins its disk's chain, durably.
+    fn adopt_new_layers(&mut self, switches: &[DiskSwitch]) -> Result<(), EngineError> {
+        for sw in switches {
+            self.vm
+                .chains
+                .entry(sw.id.clone())
+                .or_default()
+                .push(sw.new_active.clone());
+        }
+        self.save_vm()
+    }
+
     fn capture_and_publish(
         &mut self,
         ctx: &mut Ctx,
         reason: &str,
         trigger: &str,
     ) -> Result<Manifest, EngineError> {
+        // Below the floor a snapshot is refused (its action is blocked); the VM runs on.
+        let floor = self.cfg.daemon.min_free_mib;
+        if let Some(free) = free_mib(&self.cfg.daemon.state_dir).filter(|f| *f < floor) {
+            return Err(EngineError::NoSpace {
+                free_mib: free,
+                min_free_mib: floor,
+            });
+        }
         let started = Instant::now();
         let mut builder = self
             .store
@@ -157,14 +299,7 @@ impl Engine {
                 for (_, old_active) in &captured {
                     self.layers.freeze(old_active)?;
                 }
-                for sw in &switches {
-                    self.vm
-                        .chains
-                        .entry(sw.id.clone())
-                        .or_default()
-                        .push(sw.new_active.clone());
-                }
-                self.save_vm()?;
+                self.adopt_new_layers(&switches)?;
                 return Err(EngineError::SnapshotBackend {
                     step: "start capture",
                     source: *source,
@@ -178,18 +313,37 @@ impl Engine {
                 });
             }
         };
-        // The snapshot's disk chains are the chains up to the layers that were just frozen.
-        let mut snapshot_chains = Vec::new();
-        for sw in &switches {
-            let chain = self.vm.chains.entry(sw.id.clone()).or_default();
-            snapshot_chains.push((sw.id.clone(), chain.clone()));
-            chain.push(sw.new_active.clone());
+        // The snapshot's disk chains are the chains up to the layers frozen at the instant.
+        let snapshot_chains: Vec<(String, Vec<PathBuf>)> = switches
+            .iter()
+            .map(|sw| {
+                let chain = self.vm.chains.get(&sw.id).cloned().unwrap_or_default();
+                (sw.id.clone(), chain)
+            })
+            .collect();
+        // A live pre-copy switches the disks only near the stream's end (or never, if it is
+        // abandoned first): the chains and the frozen layers change when the backend says so.
+        let switch_late = stream.disk_switch == DiskSwitchTiming::AtFinish;
+        if !switch_late {
+            self.adopt_new_layers(&switches)?;
         }
-        self.save_vm()?;
-        let mut reader = stream.reader;
+        let bound = std::time::Duration::from_millis(self.cfg.daemon.max_capture_stall_ms);
+        let (mut reader, store_stall) =
+            match capture_buffer::buffered(stream.reader, CAPTURE_BUFFER_BYTES, bound) {
+                Ok(r) => r,
+                Err(source) => {
+                    self.backend.abort_capture();
+                    return Err(EngineError::Io {
+                        step: "start the capture reader",
+                        source,
+                    });
+                }
+            };
         let result = (|| {
-            for (_, layer) in &stream.frozen_layers {
-                self.layers.freeze(layer)?;
+            if !switch_late {
+                for (_, layer) in &stream.frozen_layers {
+                    self.layers.freeze(layer)?;
+                }
             }
             let preempt = std::sync::Arc::clone(&self.preempt);
             let stall = match (self.fault, trigger == "baseline") {
@@ -217,28 +371,21 @@ impl Engine {
                     bytes: Some(bytes),
                 });
             };
-            let (payload, chunking) = match stream.layout {
-                StreamLayout::Opaque => {
+            let (payload, chunking) = match &stream.cutter {
+                None => {
                     let p =
                         builder.write_chunked("vmstate", "ram+device", &mut reader, &mut on_chunk);
                     (p, json!({"method": "content-defined"}))
                 }
-                StreamLayout::QemuMigration { page_size } => {
-                    let mut chunker = MigrationChunker::new(&mut reader, page_size);
+                Some(cutter) => {
+                    let mut chunks = cutter.cut(Box::new(&mut reader));
                     let p =
-                        builder.write_chunks("vmstate", "ram+device", &mut chunker, &mut on_chunk);
-                    let r = chunker.report();
-                    if let Some(why) = &r.fallback {
-                        warn!(reason = %why, "RAM stream not understood: the rest was cut content-defined");
+                        builder.write_chunks("vmstate", "ram+device", &mut chunks, &mut on_chunk);
+                    let report = chunks.report();
+                    if let Some(why) = report.get("fallback").and_then(Value::as_str) {
+                        warn!(reason = %why, "state stream not understood: the rest was cut content-defined");
                     }
-                    (
-                        p,
-                        json!({
-                            "method": "qemu-page-records", "page_records": r.page_records,
-                            "record_chunks": r.record_chunks, "content_defined_chunks": r.cdc_chunks,
-                            "fallback": r.fallback,
-                        }),
-                    )
+                    (p, report)
                 }
             };
             let payload = payload.map_err(|source| EngineError::SnapshotStore {
@@ -252,6 +399,12 @@ impl Engine {
                         step: "finish capture",
                         source,
                     })?;
+            if switch_late {
+                self.adopt_new_layers(&switches)?;
+                for (_, layer) in &stream.frozen_layers {
+                    self.layers.freeze(layer)?;
+                }
+            }
             ctx.step("verify", "checksumming the frozen disk layers", None);
             for (id, chain) in &snapshot_chains {
                 builder
@@ -264,10 +417,14 @@ impl Engine {
             let capture_ms = started.elapsed().as_millis() as u64;
             let capture = json!({
                 "backend": self.backend.kind(), "accel": self.backend.accel(),
-                "pause_us": report.pause_us, "downtime_ms": report.downtime_ms, "state_bytes": report.state_bytes,
+                "pause_us": report.pause_us, "pause_breakdown_us": report.pause_breakdown, "downtime_ms": report.downtime_ms, "state_bytes": report.state_bytes,
                 "capture_ms": capture_ms, "vmstate_bytes": payload.total_bytes, "chunking": chunking,
+                "store_stall_max_ms": store_stall.longest_ms(),
             });
             ctx.step("publish", "signing and publishing the manifest", None);
+            if trigger != "baseline" {
+                crate::fault::fill_disk_before_publish(self.fault, &self.cfg.daemon.state_dir);
+            }
             let m = builder
                 .publish(ManifestInput {
                     created_by: ctx.caller.label(),
@@ -289,7 +446,29 @@ impl Engine {
         if result.is_err() {
             drop(reader);
             self.backend.abort_capture();
+            if switch_late {
+                // Already adopted if the failure came after `finish_capture` did its work.
+                let adopted = switches.iter().all(|sw| {
+                    self.vm.chains.get(&sw.id).and_then(|c| c.last()) == Some(&sw.new_active)
+                });
+                if self.backend.capture_switched_disks() {
+                    if !adopted {
+                        self.adopt_new_layers(&switches)?;
+                        for (_, layer) in &stream.frozen_layers {
+                            self.layers.freeze(layer)?;
+                        }
+                    }
+                } else {
+                    remove_created(&switches);
+                }
+            }
         }
-        result
+        match (result, store_stall.abandoned_after_ms()) {
+            (Err(_), Some(waited_ms)) => Err(EngineError::CaptureStalled {
+                waited_ms,
+                bound_ms: self.cfg.daemon.max_capture_stall_ms,
+            }),
+            (result, _) => result,
+        }
     }
 }

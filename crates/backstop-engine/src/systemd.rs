@@ -1,9 +1,11 @@
 //! `sd_notify` without libsystemd: one datagram to `$NOTIFY_SOCKET` when systemd set one.
-//! backstopd runs as `Type=notify` with `WatchdogSec=`: it says `READY=1` once serving and pings
-//! `WATCHDOG=1` from the engine thread, so a wedged engine is restarted by systemd (and its QEMU,
-//! tied to it by PDEATHSIG, stops with it).
+//! backstopd runs as `Type=notify` with `WatchdogSec=`: it says `READY=1` once serving, and its
+//! main thread pings `WATCHDOG=1` only while every VM actor has shown a sign of life recently
+//! ([`beat`], from each actor's loop and from every step of a long operation), so a wedged actor
+//! stops the pings and systemd restarts the daemon.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub fn notify(state: &str) {
@@ -22,9 +24,36 @@ pub fn notify(state: &str) {
     };
 }
 
+/// A moment as milliseconds since the process's first look at the clock (fits an atomic).
+pub fn now_ms() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_millis() as u64
+}
+
+std::thread_local! {
+    /// The liveness cell of the actor that runs on this thread, if any.
+    static ALIVE: std::cell::RefCell<Option<Arc<AtomicU64>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Makes `cell` this thread's liveness cell: [`beat`] on this thread stamps it.
+pub fn adopt_liveness(cell: Arc<AtomicU64>) {
+    cell.store(now_ms(), Ordering::Relaxed);
+    ALIVE.with(|a| *a.borrow_mut() = Some(cell));
+}
+
+/// A sign of life from the actor on this thread (cheap; called every tick and every step).
+pub fn beat() {
+    ALIVE.with(|a| {
+        if let Some(cell) = a.borrow().as_ref() {
+            cell.store(now_ms(), Ordering::Relaxed);
+        }
+    });
+}
+
 static LAST_PING: Mutex<Option<Instant>> = Mutex::new(None);
 
-/// Pings systemd's watchdog at half its interval (`$WATCHDOG_USEC`); cheap to call often.
+/// Pings systemd's watchdog at half its interval (`$WATCHDOG_USEC`); cheap to call often. Only
+/// the daemon's main thread calls it, and only while every actor is alive.
 pub fn watchdog_ping() {
     let Some(interval) = std::env::var("WATCHDOG_USEC")
         .ok()

@@ -8,8 +8,9 @@
 //! A backend must never resume a guest on its own initiative after [`VmBackend::pause`] or
 //! during a restore: resuming is always an explicit call from the engine.
 
+use backstop_common::ErrorCode;
 use std::io::{Read, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -51,18 +52,37 @@ pub struct CaptureStream {
     pub reader: Box<dyn Read + Send>,
     /// Layers that became immutable at the capture instant (the previous top layers), per disk.
     pub frozen_layers: Vec<(String, PathBuf)>,
-    /// What the stream is, so the store can cut it where snapshots share bytes.
-    pub layout: StreamLayout,
+    /// How to cut this stream where snapshots share bytes; `None`: the stream has no structure
+    /// the backend knows, and the store cuts it content-defined.
+    pub cutter: Option<Box<dyn StreamCutter>>,
+    /// When the disks switch to the new overlays. `AtStart` (every backend that can pause,
+    /// switch and stream at one instant): done when `begin_capture` returns. `AtFinish` (a live
+    /// pre-copy, where the hypervisor picks the instant near the stream's end): not yet, and
+    /// perhaps never — [`VmBackend::capture_switched_disks`] tells after `finish_capture` or
+    /// `abort_capture`, and until then `frozen_layers` are still written by the guest.
+    pub disk_switch: DiskSwitchTiming,
 }
 
-/// The structure of a capture stream, as far as chunking it for deduplication is concerned.
-/// It never changes what is stored, only where chunk boundaries fall.
+/// See [`CaptureStream::disk_switch`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamLayout {
-    /// No structure the store knows: content-defined chunks.
-    Opaque,
-    /// A QEMU migration stream whose RAM pages are `page_size` bytes: cut at page records.
-    QemuMigration { page_size: u64 },
+pub enum DiskSwitchTiming {
+    AtStart,
+    AtFinish,
+}
+
+/// A backend's knowledge of its own stream's structure, used only to choose chunk boundaries so
+/// that unchanged state lands in unchanged chunks. It never changes what is stored: the chunks
+/// concatenate to the stream exactly, and a stream it does not understand is still cut whole.
+pub trait StreamCutter: Send {
+    /// Cuts `src` into chunks of 1 byte to 4 MiB.
+    fn cut<'a>(&self, src: Box<dyn Read + 'a>) -> Box<dyn CutChunks + 'a>;
+}
+
+/// The chunks of one stream, in order, and how they were cut.
+pub trait CutChunks: Iterator<Item = std::io::Result<Vec<u8>>> {
+    /// How the stream was cut, recorded in the manifest (`capture.chunking`): a JSON object with
+    /// at least `method`, and `fallback` (a reason, or null) when part of it was not understood.
+    fn report(&self) -> serde_json::Value;
 }
 
 /// Figures of a finished capture.
@@ -74,6 +94,12 @@ pub struct CaptureReport {
     pub downtime_ms: Option<u64>,
     /// Bytes of state the hypervisor wrote.
     pub state_bytes: u64,
+    /// Where the pause went, in order: (phase, microseconds), e.g. `stop`, `switch`, `migrate`,
+    /// `tracking`, `resume`. The parts sum to about `pause_us`. Empty when the backend does not
+    /// break its pause down, or when the guest was not running (no pause). Absent in manifests
+    /// written before it existed.
+    #[serde(default)]
+    pub pause_breakdown: Vec<(String, u64)>,
 }
 
 /// Figures of a finished restore (the VM is left paused).
@@ -100,6 +126,10 @@ pub enum VmEvent {
     WatchdogExpired { action: String },
     /// The guest shut down or the hypervisor process ended.
     Exited { detail: String },
+    /// Someone other than backstop shut the VM off on purpose (an operator's `virsh destroy` or
+    /// `virsh shutdown`, or the guest powering itself off under libvirt): not restarted behind
+    /// their back — the VM is HALTED for a person to decide.
+    EndedOutside { detail: String },
     /// The guest panicked (if the hypervisor can tell).
     GuestPanicked,
 }
@@ -141,22 +171,36 @@ pub enum BackendError {
     /// did not start. The caller must keep the new layers in the disks' chains.
     #[error("capture did not start after the disk switch: {0}")]
     CaptureAfterSwitch(Box<BackendError>),
+    /// Refused before anything changed, with the code that says why (a libvirt domain that
+    /// cannot be adopted, say).
+    #[error("{message}")]
+    Refused { code: ErrorCode, message: String },
 }
 
 impl BackendError {
     /// Stable code for the console and the journal.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            BackendError::Launch(_) => "ERR_BACKEND_LAUNCH",
-            BackendError::Timeout { .. } => "ERR_BACKEND_TIMEOUT",
-            BackendError::RestoreCheck(_) => "ERR_BACKEND_RESTORE_CHECK",
+            BackendError::Launch(_) => ErrorCode::BackendLaunch,
+            BackendError::Timeout { .. } => ErrorCode::BackendTimeout,
+            BackendError::RestoreCheck(_) => ErrorCode::BackendRestoreCheck,
             BackendError::CaptureAfterSwitch(inner) => inner.code(),
-            _ => "ERR_BACKEND",
+            BackendError::Refused { code, .. } => *code,
+            _ => ErrorCode::Backend,
         }
     }
 }
 
 pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// A VM that already ran outside backstop, taken over by [`VmBackend::adopt`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Adoption {
+    /// Its disks as they are now (`active`: the layer the guest writes), all captured.
+    pub disks: Vec<DiskAttachment>,
+    /// For the journal's `vm.adopted`: versions, identity, capture mode and why.
+    pub details: serde_json::Map<String, serde_json::Value>,
+}
 
 /// One hypervisor backend guarding one VM.
 pub trait VmBackend: Send {
@@ -171,6 +215,13 @@ pub trait VmBackend: Send {
     fn pid(&self) -> Option<u32>;
 
     fn launch(&mut self, disks: &[DiskAttachment], mode: BootMode) -> Result<()>;
+    /// For a backend that guards a VM already running outside backstop (libvirt): takes it
+    /// over without restarting it, after checking it can be guarded; nothing is changed when it
+    /// is refused. `None`: this backend boots its own VM ([`BootMode::Cold`]). After an
+    /// adoption, `launch(.., BootMode::Cold)` only confirms the VM still runs.
+    fn adopt(&mut self) -> Result<Option<Adoption>> {
+        Ok(None)
+    }
     fn run_state(&mut self) -> Result<RunState>;
     /// Events that arrived since the last call.
     fn poll_events(&mut self) -> Result<Vec<VmEvent>>;
@@ -185,6 +236,17 @@ pub trait VmBackend: Send {
     fn finish_capture(&mut self) -> Result<CaptureReport>;
     /// Abandons a capture in flight (the stream reader is dropped by the caller).
     fn abort_capture(&mut self);
+    /// For a capture whose disks switch [`DiskSwitchTiming::AtFinish`]: whether they did, asked
+    /// once `finish_capture` or `abort_capture` returned (an abandoned capture may have switched
+    /// just before it was abandoned; the guest then writes the new overlays).
+    fn capture_switched_disks(&self) -> bool {
+        false
+    }
+    /// Facts for `backstop status` beyond the common fields (how this backend captures, what
+    /// it is attached to, …); empty by default.
+    fn status_details(&self) -> serde_json::Map<String, serde_json::Value> {
+        serde_json::Map::new()
+    }
 
     fn pause(&mut self) -> Result<()>;
     fn resume(&mut self) -> Result<()>;
@@ -206,6 +268,21 @@ pub trait VmBackend: Send {
 
     /// What the guest agent channel has delivered: credited heartbeats and rejected input.
     fn heartbeats(&self) -> HeartbeatStatus;
+
+    /// Merges every layer between `base` and the running disk `disk_id`'s writable top layer
+    /// into that top layer, live (QEMU's `block-stream`), so the running chain becomes `base`
+    /// plus the top layer. The merged layers' files are not touched (snapshots still name
+    /// them); the running VM just no longer reads them. Returns when the merge is complete.
+    fn flatten_disk(&mut self, disk_id: &str, base: &Path, bound: Duration) -> Result<()> {
+        let _ = (base, bound);
+        Err(BackendError::Command {
+            step: "flatten disk",
+            message: format!(
+                "the {} backend cannot merge the layers of {disk_id}",
+                self.kind()
+            ),
+        })
+    }
 
     /// Gives the running guest one grant: hot-plugs a device, raises a NIC's link, or opens the
     /// screen. Reports the migration blockers the grant added (a VM that cannot migrate cannot

@@ -203,6 +203,29 @@ mod tests {
         HostKey::from_bytes([3; KEY_LEN])
     }
 
+    /// The kept inputs of a fuzz target, replayed by stable `cargo test`.
+    use backstop_common::fuzz_corpus::inputs as fuzz_inputs;
+
+    /// The fuzz target `journal_line`'s inputs: never a panic; a line reported canonical is the
+    /// canonical encoding of the entry parsed from it.
+    #[test]
+    fn fuzz_inputs_replay() {
+        let mut sealed = 0;
+        for (name, bytes) in fuzz_inputs("journal_line") {
+            match parse_line(&bytes) {
+                Ok(p) => {
+                    assert!(p.entry.seq >= 1, "{name}");
+                    if p.canonical {
+                        assert_eq!(canonical::to_vec(&p.entry).unwrap(), bytes, "{name}");
+                    }
+                    sealed += usize::from(p.canonical && p.entry.check_seal(&key()).is_ok());
+                }
+                Err(f) => assert!(!f.reason.is_empty(), "{name}"),
+            }
+        }
+        assert!(sealed >= 2, "the seeds hold sealed canonical entries");
+    }
+
     fn sample() -> Entry {
         let Value::Object(fields) = json!({"snapshot_id": "s1", "n": 2}) else {
             unreachable!()

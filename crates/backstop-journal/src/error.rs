@@ -1,15 +1,16 @@
 //! The one error type of the journal, with stable codes.
 
+use backstop_common::ErrorCode;
 use std::path::PathBuf;
 
 /// Stable code: reading, writing, syncing or locking a journal file failed.
-pub const ERR_AUDIT_IO: &str = "ERR_AUDIT_IO";
+pub const ERR_AUDIT_IO: ErrorCode = ErrorCode::AuditIo;
 /// Stable code: the journal on disk is not an unbroken, correctly sealed chain.
-pub const ERR_AUDIT_CHAIN_BROKEN: &str = "ERR_AUDIT_CHAIN_BROKEN";
+pub const ERR_AUDIT_CHAIN_BROKEN: ErrorCode = ErrorCode::AuditChainBroken;
 /// Stable code: another process holds the journal open for appending.
-pub const ERR_AUDIT_LOCKED: &str = "ERR_AUDIT_LOCKED";
+pub const ERR_AUDIT_LOCKED: ErrorCode = ErrorCode::AuditLocked;
 /// Stable code: the caller asked to append something that cannot be an entry.
-pub const ERR_AUDIT_INVALID_ENTRY: &str = "ERR_AUDIT_INVALID_ENTRY";
+pub const ERR_AUDIT_INVALID_ENTRY: ErrorCode = ErrorCode::AuditInvalidEntry;
 
 /// Everything that can go wrong opening, appending to, reading or verifying a journal.
 /// Each variant names the step that failed and the file it failed on.
@@ -89,7 +90,7 @@ pub enum JournalError {
 
 impl JournalError {
     /// The stable code for this error, printed by the console and asserted in tests.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
             Self::CreateDir { .. }
             | Self::Open { .. }

@@ -14,7 +14,9 @@ use serde_json::{Map, Value};
 use crate::entry::{self, Entry, GENESIS_PREV, MAX_LINE_BYTES};
 use crate::head::{head_path, read_head, write_head, HeadState};
 use crate::rev_lines::{RevError, RevLines, Segment};
-use crate::{events, verify, JournalError};
+use backstop_common::AuditEvent;
+
+use crate::{verify, JournalError};
 
 /// An open journal, locked (`flock`, exclusive) against every other writer for as long as it lives.
 #[derive(Debug)]
@@ -39,7 +41,7 @@ impl Journal {
     /// and mac, and the head file must agree with it (or lag by one entry, as after a crash between
     /// the two writes). A broken chain is refused with [`JournalError::TamperedTail`] and nothing is
     /// changed. A torn last line (no trailing `'\n'`) is then copied to `<path>.torn-<unix_ms>`, cut
-    /// off, and recorded in a [`events::JOURNAL_TORN_TAIL_RECOVERED`] entry.
+    /// off, and recorded in a `journal.torn_tail_recovered` entry.
     pub fn open(path: &Path, key: HostKey) -> Result<Journal, JournalError> {
         let dir = parent_dir(path);
         DirBuilder::new()
@@ -183,7 +185,7 @@ impl Journal {
             "saved_to".into(),
             Value::from(saved.to_string_lossy().into_owned()),
         );
-        self.append(events::JOURNAL_TORN_TAIL_RECOVERED, fields)?;
+        self.append(AuditEvent::JournalTornTailRecovered.as_str(), fields)?;
         Ok(())
     }
 
@@ -337,5 +339,5 @@ pub(crate) fn parent_dir(path: &Path) -> &Path {
 
 /// fsyncs the directory holding `path`, making a create or rename in it durable.
 pub(crate) fn sync_dir(path: &Path) -> std::io::Result<()> {
-    File::open(parent_dir(path))?.sync_all()
+    backstop_common::durable::fsync_dir(parent_dir(path))
 }

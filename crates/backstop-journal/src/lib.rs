@@ -20,8 +20,6 @@
 //! roll them back together, and emptying the journal while deleting the head looks like a new
 //! journal. Ship `seq`/`hash` off the host when that matters.
 
-pub mod events;
-
 mod entry;
 mod error;
 mod head;
@@ -36,3 +34,22 @@ pub use error::{
 pub use head::head_path;
 pub use journal::Journal;
 pub use verify::{tail, verify, Fault, VerifyOutcome};
+
+/// The line parser, for the fuzz targets in `fuzz/` only.
+///
+/// `entry::parse_line` stays `pub(crate)`: callers outside this crate must go through [`verify`],
+/// which also checks the seal and the chain. A cargo feature (rather than a `#[doc(hidden)] pub`
+/// item) keeps even a hidden entry point out of every normal build; no workspace crate enables
+/// `fuzzing`. The wrapper returns plain values so `LineFault`/`ParsedLine` stay private too.
+#[cfg(feature = "fuzzing")]
+pub mod fuzzing {
+    use crate::Entry;
+
+    /// [`crate::entry::parse_line`]: the entry and whether the line is byte for byte canonical,
+    /// or the fault's `seq` (when it could be read) and reason.
+    pub fn parse_line(bytes: &[u8]) -> Result<(Entry, bool), (Option<u64>, String)> {
+        crate::entry::parse_line(bytes)
+            .map(|p| (p.entry, p.canonical))
+            .map_err(|f| (f.seq, f.reason))
+    }
+}

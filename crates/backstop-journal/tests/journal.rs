@@ -9,9 +9,10 @@ use std::fs;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 
+use backstop_common::AuditEvent;
 use backstop_integrity::{canonical, sha256_hex, HostKey, KEY_LEN};
 use backstop_journal::{
-    events, head_path, tail, verify, Fault, Journal, JournalError, ERR_AUDIT_CHAIN_BROKEN,
+    head_path, tail, verify, Fault, Journal, JournalError, ERR_AUDIT_CHAIN_BROKEN,
     ERR_AUDIT_INVALID_ENTRY, ERR_AUDIT_LOCKED, GENESIS_PREV, MAX_LINE_BYTES,
 };
 use common::{fields, journal_with, key, lines, write_lines};
@@ -36,10 +37,13 @@ fn append_and_reopen_continue_one_contiguous_chain() {
     let mut j = Journal::open(&path, key()).unwrap();
     assert_eq!((j.last_seq(), j.last_hash()), (0, GENESIS_PREV));
     let e1 = j
-        .append(events::DAEMON_STARTED, fields(json!({"pid": 1})))
+        .append(
+            AuditEvent::DaemonStarted.as_str(),
+            fields(json!({"pid": 1})),
+        )
         .unwrap();
     let e2 = j
-        .append(events::VM_STARTED, fields(json!({"vm": "a"})))
+        .append(AuditEvent::VmStarted.as_str(), fields(json!({"vm": "a"})))
         .unwrap();
     assert_eq!((e1.seq, e2.seq), (1, 2));
     assert_eq!(e1.prev, GENESIS_PREV);
@@ -49,7 +53,7 @@ fn append_and_reopen_continue_one_contiguous_chain() {
     let mut j = Journal::open(&path, key()).unwrap();
     assert_eq!((j.last_seq(), j.last_hash()), (2, e2.hash.as_str()));
     let e3 = j
-        .append(events::VM_HALTED, fields(json!({"vm": "a"})))
+        .append(AuditEvent::VmHalted.as_str(), fields(json!({"vm": "a"})))
         .unwrap();
     assert_eq!((e3.seq, e3.prev.as_str()), (3, e2.hash.as_str()));
     drop(j);
@@ -77,7 +81,8 @@ fn files_are_private() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("new/journal.jsonl");
     let mut j = Journal::open(&path, key()).unwrap();
-    j.append(events::DAEMON_STARTED, fields(json!({}))).unwrap();
+    j.append(AuditEvent::DaemonStarted.as_str(), fields(json!({})))
+        .unwrap();
     assert_eq!(mode(&path), 0o600);
     assert_eq!(mode(&head_path(&path)), 0o600);
     assert_eq!(mode(path.parent().unwrap()), 0o700);
@@ -122,14 +127,19 @@ fn invalid_input_is_refused_and_changes_nothing() {
     assert_eq!(err.code(), ERR_AUDIT_INVALID_ENTRY);
     let huge = "x".repeat(MAX_LINE_BYTES);
     let err = j
-        .append(events::VM_STARTED, fields(json!({"blob": huge})))
+        .append(
+            AuditEvent::VmStarted.as_str(),
+            fields(json!({"blob": huge})),
+        )
         .unwrap_err();
     assert!(matches!(err, JournalError::EntryTooLarge { .. }));
     assert_eq!(err.code(), ERR_AUDIT_INVALID_ENTRY);
     assert_eq!(j.last_seq(), 2);
     assert_eq!(fs::read(&path).unwrap(), before);
     assert_eq!(
-        j.append(events::VM_STARTED, fields(json!({}))).unwrap().seq,
+        j.append(AuditEvent::VmStarted.as_str(), fields(json!({})))
+            .unwrap()
+            .seq,
         3
     );
 }
@@ -349,14 +359,15 @@ fn open_recovers_a_torn_tail_and_records_it() {
     assert_eq!(mode(&saved[0]), 0o600);
 
     let rec: Value = serde_json::from_str(&lines(&path)[3]).unwrap();
-    assert_eq!(rec["event"], events::JOURNAL_TORN_TAIL_RECOVERED);
+    assert_eq!(rec["event"], AuditEvent::JournalTornTailRecovered.as_str());
     assert_eq!(rec["fields"]["bytes"], torn.len());
     assert_eq!(rec["fields"]["sha256"], sha256_hex(&torn));
     assert_eq!(
         rec["fields"]["saved_to"],
         saved[0].to_string_lossy().as_ref()
     );
-    j.append(events::VM_STARTED, fields(json!({}))).unwrap();
+    j.append(AuditEvent::VmStarted.as_str(), fields(json!({})))
+        .unwrap();
     let out = verify(&path, &key()).unwrap();
     assert_eq!((out.entries, out.first_bad), (5, None));
 }
@@ -422,8 +433,10 @@ fn open_accepts_a_head_lagging_after_a_crash_and_reseals_it() {
     let head = head_path(&path);
     let old_head = fs::read(&head).unwrap();
     let mut j = Journal::open(&path, key()).unwrap();
-    j.append(events::VM_STARTED, fields(json!({}))).unwrap();
-    j.append(events::VM_STARTED, fields(json!({}))).unwrap();
+    j.append(AuditEvent::VmStarted.as_str(), fields(json!({})))
+        .unwrap();
+    j.append(AuditEvent::VmStarted.as_str(), fields(json!({})))
+        .unwrap();
     drop(j);
     // Head written for seq 3, journal at 5: lags by more than one, so open walks the chain.
     fs::write(&head, &old_head).unwrap();
@@ -469,8 +482,10 @@ fn open_refuses_a_lagging_head_that_belongs_to_another_chain_or_hides_an_edit() 
     // Lag by more than one: open walks the chain and finds an edit in the middle.
     fs::write(&head, &good_head).unwrap();
     let mut j = Journal::open(&path, key()).unwrap();
-    j.append(events::VM_STARTED, fields(json!({}))).unwrap();
-    j.append(events::VM_STARTED, fields(json!({}))).unwrap();
+    j.append(AuditEvent::VmStarted.as_str(), fields(json!({})))
+        .unwrap();
+    j.append(AuditEvent::VmStarted.as_str(), fields(json!({})))
+        .unwrap();
     drop(j);
     fs::write(&head, &good_head).unwrap();
     let mut l = lines(&path);

@@ -1,14 +1,16 @@
-//! Property: after any number of appends and one tampering, `verify` names exactly the line
-//! where the chain was first broken.
+//! Property: after any number of appends the chain verifies, and after one tampering — an edit
+//! that keeps the line canonical, a flipped byte anywhere in a line, a deleted line, or a line
+//! moved elsewhere — `verify` names exactly the line where the chain was first broken.
 
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
+use backstop_common::AuditEvent;
 use backstop_integrity::canonical;
-use backstop_journal::{events, verify, Journal};
-use common::{key, lines, write_lines};
+use backstop_journal::{verify, Journal};
+use common::{key, lines};
 use proptest::prelude::*;
 use proptest::sample::Index;
 use serde_json::{json, Map, Value};
@@ -28,8 +30,13 @@ enum EditKind {
 #[derive(Debug, Clone)]
 enum Mutation {
     Edit(Index, EditKind),
+    /// XOR one byte of one line with a non-zero mask (the line may stop being JSON, UTF-8 or
+    /// one line).
+    FlipByte(Index, Index, u8),
     Delete(Index),
     SwapWithNext(Index),
+    /// Take a line out and put it back at another position.
+    Move(Index, Index),
 }
 
 fn value() -> impl Strategy<Value = Value> {
@@ -65,8 +72,11 @@ fn edit_kind() -> impl Strategy<Value = EditKind> {
 fn mutation() -> impl Strategy<Value = Mutation> {
     prop_oneof![
         (any::<Index>(), edit_kind()).prop_map(|(i, k)| Mutation::Edit(i, k)),
+        (any::<Index>(), any::<Index>(), 1..=255u8)
+            .prop_map(|(l, b, m)| Mutation::FlipByte(l, b, m)),
         any::<Index>().prop_map(Mutation::Delete),
         any::<Index>().prop_map(Mutation::SwapWithNext),
+        (any::<Index>(), any::<Index>()).prop_map(|(a, b)| Mutation::Move(a, b)),
     ]
 }
 
@@ -91,10 +101,10 @@ fn edit(line: &str, kind: &EditKind) -> String {
         }
         EditKind::Event => {
             let e = v["event"].as_str().unwrap();
-            v["event"] = json!(if e == events::VM_HALTED {
-                events::VM_STARTED
+            v["event"] = json!(if e == AuditEvent::VmHalted.as_str() {
+                AuditEvent::VmStarted.as_str()
             } else {
-                events::VM_HALTED
+                AuditEvent::VmHalted.as_str()
             });
         }
         EditKind::Ts => v["ts"] = json!("1999-01-01T00:00:00.000Z"),
@@ -111,7 +121,7 @@ proptest! {
 
     #[test]
     fn verify_points_at_the_first_tampered_line(
-        entries in prop::collection::vec((prop::sample::select(events::ALL), fields()), 1..40),
+        entries in prop::collection::vec((prop::sample::select(AuditEvent::ALL.iter().map(|e| e.as_str()).collect::<Vec<_>>()), fields()), 1..40),
         mutation in mutation(),
     ) {
         let dir = tempfile::tempdir().unwrap();
@@ -125,13 +135,19 @@ proptest! {
         prop_assert_eq!(clean.entries, entries.len() as u64);
         prop_assert_eq!(clean.first_bad, None);
 
-        let mut l = lines(&path);
+        let mut l: Vec<Vec<u8>> = lines(&path).into_iter().map(String::into_bytes).collect();
         let n = l.len();
         // 0-based index of the first line that must be reported.
         let bad = match &mutation {
             Mutation::Edit(i, kind) => {
                 let i = i.index(n);
-                l[i] = edit(&l[i], kind);
+                l[i] = edit(std::str::from_utf8(&l[i]).unwrap(), kind).into_bytes();
+                i
+            }
+            Mutation::FlipByte(i, at, mask) => {
+                let i = i.index(n);
+                let at = at.index(l[i].len());
+                l[i][at] ^= mask;
                 i
             }
             Mutation::Delete(i) => {
@@ -147,8 +163,19 @@ proptest! {
                 l.swap(i, i + 1);
                 i
             }
+            Mutation::Move(from, to) => {
+                let (from, to) = (from.index(n), to.index(n));
+                if from == to {
+                    return Ok(());
+                }
+                let line = l.remove(from);
+                l.insert(to, line);
+                from.min(to)
+            }
         };
-        write_lines(&path, &l);
+        let mut bytes = l.join(&b'\n');
+        bytes.push(b'\n');
+        std::fs::write(&path, bytes).unwrap();
         let out = verify(&path, &key()).unwrap();
         let fault = out.first_bad.clone();
         prop_assert!(fault.is_some(), "tampering went unnoticed: {:?}", mutation);

@@ -25,9 +25,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use backstop_hypervisor::{
-    BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch, GuestDevices,
-    HeartbeatStatus, Peripheral, RestoreReport, Result, RevocationReport, RunState, StreamLayout,
-    VmBackend, VmEvent,
+    BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch,
+    DiskSwitchTiming, GuestDevices, HeartbeatStatus, Peripheral, RestoreReport, Result,
+    RevocationReport, RunState, VmBackend, VmEvent,
 };
 use backstop_integrity::HostKey;
 
@@ -473,7 +473,8 @@ impl VmBackend for KvmBackend {
         Ok(CaptureStream {
             reader,
             frozen_layers: Vec::new(),
-            layout: StreamLayout::Opaque,
+            cutter: None,
+            disk_switch: DiskSwitchTiming::AtStart,
         })
     }
 
@@ -487,6 +488,7 @@ impl VmBackend for KvmBackend {
             pause_us: capture.summary.pause_us,
             downtime_ms: Some(capture.summary.pause_us / 1000),
             state_bytes: capture.stream_bytes,
+            pause_breakdown: Vec::new(),
         })
     }
 

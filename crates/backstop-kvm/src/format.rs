@@ -20,6 +20,7 @@
 //! 5. the section table: every section inside the body, no overlap with the table, no duplicate
 //!    (`ERR_SNAPSHOT_MANIFEST_INVALID`).
 
+use backstop_common::ErrorCode;
 use std::collections::BTreeMap;
 
 use backstop_integrity::HostKey;
@@ -90,16 +91,16 @@ pub enum StateFileError {
 
 impl StateFileError {
     /// Stable code for the console and the journal.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
             StateFileError::Truncated { .. }
             | StateFileError::BadSignature
-            | StateFileError::Crc { .. } => "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED",
-            StateFileError::Incompatible { .. } => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED",
+            | StateFileError::Crc { .. } => ErrorCode::SnapshotIntegrityCheckFailed,
+            StateFileError::Incompatible { .. } => ErrorCode::SnapshotCompatibilityBlocked,
             StateFileError::TooLarge { .. }
             | StateFileError::BadMagic { .. }
             | StateFileError::Malformed(_)
-            | StateFileError::MissingSection(_) => "ERR_SNAPSHOT_MANIFEST_INVALID",
+            | StateFileError::MissingSection(_) => ErrorCode::SnapshotManifestInvalid,
         }
     }
 }

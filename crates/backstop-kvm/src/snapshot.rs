@@ -16,6 +16,7 @@
 //! digest; restore maps the full image and then maps each diff's page runs over it, so restore
 //! time grows with the number of runs, never with guest memory size.
 
+use backstop_common::ErrorCode;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Read, Write};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -125,8 +126,8 @@ pub enum CaptureError {
 }
 
 impl CaptureError {
-    pub fn code(&self) -> &'static str {
-        "ERR_SNAPSHOT_CAPTURE_FAILED"
+    pub fn code(&self) -> ErrorCode {
+        ErrorCode::SnapshotCaptureFailed
     }
 }
 
@@ -154,17 +155,17 @@ pub enum RestoreError {
 }
 
 impl RestoreError {
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
             RestoreError::StateFile { source, .. } => source.code(),
             RestoreError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                "MISSING_SNAPSHOT"
+                ErrorCode::MissingSnapshot
             }
             RestoreError::Io { .. } | RestoreError::MemoryFile { .. } => {
-                "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"
+                ErrorCode::SnapshotIntegrityCheckFailed
             }
-            RestoreError::Chain(_) | RestoreError::Layout(_) => "ERR_SNAPSHOT_MANIFEST_INVALID",
-            RestoreError::Vm(_) => "ERR_KVM_RESTORE_FAILED",
+            RestoreError::Chain(_) | RestoreError::Layout(_) => ErrorCode::SnapshotManifestInvalid,
+            RestoreError::Vm(_) => ErrorCode::KvmRestoreFailed,
         }
     }
 }
@@ -290,7 +291,7 @@ fn create_new(path: &Path) -> Result<File, CaptureError> {
 }
 
 fn fsync_dir(path: &Path) -> std::io::Result<()> {
-    File::open(path)?.sync_all()
+    backstop_common::durable::fsync_dir(path)
 }
 
 /// Makes a finished file durable and read-only; returns (len, mtime sec, mtime nsec).

@@ -1,6 +1,7 @@
 //! The micro-VM: guest RAM with dirty logging, in-kernel irqchip and PIT where KVM has them,
 //! vCPU threads, the port-I/O device model and the built-in guest program.
 
+use backstop_common::ErrorCode;
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -76,10 +77,10 @@ pub enum VmError {
 }
 
 impl VmError {
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            VmError::Config(_) => "ERR_KVM_CONFIG_INVALID",
-            _ => "ERR_KVM_VM",
+            VmError::Config(_) => ErrorCode::KvmConfigInvalid,
+            _ => ErrorCode::KvmVm,
         }
     }
 }

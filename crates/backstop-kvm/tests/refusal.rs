@@ -126,7 +126,11 @@ fn bad_snapshots_are_refused_with_their_code_and_start_no_vm() {
     assert_eq!(refused(std::slice::from_ref(&d), &key()), integrity);
     let before = vms_created();
     let err = KvmVm::restore(&[&d], &key(), full).map(|_| ()).unwrap_err();
-    assert_eq!((err.code(), vms_created()), (integrity, before), "{err}");
+    assert_eq!(
+        (err.code().as_str(), vms_created()),
+        (integrity, before),
+        "{err}"
+    );
     assert!(err.to_string().contains("sha256"), "{err}");
     // ... and is now writable.
     let d = case(&|d| {

@@ -57,6 +57,12 @@ pub struct LineSplitter {
 }
 
 impl LineSplitter {
+    /// Bytes of the current, unfinished line held (never more than [`GUEST_LINE_MAX`]).
+    #[cfg(any(test, feature = "fuzzing"))]
+    pub fn buffered_len(&self) -> usize {
+        self.buf.len()
+    }
+
     pub fn feed(&mut self, bytes: &[u8], mut emit: impl FnMut(Option<&[u8]>)) {
         for &b in bytes {
             if b == b'\n' {
@@ -67,7 +73,10 @@ impl LineSplitter {
                 }
                 self.buf.clear();
                 self.overflow = false;
-            } else if self.buf.len() >= GUEST_LINE_MAX {
+            } else if self.buf.len() + 1 >= GUEST_LINE_MAX {
+                // GUEST_LINE_MAX counts the newline: a line may hold one byte less. (This said
+                // `buf.len() >= GUEST_LINE_MAX` once, which let a 64-byte line and its newline
+                // through; found by the `guest_line` fuzz target.)
                 self.overflow = true;
             } else {
                 self.buf.push(b);
@@ -165,6 +174,29 @@ fn read_loop(mut stream: UnixStream, stats: Arc<Mutex<AgentStats>>) {
 mod tests {
     use super::*;
 
+    /// The kept inputs of a fuzz target, replayed by stable `cargo test`.
+    use backstop_common::fuzz_corpus::inputs as fuzz_inputs;
+
+    /// The fuzz target `guest_line`'s inputs (byte 0 seeds the chunking, then what the guest
+    /// sent), fed one byte at a time: never a panic, never more than GUEST_LINE_MAX held, every
+    /// line emitted within GUEST_LINE_MAX with its newline.
+    #[test]
+    fn fuzz_inputs_replay() {
+        for (name, bytes) in fuzz_inputs("guest_line") {
+            let mut s = LineSplitter::default();
+            for b in bytes.iter().skip(1) {
+                s.feed(std::slice::from_ref(b), |line| {
+                    if let Some(line) = line {
+                        assert!(line.len() < GUEST_LINE_MAX, "{name}");
+                        let _ = parse_guest_line(line);
+                    }
+                });
+                assert!(s.buffered_len() <= GUEST_LINE_MAX, "{name}");
+            }
+            let _ = parse_guest_line(&bytes);
+        }
+    }
+
     #[test]
     fn only_exact_heartbeats_are_credited() {
         assert_eq!(parse_guest_line(b"HB 1"), GuestLine::Heartbeat(1));
@@ -198,6 +230,19 @@ mod tests {
         s.feed(b"\nHB 5\n", |l| got.push(l.map(<[u8]>::to_vec)));
         assert_eq!(got, vec![None, Some(b"HB 5".to_vec())]);
         assert!(s.buf.capacity() <= 2 * GUEST_LINE_MAX);
+    }
+
+    #[test]
+    fn the_line_limit_counts_the_newline() {
+        let mut s = LineSplitter::default();
+        let mut got = Vec::new();
+        let longest = vec![b'x'; GUEST_LINE_MAX - 1];
+        let one_more = vec![b'x'; GUEST_LINE_MAX];
+        for line in [&longest, &one_more] {
+            s.feed(line, |l| got.push(l.map(<[u8]>::to_vec)));
+            s.feed(b"\n", |l| got.push(l.map(<[u8]>::to_vec)));
+        }
+        assert_eq!(got, vec![Some(longest), None]);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 use backstop_hypervisor::{BootMode, DiskAttachment};
 use sha2::{Digest, Sha256};
+use std::path::PathBuf;
 
 use crate::QemuConfig;
 
@@ -27,6 +28,11 @@ pub fn nic_id(nic: &str) -> String {
 }
 
 /// The full argument list (without the binary).
+/// The FIFO QEMU writes the guest's console into (read by [`crate::serial_log`]).
+pub(crate) fn serial_fifo(cfg: &QemuConfig) -> PathBuf {
+    cfg.run_dir.join("serial.fifo")
+}
+
 pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) -> Vec<String> {
     let run = &cfg.run_dir;
     let mut a: Vec<String> = Vec::new();
@@ -58,7 +64,7 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
         "-chardev",
         &format!(
             "file,id=serial0,path={},append=on",
-            cfg.serial_log.display()
+            serial_fifo(cfg).display()
         ),
         "-serial",
         "chardev:serial0",
@@ -161,6 +167,7 @@ pub(crate) mod tests_support {
             append: "console=ttyS0".into(),
             run_dir: "/run/x".into(),
             serial_log: "/run/x/serial.log".into(),
+            serial_log_max_bytes: 1 << 20,
             nics: vec!["net0".into()],
             watchdog: true,
             max_bandwidth: 1 << 33,

@@ -3,10 +3,15 @@
 //! * Capture: the new overlays (created by the caller) are opened with `blockdev-add`, then
 //!   `stop` → one QMP `transaction` of `blockdev-snapshot` for every captured disk
 //!   → `migrate` with the `background-snapshot` capability into a pipe whose write end QEMU got by
-//!   SCM_RIGHTS. On QEMU 7.2 a background snapshot started on a paused VM resumes it as soon as
-//!   the device state is saved, so the guest's pause is stop + disk switch + QEMU's migration
-//!   setup (it grows with RAM: ~80 ms at 1 GiB) + device state, and the
-//!   disks and RAM are captured at the same instant. RAM streams out while the guest runs.
+//!   SCM_RIGHTS. On QEMU 7.2 and 8.x a background snapshot started on a paused VM resumes it as
+//!   soon as the device state is saved; on ≥ 9.0 it stays paused and backstop sends `cont` once
+//!   write tracking is on (see [`version`]: QEMU is probed at launch, versions outside 7.2–10.x
+//!   are refused). The guest's pause is stop + disk switch + QEMU's migration setup + device
+//!   state, and the disks and RAM are captured at the same instant. RAM streams out while the
+//!   guest runs. A guest the operator paused stays paused. Every early return goes through
+//!   [`pause::RunStateGuard`], and an abandoned capture is drained to its end, never cancelled
+//!   (see [`pause::drain_to_end`]). A capture waits for QEMU's cleanup of the previous one (its
+//!   `migration` yank instance) before `migrate`.
 //! * Restore: a fresh QEMU started with `-incoming defer -S`, state written into a pipe handed over
 //!   with `getfd` + `migrate-incoming fd:`, then checked while still paused.
 //! * Supervision: QEMU gets `PR_SET_PDEATHSIG(SIGKILL)`, so a guest never runs on after its
@@ -18,10 +23,14 @@ mod agent;
 mod cmdline;
 pub mod devices;
 pub mod qmp;
+mod serial_log;
 pub mod stream_chunks;
+pub mod version;
+#[macro_use]
+mod pause;
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -32,13 +41,23 @@ use serde_json::{json, Value};
 
 use backstop_hypervisor::{
     BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch,
-    RestoreReport, Result, RevocationReport, RunState, StreamLayout, VmBackend, VmEvent,
+    DiskSwitchTiming, RestoreReport, Result, RevocationReport, RunState, VmBackend, VmEvent,
 };
 
-pub use agent::{AgentStats, GUEST_LINE_MAX};
+/// The guest-channel parsers, for the fuzz targets in `fuzz/` only. They stay private to this
+/// crate otherwise: nothing outside should parse guest lines, and a feature (not a
+/// `#[doc(hidden)] pub`) keeps them out of every normal build's API. No workspace crate enables
+/// `fuzzing`.
+#[cfg(feature = "fuzzing")]
+pub use agent::{parse_guest_line, GuestLine, LineSplitter};
+pub use agent::{AgentChannel, AgentStats, GUEST_LINE_MAX};
 pub use cmdline::{command_line, fingerprint};
+#[cfg(feature = "fault-injection")]
+pub use pause::FaultStep;
+use pause::RunStateGuard;
 use qmp::Qmp;
-pub use stream_chunks::{ChunkingReport, MigrationChunker};
+pub use stream_chunks::{ChunkingReport, MigrationChunker, MigrationCutter};
+pub use version::{capture_plan, CapturePlan, QemuVersion, Resume};
 
 /// Which accelerator QEMU uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -83,8 +102,11 @@ pub struct QemuConfig {
     pub append: String,
     /// Sockets, pid file and QEMU's own log live here (0700).
     pub run_dir: PathBuf,
-    /// The guest's serial console is appended here across restores.
+    /// The guest's serial console is appended here across restores (by backstop, through a
+    /// FIFO in `run_dir`: see [`serial_log`]).
     pub serial_log: PathBuf,
+    /// The serial log is rotated to `<serial_log>.1` before it grows past this.
+    pub serial_log_max_bytes: u64,
     /// NIC ids (`-netdev user,restrict=on` + `virtio-net-pci`).
     pub nics: Vec<String>,
     /// Emulated i6300esb watchdog.
@@ -136,18 +158,36 @@ struct Running {
     agent: agent::AgentChannel,
     capture: Option<CaptureInFlight>,
     restore: Option<Instant>,
+    /// How captures are driven on this QEMU (probed at launch).
+    plan: CapturePlan,
 }
 
 struct CaptureInFlight {
-    stop_us: u64,
+    /// The guest's pause (QEMU's STOP → RESUME), 0 when the operator had paused it.
+    pause_us: u64,
+    /// Where that pause went (see [`pause::breakdown`]).
+    pause_breakdown: Vec<(String, u64)>,
+    /// Whether the guest ran before the capture (the operator had not paused it).
+    was_running: bool,
+    /// A second handle on the stream's read end: if the caller drops its reader mid-stream,
+    /// QEMU's writes do not fail (see [`pause::drain_to_end`]), and an abort drains it.
+    drain: Option<File>,
 }
+
+/// The name QEMU knows the capture's pipe by (`getfd`, `migrate fd:`).
+const CAPTURE_FD: &str = "backstop-capture";
 
 pub struct QemuBackend {
     cfg: QemuConfig,
     running: Option<Running>,
+    /// Copies the console into the log; started with the first QEMU, kept across restarts.
+    serial: Option<serial_log::SerialLog>,
     disks: Vec<DiskAttachment>,
     /// QEMU node name of each captured disk's active (writable) layer.
     active_nodes: std::collections::BTreeMap<String, String>,
+    /// Test-only: the capture step that fails next (feature `fault-injection`).
+    #[cfg(feature = "fault-injection")]
+    fault: pause::Fault,
 }
 
 impl QemuBackend {
@@ -155,8 +195,113 @@ impl QemuBackend {
         Self {
             cfg,
             running: None,
+            serial: None,
             disks: Vec::new(),
             active_nodes: Default::default(),
+            #[cfg(feature = "fault-injection")]
+            fault: None,
+        }
+    }
+
+    /// Test-only: makes the next capture fail at `step` (then the fault is cleared).
+    #[cfg(feature = "fault-injection")]
+    pub fn inject_fault(&mut self, step: FaultStep) {
+        self.fault = Some(step);
+    }
+
+    /// The QEMU version and capture sequence of the running QEMU.
+    pub fn capture_plan(&self) -> Option<CapturePlan> {
+        self.running.as_ref().map(|r| r.plan)
+    }
+
+    /// The armed fault if it belongs to `finish_capture` (`in_finish`) or to `begin_capture`.
+    #[cfg(feature = "fault-injection")]
+    fn take_fault(&mut self, in_finish: bool) -> pause::Fault {
+        if (self.fault == Some(FaultStep::InFinish)) == in_finish {
+            self.fault.take()
+        } else {
+            None
+        }
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    fn take_fault(&mut self, _in_finish: bool) -> pause::Fault {}
+
+    /// After `migrate`: the guest's pause ends by the version's rule (see [`version`]), and a
+    /// guest the operator had paused is paused again. Returns the RESUME that ended the pause
+    /// of a guest that was running.
+    ///
+    /// The ends of the pause's phases after `migrate` go into `ends` (see [`pause::breakdown`]):
+    /// `setup` ends with QEMU's `MIGRATION` `active`; on ≥ 9.0 `tracking` ends when
+    /// `query-migrate` shows write tracking on; `resume` ends with the `RESUME` (QEMU's own on
+    /// 7.2/8.x, after device state and write tracking; after backstop's `cont` on ≥ 9.0).
+    fn resume_after_migrate(
+        qmp: &mut Qmp,
+        t: Duration,
+        plan: CapturePlan,
+        was_running: bool,
+        clock: &pause::PauseClock,
+        ends: &mut Vec<(&'static str, u64)>,
+    ) -> Result<Option<qmp::QmpEvent>> {
+        match (plan.resume, was_running) {
+            (Resume::ByQemu, true) => {
+                let resume = qmp.wait_event("RESUME", t, "resume by qemu")?;
+                // QEMU's thread sets `active` before it saves device state: still queued.
+                if let Some(active) = qmp.queued_event(|e| {
+                    e.name == "MIGRATION"
+                        && e.data.get("status").and_then(Value::as_str) == Some("active")
+                }) {
+                    ends.push(("setup", active.timestamp_us));
+                }
+                ends.push(("resume", resume.timestamp_us));
+                Ok(Some(resume))
+            }
+            (Resume::ByQemu, false) => {
+                // QEMU 7.2/8.x resumes whatever the run state was: pause it again at once.
+                let resume = qmp.wait_event("RESUME", t, "resume by qemu")?;
+                qmp.execute("stop", None, t)?;
+                let stop = qmp.wait_event("STOP", t, "stop again")?;
+                tracing::warn!(
+                    ran_us = stop.timestamp_us.saturating_sub(resume.timestamp_us),
+                    qemu = %plan.version,
+                    "this QEMU resumed the guest the operator had paused during the capture; paused it again"
+                );
+                Ok(None)
+            }
+            (Resume::AfterWriteTracking, true) => {
+                let active = qmp.wait_event_matching("migration active", t, |e| {
+                    e.name == "MIGRATION"
+                        && e.data.get("status").and_then(Value::as_str) != Some("setup")
+                })?;
+                ends.push(("setup", active.timestamp_us));
+                let deadline = Instant::now() + t;
+                loop {
+                    let info = qmp.execute("query-migrate", None, t)?;
+                    if version::write_tracking_on(&info) {
+                        break;
+                    }
+                    let status = info.get("status").and_then(Value::as_str).unwrap_or("");
+                    if !matches!(status, "setup" | "active") {
+                        return Err(BackendError::Command {
+                            step: "capture",
+                            message: format!("migration {status} before write tracking was on"),
+                        });
+                    }
+                    if Instant::now() >= deadline {
+                        return Err(BackendError::Timeout {
+                            step: "write tracking on",
+                            timeout: t,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                ends.push(("tracking", clock.now_us()));
+                qmp.execute("cont", None, t)?;
+                let resume = qmp.wait_event("RESUME", t, "resume")?;
+                ends.push(("resume", resume.timestamp_us));
+                Ok(Some(resume))
+            }
+            // QEMU ≥ 9.0 keeps the operator's pause by itself.
+            (Resume::AfterWriteTracking, false) => Ok(None),
         }
     }
 
@@ -192,11 +337,35 @@ impl QemuBackend {
             step: "create run dir",
             source,
         })?;
+        // QEMU's monitor and agent sockets: never reachable by the control socket's group.
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(run, std::fs::Permissions::from_mode(0o700)).map_err(
+                |source| BackendError::Io {
+                    step: "chmod 0700 run dir",
+                    source,
+                },
+            )?;
+        }
         let qmp_path = run.join("qmp.sock");
         let agent_path = run.join("agent.sock");
         for p in [&qmp_path, &agent_path] {
             let _ = std::fs::remove_file(p);
         }
+        if self.serial.is_none() {
+            let fifo = cmdline::serial_fifo(&self.cfg);
+            let serial = serial_log::SerialLog::start(
+                &fifo,
+                &self.cfg.serial_log,
+                self.cfg.serial_log_max_bytes,
+            )
+            .map_err(|source| BackendError::Io {
+                step: "start the serial log",
+                source,
+            })?;
+            self.serial = Some(serial);
+        }
+        let run = &self.cfg.run_dir;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -234,7 +403,11 @@ impl QemuBackend {
         let mut child = cmd.spawn().map_err(|e| {
             BackendError::Launch(format!("cannot start {}: {e}", self.cfg.binary.display()))
         })?;
-        let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(10)) {
+        let exited = || match child.try_wait() {
+            Ok(Some(status)) => Some(format!("exited ({status})")),
+            _ => None,
+        };
+        let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(10), exited) {
             Ok(q) => q,
             Err(e) => {
                 let _ = child.kill();
@@ -245,6 +418,16 @@ impl QemuBackend {
                 )));
             }
         };
+        let mut qmp = qmp;
+        let plan = match probe(&mut qmp, self.cfg.qmp_timeout) {
+            Ok(plan) => plan,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e);
+            }
+        };
+        tracing::info!(qemu = %plan.version, resume = ?plan.resume, "qemu probed");
         let agent = agent::AgentChannel::connect(&agent_path);
         Ok(Running {
             child,
@@ -252,6 +435,7 @@ impl QemuBackend {
             agent,
             capture: None,
             restore: None,
+            plan,
         })
     }
 
@@ -260,10 +444,23 @@ impl QemuBackend {
     fn short_timeout(&self) -> Duration {
         self.cfg.qmp_timeout.min(Duration::from_secs(3))
     }
+}
 
-    fn event_us(ev: &qmp::QmpEvent) -> u64 {
-        ev.timestamp_us
-    }
+/// Asks QEMU what it is and decides how to capture on it; an unsupported QEMU is refused.
+fn probe(qmp: &mut Qmp, t: Duration) -> Result<CapturePlan> {
+    let reply = qmp.execute("query-version", None, t)?;
+    let v = QemuVersion::from_query(&reply).ok_or_else(|| BackendError::Protocol {
+        step: "query-version",
+        detail: reply.to_string(),
+    })?;
+    let caps = qmp.execute("query-migrate-capabilities", None, t)?;
+    let names: Vec<&str> = caps
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c.get("capability").and_then(Value::as_str))
+        .collect();
+    capture_plan(v, &names).map_err(BackendError::Launch)
 }
 
 fn log_tail(path: &Path) -> String {
@@ -420,6 +617,8 @@ impl VmBackend for QemuBackend {
 
     fn begin_capture(&mut self, switches: &[DiskSwitch]) -> Result<CaptureStream> {
         let t = self.cfg.qmp_timeout;
+        #[allow(clippy::let_unit_value)]
+        let fault = self.take_fault(false);
         // Which node each disk's device currently writes to: its active layer's node name.
         let mut actions = Vec::new();
         let mut frozen = Vec::new();
@@ -449,7 +648,20 @@ impl VmBackend for QemuBackend {
         // Opening the new overlays happens before the pause: inside it only the switch itself
         // (a graph change in memory) remains. Created by the caller, they have no backing node
         // yet (`blockdev-snapshot` attaches the old top layer).
-        let r = self.running_mut("capture")?;
+        let r = self
+            .running
+            .as_mut()
+            .ok_or(BackendError::NotRunning { step: "capture" })?;
+        let plan = r.plan;
+        // A migration still being cleaned up would make `migrate` fail (duplicate yank instance).
+        pause::wait_migration_released(&mut r.qmp, t, t)?;
+        // Run-state and migration events of earlier captures and pauses must not be taken for
+        // this capture's (nothing else consumes them).
+        r.qmp
+            .discard_events(|e| matches!(e.name.as_str(), "STOP" | "RESUME" | "MIGRATION"))?;
+        // The operator's pause is kept: such a guest is not stopped, and ends up paused again.
+        let was_running =
+            r.qmp.execute("query-status", None, t)?.get("running") == Some(&Value::Bool(true));
         let mut opened = Vec::new();
         for sw in switches {
             let node = cmdline::fresh_node_name(&sw.id, &sw.new_active);
@@ -463,83 +675,148 @@ impl VmBackend for QemuBackend {
             }
             opened.push(node);
         }
-        let close_opened = |r: &mut Running| close_nodes(r, &opened, t);
         let (reader, writer) = match pipe() {
             Ok(p) => p,
             Err(e) => {
-                close_opened(r);
+                close_nodes(r, &opened, t);
                 return Err(e);
             }
         };
-        let prepared = r
+        let handed = r
             .qmp
             .execute_with_fd(
                 "getfd",
-                Some(json!({"fdname": "backstop-capture"})),
+                Some(json!({ "fdname": CAPTURE_FD })),
                 Some(writer.as_raw_fd()),
                 t,
             )
-            .and_then(|_| r.qmp.execute("stop", None, t))
-            .and_then(|_| r.qmp.wait_event("STOP", t, "stop"));
+            .and_then(|_| fault_point!(fault, AfterGetfd));
         drop(writer);
-        let stop = match prepared {
+        if let Err(e) = handed {
+            pause::close_capture_fd(&mut r.qmp, t, CAPTURE_FD);
+            close_nodes(r, &opened, t);
+            return Err(e);
+        }
+        // From here until it is disarmed, dropping the guard puts the guest back in the state
+        // the operator left it in: every early return below resumes (or re-pauses) it.
+        let mut guard = RunStateGuard::new(&mut r.qmp, t, was_running);
+        // The ends of the pause's phases, from QEMU's STOP on (see `pause::breakdown`). QEMU
+        // sends STOP once the vCPUs are paused, then drains and flushes the disks before it
+        // answers `stop`: the `stop` phase is that drain and flush.
+        let clock = pause::PauseClock::new();
+        let mut ends: Vec<(&'static str, u64)> = Vec::new();
+        let stopped = if was_running {
+            guard
+                .qmp()
+                .execute("stop", None, t)
+                .and_then(|_| {
+                    ends.push(("stop", clock.now_us()));
+                    guard.qmp().wait_event("STOP", t, "stop")
+                })
+                .map(Some)
+        } else {
+            Ok(None)
+        }
+        .and_then(|stop| fault_point!(fault, AfterStop).map(|()| stop));
+        let stop = match stopped {
             Ok(stop) => stop,
             Err(e) => {
-                let _ = r
-                    .qmp
-                    .execute("closefd", Some(json!({"fdname": "backstop-capture"})), t);
-                let _ = r.qmp.execute("cont", None, t);
-                close_opened(r);
+                pause::close_capture_fd(guard.qmp(), t, CAPTURE_FD);
+                drop(guard);
+                close_nodes(r, &opened, t);
                 return Err(e);
             }
         };
-        // From here the guest is paused: every error path must resume it.
         let switched = if actions.is_empty() {
             Ok(Value::Null)
         } else {
-            r.qmp
+            guard
+                .qmp()
                 .execute("transaction", Some(json!({ "actions": actions })), t)
         };
+        ends.push(("switch", clock.now_us()));
         if let Err(e) = switched {
-            let _ = r
-                .qmp
-                .execute("closefd", Some(json!({"fdname": "backstop-capture"})), t);
-            let _ = r.qmp.execute("cont", None, t);
-            close_opened(r);
+            pause::close_capture_fd(guard.qmp(), t, CAPTURE_FD);
+            drop(guard);
+            close_nodes(r, &opened, t);
             return Err(e);
         }
-        if let Err(e) = r
-            .qmp
-            .execute("migrate", Some(json!({"uri": "fd:backstop-capture"})), t)
-        {
-            // The disks already switched; the VM simply runs on the new overlays.
-            let _ = r.qmp.execute("cont", None, t);
-            self.disks = new_disks;
-            self.active_nodes = new_nodes;
-            return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
-        }
-        r.capture = Some(CaptureInFlight {
-            stop_us: Self::event_us(&stop),
-        });
+        // The disks switched: from here on an error keeps the new overlays in the chains.
         self.disks = new_disks;
         self.active_nodes = new_nodes;
+        let started = fault_point!(fault, AfterTransaction).and_then(|()| {
+            guard.qmp().execute(
+                "migrate",
+                Some(json!({ "uri": format!("fd:{CAPTURE_FD}") })),
+                t,
+            )
+        });
+        ends.push(("migrate", clock.now_us()));
+        if let Err(e) = started {
+            pause::close_capture_fd(guard.qmp(), t, CAPTURE_FD);
+            // The guard resumes the guest on the new overlays.
+            return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
+        }
+        // QEMU writes the stream from now on: keep reading it while talking to QEMU.
+        let prefetch = pause::Prefetch::start(reader);
+        let resumed =
+            Self::resume_after_migrate(guard.qmp(), t, plan, was_running, &clock, &mut ends)
+                .and_then(|resume| fault_point!(fault, AfterMigrate).map(|()| resume));
+        let (reader, early) = prefetch.finish();
+        let resume = match resumed {
+            Ok(resume) => resume,
+            Err(e) => {
+                // Let QEMU finish it into the void before the guard sets the run state: a
+                // `cont` while its snapshot thread is between its own stop and resume would be
+                // undone by that resume, and cancelling is no way out (see `drain_to_end`).
+                pause::drain_to_end(guard.qmp(), t, reader);
+                return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
+            }
+        };
+        guard.disarm();
+        let (pause_us, pause_breakdown) = match (&stop, &resume) {
+            (Some(stop), Some(resume)) => (
+                resume.timestamp_us.saturating_sub(stop.timestamp_us),
+                pause::breakdown(stop.timestamp_us, &ends),
+            ),
+            _ => (0, Vec::new()),
+        };
+        tracing::debug!(pause_us, ?pause_breakdown, "capture started");
+        let r = self.running_mut("capture")?;
+        r.capture = Some(CaptureInFlight {
+            pause_us,
+            pause_breakdown,
+            was_running,
+            drain: reader.try_clone().ok(),
+        });
         Ok(CaptureStream {
-            reader: Box::new(reader),
+            reader: Box::new(std::io::Cursor::new(early).chain(reader)),
             frozen_layers: frozen,
             // x86 guests only (qemu-system-x86_64): 4 KiB target pages.
-            layout: StreamLayout::QemuMigration { page_size: 4096 },
+            cutter: Some(Box::new(MigrationCutter { page_size: 4096 })),
+            disk_switch: DiskSwitchTiming::AtStart,
         })
     }
 
     fn finish_capture(&mut self) -> Result<CaptureReport> {
         let t = self.cfg.qmp_timeout;
+        #[allow(clippy::let_unit_value)]
+        let fault = self.take_fault(true);
         let r = self.running_mut("finish capture")?;
-        let Some(cap) = r.capture.take() else {
+        let Some(cap) = r
+            .capture
+            .as_ref()
+            .map(|c| (c.pause_us, c.pause_breakdown.clone()))
+        else {
             return Err(BackendError::Command {
                 step: "finish capture",
                 message: "no capture in flight".into(),
             });
         };
+        // An injected failure leaves the capture in flight, as a real one here would: the
+        // caller's abort_capture cleans up.
+        fault_point!(fault, InFinish)?;
+        r.capture = None;
         let done = r
             .qmp
             .wait_event_matching("capture", Duration::from_secs(600), |e| {
@@ -549,25 +826,18 @@ impl VmBackend for QemuBackend {
                         Some("completed" | "failed" | "cancelled")
                     )
             });
-        let resume = r.qmp.wait_event("RESUME", t, "resume after capture");
         let info = r
             .qmp
             .execute("query-migrate", None, t)
             .unwrap_or(Value::Null);
+        // The next capture must not race QEMU's cleanup of this one.
+        let released = pause::wait_migration_released(&mut r.qmp, t, t);
         let status = done?
             .data
             .get("status")
             .and_then(Value::as_str)
             .unwrap_or("")
             .to_string();
-        let resume = match resume {
-            Ok(ev) => ev,
-            Err(e) => {
-                // Never leave the guest paused because QEMU did not resume it itself.
-                let _ = r.qmp.execute("cont", None, t);
-                return Err(e);
-            }
-        };
         if status != "completed" {
             let why = info
                 .get("error-desc")
@@ -579,8 +849,11 @@ impl VmBackend for QemuBackend {
                 message: format!("migration {why}"),
             });
         }
+        released?;
+        let (pause_us, pause_breakdown) = cap;
         Ok(CaptureReport {
-            pause_us: resume.timestamp_us.saturating_sub(cap.stop_us),
+            pause_us,
+            pause_breakdown,
             downtime_ms: info.get("downtime").and_then(Value::as_u64),
             state_bytes: info
                 .get("ram")
@@ -593,18 +866,84 @@ impl VmBackend for QemuBackend {
     fn abort_capture(&mut self) {
         let t = self.short_timeout();
         if let Some(r) = self.running.as_mut() {
-            if r.capture.take().is_some() {
-                let _ = r.qmp.execute("migrate_cancel", None, t);
-                let _ = r
+            if let Some(cap) = r.capture.take() {
+                match cap.drain {
+                    Some(drain) => pause::drain_to_end(&mut r.qmp, Duration::from_secs(600), drain),
+                    None => pause::cancel_migration(&mut r.qmp, t),
+                }
+                // Whatever QEMU did with the run state while cancelling, the operator's wins.
+                let running = r
                     .qmp
-                    .wait_event("RESUME", Duration::from_secs(2), "resume after abort");
-                if let Ok(s) = r.qmp.execute("query-status", None, t) {
-                    if s.get("status").and_then(Value::as_str) == Some("paused") {
-                        let _ = r.qmp.execute("cont", None, t);
-                    }
+                    .execute("query-status", None, t)
+                    .ok()
+                    .and_then(|s| s.get("running").and_then(Value::as_bool));
+                if running != Some(cap.was_running) {
+                    let guard = RunStateGuard::new(&mut r.qmp, t, cap.was_running);
+                    drop(guard);
                 }
             }
         }
+    }
+
+    fn flatten_disk(&mut self, disk_id: &str, base: &Path, bound: Duration) -> Result<()> {
+        let t = self.short_timeout();
+        let top = self
+            .active_nodes
+            .get(disk_id)
+            .cloned()
+            .unwrap_or_else(|| cmdline::node_name(disk_id));
+        let r = self.running_mut("flatten disk")?;
+        // The base's node: QEMU opened it by itself from the layers' headers, under a name of
+        // its own; the format node (not its `file` protocol child) whose image is `base`.
+        let nodes = r
+            .qmp
+            .execute("query-named-block-nodes", Some(json!({"flat": true})), t)?;
+        let base_node = nodes
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|n| {
+                n.get("drv").and_then(Value::as_str) != Some("file")
+                    && n.get("file").and_then(Value::as_str).map(Path::new) == Some(base)
+            })
+            .and_then(|n| n.get("node-name").and_then(Value::as_str))
+            .map(str::to_owned)
+            .ok_or_else(|| BackendError::Command {
+                step: "flatten disk",
+                message: format!("no block node for {} below {top}", base.display()),
+            })?;
+        let job = format!("flatten-{disk_id}");
+        r.qmp.discard_events(|e| {
+            e.name == "BLOCK_JOB_COMPLETED"
+                && e.data.get("device").and_then(Value::as_str) == Some(job.as_str())
+        })?;
+        r.qmp.execute(
+            "block-stream",
+            Some(json!({"job-id": job, "device": top, "base-node": base_node})),
+            t,
+        )?;
+        let done = r.qmp.wait_event_matching("flatten disk", bound, |e| {
+            e.name == "BLOCK_JOB_COMPLETED"
+                && e.data.get("device").and_then(Value::as_str) == Some(job.as_str())
+        });
+        let done = match done {
+            Ok(ev) => ev,
+            Err(e) => {
+                // Past the bound: the job is cancelled; the chain stays as it was (QEMU
+                // changes the backing only when a stream completes).
+                let _ = r
+                    .qmp
+                    .execute("block-job-cancel", Some(json!({"device": job})), t);
+                return Err(e);
+            }
+        };
+        if let Some(err) = done.data.get("error").and_then(Value::as_str) {
+            return Err(BackendError::Command {
+                step: "flatten disk",
+                message: err.to_string(),
+            });
+        }
+        Ok(())
     }
 
     fn pause(&mut self) -> Result<()> {

@@ -37,14 +37,23 @@ pub struct Qmp {
 
 impl Qmp {
     /// Connects (retrying until `timeout`, QEMU creates the socket shortly after it starts),
-    /// reads the greeting and negotiates capabilities.
-    pub fn connect(path: &Path, timeout: Duration) -> Result<Qmp> {
+    /// reads the greeting and negotiates capabilities. `exited` is asked between tries: once it
+    /// names how QEMU ended, retrying is pointless and the connect fails at once with that.
+    pub fn connect(
+        path: &Path,
+        timeout: Duration,
+        mut exited: impl FnMut() -> Option<String>,
+    ) -> Result<Qmp> {
         let deadline = Instant::now() + timeout;
         let stream = loop {
             match UnixStream::connect(path) {
                 Ok(s) => break s,
                 Err(e) if Instant::now() < deadline => {
-                    let _ = e;
+                    if let Some(how) = exited() {
+                        return Err(BackendError::Launch(format!(
+                            "QEMU {how} before its monitor socket appeared ({e})"
+                        )));
+                    }
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 Err(source) => {
@@ -62,7 +71,7 @@ impl Qmp {
             next_id: 1,
         };
         let greeting = qmp.read_message("qmp greeting", timeout)?;
-        if greeting.get("QMP").is_none() {
+        if !is_greeting(&greeting) {
             return Err(BackendError::Protocol {
                 step: "qmp greeting",
                 detail: truncate(&greeting.to_string()),
@@ -114,30 +123,24 @@ impl Qmp {
                 });
             }
             let msg = self.read_message(command, remaining)?;
-            if self.queue_if_event(&msg) {
-                continue;
-            }
-            if msg.get("id").and_then(Value::as_u64) != Some(id) {
+            match classify(msg, id) {
+                Message::Event(ev) => self.events.push_back(ev),
                 // A reply to some earlier, timed-out command: drop it.
-                continue;
+                Message::OtherReply => {}
+                Message::Return(ret) => return Ok(ret),
+                Message::Error(desc) => {
+                    return Err(BackendError::Command {
+                        step: command,
+                        message: desc,
+                    })
+                }
+                Message::Unknown(detail) => {
+                    return Err(BackendError::Protocol {
+                        step: command,
+                        detail,
+                    })
+                }
             }
-            if let Some(ret) = msg.get("return") {
-                return Ok(ret.clone());
-            }
-            if let Some(err) = msg.get("error") {
-                let desc = err
-                    .get("desc")
-                    .and_then(Value::as_str)
-                    .unwrap_or("unknown error");
-                return Err(BackendError::Command {
-                    step: command,
-                    message: desc.to_string(),
-                });
-            }
-            return Err(BackendError::Protocol {
-                step: command,
-                detail: truncate(&msg.to_string()),
-            });
         }
     }
 
@@ -183,6 +186,11 @@ impl Qmp {
         self.wait_event_matching(step, timeout, |e| e.name == name)
     }
 
+    /// The first already queued event for which `pred` holds, left in the queue.
+    pub fn queued_event(&self, pred: impl FnMut(&&QmpEvent) -> bool) -> Option<&QmpEvent> {
+        self.events.iter().find(pred)
+    }
+
     /// Waits for the first event for which `pred` holds.
     pub fn wait_event_matching(
         &mut self,
@@ -223,6 +231,22 @@ impl Qmp {
         Ok(self.events.drain(..).collect())
     }
 
+    /// Reads whatever events are already waiting and drops the queued ones `stale` selects,
+    /// keeping the others for their consumers.
+    pub fn discard_events(&mut self, mut stale: impl FnMut(&QmpEvent) -> bool) -> Result<()> {
+        loop {
+            match self.read_message("qmp events", Duration::from_millis(1)) {
+                Ok(msg) => {
+                    self.queue_if_event(&msg);
+                }
+                Err(BackendError::Timeout { .. }) => break,
+                Err(e) => return Err(e),
+            }
+        }
+        self.events.retain(|e| !stale(e));
+        Ok(())
+    }
+
     fn queue_if_event(&mut self, msg: &Value) -> bool {
         match parse_event(msg) {
             Some(ev) => {
@@ -239,27 +263,11 @@ impl Qmp {
         loop {
             if let Some(pos) = self.buf.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = self.buf.drain(..=pos).collect();
-                let text = std::str::from_utf8(&line)
-                    .map_err(|_| BackendError::Protocol {
-                        step,
-                        detail: "reply is not UTF-8".into(),
-                    })?
-                    .trim();
-                if text.is_empty() {
-                    continue;
+                match parse_line(&line) {
+                    Ok(None) => continue,
+                    Ok(Some(value)) => return Ok(value),
+                    Err(detail) => return Err(BackendError::Protocol { step, detail }),
                 }
-                let value: Value =
-                    serde_json::from_str(text).map_err(|e| BackendError::Protocol {
-                        step,
-                        detail: format!("bad JSON: {e}"),
-                    })?;
-                if !value.is_object() {
-                    return Err(BackendError::Protocol {
-                        step,
-                        detail: "reply is not an object".into(),
-                    });
-                }
-                return Ok(value);
             }
             if self.buf.len() > MAX_QMP_LINE {
                 return Err(BackendError::Protocol {
@@ -301,6 +309,64 @@ impl Qmp {
     }
 }
 
+/// Decodes one line QEMU sent (its `\r\n` may still be on it): `Ok(None)` for a blank line,
+/// the JSON object otherwise. Anything else — not UTF-8, not JSON, not an object — is the
+/// protocol error's detail. Any bytes give a value or an error, never a panic.
+pub fn parse_line(line: &[u8]) -> std::result::Result<Option<Value>, String> {
+    let text = std::str::from_utf8(line)
+        .map_err(|_| "reply is not UTF-8".to_string())?
+        .trim();
+    if text.is_empty() {
+        return Ok(None);
+    }
+    let value: Value = serde_json::from_str(text).map_err(|e| format!("bad JSON: {e}"))?;
+    if !value.is_object() {
+        return Err("reply is not an object".into());
+    }
+    Ok(Some(value))
+}
+
+/// Whether `msg` is QEMU's greeting (`{"QMP": {...}}`).
+pub fn is_greeting(msg: &Value) -> bool {
+    msg.get("QMP").is_some()
+}
+
+/// What one message means to a client waiting for the reply to command `id`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Message {
+    /// An event, queued for whoever waits for it.
+    Event(QmpEvent),
+    /// A reply to another command (an earlier one that timed out).
+    OtherReply,
+    /// The command's `return` value.
+    Return(Value),
+    /// The command failed: QEMU's description.
+    Error(String),
+    /// The reply to `id` but neither `return` nor `error`: the protocol error's detail.
+    Unknown(String),
+}
+
+/// Classifies a message read while waiting for the reply to command `id`.
+pub fn classify(mut msg: Value, id: u64) -> Message {
+    if let Some(ev) = parse_event(&msg) {
+        return Message::Event(ev);
+    }
+    if msg.get("id").and_then(Value::as_u64) != Some(id) {
+        return Message::OtherReply;
+    }
+    if let Some(ret) = msg.get_mut("return") {
+        return Message::Return(ret.take());
+    }
+    if let Some(err) = msg.get("error") {
+        let desc = err
+            .get("desc")
+            .and_then(Value::as_str)
+            .unwrap_or("unknown error");
+        return Message::Error(desc.to_string());
+    }
+    Message::Unknown(truncate(&msg.to_string()))
+}
+
 /// Parses `{"event": .., "data": .., "timestamp": {"seconds": s, "microseconds": us}}`.
 pub fn parse_event(msg: &Value) -> Option<QmpEvent> {
     let name = msg.get("event")?.as_str()?.to_string();
@@ -327,6 +393,70 @@ fn truncate(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kept inputs of a fuzz target, replayed by stable `cargo test`.
+    use backstop_common::fuzz_corpus::inputs as fuzz_inputs;
+
+    #[test]
+    fn lines_decode_to_objects_or_name_what_is_wrong() {
+        assert_eq!(parse_line(b"\r\n"), Ok(None));
+        assert_eq!(parse_line(b"{}\r\n"), Ok(Some(json!({}))));
+        assert_eq!(parse_line(b"\xff\n").unwrap_err(), "reply is not UTF-8");
+        assert_eq!(parse_line(b"[1]\n").unwrap_err(), "reply is not an object");
+        assert!(parse_line(b"{\n").unwrap_err().starts_with("bad JSON"));
+    }
+
+    #[test]
+    fn messages_are_classified_for_the_command_waited_for() {
+        let stop = json!({"event": "STOP", "id": 7});
+        assert!(matches!(classify(stop, 7), Message::Event(e) if e.name == "STOP"));
+        assert_eq!(
+            classify(json!({"return": {}, "id": 6}), 7),
+            Message::OtherReply
+        );
+        assert_eq!(classify(json!({"return": 5}), 7), Message::OtherReply);
+        assert_eq!(
+            classify(json!({"return": [1], "id": 7}), 7),
+            Message::Return(json!([1]))
+        );
+        assert_eq!(
+            classify(json!({"error": {"desc": "nope"}, "id": 7}), 7),
+            Message::Error("nope".into())
+        );
+        assert_eq!(
+            classify(json!({"error": 1, "id": 7}), 7),
+            Message::Error("unknown error".into())
+        );
+        let Message::Unknown(detail) = classify(json!({"id": 7, "x": "y".repeat(500)}), 7) else {
+            panic!("not unknown");
+        };
+        assert_eq!(detail.chars().count(), 200);
+        assert!(is_greeting(&json!({"QMP": {}})) && !is_greeting(&json!({"qmp": {}})));
+    }
+
+    /// The fuzz target `qmp_line`'s inputs (byte 0: the id waited for, then QMP lines): never a
+    /// panic; what decodes is an object, classified as an event exactly when it is one.
+    #[test]
+    fn fuzz_inputs_replay() {
+        for (name, bytes) in fuzz_inputs("qmp_line") {
+            let Some((&id, lines)) = bytes.split_first() else {
+                continue;
+            };
+            for line in lines.split_inclusive(|&b| b == b'\n') {
+                let Ok(Some(value)) = parse_line(line) else {
+                    continue;
+                };
+                let _ = crate::QemuVersion::from_query(&value);
+                let _ = crate::version::write_tracking_on(&value);
+                if let Some(ret) = value.get("return") {
+                    let _ = crate::version::write_tracking_on(ret);
+                }
+                let event = parse_event(&value);
+                let is_event = matches!(classify(value, u64::from(id)), Message::Event(_));
+                assert_eq!(is_event, event.is_some(), "{name}");
+            }
+        }
+    }
 
     #[test]
     fn events_carry_qemu_timestamps() {
@@ -384,5 +514,22 @@ mod tests {
         let err = q.execute("junk", None, Duration::from_secs(5)).unwrap_err();
         assert!(matches!(err, BackendError::Protocol { .. }), "{err}");
         server.join().unwrap();
+    }
+
+    #[test]
+    fn connect_stops_retrying_once_qemu_exited() {
+        let d = tempfile::tempdir().unwrap();
+        let mut asked = 0;
+        let started = std::time::Instant::now();
+        let err = Qmp::connect(&d.path().join("qmp.sock"), Duration::from_secs(30), || {
+            asked += 1;
+            (asked >= 3).then(|| "exited (exit status: 1)".to_string())
+        })
+        .err()
+        .unwrap();
+        assert!(err.to_string().contains("exited (exit status: 1)"), "{err}");
+        assert_eq!(asked, 3, "asked between tries until it said so");
+        // Not the 30 s of retrying a dead QEMU's socket.
+        assert!(started.elapsed() < Duration::from_secs(10));
     }
 }

@@ -75,6 +75,7 @@ impl SnapshotBuilder {
         progress: &mut dyn FnMut(u64),
     ) -> Result<PayloadRef, StoreError> {
         self.check_payload(name, kind)?;
+        let reader = RetryInterrupted(reader);
         let cdc = StreamCDC::new(reader, CHUNK_MIN_BYTES, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES);
         let mut chunks = cdc.map(|item| {
             item.map(|c| c.data).map_err(|e| match e {
@@ -464,6 +465,24 @@ impl Drop for SnapshotBuilder {
         if !self.published {
             // Best effort: whatever is left is swept at the next open.
             let _ = fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// A reader that retries a read interrupted by a signal (`EINTR`), as `Read::read_exact` does.
+///
+/// FastCDC's `StreamCDC` passes `ErrorKind::Interrupted` up as a failure, which would fail a whole
+/// payload over a signal that arrived during a read. (The same bug the `stream_cutter` fuzz target
+/// found in the QEMU backend's cutter, which feeds FastCDC the same way.)
+struct RetryInterrupted<R>(R);
+
+impl<R: Read> Read for RetryInterrupted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            match self.0.read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                other => return other,
+            }
         }
     }
 }

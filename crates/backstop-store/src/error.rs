@@ -1,20 +1,23 @@
 //! The store's one error type. Each variant names the step that failed; [`StoreError::code`]
 //! maps it to the stable code of spec/001 that the console prints and the journal records.
 
+use backstop_common::ErrorCode;
 use std::path::PathBuf;
 
 /// Stable error codes (spec/001 plus the store's own I/O code).
 pub mod codes {
+    use backstop_common::ErrorCode;
+
     /// Bad signature, any checksum, a missing chunk or layer, a size mismatch.
-    pub const INTEGRITY_CHECK_FAILED: &str = "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED";
+    pub const INTEGRITY_CHECK_FAILED: ErrorCode = ErrorCode::SnapshotIntegrityCheckFailed;
     /// A required manifest field is missing, empty or malformed.
-    pub const MANIFEST_INVALID: &str = "ERR_SNAPSHOT_MANIFEST_INVALID";
+    pub const MANIFEST_INVALID: ErrorCode = ErrorCode::SnapshotManifestInvalid;
     /// The manifest's schema or index version is not one this build can read.
-    pub const COMPATIBILITY_BLOCKED: &str = "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED";
+    pub const COMPATIBILITY_BLOCKED: ErrorCode = ErrorCode::SnapshotCompatibilityBlocked;
     /// No snapshot by that id, or a prefix that names none or several.
-    pub const MISSING_SNAPSHOT: &str = "MISSING_SNAPSHOT";
+    pub const MISSING_SNAPSHOT: ErrorCode = ErrorCode::MissingSnapshot;
     /// The operating system refused a read, write, fsync or rename.
-    pub const STORE_IO: &str = "ERR_STORE_IO";
+    pub const STORE_IO: ErrorCode = ErrorCode::StoreIo;
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -171,7 +174,7 @@ pub enum StoreError {
 
 impl StoreError {
     /// The stable code for this error (see [`codes`]).
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         use StoreError::*;
         match self {
             CreateDir { .. }

@@ -37,12 +37,10 @@ pub(crate) fn create_private_subdir(path: &Path) -> Result<bool, StoreError> {
 
 /// fsyncs a directory so that the entries created or renamed in it are durable.
 pub(crate) fn fsync_dir(path: &Path) -> Result<(), StoreError> {
-    File::open(path)
-        .and_then(|d| d.sync_all())
-        .map_err(|source| StoreError::Fsync {
-            path: path.into(),
-            source,
-        })
+    backstop_common::durable::fsync_dir(path).map_err(|source| StoreError::Fsync {
+        path: path.into(),
+        source,
+    })
 }
 
 /// Writes a new file (mode 0600, must not exist yet) and fsyncs it.

@@ -108,6 +108,21 @@ mod tests {
         assert_eq!(ChunkIndex::parse(&bytes).unwrap(), sample());
     }
 
+    /// The fuzz target `chunk_index`'s inputs: never a panic, and an accepted index re-encodes
+    /// to canonical bytes that parse to itself.
+    #[test]
+    fn fuzz_inputs_replay() {
+        let mut accepted = 0;
+        for (name, bytes) in crate::fuzz_inputs("chunk_index") {
+            if let Ok(index) = ChunkIndex::parse(&bytes) {
+                let again = ChunkIndex::parse(&index.to_canonical().unwrap());
+                assert_eq!(again.unwrap(), index, "{name}");
+                accepted += 1;
+            }
+        }
+        assert!(accepted >= 2, "the seeds hold valid indexes");
+    }
+
     #[test]
     fn inconsistent_indexes_are_rejected() {
         let mut bad_total = sample();
@@ -130,7 +145,87 @@ mod tests {
         }
     }
 
+    /// Any well-formed index: 0 to 8 chunks of 1 ..= CHUNK_MAX_BYTES, total = sum.
+    fn index() -> impl Strategy<Value = ChunkIndex> {
+        let chunk = (
+            "[0-9a-f]{64}",
+            "[0-9a-f]{8}",
+            1..=u64::from(CHUNK_MAX_BYTES),
+        )
+            .prop_map(|(sha256, crc32, len)| ChunkRef { sha256, crc32, len });
+        proptest::collection::vec(chunk, 0..8).prop_map(|chunks| ChunkIndex {
+            total_bytes: chunks.iter().map(|c| c.len).sum(),
+            chunks,
+        })
+    }
+
+    /// A mutation of encoded bytes: overwrite one byte, delete one, or insert one.
+    #[derive(Debug, Clone)]
+    enum Mutation {
+        Set(proptest::sample::Index, u8),
+        Delete(proptest::sample::Index),
+        Insert(proptest::sample::Index, u8),
+    }
+
+    fn mutation() -> impl Strategy<Value = Mutation> {
+        use proptest::sample::Index;
+        prop_oneof![
+            (any::<Index>(), any::<u8>()).prop_map(|(i, b)| Mutation::Set(i, b)),
+            any::<Index>().prop_map(Mutation::Delete),
+            (any::<Index>(), any::<u8>()).prop_map(|(i, b)| Mutation::Insert(i, b)),
+        ]
+    }
+
     proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn encode_then_parse_is_the_identity(index in index()) {
+            let bytes = index.to_canonical().unwrap();
+            prop_assert_eq!(ChunkIndex::parse(&bytes).unwrap(), index);
+        }
+
+        /// One byte changed, removed or added: the index is rejected, or it reads back equal, or
+        /// (the one change that still parses) one digest digit became another hex digit — which
+        /// the manifest's sha256 and crc32 of the index file catch before it is parsed.
+        #[test]
+        fn a_mutated_encoding_is_rejected_or_equal(index in index(), m in mutation()) {
+            let mut bytes = index.to_canonical().unwrap();
+            match &m {
+                Mutation::Set(i, b) => {
+                    let i = i.index(bytes.len());
+                    bytes[i] = *b;
+                }
+                Mutation::Delete(i) => {
+                    bytes.remove(i.index(bytes.len()));
+                }
+                Mutation::Insert(i, b) => bytes.insert(i.index(bytes.len() + 1), *b),
+            }
+            let Ok(parsed) = ChunkIndex::parse(&bytes) else {
+                return Ok(());
+            };
+            prop_assert_eq!(
+                ChunkIndex::parse(&parsed.to_canonical().unwrap()).unwrap(),
+                parsed.clone()
+            );
+            if parsed == index {
+                return Ok(());
+            }
+            prop_assert!(matches!(m, Mutation::Set(..)), "{:?} gave {:?}", m, parsed);
+            prop_assert_eq!(parsed.total_bytes, index.total_bytes);
+            prop_assert_eq!(parsed.chunks.len(), index.chunks.len());
+            let digests_changed = parsed
+                .chunks
+                .iter()
+                .zip(&index.chunks)
+                .map(|(p, o)| {
+                    prop_assert_eq!(p.len, o.len);
+                    Ok(usize::from(p.sha256 != o.sha256) + usize::from(p.crc32 != o.crc32))
+                })
+                .sum::<Result<usize, TestCaseError>>()?;
+            prop_assert_eq!(digests_changed, 1, "{:?} gave {:?}", m, parsed);
+        }
+
         #[test]
         fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = ChunkIndex::parse(&bytes);

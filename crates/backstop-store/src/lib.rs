@@ -94,7 +94,7 @@ pub enum ListEntry {
     /// The manifest could not be trusted or read; `code` is the [`StoreError::code`].
     Corrupt {
         snapshot_id: String,
-        code: &'static str,
+        code: backstop_common::ErrorCode,
         message: String,
     },
 }
@@ -689,3 +689,7 @@ fn verify_layer(id: &str, layer: &DiskLayer) -> Result<(), StoreError> {
 
 #[cfg(test)]
 mod tests;
+
+/// The kept inputs of a fuzz target, replayed by stable `cargo test`.
+#[cfg(test)]
+pub(crate) use backstop_common::fuzz_corpus::inputs as fuzz_inputs;

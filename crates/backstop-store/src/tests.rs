@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)] // a test may panic on what it sets up itself
 
 use std::fs;
-use std::io::Read;
+use std::io::{self, Read};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
@@ -181,6 +181,33 @@ const BLOCKED: &str = "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED";
 const MISSING: &str = "MISSING_SNAPSHOT";
 
 // ---------------------------------------------------------------- round trip and layout
+
+#[test]
+fn interrupted_reads_of_the_source_are_retried() {
+    /// Every other read is interrupted by a "signal".
+    struct Interrupting<'a>(&'a [u8], bool);
+    impl Read for Interrupting<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+            self.1 = !self.1;
+            if self.1 {
+                return Err(io::ErrorKind::Interrupted.into());
+            }
+            self.0.read(buf)
+        }
+    }
+    let fx = Fixture::new();
+    let data = random_bytes(7, 3 * MIB);
+    let mut b = fx.store.begin().unwrap();
+    let payload = b
+        .write_chunked(
+            "vmstate",
+            KIND_RAM_DEVICE,
+            &mut Interrupting(&data, false),
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(payload.total_bytes, data.len() as u64);
+}
 
 #[test]
 fn round_trip_publish_list_verify_and_stream_back() {
@@ -1136,13 +1163,9 @@ fn list_puts_unusable_entries_last() {
     let listed = fx.store.list().unwrap();
     assert_eq!(listed.len(), 3);
     assert_eq!(listed[0], ListEntry::Valid(b));
-    assert!(listed[1..].iter().all(|e| matches!(
-        e,
-        ListEntry::Corrupt {
-            code: INTEGRITY,
-            ..
-        }
-    )));
+    assert!(listed[1..]
+        .iter()
+        .all(|e| matches!(e, ListEntry::Corrupt { code, .. } if *code == INTEGRITY)));
 }
 
 // ---------------------------------------------------------------- never panics on file content

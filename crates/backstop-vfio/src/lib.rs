@@ -20,6 +20,7 @@
 //! engine does. It never writes outside `<root>/bus/pci/`, and only to a device named by a
 //! validated PCI address.
 
+use backstop_common::ErrorCode;
 #[cfg(any(test, feature = "fake-sysfs"))]
 pub mod fake;
 
@@ -174,10 +175,10 @@ pub enum VfioError {
 
 impl VfioError {
     /// Stable code for the console and the journal.
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            VfioError::InvalidAddress(_) | VfioError::InvalidDriver(_) => "ERR_VFIO_CONFIG",
-            _ => "ERR_VFIO_SYSFS",
+            VfioError::InvalidAddress(_) | VfioError::InvalidDriver(_) => ErrorCode::VfioConfig,
+            _ => ErrorCode::VfioSysfs,
         }
     }
 }

@@ -1,5 +1,5 @@
-//! backstopd: loads the config, starts the engine, serves the control socket. Thin by design:
-//! every decision lives in `backstop-engine`.
+//! backstopd: loads the config, starts one actor per VM under a supervisor, serves the control
+//! socket. Thin by design: every decision lives in `backstop-engine`.
 
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
@@ -12,28 +12,9 @@ use nix::sys::signal::{SigSet, Signal};
 use backstop_control::{
     Accepted, AccessPolicy, Connection, ControlServer, Reply, Request, Response,
 };
-use backstop_engine::{Caller, Config, EngineHandle};
-
-#[derive(Parser)]
-#[command(
-    name = "backstopd",
-    version,
-    about = "backstop daemon: live snapshots and atomic rollback of a QEMU VM"
-)]
-struct Args {
-    /// Config file (TOML). Without it, the embedded default config (vmm-config/default.toml).
-    #[arg(long, short)]
-    config: Option<PathBuf>,
-    /// Print the embedded default config and exit.
-    #[arg(long)]
-    print_default_config: bool,
-    /// Load and validate the config, then exit.
-    #[arg(long)]
-    check_config: bool,
-    /// Log as JSON lines instead of human-readable text.
-    #[arg(long)]
-    log_json: bool,
-}
+use backstop_engine::supervisor::Supervisor;
+use backstop_engine::{Caller, HostConfig, VmSlot};
+use backstopd::Args;
 
 fn main() -> ExitCode {
     let args = Args::parse();
@@ -42,35 +23,74 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_logging(args.log_json);
-    let cfg = match &args.config {
-        Some(p) => Config::load(p),
-        None => Config::parse(backstop_engine::config::DEFAULT_CONFIG),
+    let host = match &args.config {
+        Some(p) => HostConfig::load(p),
+        None => HostConfig::parse(backstop_engine::config::DEFAULT_CONFIG),
     };
-    let cfg = match cfg {
-        Ok(c) => c,
+    let host = match host {
+        Ok(c) => c.refuse_missing_files(),
         Err(e) => {
-            eprintln!("backstopd: {}: {e}", e.code());
+            fatal(args.log_json, &format!("{}: {e}", e.code()));
             return ExitCode::from(2);
         }
     };
     if args.check_config {
-        println!("config OK: vm {}", cfg.vm.name);
-        return ExitCode::SUCCESS;
+        let mut bad = false;
+        if let Err(e) = host.daemon.socket_gid() {
+            bad = true;
+            println!("config REFUSED: daemon: {}: {e}", e.code());
+        }
+        for vm in &host.vms {
+            match vm {
+                VmSlot::Ready(c) => println!("config OK: vm {}", c.vm.name),
+                VmSlot::Invalid(i) => {
+                    bad = true;
+                    println!(
+                        "config REFUSED: vm {} ({}): {}: {}",
+                        i.name,
+                        i.file.display(),
+                        i.code,
+                        i.reason
+                    );
+                }
+            }
+        }
+        return if bad {
+            ExitCode::from(2)
+        } else {
+            ExitCode::SUCCESS
+        };
     }
-    match run(cfg) {
+    match run(host, args.config.clone()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(msg) => {
-            eprintln!("backstopd: {msg}");
+            fatal(args.log_json, &msg);
             ExitCode::from(1)
         }
+    }
+}
+
+/// The one line a fatal error gets on stderr: `backstopd: CODE: message`, or under `--log-json`
+/// a JSON object like the log lines around it (`level`, `fatal`, `message`).
+fn fatal(json: bool, msg: &str) {
+    if json {
+        let line = serde_json::json!({
+            "timestamp": backstop_common::time::now_rfc3339(),
+            "level": "ERROR", "fatal": true, "target": "backstopd", "message": msg,
+        });
+        eprintln!("{line}");
+    } else {
+        eprintln!("backstopd: {msg}");
     }
 }
 
 fn init_logging(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("BACKSTOP_LOG")
         .unwrap_or_else(|_| "info".into());
+    // No colour codes in a journal or a file: only a terminal gets them.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();
@@ -79,28 +99,64 @@ fn init_logging(json: bool) {
     }
 }
 
-fn run(cfg: Config) -> Result<(), String> {
+/// Raises the soft descriptor limit to the hard one (systemd's default soft limit is 1024,
+/// the hard one far higher): every VM holds QEMU's sockets, its journal and, while verifying or
+/// capturing, chunk files, and running out is an outage, not a verdict (see
+/// `backstop_common::resources`).
+fn raise_descriptor_limit() {
+    // SAFETY: getrlimit/setrlimit on a stack rlimit struct.
+    unsafe {
+        let mut l: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: l.rlim_max,
+                rlim_max: l.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                tracing::info!(
+                    from = l.rlim_cur,
+                    to = l.rlim_max,
+                    "descriptor limit raised"
+                );
+            }
+        }
+    }
+}
+
+fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
+    raise_descriptor_limit();
     // Signals are taken by one thread with sigwait; every other thread, and QEMU's children
     // (which reset their mask), inherit the mask set here.
     let mut signals = SigSet::empty();
     signals.add(Signal::SIGTERM);
     signals.add(Signal::SIGINT);
+    // SIGHUP is `backstop reload` (what `kill -HUP` and a classic ExecReload expect), never an
+    // end: its default action would kill the daemon, which is a crash (every VM rolled back).
+    signals.add(Signal::SIGHUP);
     signals
         .thread_block()
         .map_err(|e| format!("blocking signals: {e}"))?;
 
-    std::fs::create_dir_all(&cfg.daemon.state_dir)
-        .map_err(|e| format!("ERR_IO: {}: {e}", cfg.daemon.state_dir.display()))?;
-    let _lock = lock_state_dir(&cfg.daemon.state_dir)?;
+    let state_dir = &host.daemon.state_dir;
+    std::fs::create_dir_all(state_dir)
+        .map_err(|e| format!("ERR_IO: {}: {e}", state_dir.display()))?;
+    let _lock = lock_state_dir(state_dir)?;
     let access = AccessPolicy {
-        console_uids: cfg.daemon.console_uids.clone(),
-        policy_uids: cfg.daemon.policy_uids.clone(),
+        console_uids: host.daemon.console_uids.clone(),
+        policy_uids: host.daemon.policy_uids.clone(),
+        console_gids: host.daemon.console_gids.clone(),
+        policy_gids: host.daemon.policy_gids.clone(),
+        socket_gid: host
+            .daemon
+            .socket_gid()
+            .map_err(|e| format!("{}: {e}", e.code()))?,
     };
-    let socket = cfg.socket_path();
-    // Bind before starting the VM: a second daemon must fail before it touches anything.
+    let socket = host.socket_path();
+    // Bind before starting any VM: a second daemon must fail before it touches anything.
     let server = ControlServer::bind(&socket, access).map_err(|e| format!("{}: {e}", e.code()))?;
-    let engine = Arc::new(EngineHandle::spawn(cfg).map_err(|e| format!("{}: {e}", e.code()))?);
-    tracing::info!(socket = %socket.display(), "control socket ready");
+    let engine =
+        Arc::new(Supervisor::start(&host, config_path).map_err(|e| format!("{}: {e}", e.code()))?);
+    tracing::info!(socket = %socket.display(), vms = host.vms.len(), "control socket ready");
     backstop_engine::systemd::notify("READY=1");
 
     let server = Arc::new(server);
@@ -112,27 +168,141 @@ fn run(cfg: Config) -> Result<(), String> {
             .spawn(move || accept_loop(&server, &engine))
             .map_err(|e| format!("spawn accept thread: {e}"))?;
     }
-    let sig = signals
-        .wait()
-        .map_err(|e| format!("waiting for signals: {e}"))?;
+    // Wait for a signal; meanwhile ping systemd's watchdog, but only while every VM's actor is
+    // alive (a wedged one stops the pings, and systemd restarts the daemon).
+    let mut last_status = String::new();
+    let sig = loop {
+        if engine.all_alive() {
+            backstop_engine::systemd::watchdog_ping();
+        }
+        // `systemctl status` shows this line.
+        let status = status_line(&engine.vms());
+        if status != last_status {
+            backstop_engine::systemd::notify(&format!("STATUS={status}"));
+            last_status = status;
+        }
+        match wait_signal(&signals, std::time::Duration::from_secs(1)) {
+            Ok(Some(Signal::SIGHUP)) => reload_in_background(&engine),
+            Ok(Some(sig)) => break sig,
+            Ok(None) => {}
+            Err(e) => return Err(format!("waiting for signals: {e}")),
+        }
+    };
     tracing::info!(signal = ?sig, "stopping");
     backstop_engine::systemd::notify("STOPPING=1");
-    match Arc::try_unwrap(engine) {
-        Ok(e) => e.shutdown(),
-        Err(_) => tracing::warn!("engine still in use at shutdown; the VM ends with the process"),
-    }
+    // A clean stop: each guest is paused and a final snapshot taken (the next start resumes
+    // from it), then each VM ends. The accept thread may still hold the supervisor; requests
+    // get ERR_SHUTTING_DOWN from here on.
+    engine.shutdown();
     let _ = std::fs::remove_file(&socket);
     Ok(())
 }
 
-fn accept_loop(server: &ControlServer, engine: &Arc<EngineHandle>) {
+/// SIGHUP: the VM files are read again as `backstop reload` does, off the signal thread (a
+/// reload may take final snapshots of changed VMs; the watchdog pings go on meanwhile). Two
+/// reloads never overlap: the supervisor serialises them.
+fn reload_in_background(engine: &Arc<Supervisor>) {
+    let engine = Arc::clone(engine);
+    let spawned = std::thread::Builder::new()
+        .name("sighup-reload".into())
+        .spawn(move || {
+            backstop_engine::systemd::notify("RELOADING=1");
+            match engine.reload() {
+                Ok(r) => tracing::info!(
+                    added = ?r.added, removed = ?r.removed, applied = ?r.applied,
+                    changed_not_applied = ?r.changed_not_applied, refused = ?r.refused,
+                    "SIGHUP: VM files reloaded"
+                ),
+                Err((code, message)) => {
+                    tracing::error!(%code, %message, "SIGHUP: reload refused; nothing changed")
+                }
+            }
+            backstop_engine::systemd::notify("READY=1");
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "SIGHUP: could not start the reload");
+    }
+}
+
+/// Waits up to `timeout` for one of the blocked `signals`.
+fn wait_signal(
+    signals: &SigSet,
+    timeout: std::time::Duration,
+) -> Result<Option<Signal>, nix::Error> {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: the set is a valid sigset_t owned by `signals`; no siginfo is asked for (null);
+    // `ts` lives across the call.
+    let rc = unsafe { libc::sigtimedwait(signals.as_ref(), std::ptr::null_mut(), &ts) };
+    if rc >= 0 {
+        return Signal::try_from(rc).map(Some);
+    }
+    match nix::errno::Errno::last() {
+        nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR => Ok(None),
+        e => Err(e),
+    }
+}
+
+/// At most this many connections are served at once (each holds a descriptor and a thread
+/// until its request is answered, or for at most the request timeout if it sends nothing): local
+/// clients, idle or not, cannot take every descriptor the VMs need.
+const MAX_CLIENTS: usize = 64;
+
+/// Counts a connection as served until dropped.
+struct ClientSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for ClientSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// One line for `systemctl status`: how many VMs, in which states.
+fn status_line(vms: &[backstop_control::VmSummary]) -> String {
+    let mut by_state: std::collections::BTreeMap<&str, usize> = Default::default();
+    for vm in vms {
+        *by_state.entry(vm.state.as_str()).or_default() += 1;
+    }
+    let states: Vec<String> = by_state.iter().map(|(s, n)| format!("{n} {s}")).collect();
+    format!(
+        "guarding {} VM{}: {}",
+        vms.len(),
+        if vms.len() == 1 { "" } else { "s" },
+        states.join(", ")
+    )
+}
+
+fn accept_loop(server: &ControlServer, engine: &Arc<Supervisor>) {
+    use std::sync::atomic::Ordering;
+    let clients = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
         match server.accept() {
-            Ok(Accepted::Conn(conn)) => {
+            Ok(Accepted::Conn(mut conn)) => {
+                if clients.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
+                    clients.fetch_sub(1, Ordering::SeqCst);
+                    tracing::warn!(
+                        uid = conn.peer().uid,
+                        max = MAX_CLIENTS,
+                        "control connection refused: too many clients"
+                    );
+                    let _ = conn.send(&Reply::Failed {
+                        code: backstop_common::ErrorCode::ControlTooManyClients.as_str().into(),
+                        message: format!(
+                            "backstopd serves at most {MAX_CLIENTS} connections at once; retry when one ends"
+                        ),
+                    });
+                    continue;
+                }
+                let slot = ClientSlot(Arc::clone(&clients));
                 let engine = Arc::clone(engine);
                 let _ = std::thread::Builder::new()
                     .name("conn".into())
-                    .spawn(move || serve(conn, &engine));
+                    .spawn(move || {
+                        let _slot = slot;
+                        serve(conn, &engine)
+                    });
             }
             Ok(Accepted::Refused { peer }) => {
                 tracing::warn!(uid = peer.uid, pid = peer.pid, "control connection refused");
@@ -146,17 +316,18 @@ fn accept_loop(server: &ControlServer, engine: &Arc<EngineHandle>) {
     }
 }
 
-fn serve(mut conn: Connection, engine: &EngineHandle) {
-    let Ok(request) = conn.read_request() else {
+fn serve(mut conn: Connection, engine: &Supervisor) {
+    let Ok(envelope) = conn.read_envelope() else {
         return;
     };
+    let request = envelope.request;
     tracing::debug!(
         op = request.name(),
         uid = conn.peer().uid,
         "request received"
     );
     let caller = Caller {
-        role: conn.role().as_str(),
+        role: conn.role(),
         uid: conn.peer().uid,
     };
     if let Err(msg) = permitted(conn.role(), &request) {
@@ -166,14 +337,54 @@ fn serve(mut conn: Connection, engine: &EngineHandle) {
         });
         return;
     }
+    // Requests about the set of VMs are the daemon's own.
+    match request {
+        Request::Vms => {
+            let _ = conn.send(&Reply::Done(Response::Vms { vms: engine.vms() }));
+            return;
+        }
+        Request::DaemonAuditVerify => {
+            let reply = match engine.audit_verify() {
+                Ok(r) => Reply::Done(Response::AuditVerified(r)),
+                Err((code, message)) => Reply::Failed {
+                    code: code.to_string(),
+                    message,
+                },
+            };
+            let _ = conn.send(&reply);
+            return;
+        }
+        Request::Reload => {
+            let reply = match engine.reload() {
+                Ok(r) => Reply::Done(Response::Reloaded(r)),
+                Err((code, message)) => Reply::Failed {
+                    code: code.to_string(),
+                    message,
+                },
+            };
+            let _ = conn.send(&reply);
+            return;
+        }
+        _ => {}
+    }
+    let vm = match engine.route(envelope.vm.as_deref()) {
+        Ok(vm) => vm,
+        Err((code, message)) => {
+            let _ = conn.send(&Reply::Failed {
+                code: code.to_string(),
+                message,
+            });
+            return;
+        }
+    };
     let reply = if let Request::Status = request {
-        Reply::Done(Response::Status(engine.status()))
+        Reply::Done(Response::Status(vm.status()))
     } else {
         let sink = conn.progress_sink();
         let progress = Box::new(move |p: backstop_control::Progress| {
             sink.progress(&p.step, &p.message, p.bytes)
         });
-        match engine.call(request, caller, progress) {
+        match vm.call(request, caller, progress) {
             Ok(r) => Reply::Done(r),
             Err((code, message)) => Reply::Failed { code, message },
         }
@@ -185,11 +396,15 @@ fn serve(mut conn: Connection, engine: &EngineHandle) {
 /// HALTED or grants a device.
 fn permitted(role: backstop_control::Role, request: &Request) -> Result<(), String> {
     match (role, request) {
-        (backstop_control::Role::Policy, Request::HaltClear { .. }) => {
-            Err("only a person at the console can clear HALTED".into())
-        }
+        (
+            backstop_control::Role::Policy,
+            Request::HaltClear { .. } | Request::HaltClearTo { .. },
+        ) => Err("only a person at the console can clear HALTED".into()),
         (backstop_control::Role::Policy, Request::DeviceGrant { .. }) => {
             Err("only a person at the console can grant devices".into())
+        }
+        (backstop_control::Role::Policy, Request::Reload) => {
+            Err("only a person at the console can reload the VM files".into())
         }
         _ => Ok(()),
     }

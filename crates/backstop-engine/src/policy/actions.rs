@@ -23,11 +23,13 @@ use tracing::{info, warn};
 use backstop_control::{ActionResult, ActionView, Response, RollbackReport};
 use backstop_store::ListEntry;
 
-use crate::engine::{now_rfc3339, Ctx, Engine};
+use backstop_common::time::now_rfc3339;
+use backstop_common::{AuditEvent, Role, RollbackType, TriggerKind};
+
+use crate::actor::{Ctx, VmActor};
 use crate::error::EngineError;
-use crate::policy::{
-    PolicyError, EV_ACTION_BEGUN, EV_ACTION_BLOCKED, EV_ACTION_ENDED, EV_ACTION_REFUSED,
-};
+use crate::policy::PolicyError;
+use crate::rollback::RollbackPlan;
 
 /// Largest descriptor accepted, in bytes of JSON.
 pub const DESCRIPTOR_MAX_BYTES: usize = 16 * 1024;
@@ -200,14 +202,14 @@ impl OpenAction {
 
 fn host_only(ctx: &Ctx) -> Result<(), EngineError> {
     match ctx.caller.role {
-        "console" | "policy" => Ok(()),
+        Role::Console | Role::Policy => Ok(()),
         _ => Err(EngineError::NotPermitted(
             "actions come from the host broker or the console".into(),
         )),
     }
 }
 
-impl Engine {
+impl VmActor {
     fn action_refused(
         &mut self,
         ctx: &Ctx,
@@ -215,7 +217,7 @@ impl Engine {
         e: &PolicyError,
     ) -> Result<(), EngineError> {
         let sid = self.session_id.clone();
-        self.journal(EV_ACTION_REFUSED, json!({
+        self.journal(AuditEvent::ActionRefused, json!({
             "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "refused",
             "action_id": action_id, "code": e.code(), "error": e.to_string(), "requested_by": ctx.caller.label(),
         }))
@@ -265,7 +267,7 @@ impl Engine {
             let e = PolicyError::RollbackUnsupported {
                 action_id: d.action_id.clone(),
             };
-            self.journal(EV_ACTION_BLOCKED, with(json!({
+            self.journal(AuditEvent::ActionBlocked, with(json!({
                 "snapshot_id": Value::Null, "result": "blocked", "code": e.code(), "error": e.to_string(),
             })))?;
             warn!(action_id = %d.action_id, "action blocked: no rollback support");
@@ -305,11 +307,11 @@ impl Engine {
                         code: cause.code().to_string(),
                         message: cause.to_string(),
                     };
-                    self.journal(EV_ACTION_BLOCKED, with(json!({
+                    self.journal(AuditEvent::ActionBlocked, with(json!({
                         "snapshot_id": Value::Null, "result": "blocked", "code": e.code(),
                         "cause_code": cause.code(), "error": cause.to_string(), "snapshot_required_by": required,
                     })))?;
-                    warn!(action_id = %d.action_id, cause = cause.code(), "action blocked: pre-action snapshot failed");
+                    warn!(action_id = %d.action_id, cause = %cause.code(), "action blocked: pre-action snapshot failed");
                     return Err(e.into());
                 }
             }
@@ -335,7 +337,7 @@ impl Engine {
             return Err(e.into());
         }
         self.journal(
-            EV_ACTION_BEGUN,
+            AuditEvent::ActionBegun,
             with(json!({
                 "snapshot_id": snapshot_id, "result": "ok", "snapshot_taken": taken,
                 "snapshot_required_by": required,
@@ -385,10 +387,16 @@ impl Engine {
                     format!("micro rollback of action {action_id} to {target}"),
                     None,
                 );
-                self.trigger_action_ids = vec![action_id.clone()];
-                self.policy.pending = None;
-                let r = self.rollback(ctx, Some(&target), &reason, "action_failed", "micro");
-                self.trigger_action_ids.clear();
+                let plan = RollbackPlan {
+                    to: Some(target),
+                    reason: reason.clone(),
+                    trigger: TriggerKind::ActionFailed,
+                    rollback_type: RollbackType::Micro,
+                    action_ids: vec![action_id.clone()],
+                    gate: Default::default(),
+                    resume: false,
+                };
+                let r = self.rollback(ctx, plan);
                 Some(r?)
             }
         };
@@ -399,7 +407,7 @@ impl Engine {
         } else {
             "closed"
         };
-        self.journal(EV_ACTION_ENDED, json!({
+        self.journal(AuditEvent::ActionEnded, json!({
             "snapshot_id": action.snapshot_id, "session_id": sid, "trace_id": ctx.trace_id, "result": result.as_str(),
             "action_id": action_id, "state": state, "reason": reason, "ended_by": ctx.caller.label(),
             "rolled_back_to": report.as_ref().map(|r| r.snapshot_id.clone()),

@@ -17,6 +17,7 @@
 //! immutable): `actions.json` (open actions) and `rolled-back.json` (soft-rollback marks).
 //! Nothing here is reachable from the guest channel: every input arrives on the control socket.
 
+use backstop_common::ErrorCode;
 pub mod actions;
 pub mod restore_gate;
 pub mod retention;
@@ -33,23 +34,6 @@ use time::OffsetDateTime;
 use crate::config::{Config, ConfigError};
 
 pub use actions::{ActionDescriptor, ActionKind, OpenAction, RiskLevel};
-
-/// A schedule slot passed without a snapshot.
-pub const EV_SCHEDULE_MISSED: &str = "snapshot.schedule.missed";
-/// Retention removed a snapshot (one entry per snapshot).
-pub const EV_PRUNED: &str = "snapshot.pruned";
-/// A retention run finished (what it removed in total).
-pub const EV_PRUNE_COMPLETED: &str = "snapshot.prune.completed";
-/// A rollback left snapshots off the current line (spec/004 soft rollback).
-pub const EV_MARKED_ROLLED_BACK: &str = "snapshot.marked_rolled_back";
-/// An Action Descriptor was accepted; the action is open.
-pub const EV_ACTION_BEGUN: &str = "action.begun";
-/// The pre-action gate blocked an action.
-pub const EV_ACTION_BLOCKED: &str = "action.blocked";
-/// An action request was refused before the gate (malformed, duplicate, unknown id).
-pub const EV_ACTION_REFUSED: &str = "action.refused";
-/// An action ended (`ok`, or `failed` and rolled back).
-pub const EV_ACTION_ENDED: &str = "action.ended";
 
 /// `[snapshots]`: scheduled snapshots are always on; only their interval is configurable.
 #[derive(Debug, Clone, Deserialize)]
@@ -236,15 +220,15 @@ pub enum PolicyError {
 }
 
 impl PolicyError {
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            PolicyError::DescriptorInvalid(_) => "ERR_ACTION_DESCRIPTOR_INVALID",
-            PolicyError::RollbackUnsupported { .. } => "ERR_ACTION_ROLLBACK_UNSUPPORTED",
-            PolicyError::PreActionSnapshotFailed { .. } => "ERR_PRE_ACTION_SNAPSHOT_FAILED",
-            PolicyError::AlreadyOpen(_) => "ERR_ACTION_ALREADY_OPEN",
-            PolicyError::NotOpen(_) => "ERR_ACTION_NOT_OPEN",
-            PolicyError::RestoreBlocked { .. } => "ERR_SNAPSHOT_RESTORE_POLICY_BLOCKED",
-            PolicyError::Records { .. } => "ERR_POLICY_RECORDS_UNREADABLE",
+            PolicyError::DescriptorInvalid(_) => ErrorCode::ActionDescriptorInvalid,
+            PolicyError::RollbackUnsupported { .. } => ErrorCode::ActionRollbackUnsupported,
+            PolicyError::PreActionSnapshotFailed { .. } => ErrorCode::PreActionSnapshotFailed,
+            PolicyError::AlreadyOpen(_) => ErrorCode::ActionAlreadyOpen,
+            PolicyError::NotOpen(_) => ErrorCode::ActionNotOpen,
+            PolicyError::RestoreBlocked { .. } => ErrorCode::SnapshotRestorePolicyBlocked,
+            PolicyError::Records { .. } => ErrorCode::PolicyRecordsUnreadable,
         }
     }
 }
@@ -275,7 +259,7 @@ pub(crate) struct RestoreRequest {
     pub allow_newer_minor: bool,
 }
 
-/// The engine's policy state (one field of [`crate::Engine`]).
+/// The engine's policy state (one field of [`crate::VmActor`]).
 pub struct Policy {
     dir: PathBuf,
     pub(crate) actions: BTreeMap<String, OpenAction>,
@@ -285,7 +269,6 @@ pub struct Policy {
     pub(crate) schedule: schedule::Schedule,
     /// When this daemon session started (the default point of a session rollback).
     pub(crate) session_started: OffsetDateTime,
-    pub(crate) pending: Option<RestoreRequest>,
 }
 
 const ACTIONS_FILE: &str = "actions.json";
@@ -311,20 +294,18 @@ impl Policy {
             actions,
             marks,
             records_error: (!errors.is_empty()).then(|| errors.join("; ")),
-            schedule: schedule::Schedule::new(cfg.snapshots.interval()),
+            // One VM of many (a vms_dir): its first slot lands at a phase of its own.
+            schedule: match cfg.daemon.vms_dir {
+                Some(_) => schedule::Schedule::new(cfg.snapshots.interval())
+                    .with_phase(schedule::name_phase(&cfg.vm.name, cfg.snapshots.interval())),
+                None => schedule::Schedule::new(cfg.snapshots.interval()),
+            },
             session_started: OffsetDateTime::now_utc(),
-            pending: None,
         }
     }
 
     pub fn is_rolled_back(&self, snapshot_id: &str) -> bool {
         self.marks.contains_key(snapshot_id)
-    }
-
-    /// Whether the rollback in progress may accept a newer minor version (spec/001's explicit
-    /// compatibility mode, `--compat`).
-    pub fn allow_newer_minor(&self) -> bool {
-        self.pending.as_ref().is_some_and(|p| p.allow_newer_minor)
     }
 
     pub(crate) fn check_records(&self) -> Result<(), PolicyError> {
@@ -362,17 +343,12 @@ fn write_record<T: Serialize>(path: &Path, value: &T) -> Result<(), PolicyError>
         reason,
     };
     let bytes = serde_json::to_vec_pretty(value).map_err(|e| err(e.to_string()))?;
-    crate::durable::write_atomic(path, &bytes).map_err(|e| err(e.to_string()))
+    backstop_common::durable::write_atomic(path, &bytes).map_err(|e| err(e.to_string()))
 }
 
 /// RFC 3339 of `t` with milliseconds (as everywhere else in the journal).
 pub(crate) fn rfc3339(t: OffsetDateTime) -> String {
-    let fmt = time::macros::format_description!(
-        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
-    );
-    t.to_offset(time::UtcOffset::UTC)
-        .format(&fmt)
-        .unwrap_or_else(|_| "1970-01-01T00:00:00.000Z".into())
+    backstop_common::time::rfc3339(t)
 }
 
 pub(crate) fn parse_time(s: &str) -> Option<OffsetDateTime> {

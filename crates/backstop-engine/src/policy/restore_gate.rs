@@ -19,14 +19,15 @@ use time::OffsetDateTime;
 use tracing::{info, warn};
 
 use backstop_control::{evidence, Response, RollbackReport, RollbackType, RolledBackMark};
-use backstop_journal::events;
 use backstop_store::{ListEntry, StoreError, VerifiedSnapshot, VerifyOptions};
 
-use crate::engine::{summary, Ctx, Engine};
+use backstop_common::{AuditEvent, Role, TriggerKind};
+
+use crate::actor::{Ctx, VmActor};
 use crate::error::EngineError;
-use crate::policy::{
-    parse_time, rfc3339, Mark, PolicyError, RestoreRequest, EV_MARKED_ROLLED_BACK,
-};
+use crate::orders::summary;
+use crate::policy::{parse_time, rfc3339, Mark, PolicyError, RestoreRequest};
+use crate::rollback::RollbackPlan;
 
 /// A `rollback` request from the control socket, as sent.
 #[derive(Debug, Clone)]
@@ -40,7 +41,7 @@ pub struct RollbackAsk {
     pub allow_newer_minor: bool,
 }
 
-impl Engine {
+impl VmActor {
     /// `rollback` from the console or the policy engine: works out the type and the target, then
     /// runs the rollback executor with the gate's inputs set.
     pub(crate) fn console_rollback(
@@ -100,15 +101,26 @@ impl Engine {
                     (None, None) => Some(self.session_target(None)?),
                 },
             };
-        self.policy.pending = Some(RestoreRequest {
+        let gate = RestoreRequest {
             governed: ty == RollbackType::Session,
             reviewer_token: ask.reviewer_token,
             allow_newer_minor: ask.allow_newer_minor,
-        });
+        };
         let role = ctx.caller.role;
-        let r = self.rollback(ctx, target.as_deref(), &reason, role, ty.as_str());
-        self.policy.pending = None;
-        r
+        let trigger = match role {
+            Role::Policy => TriggerKind::Policy,
+            Role::Console | Role::Daemon => TriggerKind::Console,
+        };
+        let plan = RollbackPlan {
+            to: target,
+            reason,
+            trigger,
+            rollback_type: ty,
+            action_ids: Vec::new(),
+            gate,
+            resume: false,
+        };
+        self.rollback(ctx, plan)
     }
 
     /// The newest snapshot of the current line created at or before `before`; without a time,
@@ -148,11 +160,11 @@ impl Engine {
     pub(crate) fn restore_gate(
         &mut self,
         ctx: &mut Ctx,
-        trigger: &str,
-        rollback_type: &str,
+        trigger: TriggerKind,
+        rollback_type: RollbackType,
+        request: RestoreRequest,
         target: &VerifiedSnapshot,
     ) -> Result<(), EngineError> {
-        let request = self.policy.pending.take().unwrap_or_default();
         let id = target.manifest.snapshot_id.clone();
         let sid = self.session_id.clone();
         let trace = ctx.trace_id.clone();
@@ -161,7 +173,7 @@ impl Engine {
         if !request.governed {
             // spec/000 wins: emergency, watchdog, host triggers and micro rollbacks are never
             // blocked by governance. The decision is recorded as an override.
-            return self.journal(events::SNAPSHOT_RESTORE_POLICY_DECISION, json!({
+            return self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
                 "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
                 "decision": "override", "rollback_type": rollback_type, "trigger": trigger,
                 "basis": format!("{rollback_type} rollback ({trigger}) by {by}: never blocked by the restore gate (spec/000)"),
@@ -171,7 +183,7 @@ impl Engine {
         }
         let decision = self.governance(ctx, &id, request.reviewer_token.as_ref());
         match decision {
-            Ok((basis, reviewer)) => self.journal(events::SNAPSHOT_RESTORE_POLICY_DECISION, json!({
+            Ok((basis, reviewer)) => self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
                 "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
                 "decision": "allow", "rollback_type": rollback_type, "trigger": trigger, "basis": basis,
                 "reviewer": reviewer, "compatibility_mode": compat,
@@ -182,16 +194,16 @@ impl Engine {
                     snapshot_id: id.clone(),
                     reason,
                 };
-                self.journal(events::SNAPSHOT_RESTORE_POLICY_DECISION, json!({
+                self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
                     "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "blocked",
                     "decision": "block", "rollback_type": rollback_type, "trigger": trigger,
                     "basis": e.to_string(), "code": e.code(), "requested_by": by,
                 }))?;
-                self.journal(events::SNAPSHOT_RESTORE_FAILED, json!({
+                self.journal(AuditEvent::SnapshotRestoreFailed, json!({
                     "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "refused",
                     "code": e.code(), "error": e.to_string(), "vm_halted": false, "vm_touched": false,
                 }))?;
-                warn!(snapshot_id = %id, code = e.code(), "restore blocked by the restore gate");
+                warn!(snapshot_id = %id, code = %e.code(), "restore blocked by the restore gate");
                 Err(e.into())
             }
         }
@@ -223,14 +235,25 @@ impl Engine {
         } else {
             "not the newest verified snapshot"
         };
+        // Both ways forward, in the refusal itself: evidence for this snapshot, or the
+        // emergency rollback, which needs none but can only go to the newest verified one.
+        let emergency = "or `backstop rollback --emergency --reason …` restores the newest verified snapshot without evidence (journaled as rollback_type emergency)";
+        let key_path = self.cfg.restore_gate.reviewer_key.clone();
         let Some(token) = token else {
+            let how = match &key_path {
+                Some(k) => format!(
+                    "a reviewer signs it with `backstop review sign --key {} --snapshot {id} --reviewer NAME > token.json`",
+                    k.display()
+                ),
+                None => "no reviewer key is configured yet ([restore_gate] reviewer_key; `backstop review keygen FILE` makes one)".to_string(),
+            };
             return Err(format!(
-                "{id} is {what}; restoring it needs reviewer evidence (--reviewer-token)"
+                "{id} is {what}; restoring it needs reviewer evidence (--reviewer-token FILE): {how}; {emergency}"
             ));
         };
-        let Some(key_path) = self.cfg.restore_gate.reviewer_key.clone() else {
+        let Some(key_path) = key_path else {
             return Err(format!(
-                "{id} is {what} and no reviewer key is configured ([restore_gate] reviewer_key)"
+                "{id} is {what} and no reviewer key is configured ([restore_gate] reviewer_key); {emergency}"
             ));
         };
         let key = evidence::load_key(&key_path).map_err(|e| e.to_string())?;
@@ -279,7 +302,12 @@ impl Engine {
     /// After a completed rollback to `target`: every snapshot listed after it is marked rolled
     /// back (soft rollback, spec/004), and the target itself, if it was, is on the line again.
     /// Never fails the rollback (it is done); a mark that cannot be saved is journaled.
-    pub(crate) fn mark_rolled_back(&mut self, target: &str, rollback_type: &str, trace: &str) {
+    pub(crate) fn mark_rolled_back(
+        &mut self,
+        target: &str,
+        rollback_type: RollbackType,
+        trace: &str,
+    ) {
         let Ok(entries) = self.store.list() else {
             return;
         };
@@ -311,7 +339,7 @@ impl Engine {
         let saved = self.policy.save_marks();
         let sid = self.session_id.clone();
         let _ = self.journal(
-            EV_MARKED_ROLLED_BACK,
+            AuditEvent::SnapshotMarkedRolledBack,
             json!({
                 "snapshot_id": target, "session_id": sid, "trace_id": trace,
                 "result": if saved.is_ok() { "ok" } else { "failed" },
@@ -353,12 +381,5 @@ impl Engine {
             })
             .collect();
         Ok(Response::SnapshotList { snapshots })
-    }
-
-    /// Verify options for the rollback in progress (spec/001's explicit compatibility mode).
-    pub(crate) fn restore_verify_options(&self) -> VerifyOptions {
-        VerifyOptions {
-            allow_newer_minor: self.policy.allow_newer_minor(),
-        }
     }
 }

@@ -18,11 +18,13 @@ use tracing::info;
 use backstop_control::{KeptSnapshot, PruneView, PrunedSnapshot, Response};
 use backstop_store::{plan_retention, remove_layers, Candidate, ListEntry, VerifyOptions};
 
-use crate::engine::{Ctx, Engine};
+use crate::actor::{Ctx, VmActor};
 use crate::error::EngineError;
-use crate::policy::{parse_time, EV_PRUNED, EV_PRUNE_COMPLETED};
+use backstop_common::AuditEvent;
 
-impl Engine {
+use crate::policy::parse_time;
+
+impl VmActor {
     /// `snapshot prune`.
     pub(crate) fn prune_request(&mut self, ctx: &mut Ctx) -> Result<Response, EngineError> {
         let view = self.prune(ctx, "requested at the console")?;
@@ -46,6 +48,13 @@ impl Engine {
             match self.store.verify(&m.snapshot_id, &VerifyOptions::default()) {
                 Ok(v) if v.manifest.config_fingerprint == fingerprint => {
                     return Ok(Some(m.snapshot_id.clone()))
+                }
+                // Resource exhaustion is not a verdict on the snapshot (see `choose_target`).
+                Err(e) if backstop_common::resources::exhaustion(&e).is_some() => {
+                    return Err(EngineError::ResourceExhausted {
+                        step: "verify",
+                        detail: format!("{}: {e}", m.snapshot_id),
+                    })
                 }
                 _ => continue,
             }
@@ -107,6 +116,15 @@ impl Engine {
             layers_removed: 0,
         };
         if plan.remove.is_empty() {
+            let orphans = self.collect_orphan_layers()?;
+            if !orphans.is_empty() {
+                view.layers_removed = orphans.len() as u64;
+                self.journal(AuditEvent::SnapshotPruneCompleted, json!({
+                    "snapshot_id": Value::Null, "session_id": self.session_id, "trace_id": ctx.trace_id,
+                    "result": "ok", "removed": 0, "kept": view.kept.len(), "chunks_removed": 0,
+                    "layers_removed": orphans, "why": why,
+                }))?;
+            }
             return Ok(view);
         }
         ctx.step(
@@ -128,7 +146,7 @@ impl Engine {
             let reason = reasons.get(id.as_str()).copied().unwrap_or("retention");
             let mark = self.policy.marks.remove(id);
             self.journal(
-                EV_PRUNED,
+                AuditEvent::SnapshotPruned,
                 json!({
                     "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
                     "reason": reason, "why": why, "rolled_back": mark.is_some(), "chain": layers,
@@ -144,11 +162,12 @@ impl Engine {
         // engine itself created.
         let mut keep: BTreeSet<PathBuf> = self.vm.chains.values().flatten().cloned().collect();
         keep.extend(self.cfg.vm.disks.iter().map(|d| d.path.clone()));
-        let layers = remove_layers(&report.unreferenced_layers, &keep, &self.layers.dir)
+        let mut layers = remove_layers(&report.unreferenced_layers, &keep, &self.layers.dir)
             .map_err(EngineError::Store)?;
+        layers.extend(self.collect_orphan_layers()?);
         view.chunks_removed = report.chunks_removed;
         view.layers_removed = layers.len() as u64;
-        self.journal(EV_PRUNE_COMPLETED, json!({
+        self.journal(AuditEvent::SnapshotPruneCompleted, json!({
             "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
             "removed": view.removed.len(), "kept": view.kept.len(), "chunks_removed": report.chunks_removed,
             "layers_removed": layers, "why": why,
@@ -160,5 +179,86 @@ impl Engine {
             "retention applied"
         );
         Ok(view)
+    }
+    /// Deletes the layer files no published snapshot lists and the running VM does not use:
+    /// the abandoned line's overlays after a rollback, a restart's, an interrupted capture's.
+    /// Nothing is deleted when some manifest cannot be read (its layers are unknown), and only
+    /// files named like a layer (`disks/<disk>/NNNNNN.qcow2`) are candidates.
+    fn collect_orphan_layers(&mut self) -> Result<Vec<PathBuf>, EngineError> {
+        let Some(mut keep) = self.store.referenced_layers().map_err(EngineError::Store)? else {
+            tracing::warn!("a manifest cannot be read: unreferenced layers are kept");
+            return Ok(Vec::new());
+        };
+        keep.extend(self.vm.chains.values().flatten().cloned());
+        keep.extend(self.cfg.vm.disks.iter().map(|d| d.path.clone()));
+        // Compared by file identity, not by path spelling: a state directory reached through
+        // another path (a symlink, a moved mount) must never make a needed layer look unused.
+        use std::os::unix::fs::MetadataExt;
+        let identity = |p: &PathBuf| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
+        let needed: BTreeSet<(u64, u64)> = keep.iter().filter_map(identity).collect();
+        let candidates: Vec<PathBuf> = layer_files(&self.layers.dir)
+            .into_iter()
+            .filter(|p| identity(p).is_some_and(|id| !needed.contains(&id)))
+            .collect();
+        let removed =
+            remove_layers(&candidates, &keep, &self.layers.dir).map_err(EngineError::Store)?;
+        if !removed.is_empty() {
+            info!(layers = removed.len(), "unreferenced disk layers removed");
+        }
+        Ok(removed)
+    }
+}
+
+/// Every file under `dir/<disk>/` named like a layer (`NNNNNN.qcow2`, see `Layers::layer_path`).
+fn layer_files(dir: &std::path::Path) -> Vec<PathBuf> {
+    let is_layer = |name: &str| {
+        name.strip_suffix(".qcow2")
+            .is_some_and(|n| n.len() >= 6 && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let mut out = Vec::new();
+    for disk in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if !disk.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        for f in std::fs::read_dir(disk.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if f.file_type().is_ok_and(|t| t.is_file())
+                && f.file_name().to_str().is_some_and(is_layer)
+            {
+                out.push(f.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn only_files_named_like_layers_are_candidates() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("data")).unwrap();
+        for name in [
+            "000001.qcow2",
+            "000002.qcow2",
+            "notes.txt",
+            "1.qcow2",
+            "00000x.qcow2",
+        ] {
+            std::fs::write(d.path().join("data").join(name), b"").unwrap();
+        }
+        std::fs::write(d.path().join("000003.qcow2"), b"").unwrap(); // not in a disk dir
+        let found = super::layer_files(d.path());
+        assert_eq!(
+            found,
+            vec![
+                d.path().join("data/000001.qcow2"),
+                d.path().join("data/000002.qcow2")
+            ]
+        );
     }
 }

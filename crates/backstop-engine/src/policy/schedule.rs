@@ -15,9 +15,11 @@ use tracing::{info, warn};
 use backstop_control::Progress;
 use backstop_store::ListEntry;
 
-use crate::engine::{random_id, Caller, Ctx, Engine};
-use crate::policy::{parse_time, rfc3339, EV_SCHEDULE_MISSED};
-use crate::state::VmState;
+use backstop_common::AuditEvent;
+
+use crate::actor::{Caller, Ctx, VmActor};
+use crate::lifecycle::VmState;
+use crate::policy::{parse_time, rfc3339};
 
 /// The schedule's memory. Times are wall-clock (they are compared with manifests' `created_at`,
 /// which survive restarts); `recheck_at` is monotonic and only spares the store a listing on
@@ -31,6 +33,10 @@ pub struct Schedule {
     missed_through: Option<OffsetDateTime>,
     started: bool,
     recheck_at: Option<Instant>,
+    /// How much earlier than one interval the first slot after start comes (0: not at all).
+    /// Many VMs of one daemon start together; without it their schedules stay in step and
+    /// every interval they all queue for the capture slot at once (issue 13: spread them).
+    phase: Duration,
 }
 
 /// What [`Schedule::slots`] finds at a given time.
@@ -50,7 +56,19 @@ impl Schedule {
             missed_through: None,
             started: false,
             recheck_at: None,
+            phase: Duration::ZERO,
         }
+    }
+
+    /// The same schedule with its first slot `phase` early (less than one interval).
+    pub fn with_phase(mut self, phase: Duration) -> Schedule {
+        self.phase = phase.min(self.interval.saturating_sub(Duration::from_secs(1)));
+        self
+    }
+
+    /// The first slot was served (or missed): the grid runs at the plain interval from now.
+    pub fn phase_served(&mut self) {
+        self.phase = Duration::ZERO;
     }
 
     fn interval_t(&self) -> time::Duration {
@@ -74,13 +92,16 @@ impl Schedule {
             });
         };
         let i = self.interval_t();
-        if now < anchor + i {
+        let first = i - time::Duration::try_from(self.phase).unwrap_or(time::Duration::ZERO);
+        if now < anchor + first {
             return None;
         }
-        let elapsed = (now - anchor).whole_milliseconds();
+        let elapsed = (now - anchor - first).whole_milliseconds();
         let step = i.whole_milliseconds().max(1);
-        let slots = u64::try_from(elapsed / step).unwrap_or(u64::MAX).max(1);
-        let slot_at = anchor + i * (slots.min(u32::MAX as u64) as u32);
+        let slots = u64::try_from(elapsed / step)
+            .unwrap_or(u64::MAX)
+            .saturating_add(1);
+        let slot_at = anchor + first + i * ((slots - 1).min(u32::MAX as u64) as u32);
         Some(Due { slots, slot_at })
     }
 
@@ -101,7 +122,18 @@ impl Schedule {
     }
 }
 
-impl Engine {
+/// How much earlier than one interval a VM's first scheduled slot falls, from its name alone
+/// (FNV-1a): the same on every start and whatever other VMs the daemon guards, so a reload that
+/// adds a VM changes nobody else's schedule. Within the first half of the interval, so the
+/// first scheduled snapshot still comes at least half an interval after the baseline.
+pub fn name_phase(name: &str, interval: Duration) -> Duration {
+    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    (interval / 2).mul_f64((h % 1024) as f64 / 1024.0)
+}
+
+impl VmActor {
     /// From `tick`: takes the scheduled snapshot when due, and journals slots that passed
     /// without one. Never fails: what goes wrong is journaled and tried again at the next slot.
     pub(crate) fn policy_tick(&mut self) {
@@ -129,7 +161,8 @@ impl Engine {
             self.schedule_recheck(now);
             return;
         };
-        let trace = random_id();
+        self.policy.schedule.phase_served();
+        let trace = self.new_id();
         if due.slots > 1 {
             // The engine could not look in time (a long rollback or capture held it).
             self.journal_missed(&trace, due.slots - 1, "engine_busy", None, due.slot_at);
@@ -158,7 +191,7 @@ impl Engine {
                 }
                 info!(snapshot_id = %m.snapshot_id, "scheduled snapshot taken");
                 if let Err(e) = self.prune(&mut ctx, "after a scheduled snapshot") {
-                    warn!(code = e.code(), error = %e, "retention after the scheduled snapshot failed");
+                    warn!(code = %e.code(), error = %e, "retention after the scheduled snapshot failed");
                 }
             }
             Err(e) => {
@@ -167,8 +200,14 @@ impl Engine {
                 } else {
                     "snapshot_failed"
                 };
-                warn!(code = e.code(), error = %e, "scheduled snapshot not taken");
-                self.journal_missed(&trace, 1, why, Some((e.code(), e.to_string())), due.slot_at);
+                warn!(code = %e.code(), error = %e, "scheduled snapshot not taken");
+                self.journal_missed(
+                    &trace,
+                    1,
+                    why,
+                    Some((e.code().as_str(), e.to_string())),
+                    due.slot_at,
+                );
                 self.policy.schedule.missed_until(due.slot_at);
             }
         }
@@ -182,7 +221,7 @@ impl Engine {
         if let Some(e) = self.policy.records_error.clone() {
             let sid = self.session_id.clone();
             let _ = self.journal(
-                "policy.records_unreadable",
+                AuditEvent::PolicyRecordsUnreadable,
                 json!({
                     "snapshot_id": Value::Null, "session_id": sid, "trace_id": Value::Null, "result": "failed",
                     "code": "ERR_POLICY_RECORDS_UNREADABLE", "error": e,
@@ -197,7 +236,7 @@ impl Engine {
                 } else {
                     "daemon_down"
                 };
-                self.journal_missed(&random_id(), due.slots, why, None, due.slot_at);
+                self.journal_missed(&self.new_id(), due.slots, why, None, due.slot_at);
                 self.policy.schedule.missed_until(due.slot_at);
             }
         }
@@ -249,7 +288,7 @@ impl Engine {
             "slot_at": rfc3339(slot_at),
         });
         warn!(missed, why, "scheduled snapshot slot(s) missed");
-        if let Err(e) = self.journal(EV_SCHEDULE_MISSED, fields) {
+        if let Err(e) = self.journal(AuditEvent::SnapshotScheduleMissed, fields) {
             tracing::error!(error = %e, "could not journal a missed schedule slot");
         }
     }
@@ -289,5 +328,46 @@ mod tests {
         s.snapshot_taken(t0);
         assert_eq!(s.due(c), None);
         assert_eq!(s.due(t0), None);
+    }
+
+    #[test]
+    fn a_phase_brings_only_the_first_slot_forward() {
+        let mut s = Schedule::new(Duration::from_secs(1800)).with_phase(Duration::from_secs(600));
+        let t0 = datetime!(2026-03-01 10:00 UTC);
+        s.snapshot_taken(t0);
+        // First slot at 10:20, not 10:30.
+        assert_eq!(s.due(t0 + time::Duration::minutes(19)), None);
+        let d = s.due(t0 + time::Duration::minutes(20)).unwrap();
+        assert_eq!((d.slots, d.slot_at), (1, t0 + time::Duration::minutes(20)));
+        // Down until 11:25: slots at 10:20, 10:50, 11:20 passed.
+        let d = s.due(t0 + time::Duration::minutes(85)).unwrap();
+        assert_eq!((d.slots, d.slot_at), (3, t0 + time::Duration::minutes(80)));
+        // Served at 10:20: from that snapshot on, the plain interval.
+        s.phase_served();
+        let t1 = t0 + time::Duration::minutes(20);
+        s.snapshot_taken(t1);
+        assert_eq!(s.due(t1 + time::Duration::minutes(29)), None);
+        assert!(s.due(t1 + time::Duration::minutes(30)).is_some());
+        // A phase of an interval or more is clamped below it (never due before the anchor).
+        let s = Schedule::new(Duration::from_secs(60)).with_phase(Duration::from_secs(600));
+        let mut s = s;
+        s.snapshot_taken(t0);
+        assert_eq!(s.due(t0), None);
+        assert!(s.due(t0 + time::Duration::seconds(1)).is_some());
+    }
+
+    #[test]
+    fn vm_names_spread_their_phases_over_the_interval() {
+        let interval = Duration::from_secs(1800);
+        let phases: Vec<Duration> = ["a", "b", "c", "web1", "db1", "ci-runner-7"]
+            .iter()
+            .map(|n| name_phase(n, interval))
+            .collect();
+        assert!(phases.iter().all(|p| *p < interval / 2), "{phases:?}");
+        let mut distinct = phases.clone();
+        distinct.sort();
+        distinct.dedup();
+        assert_eq!(distinct.len(), phases.len(), "{phases:?}");
+        assert_eq!(name_phase("web1", interval), name_phase("web1", interval));
     }
 }

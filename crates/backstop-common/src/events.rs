@@ -1,0 +1,186 @@
+//! Every event name the audit journal holds, each once. spec/001 names the snapshot lifecycle
+//! chain (`snapshot.create.*`, `snapshot.restore.*`); spec/002's `RollbackInitiated` /
+//! `RollbackCompleted` are `rollback.*`; the rest are backstop's own. Every entry also carries
+//! `session_id`, `trace_id`, `snapshot_id` and `result` (spec/000 §11); [`AuditEvent::fields`]
+//! lists what an event adds to those, always.
+
+use std::fmt;
+
+macro_rules! audit_events {
+    ($( $(#[$doc:meta])* $variant:ident = $text:literal [$($field:literal),*]; )*) => {
+        /// A journal event.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum AuditEvent {
+            $( $(#[$doc])* $variant, )*
+        }
+
+        impl AuditEvent {
+            /// Every event, in declaration order.
+            pub const ALL: &'static [AuditEvent] = &[$(AuditEvent::$variant),*];
+
+            /// The exact name written to the journal.
+            pub const fn as_str(self) -> &'static str {
+                match self { $(AuditEvent::$variant => $text,)* }
+            }
+
+            /// Fields this event always carries besides the four every entry has.
+            pub fn fields(self) -> &'static [&'static str] {
+                match self { $(AuditEvent::$variant => &[$($field),*],)* }
+            }
+
+            /// The event with this exact name, if backstop writes it.
+            pub fn parse(s: &str) -> Option<AuditEvent> {
+                match s { $($text => Some(AuditEvent::$variant),)* _ => None }
+            }
+        }
+    };
+}
+
+/// The fields every entry carries (spec/000 §11).
+pub const COMMON_FIELDS: [&str; 4] = ["session_id", "trace_id", "snapshot_id", "result"];
+
+audit_events! {
+    /// spec/001: a snapshot was asked for.
+    SnapshotCreateRequested = "snapshot.create.requested" ["reason", "trigger", "created_by", "scope"];
+    /// spec/001: a snapshot was published.
+    SnapshotCreateCompleted = "snapshot.create.completed" ["pause_us", "bytes_stored"];
+    /// spec/001: a snapshot could not be taken.
+    SnapshotCreateFailed = "snapshot.create.failed" ["code", "error"];
+    /// A snapshot was put off because the VM holds a passthrough device.
+    SnapshotCreateDeferred = "snapshot.create.deferred" ["code", "reason", "trigger", "devices"];
+    /// A scheduled slot passed without a snapshot.
+    SnapshotScheduleMissed = "snapshot.schedule.missed" [];
+    /// A snapshot was removed by retention.
+    SnapshotPruned = "snapshot.pruned" [];
+    /// A retention pass finished.
+    SnapshotPruneCompleted = "snapshot.prune.completed" [];
+    /// A soft rollback left these snapshots off the current line.
+    SnapshotMarkedRolledBack = "snapshot.marked_rolled_back" [];
+    /// spec/001: a restore was asked for.
+    SnapshotRestoreRequested = "snapshot.restore.requested" ["rollback_type", "trigger", "reason", "requested_by", "action_ids"];
+    /// spec/001: the restore gate decided.
+    SnapshotRestorePolicyDecision = "snapshot.restore.policy_decision" [];
+    /// spec/001: a restore finished.
+    SnapshotRestoreCompleted = "snapshot.restore.completed" ["epoch", "total_ms", "restore_ms"];
+    /// spec/001: a restore failed.
+    SnapshotRestoreFailed = "snapshot.restore.failed" ["code", "error"];
+    /// A snapshot failed verification and was passed over for an older one.
+    SnapshotVerifySkipped = "snapshot.verify.skipped" ["code"];
+    /// A host trigger (or the watchdog) asked for a rollback.
+    RollbackTriggered = "rollback.triggered" [];
+    /// spec/002 `RollbackInitiated`.
+    RollbackInitiated = "rollback.initiated" ["rollback_type", "trigger", "reason", "action_ids", "timestamp"];
+    /// spec/002 `RollbackCompleted`.
+    RollbackCompleted = "rollback.completed" ["rollback_type", "trigger", "reason", "action_ids", "timestamp", "revoked", "epoch"];
+    /// A rollback could not complete (the VM is halted).
+    RollbackFailed = "rollback.failed" ["rollback_type", "trigger", "reason", "action_ids", "timestamp", "step"];
+    /// A running disk's layers were merged into its top layer (the chain was too deep).
+    DiskChainFlattened = "disk.chain_flattened" ["disk", "depth_before", "depth_after"];
+    /// A VM was started.
+    VmStarted = "vm.started" [];
+    /// A VM that already ran (a libvirt domain) was taken over without a restart.
+    VmAdopted = "vm.adopted" ["uri", "domain", "uuid", "pid", "libvirt_version", "qemu_version", "capture_mode", "capture_mode_reason"];
+    /// A VM was brought back from the final snapshot of a clean stop (not a rollback).
+    VmResumed = "vm.resumed" ["stopped_at"];
+    /// The VM's lifecycle moved from one state to another.
+    VmStateChanged = "vm.state_changed" ["from", "to", "transition"];
+    /// A VM entered HALTED.
+    VmHalted = "vm.halted" ["code", "reason"];
+    /// A person cleared a VM's HALTED state.
+    VmHaltCleared = "vm.halt_cleared" ["cleared_by", "reason"];
+    /// A passthrough device was given to the guest.
+    DeviceGranted = "device.granted" [];
+    /// A device grant was refused before anything changed.
+    DeviceGrantRefused = "device.grant.refused" [];
+    /// A device grant failed part way (what was granted is revoked).
+    DeviceGrantFailed = "device.grant.failed" [];
+    /// A device was taken away from the guest.
+    DeviceRevoked = "device.revoked" [];
+    /// A device removal was asked for and has not completed yet.
+    DeviceRevokePending = "device.revoke.pending" [];
+    /// A device's lease ran out.
+    DeviceLeaseExpired = "device.lease_expired" [];
+    /// A host action began (its pre-action snapshot was taken).
+    ActionBegun = "action.begun" [];
+    /// A host action was blocked (its pre-action snapshot failed).
+    ActionBlocked = "action.blocked" [];
+    /// A host action's descriptor was refused.
+    ActionRefused = "action.refused" [];
+    /// A host action ended.
+    ActionEnded = "action.ended" [];
+    /// The policy records could not be read; the engine runs on defaults.
+    PolicyRecordsUnreadable = "policy.records_unreadable" [];
+    /// A VM file was refused: that VM does not run, the others do (daemon journal).
+    VmConfigInvalid = "vm.config_invalid" ["vm", "file", "code", "reason"];
+    /// A VM was added by a reload (daemon journal).
+    VmAdded = "vm.added" ["vm"];
+    /// A VM's file was removed and the VM stopped cleanly by a reload (daemon journal).
+    VmRemoved = "vm.removed" ["vm"];
+    /// A VM's changed file was applied by a reload: stopped cleanly, started on the new file,
+    /// resumed from the final snapshot (daemon journal).
+    VmReconfigured = "vm.reconfigured" ["vm"];
+    /// A VM's audit chain head at a snapshot, rollback, halt or stop (daemon journal), so a
+    /// truncated VM journal is detected by the daemon's `audit verify`.
+    VmChainAnchored = "vm.chain_anchored" ["vm", "seq", "hash", "anchored_event"];
+    /// The daemon started.
+    DaemonStarted = "daemon.started" [];
+    /// The daemon stopped cleanly.
+    DaemonStopped = "daemon.stopped" [];
+    /// The control socket turned away a peer whose uid is not allowed.
+    ControlRefused = "control.refused" ["uid", "pid"];
+    /// The journal cut off a torn last line (written by the journal itself).
+    JournalTornTailRecovered = "journal.torn_tail_recovered" [];
+}
+
+impl fmt::Display for AuditEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+
+    #[test]
+    fn names_are_distinct_lowercase_and_round_trip() {
+        let mut seen = HashSet::new();
+        for e in AuditEvent::ALL {
+            assert!(seen.insert(e.as_str()), "{e} twice");
+            assert_eq!(AuditEvent::parse(e.as_str()), Some(*e));
+            assert!(e
+                .as_str()
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b == b'.' || b == b'_'));
+            for f in e.fields() {
+                assert!(!COMMON_FIELDS.contains(f), "{e}: {f} is common");
+            }
+        }
+    }
+
+    #[test]
+    fn spec_001_chain_names_are_exact() {
+        assert_eq!(
+            AuditEvent::SnapshotCreateRequested.as_str(),
+            "snapshot.create.requested"
+        );
+        assert_eq!(
+            AuditEvent::SnapshotCreateCompleted.as_str(),
+            "snapshot.create.completed"
+        );
+        assert_eq!(
+            AuditEvent::SnapshotRestoreRequested.as_str(),
+            "snapshot.restore.requested"
+        );
+        assert_eq!(
+            AuditEvent::SnapshotRestorePolicyDecision.as_str(),
+            "snapshot.restore.policy_decision"
+        );
+        assert_eq!(
+            AuditEvent::SnapshotRestoreCompleted.as_str(),
+            "snapshot.restore.completed"
+        );
+    }
+}

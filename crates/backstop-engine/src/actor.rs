@@ -1,0 +1,650 @@
+//! The VM actor: one VM's backend, lifecycle state, durable records, device ledger and policy,
+//! and the shared services handed to it (store, journal, host key, ids). It runs on one thread
+//! (see [`crate::mailbox`]), so operations never interleave. This file holds its fields,
+//! start-up reconciliation, cold boot and status; each kind of work has its own module.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde_json::{json, Map, Value};
+use tracing::{info, warn};
+
+use backstop_common::ids::IdSource;
+use backstop_common::{AuditEvent, ErrorCode, Role, TriggerKind};
+use backstop_control::{HaltView, Progress, StatusView};
+use backstop_hypervisor::{BootMode, DiskAttachment, VmBackend};
+use backstop_integrity::HostKey;
+use backstop_journal::Journal;
+use backstop_store::{ListEntry, Manifest, Store};
+
+use crate::config::{Config, DiskSnapshotMode};
+use crate::error::EngineError;
+use crate::layers::Layers;
+use crate::lifecycle::{Transition, VmState};
+use crate::records::{CleanStopRecord, HaltRecord, Records, VmRecord};
+use crate::rollback::RollbackPlan;
+use crate::services::accel_choice;
+pub use crate::services::{backend_for, Services};
+use crate::snapshot::CaptureSlots;
+
+/// Who asked, as established from the control socket's peer credentials (never from the request).
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub role: Role,
+    pub uid: u32,
+}
+
+impl Caller {
+    pub fn daemon() -> Self {
+        Caller {
+            role: Role::Daemon,
+            uid: nix::unistd::geteuid().as_raw(),
+        }
+    }
+    /// The `created_by` / `requested_by` string written to manifests and the journal.
+    pub fn label(&self) -> String {
+        if self.role == Role::Daemon {
+            "backstopd".into()
+        } else {
+            format!("{}:uid={}", self.role, self.uid)
+        }
+    }
+}
+
+/// Per-request context: who, which trace, where progress goes.
+pub struct Ctx<'a> {
+    pub caller: Caller,
+    pub trace_id: String,
+    pub progress: &'a mut dyn FnMut(Progress),
+}
+
+impl Ctx<'_> {
+    pub fn step(&mut self, step: &str, message: impl Into<String>, bytes: Option<u64>) {
+        crate::systemd::beat();
+        (self.progress)(Progress {
+            step: step.into(),
+            message: message.into(),
+            bytes,
+        });
+    }
+}
+
+pub struct VmActor {
+    pub(crate) cfg: Config,
+    pub(crate) backend: Box<dyn VmBackend>,
+    pub(crate) store: Store,
+    pub(crate) journal: Journal,
+    pub(crate) journal_path: PathBuf,
+    pub(crate) key: HostKey,
+    pub(crate) records: Records,
+    pub(crate) layers: Layers,
+    pub(crate) state: VmState,
+    pub(crate) vm: VmRecord,
+    pub(crate) halt: Option<HaltRecord>,
+    pub(crate) session_id: String,
+    pub(crate) fault: Option<crate::fault::Fault>,
+    /// Set (from any thread) when a host trigger is waiting: an in-flight capture abandons.
+    pub(crate) preempt: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// When the current VM instance started running (the heartbeat grace starts there).
+    pub(crate) running_since: Option<std::time::Instant>,
+    /// Recent unattended emergency rollbacks, for the storm guard.
+    pub(crate) emergencies: std::collections::VecDeque<std::time::Instant>,
+    /// Where [`VmActor::publish`] puts the status for readers on other threads.
+    pub(crate) status_out: Option<std::sync::Arc<std::sync::Mutex<StatusView>>>,
+    /// Devices granted to the guest now (see `devices.rs`).
+    pub(crate) devices: crate::devices::DeviceLedger,
+    /// The running VM this actor took over at start (a libvirt domain), if it did not boot one.
+    pub(crate) adoption: Option<backstop_hypervisor::Adoption>,
+    /// Schedule, retention, actions, restore gate (see `policy/`).
+    pub(crate) policy: crate::policy::Policy,
+    /// Where trace and session ids come from.
+    pub(crate) ids: Arc<dyn IdSource>,
+    /// Capture slots shared with the daemon's other VMs.
+    pub(crate) captures: Arc<CaptureSlots>,
+    /// The daemon journal this VM anchors its chain head in.
+    pub(crate) anchors: Option<Arc<std::sync::Mutex<Journal>>>,
+}
+
+fn fields(v: Value) -> Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => Map::new(),
+    }
+}
+
+impl VmActor {
+    /// Takes over one VM and reconciles with what a previous daemon left behind:
+    /// a HALTED record or an unfinished rollback → HALTED; otherwise the VM is brought back from
+    /// the newest verified snapshot (its RAM died with the previous daemon), or cold-booted when
+    /// there is none. Must run on the thread that will own the actor: QEMU is tied to it.
+    pub fn start(
+        cfg: Config,
+        services: Services,
+        backend: Box<dyn VmBackend>,
+        adoption: Option<backstop_hypervisor::Adoption>,
+    ) -> Result<VmActor, EngineError> {
+        let Services {
+            store,
+            sweep,
+            journal,
+            journal_path,
+            key,
+            ids,
+            captures,
+            anchors,
+        } = services;
+        let state_dir = cfg.daemon.state_dir.clone();
+        let records = Records::new(&state_dir);
+        records.ensure_reserve();
+        let vm = records
+            .load_vm()
+            .map_err(|source| EngineError::Io {
+                step: "read vm-state.json",
+                source,
+            })?
+            .unwrap_or_default();
+        let layers = Layers {
+            dir: cfg.layers_dir(),
+            qemu_img: cfg.vm.qemu_img.clone(),
+        };
+        let fault = crate::fault::armed();
+        let mut engine = VmActor {
+            backend,
+            policy: crate::policy::Policy::new(&cfg),
+            cfg,
+            store,
+            journal,
+            journal_path,
+            key,
+            records,
+            layers,
+            state: VmState::Stopped,
+            vm,
+            halt: None,
+            session_id: ids.next_id(),
+            ids,
+            captures,
+            anchors,
+            fault,
+            status_out: None,
+            preempt: Default::default(),
+            running_since: None,
+            emergencies: Default::default(),
+            devices: Default::default(),
+            adoption,
+        };
+        let accel = engine.backend.accel().to_string();
+        engine.journal(AuditEvent::DaemonStarted, json!({
+            "session_id": engine.session_id, "trace_id": Value::Null, "snapshot_id": Value::Null, "result": "ok",
+            "vm": engine.cfg.vm.name, "accel": accel, "accel_reason": engine.backend_choice_reason(),
+            "swept_tmp": sweep.tmp_removed, "swept_chunks": sweep.chunks_removed,
+            "fault_injection": fault.map(|f| format!("{f:?}")),
+            "sysfs_root_override": std::env::var("BACKSTOP_SYSFS_ROOT").ok(),
+        }))?;
+        info!(vm = %engine.cfg.vm.name, accel = %accel, "backstopd starting");
+        if let Some(a) = &engine.adoption {
+            // Journaled at every start that took a running VM over (the first, and each restart).
+            let mut f = Map::new();
+            for (k, v) in [
+                ("session_id", Value::from(engine.session_id.clone())),
+                ("trace_id", Value::Null),
+                ("snapshot_id", Value::Null),
+                ("result", "ok".into()),
+                ("epoch", engine.vm.epoch.into()),
+            ] {
+                f.insert(k.into(), v);
+            }
+            f.extend(a.details.clone());
+            engine.journal(AuditEvent::VmAdopted, Value::Object(f))?;
+        }
+        engine.reconcile()?;
+        Ok(engine)
+    }
+
+    /// Whether any snapshot in the store passes the listing's checks (a rollback target may
+    /// exist).
+    pub(crate) fn has_snapshot(&self) -> Result<bool, EngineError> {
+        Ok(self
+            .store
+            .list()
+            .map_err(EngineError::Store)?
+            .iter()
+            .any(|e| matches!(e, ListEntry::Valid(_))))
+    }
+
+    /// A fresh id from the actor's id source (trace ids, session ids).
+    pub(crate) fn new_id(&self) -> String {
+        self.ids.next_id()
+    }
+
+    fn reconcile(&mut self) -> Result<(), EngineError> {
+        if let Some(h) = self.records.halted().map_err(|source| EngineError::Io {
+            step: "read halted.json",
+            source,
+        })? {
+            warn!(reason = %h.reason, "VM is HALTED from a previous run; waiting for `halt clear`");
+            let trace = h.trace_id.clone();
+            self.halt = Some(h);
+            self.transition(Transition::Halt, &trace)?;
+            return Ok(());
+        }
+        if let Some(inflight) = self.records.inflight().map_err(|source| EngineError::Io {
+            step: "read inflight",
+            source,
+        })? {
+            let trace = self.new_id();
+            self.enter_halt(
+                &trace,
+                ErrorCode::RollbackInterrupted,
+                &format!(
+                    "a rollback to {} never finished (daemon stopped mid-rollback)",
+                    inflight.snapshot_id
+                ),
+            );
+            return Ok(());
+        }
+        self.ensure_excluded_disks()?;
+        let mut sink = |_p: Progress| {};
+        let mut ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: self.new_id(),
+            progress: &mut sink,
+        };
+        let has_snapshot = self.has_snapshot()?;
+        self.transition(Transition::Boot, &ctx.trace_id.clone())?;
+        if let Some(stop) = self.records.clean_stop().unwrap_or_else(|e| {
+            warn!(error = %e, "clean-stop record unreadable: treated as a crash");
+            None
+        }) {
+            // The previous daemon stopped cleanly and took a final snapshot of the paused guest:
+            // coming back from exactly it loses nothing the guest did.
+            let resumed = self.rollback(&mut ctx, RollbackPlan::resume(&stop.snapshot_id));
+            self.records
+                .clear_clean_stop()
+                .map_err(|source| EngineError::Io {
+                    step: "remove clean-stop.json",
+                    source,
+                })?;
+            match resumed {
+                Ok(_) => {
+                    let sid = self.session_id.clone();
+                    self.journal(AuditEvent::VmResumed, json!({
+                        "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": stop.snapshot_id,
+                        "result": "ok", "stopped_at": stop.stopped_at, "epoch": self.vm.epoch,
+                    }))?;
+                    info!(snapshot_id = %stop.snapshot_id, "resumed from the clean stop's final snapshot");
+                    return Ok(());
+                }
+                Err(e) if self.state == VmState::Halted => {
+                    warn!(error = %e, "resume after a clean stop failed; VM HALTED");
+                    return Ok(());
+                }
+                // Refused before the VM was touched (the final snapshot does not verify, say):
+                // fall back to the newest verified snapshot, as after a crash.
+                Err(e) => {
+                    warn!(error = %e, code = %e.code(), "cannot resume from the clean stop's snapshot")
+                }
+            }
+        }
+        if has_snapshot {
+            // The previous daemon's QEMU died with it (PDEATHSIG): its RAM is gone. The only
+            // consistent state to come back to is a snapshot (a rollback may start from Booting).
+            let plan = RollbackPlan::emergency(
+                TriggerKind::SupervisorRestart,
+                "backstopd started: the previous run's VM state is gone",
+            );
+            match self.rollback(&mut ctx, plan) {
+                Ok(_) => Ok(()),
+                Err(e) if self.state == VmState::Halted => {
+                    warn!(error = %e, "start-up restore failed; VM HALTED");
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        } else {
+            self.cold_boot(&mut ctx)
+        }
+    }
+
+    fn ensure_excluded_disks(&mut self) -> Result<(), EngineError> {
+        for d in &self.cfg.vm.disks {
+            if d.snapshot == DiskSnapshotMode::Exclude && !d.path.exists() {
+                match d.create_size_mib {
+                    Some(size) => self.layers.create_image(&d.path, size)?,
+                    None => {
+                        return Err(EngineError::BadRequest(format!(
+                            "excluded disk {} does not exist: {}",
+                            d.id,
+                            d.path.display()
+                        )))
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The disks as the VM is to see them now.
+    pub(crate) fn attachments(&self) -> Vec<DiskAttachment> {
+        self.cfg
+            .vm
+            .disks
+            .iter()
+            .map(|d| match d.snapshot {
+                DiskSnapshotMode::Exclude => DiskAttachment {
+                    id: d.id.clone(),
+                    active: d.path.clone(),
+                    captured: false,
+                },
+                DiskSnapshotMode::Capture => DiskAttachment {
+                    id: d.id.clone(),
+                    active: self
+                        .vm
+                        .chains
+                        .get(&d.id)
+                        .and_then(|c| c.last().cloned())
+                        .unwrap_or_default(),
+                    captured: true,
+                },
+            })
+            .collect()
+    }
+
+    pub(crate) fn base_format(&self, disk: &str) -> String {
+        self.cfg
+            .vm
+            .disks
+            .iter()
+            .find(|d| d.id == disk)
+            .map(|d| d.format.clone())
+            .unwrap_or_else(|| "qcow2".into())
+    }
+
+    pub(crate) fn next_layer(&mut self, disk: &str) -> PathBuf {
+        self.vm.next_layer += 1;
+        self.layers.layer_path(disk, self.vm.next_layer)
+    }
+
+    pub(crate) fn save_vm(&self) -> Result<(), EngineError> {
+        self.records
+            .save_vm(&self.vm)
+            .map_err(|source| EngineError::Io {
+                step: "write vm-state.json",
+                source,
+            })
+    }
+
+    /// Boots the guest from its disks (first start, or no snapshot to come back to), then takes
+    /// a baseline snapshot so that a rollback target exists from the first minute.
+    pub(crate) fn cold_boot(&mut self, ctx: &mut Ctx) -> Result<(), EngineError> {
+        if self.adoption.is_some() {
+            return self.adopted_boot(ctx);
+        }
+        for d in self.cfg.vm.disks.clone() {
+            if d.snapshot == DiskSnapshotMode::Capture && !self.vm.chains.contains_key(&d.id) {
+                let top = self.next_layer(&d.id);
+                self.layers.create_overlay(&top, &d.path, &d.format)?;
+                self.vm
+                    .chains
+                    .insert(d.id.clone(), vec![d.path.clone(), top]);
+            }
+        }
+        self.save_vm()?;
+        let disks = self.attachments();
+        self.backend
+            .launch(&disks, BootMode::Cold)
+            .map_err(|source| EngineError::Backend {
+                step: "cold boot",
+                source,
+            })?;
+        self.transition(Transition::Booted, &ctx.trace_id.clone())?;
+        self.running_since = Some(std::time::Instant::now());
+        self.journal(AuditEvent::VmStarted, json!({
+            "session_id": self.session_id, "trace_id": ctx.trace_id, "snapshot_id": Value::Null, "result": "ok",
+            "boot": "cold", "pid": self.backend.pid(), "epoch": self.vm.epoch,
+        }))?;
+        info!(pid = ?self.backend.pid(), "VM cold-booted");
+        let mut baseline_ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: self.new_id(),
+            progress: ctx.progress,
+        };
+        if let Err(e) =
+            self.create_snapshot(&mut baseline_ctx, "baseline after cold boot", "baseline")
+        {
+            warn!(error = %e, "baseline snapshot failed");
+        }
+        Ok(())
+    }
+
+    /// A VM that already ran (adopted by the backend at start, journaled `vm.adopted`), first
+    /// start: its disks' chains start at the layers it writes now (the first snapshot freezes
+    /// them), and a baseline snapshot follows as after a cold boot.
+    fn adopted_boot(&mut self, ctx: &mut Ctx) -> Result<(), EngineError> {
+        for d in self.cfg.vm.disks.clone() {
+            self.vm.chains.insert(d.id.clone(), vec![d.path.clone()]);
+        }
+        self.save_vm()?;
+        let disks = self.attachments();
+        self.backend
+            .launch(&disks, BootMode::Cold)
+            .map_err(|source| EngineError::Backend {
+                step: "adopt",
+                source,
+            })?;
+        self.transition(Transition::Booted, &ctx.trace_id.clone())?;
+        self.running_since = Some(std::time::Instant::now());
+        info!(pid = ?self.backend.pid(), "VM adopted; taking a baseline snapshot");
+        let mut baseline_ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: self.new_id(),
+            progress: ctx.progress,
+        };
+        if let Err(e) =
+            self.create_snapshot(&mut baseline_ctx, "baseline after adoption", "baseline")
+        {
+            warn!(error = %e, "baseline snapshot failed");
+        }
+        Ok(())
+    }
+
+    /// Writes one journal entry. Failing to journal fails the operation.
+    pub(crate) fn journal(&mut self, event: AuditEvent, f: Value) -> Result<(), EngineError> {
+        let f = fields(f);
+        // The vocabulary says which fields an event always carries; a call site that forgets
+        // one is a bug the debug builds (every test) stop at.
+        debug_assert!(
+            event.fields().iter().all(|k| f.contains_key(*k)),
+            "{event} lacks one of {:?}: {:?}",
+            event.fields(),
+            f.keys().collect::<Vec<_>>()
+        );
+        let entry = match self.journal.append(event.as_str(), f.clone()) {
+            // Out of space (the failed write was cut back): the space reserve is given up so
+            // that the record is not lost; the HALT path retries the same way.
+            Err(backstop_journal::JournalError::Write { .. }) if self.records.release_reserve() => {
+                self.journal.append(event.as_str(), f)?
+            }
+            r => r?,
+        };
+        if matches!(
+            event,
+            AuditEvent::SnapshotCreateCompleted
+                | AuditEvent::RollbackCompleted
+                | AuditEvent::VmHalted
+                | AuditEvent::VmResumed
+                | AuditEvent::DaemonStopped
+        ) {
+            self.anchor(event, &entry);
+        }
+        Ok(())
+    }
+
+    /// Records this VM's chain head in the daemon journal, so that cutting entries off this
+    /// VM's journal is caught by the daemon's `audit verify`. Best effort: the operation that
+    /// was journaled already happened.
+    fn anchor(&self, event: AuditEvent, head: &backstop_journal::Entry) {
+        let Some(daemon) = &self.anchors else { return };
+        let mut f = Map::new();
+        for (k, v) in [
+            ("session_id", Value::from(self.session_id.clone())),
+            ("trace_id", Value::Null),
+            ("snapshot_id", Value::Null),
+            ("result", "ok".into()),
+            ("vm", self.cfg.vm.name.clone().into()),
+            ("seq", head.seq.into()),
+            ("hash", head.hash.clone().into()),
+            ("anchored_event", event.as_str().into()),
+        ] {
+            f.insert(k.into(), v);
+        }
+        let mut j = daemon.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = j.append(AuditEvent::VmChainAnchored.as_str(), f) {
+            warn!(error = %e, "could not anchor the VM's chain head in the daemon journal");
+        }
+    }
+
+    /// Why the backend runs as it does (the accelerator's reason; the KVM backend's is config).
+    fn backend_choice_reason(&self) -> &'static str {
+        match self.cfg.kvm_backend {
+            Some(_) => "config",
+            None => accel_choice(&self.cfg).1,
+        }
+    }
+
+    pub fn status(&self) -> StatusView {
+        let snapshots: Vec<Manifest> = self
+            .store
+            .list()
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|e| match e {
+                ListEntry::Valid(m) => Some(m),
+                _ => None,
+            })
+            .collect();
+        StatusView {
+            vm: self.cfg.vm.name.clone(),
+            state: self.state.as_str().into(),
+            epoch: self.vm.epoch,
+            backend: self.backend.kind().into(),
+            accel: self.backend.accel().into(),
+            pid: self.backend.pid(),
+            snapshots: snapshots.len(),
+            newest_snapshot: snapshots.last().map(|m| m.snapshot_id.clone()),
+            halted: self.halt.as_ref().map(|h| HaltView {
+                reason: h.reason.clone(),
+                code: h.code.clone(),
+                since: h.since.clone(),
+            }),
+            session_id: self.session_id.clone(),
+            newest_snapshot_at: snapshots.last().map(|m| m.created_at.clone()),
+            heartbeat_age_ms: self
+                .backend
+                .heartbeats()
+                .last
+                .map(|t| t.elapsed().as_millis() as u64),
+            backend_details: self.backend.status_details(),
+        }
+    }
+
+    /// Publishes the current status for `status` requests served off the engine thread.
+    pub fn publish(&self) {
+        if let Some(out) = &self.status_out {
+            let s = self.status();
+            if let Ok(mut g) = out.lock() {
+                *g = s;
+            }
+        }
+    }
+
+    /// Looks at the VM between jobs: a hypervisor that died or a hardware watchdog that fired
+    /// means an emergency rollback (spec/000 §5.3), and a failed one halts.
+    pub fn tick(&mut self) {
+        self.expire_device_leases();
+        crate::systemd::beat();
+        self.policy_tick();
+        if self.state != VmState::Running {
+            return;
+        }
+        self.watch();
+    }
+
+    pub fn note_refused(&mut self, uid: u32, pid: i32) {
+        let sid = self.session_id.clone();
+        let _ = self.journal(AuditEvent::ControlRefused, json!({
+            "session_id": sid, "trace_id": Value::Null, "snapshot_id": Value::Null, "result": "refused",
+            "uid": uid, "pid": pid,
+        }));
+    }
+
+    /// A clean stop (SIGTERM): a running guest is paused and a final snapshot taken, recorded
+    /// in `clean-stop.json`, so the next start resumes from exactly there and the guest loses
+    /// nothing beyond the stop's pause. Then the VM ends. If the final snapshot cannot be taken
+    /// (HALTED, a device granted, a store error) the VM ends as after a crash and the next start
+    /// goes back to the newest verified snapshot.
+    pub fn shutdown(&mut self) {
+        let trace = self.new_id();
+        if self.adoption.is_some() {
+            // An adopted domain is the operator's (libvirt owns it): it keeps running, unguarded
+            // until the next start, which treats that window as after a crash and goes back to
+            // the newest verified snapshot (fail-closed). No final snapshot: nothing resumes
+            // from one.
+            let sid = self.session_id.clone();
+            let _ = self.journal(
+                AuditEvent::DaemonStopped,
+                json!({
+                    "session_id": sid, "trace_id": trace, "snapshot_id": Value::Null, "result": "ok",
+                    "vm": self.cfg.vm.name, "clean": false, "vm_left_running": true,
+                }),
+            );
+            info!("adopted domain left running (libvirt owns it)");
+            return;
+        }
+        let final_snapshot = match self.state {
+            VmState::Running => self.final_snapshot(&trace),
+            _ => None,
+        };
+        let _ = self.backend.terminate();
+        let sid = self.session_id.clone();
+        let _ = self.journal(
+            AuditEvent::DaemonStopped,
+            json!({
+                "session_id": sid, "trace_id": trace, "snapshot_id": final_snapshot, "result": "ok",
+                "vm": self.cfg.vm.name, "clean": final_snapshot.is_some(),
+            }),
+        );
+    }
+
+    fn final_snapshot(&mut self, trace: &str) -> Option<String> {
+        if let Err(e) = self.backend.pause() {
+            warn!(error = %e, "could not pause the guest for the final snapshot");
+            return None;
+        }
+        let mut sink = |_p: Progress| {};
+        let mut ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: trace.to_string(),
+            progress: &mut sink,
+        };
+        let m = match self.create_snapshot(&mut ctx, "daemon stopping: final snapshot", "shutdown")
+        {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(error = %e, code = %e.code(), "final snapshot failed: the next start rolls back to the newest verified snapshot");
+                return None;
+            }
+        };
+        let rec = CleanStopRecord {
+            snapshot_id: m.snapshot_id.clone(),
+            trace_id: trace.to_string(),
+            stopped_at: backstop_common::time::now_rfc3339(),
+        };
+        if let Err(e) = self.records.set_clean_stop(&rec) {
+            warn!(error = %e, "could not record the clean stop: the next start treats it as a crash");
+            return None;
+        }
+        info!(snapshot_id = %m.snapshot_id, "final snapshot taken; the next start resumes from it");
+        Some(m.snapshot_id)
+    }
+}

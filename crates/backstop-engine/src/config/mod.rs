@@ -1,0 +1,373 @@
+//! backstopd's TOML config: parsed strictly (unknown keys are errors), validated at load, with
+//! `${VAR}` expansion in paths. Nothing here can turn snapshots, rollback or the watchdog off:
+//! such keys do not exist, and a config that tries is refused naming the key.
+
+use backstop_common::ErrorCode;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The config the demo runs on, embedded in the binary.
+pub const DEFAULT_CONFIG: &str = include_str!("../../../../vmm-config/default.toml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config: {0}")]
+    Parse(String),
+    #[error("config: `{key}`: {message}")]
+    Invalid { key: String, message: String },
+}
+
+impl ConfigError {
+    pub fn code(&self) -> ErrorCode {
+        ErrorCode::ConfigInvalid
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub daemon: DaemonConfig,
+    pub vm: VmConfig,
+    #[serde(default)]
+    pub rollback: RollbackConfig,
+    #[serde(default)]
+    pub watchdog: WatchdogConfig,
+    /// Scheduled snapshots (`[snapshots]`): always on; only the interval is configurable.
+    #[serde(default)]
+    pub snapshots: crate::policy::SnapshotsConfig,
+    /// Which snapshots are kept (`[retention]`).
+    #[serde(default)]
+    pub retention: crate::policy::RetentionConfig,
+    /// Reviewer evidence for console restores (`[restore_gate]`).
+    #[serde(default)]
+    pub restore_gate: crate::policy::RestoreGateConfig,
+    /// What may be granted to the guest (`[[devices]]`); nothing else can be.
+    #[serde(default)]
+    pub devices: Vec<crate::devices::DeviceConfig>,
+    /// The embedded KVM backend's own table (`vm.backend = "kvm"`), parsed strictly by
+    /// `backstop-kvm` at load; see vmm-config/kvm.toml.
+    #[serde(default)]
+    pub kvm: Option<toml::Table>,
+    /// The KVM backend's parsed settings (`None` for QEMU).
+    #[serde(skip)]
+    pub kvm_backend: Option<backstop_kvm::config::KvmConfigFile>,
+}
+
+/// The heartbeat watchdog. It is always on; only its timeout is configurable, within bounds.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WatchdogConfig {
+    /// Silence from the guest agent longer than this is an expiry → emergency rollback.
+    #[serde(default = "default_hb_timeout")]
+    pub heartbeat_timeout_s: u64,
+    /// Until a VM instance's first valid heartbeat (its guest is still booting), the allowed
+    /// silence is this instead. A guest that never sends one still expires.
+    #[serde(default = "default_boot_grace")]
+    pub boot_grace_s: u64,
+}
+
+impl Default for WatchdogConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_timeout_s: default_hb_timeout(),
+            boot_grace_s: default_boot_grace(),
+        }
+    }
+}
+
+fn default_boot_grace() -> u64 {
+    60
+}
+
+fn default_hb_timeout() -> u64 {
+    10
+}
+
+/// Below this a slow guest would be rolled back for being slow, not for being dead.
+pub const MIN_HEARTBEAT_TIMEOUT_S: u64 = 2;
+/// Above this the watchdog would be disabled in all but name.
+pub const MAX_HEARTBEAT_TIMEOUT_S: u64 = 3600;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DaemonConfig {
+    /// Store, journal, disk layers and durable VM records.
+    pub state_dir: PathBuf,
+    /// Control socket and QEMU's sockets (the directory is made 0700).
+    pub run_dir: PathBuf,
+    /// HMAC key for manifests and the journal; created 0600 on first start; never in the store.
+    pub key_path: Option<PathBuf>,
+    #[serde(default = "root_only")]
+    pub console_uids: Vec<u32>,
+    #[serde(default = "root_only")]
+    pub policy_uids: Vec<u32>,
+    /// Peers whose (primary) gid is listed are consoles / policy engines too.
+    #[serde(default)]
+    pub console_gids: Vec<u32>,
+    #[serde(default)]
+    pub policy_gids: Vec<u32>,
+    /// The group that may reach the control socket (a name or a gid): the run directory becomes
+    /// 0710 and the socket 0660 of that group. Default: none (root only, 0700/0600). Reaching
+    /// the socket is not using it: the uid/gid lists still decide.
+    pub socket_group: Option<GroupRef>,
+    /// A directory of VM files (`NAME.toml`, one VM each: `[vm]` and its tables, no
+    /// `[daemon]`). Optional: a daemon file with its own `[vm]` guards that one VM.
+    pub vms_dir: Option<PathBuf>,
+    /// At most this many snapshots capture at once across the VMs (rollbacks never wait).
+    #[serde(default = "one_capture")]
+    pub max_concurrent_captures: u32,
+    /// Below this much free space in a VM's state directory a snapshot is refused
+    /// (`ERR_SNAPSHOT_NO_SPACE`); the VM keeps running.
+    #[serde(default = "default_min_free_mib")]
+    pub min_free_mib: u64,
+    /// Each VM's serial console log is rotated (`<vm>-serial.log.1`) before it grows past this:
+    /// a guest printing nonstop can take at most twice this on the state filesystem.
+    #[serde(default = "default_serial_log_max_kib")]
+    pub serial_log_max_kib: u64,
+    /// A capture whose store takes no state for this long (its buffer full) is abandoned, so a
+    /// slow disk cannot keep the guest stalled (`ERR_SNAPSHOT_STALLED`).
+    #[serde(default = "default_max_capture_stall_ms")]
+    pub max_capture_stall_ms: u64,
+}
+
+/// A group by name or by number.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum GroupRef {
+    Gid(u32),
+    Name(String),
+}
+
+impl DaemonConfig {
+    /// The gid of `socket_group`, looked up by name where it is one.
+    pub fn socket_gid(&self) -> Result<Option<u32>, ConfigError> {
+        match &self.socket_group {
+            None => Ok(None),
+            Some(GroupRef::Gid(g)) => Ok(Some(*g)),
+            Some(GroupRef::Name(name)) => match nix::unistd::Group::from_name(name) {
+                Ok(Some(g)) => Ok(Some(g.gid.as_raw())),
+                Ok(None) => Err(ConfigError::Invalid {
+                    key: "daemon.socket_group".into(),
+                    message: format!("no group named {name:?} on this host"),
+                }),
+                Err(e) => Err(ConfigError::Invalid {
+                    key: "daemon.socket_group".into(),
+                    message: format!("cannot look up group {name:?}: {e}"),
+                }),
+            },
+        }
+    }
+
+    /// The host key (`key_path`, or `<state_dir>/keys/host.key`).
+    pub fn key_path(&self) -> PathBuf {
+        self.key_path
+            .clone()
+            .unwrap_or_else(|| self.state_dir.join("keys/host.key"))
+    }
+
+    pub fn socket_path(&self) -> PathBuf {
+        self.run_dir.join("control.sock")
+    }
+
+    /// `${VAR}` expansion in the daemon's paths.
+    pub(crate) fn expand(&mut self) -> Result<(), ConfigError> {
+        self.state_dir = expand_path("daemon.state_dir", &self.state_dir)?;
+        self.run_dir = expand_path("daemon.run_dir", &self.run_dir)?;
+        if let Some(k) = &self.key_path {
+            self.key_path = Some(expand_path("daemon.key_path", k)?);
+        }
+        if let Some(v) = &self.vms_dir {
+            self.vms_dir = Some(expand_path("daemon.vms_dir", v)?);
+        }
+        Ok(())
+    }
+}
+
+/// A config file's text.
+pub(crate) fn read_config(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.into(),
+        source,
+    })
+}
+
+fn one_capture() -> u32 {
+    1
+}
+
+fn default_max_capture_stall_ms() -> u64 {
+    2000
+}
+
+fn default_serial_log_max_kib() -> u64 {
+    8 << 10
+}
+
+/// The serial log's bound: below it a guest's boot would hardly fit, above it the console
+/// could take a real share of a small state filesystem.
+pub const SERIAL_LOG_MAX_KIB: std::ops::RangeInclusive<u64> = 64..=1 << 20;
+
+fn default_min_free_mib() -> u64 {
+    256
+}
+
+fn root_only() -> Vec<u32> {
+    vec![0]
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AccelChoice {
+    Auto,
+    Tcg,
+    Kvm,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    pub name: String,
+    #[serde(default = "default_backend")]
+    pub backend: String,
+    #[serde(default = "default_accel")]
+    pub accel: AccelChoice,
+    #[serde(default = "default_qemu")]
+    pub qemu_binary: PathBuf,
+    #[serde(default = "default_qemu_img")]
+    pub qemu_img: PathBuf,
+    #[serde(default = "default_machine")]
+    pub machine: String,
+    /// Guest RAM (qemu and kvm backends; a libvirt domain has its own).
+    #[serde(default)]
+    pub memory_mib: u64,
+    #[serde(default = "one")]
+    pub vcpus: u32,
+    /// The guest kernel (QEMU backend; the KVM backend runs its built-in program).
+    #[serde(default)]
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    #[serde(default)]
+    pub append: String,
+    #[serde(default)]
+    pub nics: Vec<String>,
+    #[serde(default)]
+    pub watchdog_device: bool,
+    #[serde(default)]
+    pub disks: Vec<DiskConfig>,
+    /// `backend = "libvirt"`: the running libvirt domain to adopt (`[vm.libvirt]`).
+    pub libvirt: Option<LibvirtSection>,
+}
+
+/// `[vm.libvirt]`: which running domain to adopt, over which connection.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LibvirtSection {
+    /// `qemu:///system` (a local connection: the capture stream's fd is passed over it).
+    pub uri: String,
+    /// The domain's name, or
+    pub domain: Option<String>,
+    /// its UUID (both given: they must name the same domain).
+    pub uuid: Option<String>,
+    /// Where the disk layers (and restore images) go: a directory libvirt's QEMU user can
+    /// traverse, unlike the 0700 state directory. Default `/var/lib/libvirt/images/backstop/<vm>`.
+    pub layers_dir: Option<PathBuf>,
+    /// How RAM is captured: `background` (default; needs `vm.unprivileged_userfaultfd=1`),
+    /// `precopy` (live pre-copy, pause at switchover) or `auto`.
+    #[serde(default)]
+    pub capture: backstop_libvirt::CaptureMode,
+}
+
+impl Config {
+    /// Where the disk layers live: the state directory, or for a libvirt domain a directory
+    /// its unprivileged QEMU can reach.
+    pub fn layers_dir(&self) -> PathBuf {
+        match &self.vm.libvirt {
+            Some(l) => l.layers_dir.clone().unwrap_or_else(|| {
+                PathBuf::from("/var/lib/libvirt/images/backstop").join(&self.vm.name)
+            }),
+            None => self.daemon.state_dir.join("disks"),
+        }
+    }
+}
+
+fn default_backend() -> String {
+    "qemu".into()
+}
+fn default_accel() -> AccelChoice {
+    AccelChoice::Auto
+}
+fn default_qemu() -> PathBuf {
+    "qemu-system-x86_64".into()
+}
+fn default_qemu_img() -> PathBuf {
+    "qemu-img".into()
+}
+fn default_machine() -> String {
+    "q35".into()
+}
+fn one() -> u32 {
+    1
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskSnapshotMode {
+    /// Captured by every snapshot and reverted by every rollback.
+    Capture,
+    /// State that must survive rollback: never captured, never reverted.
+    Exclude,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    pub id: String,
+    /// For a captured disk: the base image, never written (layers go on top).
+    /// For an excluded disk: the image the guest writes directly (qcow2).
+    pub path: PathBuf,
+    #[serde(default = "qcow2")]
+    pub format: String,
+    #[serde(default = "capture")]
+    pub snapshot: DiskSnapshotMode,
+    /// Create an empty image of this size at start when `path` does not exist (excluded disks).
+    pub create_size_mib: Option<u64>,
+}
+
+fn qcow2() -> String {
+    "qcow2".into()
+}
+fn capture() -> DiskSnapshotMode {
+    DiskSnapshotMode::Capture
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RollbackConfig {
+    /// How long a guest gets to release a device before the process ends anyway.
+    #[serde(default = "default_revoke_ms")]
+    pub revoke_timeout_ms: u64,
+}
+
+impl Default for RollbackConfig {
+    fn default() -> Self {
+        Self {
+            revoke_timeout_ms: default_revoke_ms(),
+        }
+    }
+}
+
+fn default_revoke_ms() -> u64 {
+    2_000
+}
+
+mod load;
+pub(crate) use load::{expand_path, one_line};
+
+#[cfg(test)]
+mod tests;

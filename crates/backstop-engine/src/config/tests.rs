@@ -1,0 +1,182 @@
+use super::*;
+
+#[test]
+fn the_embedded_default_config_loads() {
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert_eq!(cfg.vm.name, "demo");
+    assert!(cfg
+        .vm
+        .disks
+        .iter()
+        .any(|d| d.snapshot == DiskSnapshotMode::Exclude));
+    assert_eq!(cfg.daemon.console_uids, vec![0]);
+}
+
+#[test]
+fn the_shipped_kvm_config_loads_and_its_table_is_strict() {
+    let text = include_str!("../../../../vmm-config/kvm.toml");
+    let cfg = Config::parse(text).unwrap();
+    assert_eq!(cfg.vm.backend, "kvm");
+    assert!(cfg.kvm_backend.is_some());
+    let err = Config::parse(&text.replace("[kvm]\n", "[kvm]\ncolour = 1\n")).unwrap_err();
+    assert!(err.to_string().contains("colour"), "{err}");
+    let err = Config::parse(&text.replace("backend = \"kvm\"", "backend = \"xen\"")).unwrap_err();
+    assert!(err.to_string().contains("vm.backend"), "{err}");
+}
+
+#[test]
+fn keys_that_would_disable_safety_are_refused_by_name() {
+    let text = DEFAULT_CONFIG.replace("[rollback]", "[rollback]\nenabled = false");
+    let err = Config::parse(&text).unwrap_err();
+    assert_eq!(err.to_string(), "config: `rollback.enabled`: snapshots, rollback and the watchdog cannot be disabled (spec/000 §1)");
+}
+
+#[test]
+fn a_watchdog_timeout_of_zero_or_absurd_is_refused_by_name() {
+    for bad in ["0", "1", "100000"] {
+        let text = DEFAULT_CONFIG.replace(
+            "heartbeat_timeout_s = 10",
+            &format!("heartbeat_timeout_s = {bad}"),
+        );
+        let err = Config::parse(&text).unwrap_err().to_string();
+        assert!(err.contains("watchdog.heartbeat_timeout_s"), "{bad}: {err}");
+    }
+    let text = DEFAULT_CONFIG.replace(
+        "heartbeat_timeout_s = 10",
+        "heartbeat_timeout_s = 10\nwatchdog_enabled = false",
+    );
+    assert!(Config::parse(&text)
+        .unwrap_err()
+        .to_string()
+        .contains("watchdog.watchdog_enabled"));
+}
+
+#[test]
+fn unknown_keys_and_bad_values_are_refused() {
+    let err = Config::parse(
+        &DEFAULT_CONFIG.replace("memory_mib = 256", "memory_mib = 256\ncolour = \"red\""),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("colour"), "{err}");
+    let err =
+        Config::parse(&DEFAULT_CONFIG.replace("memory_mib = 256", "memory_mib = 1")).unwrap_err();
+    assert!(err.to_string().contains("vm.memory_mib"), "{err}");
+    let err = Config::parse(&DEFAULT_CONFIG.replace("name = \"demo\"", "name = \"Demo VM\""))
+        .unwrap_err();
+    assert!(err.to_string().contains("vm.name"), "{err}");
+}
+
+#[test]
+fn env_vars_expand_and_missing_ones_are_named() {
+    std::env::set_var("BACKSTOP_TEST_DIR_X", "/x");
+    assert_eq!(
+        expand_path("k", Path::new("${BACKSTOP_TEST_DIR_X}/a")).unwrap(),
+        PathBuf::from("/x/a")
+    );
+    let err = expand_path("vm.kernel", Path::new("${BACKSTOP_NOPE_NOT_SET}/a")).unwrap_err();
+    assert!(err.to_string().contains("BACKSTOP_NOPE_NOT_SET"));
+}
+
+const LIBVIRT: &str = r#"
+[daemon]
+state_dir = "/tmp/s"
+run_dir = "/tmp/r"
+
+[vm]
+name = "web1"
+backend = "libvirt"
+
+[vm.libvirt]
+uri = "qemu:///system"
+domain = "web1"
+"#;
+
+#[test]
+fn libvirt_tables_parse_strictly() {
+    let parsed = Config::parse(LIBVIRT);
+    if !backstop_libvirt::AVAILABLE {
+        let err = parsed.unwrap_err().to_string();
+        assert!(err.contains("without the libvirt backend"), "{err}");
+        return;
+    }
+    let cfg = parsed.unwrap();
+    let l = cfg.vm.libvirt.as_ref().unwrap();
+    assert_eq!(l.uri, "qemu:///system");
+    assert_eq!(l.domain.as_deref(), Some("web1"));
+    assert_eq!(
+        cfg.layers_dir(),
+        PathBuf::from("/var/lib/libvirt/images/backstop/web1")
+    );
+    for (text, key) in [
+        (
+            LIBVIRT.replace("domain = \"web1\"", "colour = \"red\""),
+            "colour",
+        ),
+        (LIBVIRT.replace("domain = \"web1\"", ""), "vm.libvirt"),
+        (
+            LIBVIRT.replace("domain = \"web1\"", "uuid = \"not-a-uuid\""),
+            "vm.libvirt.uuid",
+        ),
+        (
+            LIBVIRT.replace("uri = \"qemu:///system\"", "uri = \" \""),
+            "vm.libvirt.uri",
+        ),
+        (
+            LIBVIRT.replace(
+                "backend = \"libvirt\"",
+                "backend = \"libvirt\"\nmemory_mib = 512",
+            ),
+            "vm.memory_mib",
+        ),
+        (
+            LIBVIRT.replace(
+                "backend = \"libvirt\"",
+                "backend = \"libvirt\"\nkernel = \"/boot/vmlinuz\"",
+            ),
+            "vm.kernel",
+        ),
+        (
+            LIBVIRT.replace("[vm.libvirt]", "[vm.libvirt]\nlayers_dir = \"rel\""),
+            "vm.libvirt.layers_dir",
+        ),
+        (LIBVIRT.replace("uri = ", "#"), "uri"),
+        (
+            LIBVIRT.replace("[vm.libvirt]", "[vm.libvirt]\ncapture = \"live\""),
+            "capture",
+        ),
+    ] {
+        let err = Config::parse(&text).unwrap_err().to_string();
+        assert!(err.contains(key), "{key}: {err}");
+    }
+    let uuid = LIBVIRT.replace(
+        "domain = \"web1\"",
+        "uuid = \"3bab8fae-2197-4426-a436-3db1bd3f0eb5\"",
+    );
+    assert!(Config::parse(&uuid).is_ok());
+    assert_eq!(
+        l.capture,
+        backstop_libvirt::CaptureMode::Background,
+        "the default"
+    );
+    for (text, mode) in [
+        ("precopy", backstop_libvirt::CaptureMode::Precopy),
+        ("auto", backstop_libvirt::CaptureMode::Auto),
+        ("background", backstop_libvirt::CaptureMode::Background),
+    ] {
+        let c = Config::parse(&LIBVIRT.replace(
+            "[vm.libvirt]",
+            &format!("[vm.libvirt]\ncapture = \"{text}\""),
+        ))
+        .unwrap();
+        assert_eq!(c.vm.libvirt.unwrap().capture, mode, "{text}");
+    }
+    let err = Config::parse(
+        &LIBVIRT.replace("backend = \"libvirt\"", "memory_mib = 256\nkernel = \"/k\""),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("vm.libvirt"),
+        "a [vm.libvirt] table needs backend = libvirt: {err}"
+    );
+}

@@ -1,0 +1,402 @@
+//! The actor's mailbox: a [`VmHandle`] sends typed [`Order`]s to the [`VmActor`] running on its
+//! own thread; the loop takes host triggers first, then orders in arrival order, and ticks the
+//! actor when idle.
+//!
+//! One thread owns the engine because QEMU is started with `PR_SET_PDEATHSIG`, which fires when
+//! the *thread* that forked it ends: the thread that launches QEMU must live as long as the
+//! daemon. It also serialises every operation on the VM. `status` is answered from a shared copy
+//! the engine publishes, so it works even while a long rollback runs.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use backstop_control::{Progress, Request, Response, StatusView};
+
+use backstop_common::{AuditEvent, ErrorCode};
+
+use crate::actor::{backend_for, Caller, Ctx, Services, VmActor};
+use crate::error::EngineError;
+use crate::snapshot::CaptureSlots;
+use crate::Config;
+
+/// The result a job's submitter receives: a response, or a (code, message) failure.
+pub type JobResult = Result<Response, (String, String)>;
+
+pub struct Job {
+    pub request: Request,
+    pub caller: Caller,
+    pub progress: Box<dyn FnMut(Progress) + Send>,
+    pub reply: mpsc::Sender<JobResult>,
+}
+
+/// What the actor can be told: the only way in. Requests arrive typed by the control protocol.
+pub enum Order {
+    /// A request, run in arrival order.
+    Request(Job),
+    /// A host trigger: runs before any queued order; an in-flight capture abandons for it.
+    Trigger(Job),
+    /// A peer the control socket turned away; journaled.
+    NoteRefused { uid: u32, pid: i32 },
+    /// Look at the VM (watchdog, leases, schedule). Sent by the loop itself when idle.
+    Tick,
+    /// End the VM and stop the actor.
+    Shutdown,
+}
+
+pub struct VmHandle {
+    name: String,
+    tx: mpsc::Sender<Order>,
+    preempt: Arc<std::sync::atomic::AtomicBool>,
+    status: Arc<Mutex<StatusView>>,
+    /// When the actor last showed a sign of life ([`crate::systemd::now_ms`]).
+    alive: Arc<AtomicU64>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What every actor of one daemon shares.
+#[derive(Clone)]
+pub struct Shared {
+    /// At most `max_concurrent_captures` captures at once, across the VMs.
+    pub captures: Arc<CaptureSlots>,
+    /// The daemon journal, where each VM anchors its chain head.
+    pub anchors: Option<Arc<Mutex<backstop_journal::Journal>>>,
+}
+
+impl Shared {
+    pub fn for_daemon(daemon: &crate::config::DaemonConfig) -> Shared {
+        Shared {
+            captures: Arc::new(CaptureSlots::new(daemon.max_concurrent_captures)),
+            anchors: None,
+        }
+    }
+}
+
+/// How often the engine looks at the VM when no job is waiting.
+const TICK: Duration = Duration::from_millis(250);
+
+/// Opens the services and the backend for `cfg` and starts an actor on this thread.
+fn start_actor(cfg: &Config, shared: &Shared) -> Result<VmActor, EngineError> {
+    // A VM that runs already (a libvirt domain) is checked and taken over before anything of
+    // backstop's is written (state dir, key, journal): a refusal changes nothing.
+    let mut adopted = None;
+    if cfg.vm.libvirt.is_some() {
+        let mut backend = crate::services::libvirt_backend(cfg)?;
+        let adoption = backend.adopt().map_err(|source| EngineError::Backend {
+            step: "adopt",
+            source,
+        })?;
+        adopted = Some((backend, adoption));
+    }
+    let mut services = Services::open(cfg)?;
+    services.captures = Arc::clone(&shared.captures);
+    services.anchors = shared.anchors.clone();
+    let mut cfg = cfg.clone();
+    let (backend, adoption) = match adopted {
+        Some((backend, adoption)) => {
+            crate::services::create_layers_dir(&cfg.layers_dir())?;
+            if let Some(a) = &adoption {
+                cfg.vm.disks = a
+                    .disks
+                    .iter()
+                    .map(|d| crate::config::DiskConfig {
+                        id: d.id.clone(),
+                        path: d.active.clone(),
+                        format: "qcow2".into(),
+                        snapshot: crate::config::DiskSnapshotMode::Capture,
+                        create_size_mib: None,
+                    })
+                    .collect();
+            }
+            (backend, adoption)
+        }
+        None => (backend_for(&cfg, &services.key)?, None),
+    };
+    VmActor::start(cfg, services, backend, adoption)
+}
+
+impl VmHandle {
+    /// Starts the VM's actor on its own thread (`vm-<name>`) and waits until it has started
+    /// (and reconciled). If the actor panics later, its VM is HALTED durably and a fresh actor
+    /// comes up over the same records (HALTED), so `status` and `halt clear` keep working; the
+    /// other VMs are untouched.
+    pub fn spawn_in(cfg: Config, shared: Shared) -> Result<VmHandle, EngineError> {
+        let (tx, rx) = mpsc::channel::<Order>();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let alive = Arc::new(AtomicU64::new(crate::systemd::now_ms()));
+        let name = cfg.vm.name.clone();
+        let thread_alive = Arc::clone(&alive);
+        let thread = std::thread::Builder::new()
+            .name(format!("vm-{name}"))
+            .spawn(move || {
+                crate::systemd::adopt_liveness(thread_alive);
+                let mut engine = match start_actor(&cfg, &shared) {
+                    Ok(e) => e,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let status = Arc::new(Mutex::new(engine.status()));
+                let preempt = Arc::clone(&engine.preempt);
+                engine.status_out = Some(Arc::clone(&status));
+                let _ = ready_tx.send(Ok((Arc::clone(&status), Arc::clone(&preempt))));
+                loop {
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run(engine, &rx)
+                    }));
+                    let Err(panic) = ran else { return };
+                    // Unwinding dropped the actor and with it the hypervisor (the guest ended).
+                    let what = panic_text(&panic);
+                    tracing::error!(vm = %cfg.vm.name, panic = %what, "VM actor panicked; the VM is HALTED");
+                    halt_after_panic(&cfg, &what);
+                    engine = match start_actor(&cfg, &shared) {
+                        Ok(mut e) => {
+                            e.status_out = Some(Arc::clone(&status));
+                            e.preempt = Arc::clone(&preempt);
+                            e.publish();
+                            e
+                        }
+                        Err(e) => {
+                            tracing::error!(vm = %cfg.vm.name, error = %e, "the HALTED VM's actor could not restart");
+                            refuse_all(&rx, &e);
+                            return;
+                        }
+                    };
+                }
+            })
+            .map_err(|source| EngineError::Io {
+                step: "spawn engine thread",
+                source,
+            })?;
+        let (status, preempt) = ready_rx.recv().map_err(|_| EngineError::Io {
+            step: "start engine",
+            source: std::io::Error::other("engine thread died"),
+        })??;
+        Ok(VmHandle {
+            name,
+            tx,
+            preempt,
+            status,
+            alive,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Milliseconds since the actor last showed a sign of life.
+    pub fn silent_ms(&self) -> u64 {
+        crate::systemd::now_ms().saturating_sub(self.alive.load(Ordering::Relaxed))
+    }
+
+    /// Queues a job; its reply arrives on `job.reply`.
+    pub fn submit(&self, job: Job) -> Result<(), EngineError> {
+        self.tx
+            .send(Order::Request(job))
+            .map_err(|_| EngineError::ShuttingDown)
+    }
+
+    /// Runs a request to completion (convenience for callers without their own channel).
+    pub fn call(
+        &self,
+        request: Request,
+        caller: Caller,
+        progress: Box<dyn FnMut(Progress) + Send>,
+    ) -> JobResult {
+        if matches!(request, Request::Status) {
+            return Ok(Response::Status(self.status()));
+        }
+        let (reply, rx) = mpsc::channel();
+        let urgent = matches!(request, Request::Trigger { .. });
+        let job = Job {
+            request,
+            caller,
+            progress,
+            reply,
+        };
+        let sent = if urgent {
+            // Rollback overrides whatever is in flight (spec/000 §6): flag first, so a capture
+            // running right now abandons, then queue ahead of everything else.
+            self.preempt
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            self.tx
+                .send(Order::Trigger(job))
+                .map_err(|_| EngineError::ShuttingDown)
+        } else {
+            self.submit(job)
+        };
+        sent.map_err(|e| (e.code().to_string(), e.to_string()))?;
+        rx.recv()
+            .unwrap_or_else(|_| Err(("ERR_SHUTTING_DOWN".into(), "the engine stopped".into())))
+    }
+
+    /// Records a connection the control socket refused (journaled as `control.refused`).
+    pub fn note_refused(&self, uid: u32, pid: i32) {
+        let _ = self.tx.send(Order::NoteRefused { uid, pid });
+    }
+
+    pub fn status(&self) -> StatusView {
+        match self.status.lock() {
+            Ok(s) => s.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// Stops the actor (a clean stop: see [`VmActor::shutdown`]) and waits for its thread.
+    /// Takes `&self`: other threads (the control socket's) may still hold the handle; orders they
+    /// send afterwards are answered `ERR_SHUTTING_DOWN`.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Order::Shutdown);
+        let thread = match self.thread.lock() {
+            Ok(mut g) => g.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Takes the next message: urgent jobs first, then in arrival order.
+fn next_message(
+    rx: &mpsc::Receiver<Order>,
+    pending: &mut std::collections::VecDeque<Order>,
+) -> Result<Order, RecvTimeoutError> {
+    if pending.is_empty() {
+        pending.push_back(rx.recv_timeout(TICK)?);
+    }
+    while let Ok(m) = rx.try_recv() {
+        pending.push_back(m);
+    }
+    let pos = pending
+        .iter()
+        .position(|m| matches!(m, Order::Trigger(_) | Order::Shutdown))
+        .unwrap_or(0);
+    pending.remove(pos).ok_or(RecvTimeoutError::Timeout)
+}
+
+/// Longest an idle engine leaves the published status unrefreshed (scheduled snapshots and
+/// similar background changes show up within this).
+const STATUS_REFRESH: Duration = Duration::from_secs(2);
+
+fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>) {
+    let mut pending = std::collections::VecDeque::new();
+    let mut last_publish = std::time::Instant::now();
+    loop {
+        crate::systemd::beat();
+        match next_message(rx, &mut pending) {
+            Ok(Order::Trigger(job)) => {
+                // Whatever it preempted has stopped; the flag must not outlive this job (even
+                // if the job is refused, e.g. while HALTED).
+                engine
+                    .preempt
+                    .store(false, std::sync::atomic::Ordering::SeqCst);
+                serve(&mut engine, job);
+            }
+            Ok(Order::Request(job)) => serve(&mut engine, job),
+            Ok(Order::NoteRefused { uid, pid }) => engine.note_refused(uid, pid),
+            Ok(Order::Shutdown) | Err(RecvTimeoutError::Disconnected) => {
+                engine.shutdown();
+                return;
+            }
+            Ok(Order::Tick) | Err(RecvTimeoutError::Timeout) => {
+                // A status lists and checks every manifest: refresh it when the tick changed
+                // the VM's state or epoch, otherwise at most every STATUS_REFRESH (jobs publish
+                // on their own when they finish).
+                let before = (engine.state, engine.vm.epoch);
+                engine.tick();
+                if (engine.state, engine.vm.epoch) != before
+                    || last_publish.elapsed() >= STATUS_REFRESH
+                {
+                    engine.publish();
+                    last_publish = std::time::Instant::now();
+                }
+            }
+        }
+    }
+}
+
+/// The text of a panic payload.
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
+
+/// Records HALTED durably for a VM whose actor panicked, and journals it in the VM's chain.
+fn halt_after_panic(cfg: &Config, what: &str) {
+    let records = crate::records::Records::new(&cfg.daemon.state_dir);
+    let trace = backstop_common::ids::random_id();
+    let rec = crate::records::HaltRecord {
+        reason: format!("the VM's actor panicked ({what}); its guest was ended"),
+        code: ErrorCode::VmActorPanicked.as_str().into(),
+        since: backstop_common::time::now_rfc3339(),
+        trace_id: trace.clone(),
+    };
+    if let Err(e) = records.set_halted(&rec) {
+        tracing::error!(error = %e, "could not write the HALTED record after a panic");
+    }
+    let journaled = Services::open(cfg).and_then(|mut s| {
+        let mut f = serde_json::Map::new();
+        for (k, v) in [
+            ("session_id", serde_json::Value::Null),
+            ("trace_id", trace.clone().into()),
+            ("snapshot_id", serde_json::Value::Null),
+            ("result", "halted".into()),
+            ("code", rec.code.clone().into()),
+            ("reason", rec.reason.clone().into()),
+        ] {
+            f.insert(k.into(), v);
+        }
+        s.journal
+            .append(AuditEvent::VmHalted.as_str(), f)
+            .map_err(EngineError::from)
+    });
+    if let Err(e) = journaled {
+        tracing::error!(error = %e, "could not journal the halt after a panic");
+    }
+}
+
+/// Answers every order with `error` until the handle goes away (an actor that cannot restart).
+fn refuse_all(rx: &mpsc::Receiver<Order>, error: &EngineError) {
+    while let Ok(order) = rx.recv() {
+        match order {
+            Order::Request(job) | Order::Trigger(job) => {
+                let _ = job.reply.send(Err((
+                    ErrorCode::VmHalted.to_string(),
+                    format!("the VM is HALTED and its actor could not restart: {error}"),
+                )));
+            }
+            Order::Shutdown => return,
+            Order::NoteRefused { .. } | Order::Tick => {}
+        }
+    }
+}
+
+/// Runs one job on the engine thread and sends its reply.
+fn serve(engine: &mut VmActor, mut job: Job) {
+    let mut ctx = Ctx {
+        caller: job.caller.clone(),
+        trace_id: engine.new_id(),
+        progress: &mut *job.progress,
+    };
+    let span = tracing::info_span!("request", op = job.request.name(), trace_id = %ctx.trace_id, by = %ctx.caller.label());
+    let _g = span.enter();
+    let result = engine.handle(job.request, &mut ctx).map_err(|e| {
+        if e.code() == "ERR_VM_HALTED" || e.code().as_str().starts_with("ERR_BAD") {
+            tracing::warn!(code = %e.code(), error = %e, "request refused");
+        } else {
+            tracing::error!(code = %e.code(), error = %e, "request failed");
+        }
+        (e.code().to_string(), e.to_string())
+    });
+    engine.publish();
+    let _ = job.reply.send(result);
+}

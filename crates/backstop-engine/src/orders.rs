@@ -1,0 +1,307 @@
+//! What each order does: the dispatch of a control request to the actor's work, and the small
+//! requests that need no module of their own (snapshot list/show/verify, audit tail/verify,
+//! halt clear).
+
+use serde_json::{json, Value};
+
+use backstop_common::{AuditEvent, Role, TriggerKind};
+use backstop_control::{
+    AuditFault, AuditVerifyReport, Request, Response, SnapshotSummary, SnapshotView, VerifyReport,
+};
+use backstop_store::{ListEntry, Manifest, VerifyOptions};
+
+use crate::actor::{Ctx, VmActor};
+use crate::error::EngineError;
+use crate::lifecycle::{Transition, VmState};
+use crate::rollback::RollbackPlan;
+
+impl VmActor {
+    /// Runs one request. HALTED refuses everything but `status`, `halt clear` and reading the
+    /// audit journal (`audit tail`, `audit verify`: a person deciding whether to clear a HALT
+    /// needs the record, and reading it touches neither the VM nor its snapshots).
+    pub fn handle(&mut self, req: Request, ctx: &mut Ctx) -> Result<Response, EngineError> {
+        if self.state == VmState::Halted
+            && !matches!(
+                req,
+                Request::Status
+                    | Request::HaltClear { .. }
+                    | Request::HaltClearTo { .. }
+                    | Request::AuditTail { .. }
+                    | Request::AuditVerify
+            )
+        {
+            let reason = self
+                .halt
+                .as_ref()
+                .map(|h| h.reason.clone())
+                .unwrap_or_default();
+            return Err(EngineError::Halted { reason });
+        }
+        match req {
+            Request::Status => Ok(Response::Status(self.status())),
+            Request::SnapshotCreate { reason } => {
+                let reason = non_empty("reason", reason)?;
+                let m = self.create_snapshot(ctx, &reason, "console")?;
+                Ok(Response::Snapshot(snapshot_view(&m)))
+            }
+            Request::SnapshotList => self.snapshot_list(),
+            Request::SnapshotShow { id } => {
+                let id = self.store.resolve(&id).map_err(EngineError::Store)?;
+                let m = self
+                    .store
+                    .list()
+                    .map_err(EngineError::Store)?
+                    .into_iter()
+                    .find_map(|e| match e {
+                        ListEntry::Valid(m) if m.snapshot_id == id => Some(m),
+                        _ => None,
+                    })
+                    .ok_or_else(|| {
+                        EngineError::BadRequest(format!(
+                            "snapshot {id} does not verify; run `snapshot verify {id}`"
+                        ))
+                    })?;
+                Ok(Response::Snapshot(snapshot_view(&m)))
+            }
+            Request::SnapshotVerify { id } => {
+                let id = self.store.resolve(&id).map_err(EngineError::Store)?;
+                ctx.step("verify", format!("verifying {id}"), None);
+                let v = self
+                    .store
+                    .verify(&id, &VerifyOptions::default())
+                    .map_err(|source| EngineError::Verify {
+                        snapshot_id: id.clone(),
+                        source,
+                    })?;
+                Ok(Response::Verified(VerifyReport {
+                    snapshot_id: id,
+                    chunks_checked: v.report.chunks_checked,
+                    bytes_checked: v.report.bytes_checked,
+                    disk_layers_checked: v.report.disk_layers_checked,
+                }))
+            }
+            Request::Rollback {
+                to,
+                reason,
+                emergency,
+                rollback_type,
+                before,
+                reviewer_token,
+                allow_newer_minor,
+            } => {
+                let ask = crate::policy::restore_gate::RollbackAsk {
+                    to,
+                    reason,
+                    emergency,
+                    rollback_type,
+                    before,
+                    reviewer_token,
+                    allow_newer_minor,
+                };
+                Ok(Response::RolledBack(self.console_rollback(ctx, ask)?))
+            }
+            Request::HaltClear { reason } => {
+                let reason = non_empty("reason", reason)?;
+                self.clear_halt(ctx, &reason, None)
+            }
+            Request::HaltClearTo {
+                reason,
+                to,
+                reviewer_token,
+            } => {
+                let reason = non_empty("reason", reason)?;
+                let to = non_empty("to", to)?;
+                self.clear_halt(ctx, &reason, Some((to, reviewer_token)))
+            }
+            Request::AuditTail { count } => {
+                let entries = backstop_journal::tail(&self.journal_path, count.min(10_000))?;
+                Ok(Response::AuditEntries { entries })
+            }
+            Request::Trigger {
+                kind,
+                reason,
+                action_ids,
+            } => {
+                let reason = non_empty("reason", reason)?;
+                let r = self.triggered_rollback(
+                    ctx,
+                    kind.kind(),
+                    kind.rollback_type(),
+                    &reason,
+                    &action_ids,
+                )?;
+                Ok(Response::RolledBack(r))
+            }
+            Request::DeviceGrant {
+                ids,
+                lease_s,
+                reason,
+            } => self.device_grant(ctx, ids, lease_s, reason),
+            Request::DeviceRevoke { id, reason } => self.device_revoke(ctx, id, reason),
+            Request::DeviceList => self.device_list(),
+            Request::ActionBegin { descriptor } => self.action_begin(ctx, descriptor),
+            Request::ActionEnd {
+                action_id,
+                result,
+                reason,
+            } => self.action_end(ctx, action_id, result, reason),
+            Request::ActionList => self.action_list(),
+            Request::SnapshotPrune => self.prune_request(ctx),
+            // Answered by the supervisor, which knows every VM; an actor knows only its own.
+            Request::Vms | Request::Reload | Request::DaemonAuditVerify => {
+                Err(EngineError::BadRequest(format!(
+                    "`{}` is answered by the daemon, not by one VM",
+                    req.name()
+                )))
+            }
+            Request::AuditVerify => {
+                let out = backstop_journal::verify(&self.journal_path, &self.key)?;
+                Ok(Response::AuditVerified(AuditVerifyReport {
+                    entries: out.entries,
+                    first_bad: out.first_bad.map(|f| AuditFault {
+                        line: f.line,
+                        seq: f.seq,
+                        reason: f.reason,
+                    }),
+                }))
+            }
+        }
+    }
+
+    /// `halt clear`: a person's decision. `to`: the snapshot to restore (with reviewer evidence
+    /// where the restore gate asks for it) instead of the newest verified one. A restore refused
+    /// before it touched anything (the gate, an unknown id) leaves the VM HALTED as it was.
+    fn clear_halt(
+        &mut self,
+        ctx: &mut Ctx,
+        reason: &str,
+        to: Option<(String, Option<Value>)>,
+    ) -> Result<Response, EngineError> {
+        if self.state != VmState::Halted {
+            return Err(EngineError::BadRequest("the VM is not HALTED".into()));
+        }
+        if ctx.caller.role != Role::Console {
+            return Err(EngineError::NotPermitted(
+                "only a person at the console can clear HALTED".into(),
+            ));
+        }
+        let previous = self.halt.clone();
+        self.records
+            .clear_halted()
+            .map_err(|source| EngineError::Io {
+                step: "remove halted.json",
+                source,
+            })?;
+        self.halt = None;
+        self.records.ensure_reserve();
+        self.transition(Transition::ClearHalt, &ctx.trace_id.clone())?;
+        self.journal(AuditEvent::VmHaltCleared, json!({
+            "session_id": self.session_id, "trace_id": ctx.trace_id, "snapshot_id": Value::Null, "result": "ok",
+            "cleared_by": ctx.caller.label(), "reason": reason,
+            "halt_code": previous.as_ref().map(|h| h.code.clone()), "halt_reason": previous.as_ref().map(|h| h.reason.clone()),
+        }))?;
+        if let Some((target, reviewer_token)) = to {
+            let mut plan =
+                RollbackPlan::emergency(TriggerKind::HaltClear, format!("halt cleared: {reason}"));
+            plan.to = Some(target);
+            plan.rollback_type = backstop_common::RollbackType::Session;
+            plan.gate = crate::policy::RestoreRequest {
+                governed: true,
+                reviewer_token,
+                allow_newer_minor: false,
+            };
+            return match self.rollback(ctx, plan) {
+                Ok(r) => Ok(Response::HaltCleared {
+                    epoch: r.epoch,
+                    restored_from: Some(r.snapshot_id),
+                }),
+                Err(e) => {
+                    // Refused before the VM was touched: HALTED again, with the record it had
+                    // (a restore that failed after touching it halted the VM by itself).
+                    if self.state != VmState::Halted {
+                        let (code, why) = previous
+                            .as_ref()
+                            .and_then(|h| {
+                                backstop_common::ErrorCode::parse(&h.code)
+                                    .map(|c| (c, h.reason.clone()))
+                            })
+                            .unwrap_or((
+                                backstop_common::ErrorCode::VmHalted,
+                                "HALTED before a refused halt clear".to_string(),
+                            ));
+                        let trace = ctx.trace_id.clone();
+                        self.enter_halt(
+                            &trace,
+                            code,
+                            &format!("{why} (halt clear --to refused: {e})"),
+                        );
+                    }
+                    Err(e)
+                }
+            };
+        }
+        let has_snapshot = self.has_snapshot()?;
+        if has_snapshot {
+            let plan =
+                RollbackPlan::emergency(TriggerKind::HaltClear, format!("halt cleared: {reason}"));
+            let r = self.rollback(ctx, plan)?;
+            Ok(Response::HaltCleared {
+                epoch: r.epoch,
+                restored_from: Some(r.snapshot_id),
+            })
+        } else {
+            self.cold_boot(ctx)?;
+            Ok(Response::HaltCleared {
+                epoch: self.vm.epoch,
+                restored_from: None,
+            })
+        }
+    }
+}
+
+fn non_empty(name: &str, v: String) -> Result<String, EngineError> {
+    let v = v.trim().to_string();
+    if v.is_empty() {
+        return Err(EngineError::BadRequest(format!(
+            "--{name} must not be empty"
+        )));
+    }
+    if v.len() > 1024 {
+        return Err(EngineError::BadRequest(format!(
+            "--{name} is longer than 1024 bytes"
+        )));
+    }
+    Ok(v)
+}
+
+pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
+    SnapshotSummary {
+        snapshot_id: m.snapshot_id.clone(),
+        created_at: m.created_at.clone(),
+        created_by: m.created_by.clone(),
+        schema_version: m.schema_version.clone(),
+        index_version: m.index_version.clone(),
+        scope: m.scope.clone(),
+        reason: m.reason.clone(),
+        pause_us: m
+            .capture
+            .get("pause_us")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
+        bytes_stored: m.bytes_stored,
+        trigger: m.trigger.clone(),
+        rolled_back: None,
+    }
+}
+
+pub(crate) fn snapshot_view(m: &Manifest) -> SnapshotView {
+    SnapshotView {
+        summary: summary(m),
+        manifest: serde_json::to_value(m).unwrap_or(Value::Null),
+        capture_ms: m
+            .capture
+            .get("capture_ms")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
+    }
+}

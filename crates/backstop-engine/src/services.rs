@@ -1,0 +1,167 @@
+//! The shared services an actor is handed (store, journal, host key, id source, capture
+//! slots, the daemon journal for anchors) and the hypervisor backend the config asks for: the
+//! actor uses them; it does not choose where they live.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backstop_common::ids::{IdSource, RandomIds};
+use backstop_hypervisor::VmBackend;
+use backstop_integrity::HostKey;
+use backstop_journal::Journal;
+use backstop_qemu::{Accel, QemuBackend, QemuConfig};
+use backstop_store::{Store, SweepReport};
+
+use crate::config::{AccelChoice, Config, DiskSnapshotMode};
+use crate::error::EngineError;
+use crate::snapshot::CaptureSlots;
+use std::path::PathBuf;
+
+/// The shared services an actor is handed: it uses them, it does not choose where they live.
+pub struct Services {
+    pub store: Store,
+    /// What opening the store swept away (an earlier crash's leftovers), journaled at start.
+    pub sweep: SweepReport,
+    pub journal: Journal,
+    pub journal_path: PathBuf,
+    pub key: HostKey,
+    pub ids: Arc<dyn IdSource>,
+    /// Capture slots shared with the other VMs of the daemon.
+    pub captures: Arc<CaptureSlots>,
+    /// The daemon journal, to anchor this VM's chain head in (`None`: no daemon journal).
+    pub anchors: Option<Arc<std::sync::Mutex<Journal>>>,
+}
+
+impl Services {
+    /// Opens the host key, the store and the journal under the config's state directory.
+    pub fn open(cfg: &Config) -> Result<Services, EngineError> {
+        let state_dir = &cfg.daemon.state_dir;
+        create_private_dir(state_dir)?;
+        let key = HostKey::load_or_create(&cfg.key_path()).map_err(|e| EngineError::Io {
+            step: "load host key",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let (store, sweep) =
+            Store::open(&state_dir.join("store"), key.clone()).map_err(EngineError::Store)?;
+        let journal_path = state_dir.join("audit/journal.jsonl");
+        let journal = Journal::open(&journal_path, key.clone())?;
+        Ok(Services {
+            store,
+            sweep,
+            journal,
+            journal_path,
+            key,
+            ids: Arc::new(RandomIds),
+            captures: Arc::new(CaptureSlots::new(cfg.daemon.max_concurrent_captures)),
+            anchors: None,
+        })
+    }
+}
+
+/// The hypervisor backend the config asks for (not started yet).
+pub fn backend_for(cfg: &Config, key: &HostKey) -> Result<Box<dyn VmBackend>, EngineError> {
+    if cfg.vm.libvirt.is_some() {
+        return libvirt_backend(cfg);
+    }
+    if let Some(k) = &cfg.kvm_backend {
+        return Ok(Box::new(backstop_kvm::KvmBackend::new(
+            k.vm_config(),
+            key.clone(),
+            k.kvm.work_dir.clone(),
+            Duration::from_secs(cfg.watchdog.heartbeat_timeout_s),
+        )));
+    }
+    let (accel, _) = accel_choice(cfg);
+    let state_dir = &cfg.daemon.state_dir;
+    Ok(Box::new(QemuBackend::new(QemuConfig {
+        vm_name: cfg.vm.name.clone(),
+        binary: cfg.vm.qemu_binary.clone(),
+        machine: cfg.vm.machine.clone(),
+        accel,
+        memory_mib: cfg.vm.memory_mib,
+        vcpus: cfg.vm.vcpus,
+        kernel: cfg.vm.kernel.clone(),
+        initrd: cfg.vm.initrd.clone(),
+        append: cfg.vm.append.clone(),
+        serial_log: state_dir.join(format!("{}-serial.log", cfg.vm.name)),
+        serial_log_max_bytes: cfg.daemon.serial_log_max_kib << 10,
+        run_dir: cfg.daemon.run_dir.join(&cfg.vm.name),
+        nics: cfg.vm.nics.clone(),
+        watchdog: cfg.vm.watchdog_device,
+        max_bandwidth: 16 << 30,
+        qmp_timeout: Duration::from_secs(30),
+        disk_shape: cfg
+            .vm
+            .disks
+            .iter()
+            .map(|d| (d.id.clone(), d.snapshot == DiskSnapshotMode::Capture))
+            .collect(),
+        devices: crate::devices::qemu_shape(&cfg.devices),
+    })))
+}
+
+/// The libvirt backend for `[vm.libvirt]` (nothing connected yet).
+#[cfg(feature = "libvirt")]
+pub(crate) fn libvirt_backend(cfg: &Config) -> Result<Box<dyn VmBackend>, EngineError> {
+    let Some(l) = &cfg.vm.libvirt else {
+        return Err(EngineError::BadRequest("no [vm.libvirt] table".into()));
+    };
+    let work_dir = cfg.layers_dir();
+    Ok(Box::new(backstop_libvirt::LibvirtBackend::new(
+        backstop_libvirt::LibvirtConfig {
+            uri: l.uri.clone(),
+            domain: l.domain.clone(),
+            uuid: l.uuid.clone(),
+            work_dir,
+            max_bandwidth: 16 << 30,
+            capture: l.capture,
+        },
+    )))
+}
+
+#[cfg(not(feature = "libvirt"))]
+pub(crate) fn libvirt_backend(_cfg: &Config) -> Result<Box<dyn VmBackend>, EngineError> {
+    // Config::validate refuses `backend = "libvirt"` in such a build; this is its second line.
+    Err(EngineError::BadRequest(
+        "this backstopd was built without the libvirt backend (cargo feature `libvirt`)".into(),
+    ))
+}
+
+/// The libvirt layers directory: libvirt's unprivileged QEMU must traverse it (0711), and
+/// reads the layers libvirt labels for it; nobody else lists it.
+pub(crate) fn create_layers_dir(dir: &std::path::Path) -> Result<(), EngineError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
+        step: "create layers dir",
+        source,
+    })?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).map_err(|source| {
+        EngineError::Io {
+            step: "chmod layers dir",
+            source,
+        }
+    })
+}
+
+/// The accelerator the config asks for, and why (`config`, or what detection found).
+pub(crate) fn accel_choice(cfg: &Config) -> (Accel, &'static str) {
+    match cfg.vm.accel {
+        AccelChoice::Auto => Accel::detect(),
+        AccelChoice::Tcg => (Accel::Tcg, "config"),
+        AccelChoice::Kvm => (Accel::Kvm, "config"),
+    }
+}
+
+fn create_private_dir(dir: &std::path::Path) -> Result<(), EngineError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
+        step: "create state dir",
+        source,
+    })?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|source| {
+        EngineError::Io {
+            step: "chmod state dir",
+            source,
+        }
+    })
+}

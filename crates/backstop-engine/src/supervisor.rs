@@ -1,0 +1,503 @@
+//! The supervisor: one actor per VM the host names, and what the daemon asks of them all —
+//! which VM a request is for, the `vms` listing, liveness for systemd's watchdog, and the clean
+//! stop of every VM. A VM whose file was refused or that could not start is listed with the
+//! reason and refuses requests; the others run. The daemon's own journal
+//! (`state_dir/daemon/journal.jsonl`) records what happens to the set: start, refused VM files,
+//! stop.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+
+use serde_json::{json, Map, Value};
+
+use backstop_common::{AuditEvent, ErrorCode};
+use backstop_control::{AuditFault, AuditVerifyReport, ReloadReport, VmSummary};
+use backstop_integrity::HostKey;
+use backstop_journal::Journal;
+
+use crate::config::Config;
+use crate::error::EngineError;
+use crate::host::{HostConfig, VmSlot};
+use crate::mailbox::{Shared, VmHandle};
+use crate::services::backend_for;
+
+/// What a request without `--vm` gets from a daemon that guards no VM.
+const NO_VM_YET: &str =
+    "this daemon guards no VM yet: add a VM file to daemon.vms_dir and run `backstop reload`";
+
+/// One VM as the supervisor holds it.
+enum Member {
+    /// The config it runs with (to notice a changed file at reload, and what changed).
+    Running(Arc<VmHandle>, Box<Config>),
+    /// Does not run: `config_invalid` or `start_failed`, with why.
+    Down {
+        state: &'static str,
+        code: ErrorCode,
+        reason: String,
+        backend: String,
+    },
+}
+
+pub struct Supervisor {
+    members: RwLock<BTreeMap<String, Member>>,
+    journal: Arc<Mutex<Journal>>,
+    journal_path: PathBuf,
+    key: HostKey,
+    /// Every VM's own journal, by name (for the anchors check).
+    vm_journals: Mutex<BTreeMap<String, PathBuf>>,
+    session_id: String,
+    shared: Shared,
+    /// The daemon file, re-read by `reload` (`None`: the embedded default, nothing to re-read).
+    config_path: Option<PathBuf>,
+    /// One reload at a time.
+    reloading: Mutex<()>,
+}
+
+/// An actor silent this long is not alive (every tick and every step of a long operation
+/// beats, so this is far above any healthy gap).
+pub const ACTOR_SILENCE_LIMIT_MS: u64 = 60_000;
+
+impl Supervisor {
+    /// Starts an actor for every ready VM, one after the other (each reconciles with what the
+    /// previous daemon left: resume, rollback or HALTED), and journals the set.
+    pub fn start(
+        host: &HostConfig,
+        config_path: Option<PathBuf>,
+    ) -> Result<Supervisor, EngineError> {
+        let key = HostKey::load_or_create(&host.key_path()).map_err(|e| EngineError::Io {
+            step: "load host key",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let journal = Arc::new(Mutex::new(Journal::open(
+            &host.daemon_journal_path(),
+            key.clone(),
+        )?));
+        let mut shared = Shared::for_daemon(&host.daemon);
+        shared.anchors = Some(Arc::clone(&journal));
+        let sup = Supervisor {
+            members: RwLock::new(BTreeMap::new()),
+            journal,
+            journal_path: host.daemon_journal_path(),
+            key,
+            vm_journals: Mutex::new(BTreeMap::new()),
+            session_id: backstop_common::ids::random_id(),
+            shared,
+            config_path,
+            reloading: Mutex::new(()),
+        };
+        let mut members = BTreeMap::new();
+        for slot in &host.vms {
+            members.insert(slot.name().to_string(), sup.member_for(slot)?);
+        }
+        let names: Vec<&String> = members.keys().collect();
+        let running: Vec<&String> = members
+            .iter()
+            .filter(|(_, m)| matches!(m, Member::Running(..)))
+            .map(|(n, _)| n)
+            .collect();
+        let fields = json!({"vms": names, "running": running, "result": "ok"});
+        sup.journal(AuditEvent::DaemonStarted, fields)?;
+        *sup.members_mut() = members;
+        Ok(sup)
+    }
+
+    fn members(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, Member>> {
+        self.members.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn members_mut(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, Member>> {
+        self.members.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Starts a ready VM, or records why one does not run.
+    fn member_for(&self, slot: &VmSlot) -> Result<Member, EngineError> {
+        Ok(match slot {
+            VmSlot::Invalid(i) => {
+                tracing::error!(vm = %i.name, file = %i.file.display(), reason = %i.reason, "VM config refused; the VM does not run");
+                self.journal(
+                    AuditEvent::VmConfigInvalid,
+                    json!({
+                        "vm": i.name, "file": i.file.display().to_string(), "code": i.code,
+                        "reason": i.reason, "result": "refused",
+                    }),
+                )?;
+                Member::Down {
+                    state: "config_invalid",
+                    code: i.code,
+                    reason: i.reason.clone(),
+                    backend: String::new(),
+                }
+            }
+            VmSlot::Ready(cfg) => self.spawn(cfg),
+        })
+    }
+
+    fn spawn(&self, cfg: &Config) -> Member {
+        self.vm_journals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                cfg.vm.name.clone(),
+                cfg.daemon.state_dir.join("audit/journal.jsonl"),
+            );
+        match VmHandle::spawn_in(cfg.clone(), self.shared.clone()) {
+            Ok(h) => Member::Running(Arc::new(h), Box::new(cfg.clone())),
+            Err(e) => {
+                tracing::error!(vm = %cfg.vm.name, code = %e.code(), error = %e, "VM could not start; the others run");
+                Member::Down {
+                    state: "start_failed",
+                    code: e.code(),
+                    reason: e.to_string(),
+                    backend: cfg.vm.backend.clone(),
+                }
+            }
+        }
+    }
+
+    /// Re-reads the daemon file's VMs: starts new ones (and ones refused before that are good
+    /// now), stops removed ones cleanly, leaves the others alone. A daemon file that no longer
+    /// loads changes nothing.
+    pub fn reload(&self) -> Result<ReloadReport, (ErrorCode, String)> {
+        let _one = self.reloading.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(path) = &self.config_path else {
+            return Err((
+                ErrorCode::BadRequest,
+                "backstopd runs on the embedded default config: there is no file to reload".into(),
+            ));
+        };
+        let host = HostConfig::load(path)
+            .map_err(|e| (e.code(), e.to_string()))?
+            .refuse_missing_files();
+        let mut report = ReloadReport {
+            added: Vec::new(),
+            removed: Vec::new(),
+            changed_not_applied: Vec::new(),
+            applied: Vec::new(),
+            refused: Vec::new(),
+        };
+        let wanted: BTreeMap<&str, &VmSlot> = host.vms.iter().map(|v| (v.name(), v)).collect();
+        // Gone: taken out of the set, then stopped cleanly outside the lock (a final snapshot
+        // takes a while and the other VMs must stay reachable meanwhile).
+        let gone: Vec<(String, Option<Arc<VmHandle>>)> = {
+            let mut members = self.members_mut();
+            let names: Vec<String> = members
+                .keys()
+                .filter(|n| !wanted.contains_key(n.as_str()))
+                .cloned()
+                .collect();
+            names
+                .into_iter()
+                .map(|n| match members.remove(&n) {
+                    Some(Member::Running(h, _)) => (n, Some(h)),
+                    _ => (n, None),
+                })
+                .collect()
+        };
+        for (name, handle) in gone {
+            if let Some(h) = handle {
+                h.shutdown();
+            }
+            let _ = self.journal(AuditEvent::VmRemoved, json!({"vm": name, "result": "ok"}));
+            report.removed.push(name);
+        }
+        for (name, slot) in wanted {
+            let current = self.members().get(name).map(|m| match m {
+                Member::Running(_, cfg) => Some(cfg.clone()),
+                Member::Down { .. } => None,
+            });
+            match (current, slot) {
+                (Some(Some(_)), VmSlot::Invalid(i)) => {
+                    report.refused.push((
+                        name.into(),
+                        format!("{} (the running VM is kept)", i.reason),
+                    ));
+                }
+                (Some(Some(running)), VmSlot::Ready(cfg)) => {
+                    if format!("{running:?}") == format!("{cfg:?}") {
+                        continue;
+                    }
+                    // The same shape (what the backend launches: memory, disks, devices, …):
+                    // stopped cleanly (a final snapshot of the paused guest) and started on the
+                    // new file, resuming from exactly that snapshot, so the guest loses nothing.
+                    // Another shape could not restore that snapshot: it waits for a cold boot.
+                    let shape = |c: &Config| {
+                        backend_for(c, &self.key)
+                            .ok()
+                            .map(|b| b.config_fingerprint())
+                    };
+                    let before = shape(&running);
+                    // An adopted libvirt domain is not resumed from a final snapshot by a
+                    // restart (it is re-adopted and rolled back): never restarted by a reload.
+                    let adopted = running.vm.libvirt.is_some() || cfg.vm.libvirt.is_some();
+                    if adopted || before.is_none() || before != shape(cfg) {
+                        report.changed_not_applied.push(name.into());
+                        continue;
+                    }
+                    // (Bound first: the write guard must be gone before the arms lock again.)
+                    let removed = self.members_mut().remove(name);
+                    let old = match removed {
+                        Some(Member::Running(h, _)) => h,
+                        Some(other) => {
+                            self.members_mut().insert(name.into(), other);
+                            continue;
+                        }
+                        None => continue,
+                    };
+                    old.shutdown();
+                    let m = self.spawn(cfg);
+                    if let Member::Down { reason, .. } = &m {
+                        report.refused.push((name.into(), reason.clone()));
+                    } else {
+                        let _ = self.journal(
+                            AuditEvent::VmReconfigured,
+                            json!({"vm": name, "result": "ok"}),
+                        );
+                        report.applied.push(name.into());
+                    }
+                    self.members_mut().insert(name.into(), m);
+                }
+                (_, VmSlot::Invalid(i)) => {
+                    report.refused.push((name.into(), i.reason.clone()));
+                    let m = self
+                        .member_for(slot)
+                        .map_err(|e| (e.code(), e.to_string()))?;
+                    self.members_mut().insert(name.into(), m);
+                }
+                (_, VmSlot::Ready(cfg)) => {
+                    let m = self.spawn(cfg);
+                    if let Member::Down { reason, .. } = &m {
+                        report.refused.push((name.into(), reason.clone()));
+                    } else {
+                        let _ =
+                            self.journal(AuditEvent::VmAdded, json!({"vm": name, "result": "ok"}));
+                        report.added.push(name.into());
+                    }
+                    self.members_mut().insert(name.into(), m);
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    fn journal(&self, event: AuditEvent, f: Value) -> Result<(), EngineError> {
+        let mut fields = match f {
+            Value::Object(m) => m,
+            _ => Map::new(),
+        };
+        for k in ["session_id", "trace_id", "snapshot_id"] {
+            fields.entry(k).or_insert(Value::Null);
+        }
+        fields.insert("session_id".into(), self.session_id.clone().into());
+        let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
+        j.append(event.as_str(), fields)?;
+        Ok(())
+    }
+
+    /// The daemon's `audit verify`: its own chain, then, for every VM it guards, that the VM's
+    /// journal still holds the newest entry the daemon journal anchored, unchanged. A VM journal
+    /// cut short (or replaced) is reported at the anchor's line of the daemon journal.
+    pub fn audit_verify(&self) -> Result<AuditVerifyReport, (ErrorCode, String)> {
+        let out = backstop_journal::verify(&self.journal_path, &self.key)
+            .map_err(|e| (e.code(), e.to_string()))?;
+        let fault = |f: backstop_journal::Fault| AuditFault {
+            line: f.line,
+            seq: f.seq,
+            reason: f.reason,
+        };
+        if let Some(f) = out.first_bad {
+            return Ok(AuditVerifyReport {
+                entries: out.entries,
+                first_bad: Some(fault(f)),
+            });
+        }
+        let text = std::fs::read_to_string(&self.journal_path)
+            .map_err(|e| (ErrorCode::AuditIo, e.to_string()))?;
+        // The newest anchor of each VM: (line, seq, hash).
+        let mut newest: BTreeMap<String, (u64, u64, String)> = BTreeMap::new();
+        for (i, line) in text.lines().enumerate() {
+            let Ok(e) = serde_json::from_str::<Value>(line) else {
+                continue;
+            };
+            if e["event"] != AuditEvent::VmChainAnchored.as_str() {
+                continue;
+            }
+            let f = &e["fields"];
+            if let (Some(vm), Some(seq), Some(hash)) =
+                (f["vm"].as_str(), f["seq"].as_u64(), f["hash"].as_str())
+            {
+                newest.insert(vm.into(), (i as u64 + 1, seq, hash.into()));
+            }
+        }
+        let journals = self
+            .vm_journals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for (vm, (line, seq, hash)) in newest {
+            let Some(path) = journals.get(&vm) else {
+                continue;
+            };
+            let held = std::fs::read_to_string(path)
+                .unwrap_or_default()
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find(|e| e["seq"].as_u64() == Some(seq))
+                .map(|e| e["hash"].as_str().unwrap_or("").to_string());
+            let reason = match held {
+                None => format!(
+                    "VM {vm}'s journal no longer holds entry {seq} the daemon anchored (cut short or replaced)"
+                ),
+                Some(h) if h != hash => format!(
+                    "VM {vm}'s journal entry {seq} differs from the one the daemon anchored"
+                ),
+                Some(_) => continue,
+            };
+            return Ok(AuditVerifyReport {
+                entries: out.entries,
+                first_bad: Some(AuditFault {
+                    line,
+                    seq: Some(seq),
+                    reason,
+                }),
+            });
+        }
+        Ok(AuditVerifyReport {
+            entries: out.entries,
+            first_bad: None,
+        })
+    }
+
+    /// The VM a request names; without a name, the only VM. Errors are (code, one line).
+    pub fn route(&self, vm: Option<&str>) -> Result<Arc<VmHandle>, (ErrorCode, String)> {
+        let members = self.members();
+        let names = || {
+            members
+                .keys()
+                .map(String::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let (name, member) = match vm {
+            Some(n) => match members.get_key_value(n) {
+                Some(m) => m,
+                None => {
+                    return Err((
+                        ErrorCode::VmNotFound,
+                        format!("no VM named {n:?}; this daemon guards: {}", names()),
+                    ))
+                }
+            },
+            None => match (members.iter().next(), members.len()) {
+                (None, _) => return Err((ErrorCode::VmNotFound, NO_VM_YET.into())),
+                (Some(m), 1) => m,
+                _ => {
+                    return Err((
+                        ErrorCode::VmNotNamed,
+                        format!(
+                            "this daemon guards {} VMs: name one with --vm ({})",
+                            members.len(),
+                            names()
+                        ),
+                    ))
+                }
+            },
+        };
+        match member {
+            Member::Running(h, _) => Ok(Arc::clone(h)),
+            Member::Down {
+                state,
+                code,
+                reason,
+                ..
+            } => Err((
+                ErrorCode::VmNotRunning,
+                format!("VM {name} is {state} ({code}: {reason})"),
+            )),
+        }
+    }
+
+    /// `backstop vms`.
+    pub fn vms(&self) -> Vec<VmSummary> {
+        self.members()
+            .iter()
+            .map(|(name, m)| match m {
+                Member::Running(h, _) => {
+                    let s = h.status();
+                    VmSummary {
+                        name: name.clone(),
+                        backend: s.backend,
+                        state: s.state,
+                        epoch: s.epoch,
+                        snapshots: s.snapshots,
+                        newest_snapshot_at: s.newest_snapshot_at,
+                        heartbeat_age_ms: s.heartbeat_age_ms,
+                        reason: s.halted.map(|h| format!("{}: {}", h.code, h.reason)),
+                    }
+                }
+                Member::Down {
+                    state,
+                    code,
+                    reason,
+                    backend,
+                } => VmSummary {
+                    name: name.clone(),
+                    backend: backend.clone(),
+                    state: (*state).into(),
+                    epoch: 0,
+                    snapshots: 0,
+                    newest_snapshot_at: None,
+                    heartbeat_age_ms: None,
+                    reason: Some(format!("{code}: {reason}")),
+                },
+            })
+            .collect()
+    }
+
+    /// The running VMs' handles.
+    pub fn handles(&self) -> Vec<Arc<VmHandle>> {
+        self.members()
+            .values()
+            .filter_map(|m| match m {
+                Member::Running(h, _) => Some(Arc::clone(h)),
+                Member::Down { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Whether every running actor showed a sign of life within [`ACTOR_SILENCE_LIMIT_MS`]
+    /// (systemd's watchdog is pinged only then).
+    pub fn all_alive(&self) -> bool {
+        self.handles()
+            .iter()
+            .all(|h| h.silent_ms() < ACTOR_SILENCE_LIMIT_MS)
+    }
+
+    /// A connection the control socket refused: journaled by the daemon and in every VM's
+    /// chain (the socket is shared).
+    pub fn note_refused(&self, uid: u32, pid: i32) {
+        let _ = self.journal(
+            AuditEvent::ControlRefused,
+            json!({"uid": uid, "pid": pid, "result": "refused"}),
+        );
+        for h in self.handles() {
+            h.note_refused(uid, pid);
+        }
+    }
+
+    /// The clean stop of every VM, in parallel (each pauses its guest and takes a final
+    /// snapshot, within the daemon's capture slots), then `daemon.stopped`.
+    pub fn shutdown(&self) {
+        let handles = self.handles();
+        std::thread::scope(|s| {
+            for h in &handles {
+                s.spawn(move || h.shutdown());
+            }
+        });
+        let stopped: Vec<String> = self.members().keys().cloned().collect();
+        let _ = self.journal(
+            AuditEvent::DaemonStopped,
+            json!({"vms": stopped, "result": "ok"}),
+        );
+    }
+}

@@ -1,0 +1,430 @@
+//! Reading and rewriting a libvirt domain's XML: what adoption checks (captured disks are qcow2
+//! files, no `<hostdev>`, the agent channel and an i6300esb watchdog present), and the disk
+//! rewrite a restore needs (each captured disk on its fresh overlay). Pure functions of the
+//! text, so they are tested without libvirt.
+
+use std::path::PathBuf;
+
+use sha2::{Digest, Sha256};
+
+/// The virtio-serial port name the guest agent uses.
+pub const AGENT_PORT: &str = "org.backstop.agent.0";
+
+/// XML an operator adds for the agent channel (libvirt picks the socket path when omitted).
+pub const AGENT_CHANNEL_SNIPPET: &str = "<channel type='unix'><source mode='bind'/><target type='virtio' name='org.backstop.agent.0'/></channel>";
+/// XML an operator adds for the hardware watchdog.
+pub const WATCHDOG_SNIPPET: &str = "<watchdog model='i6300esb' action='pause'/>";
+
+/// One disk of the domain as libvirt's live XML describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainDisk {
+    /// `<target dev=…>`, e.g. `vda`: the disk's id in backstop.
+    pub target: String,
+    /// `<source file=…>`: the writable top layer.
+    pub source: PathBuf,
+}
+
+/// What adoption needs from the domain's XML.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DomainShape {
+    pub name: String,
+    pub uuid: String,
+    pub disks: Vec<DomainDisk>,
+    /// The agent channel's unix socket (QEMU listens, backstop connects).
+    pub agent_socket: PathBuf,
+    /// `<os><type machine=…>`.
+    pub machine: String,
+    pub memory_kib: u64,
+    pub vcpus: u64,
+    /// `<emulator>`.
+    pub emulator: String,
+}
+
+/// Why a domain cannot be adopted: one line naming what to change, with the XML to add.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unsuitable(pub String);
+
+impl std::fmt::Display for Unsuitable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn child<'a, 'i>(n: roxmltree::Node<'a, 'i>, tag: &str) -> Option<roxmltree::Node<'a, 'i>> {
+    n.children().find(|c| c.has_tag_name(tag))
+}
+
+fn text_of(n: roxmltree::Node, tag: &str) -> Option<String> {
+    child(n, tag)
+        .and_then(|c| c.text())
+        .map(|t| t.trim().to_string())
+}
+
+/// Checks the domain's live XML and extracts what backstop needs.
+pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
+    let doc = roxmltree::Document::parse(xml)
+        .map_err(|e| Unsuitable(format!("libvirt returned XML that does not parse: {e}")))?;
+    let root = doc.root_element();
+    let name = text_of(root, "name").unwrap_or_default();
+    let uuid = text_of(root, "uuid").unwrap_or_default();
+    let devices =
+        child(root, "devices").ok_or_else(|| Unsuitable("the domain has no <devices>".into()))?;
+    if let Some(h) = devices.children().find(|c| c.has_tag_name("hostdev")) {
+        let what = h.attribute("type").unwrap_or("?");
+        return Err(Unsuitable(format!(
+            "domain {name} holds a passthrough device (<hostdev type='{what}'>): a VM holding one cannot be snapshotted; detach it (virsh detach-device) before adoption"
+        )));
+    }
+    let mut disks = Vec::new();
+    for d in devices.children().filter(|c| c.has_tag_name("disk")) {
+        let target = child(d, "target")
+            .and_then(|t| t.attribute("dev"))
+            .unwrap_or("?")
+            .to_string();
+        let device = d.attribute("device").unwrap_or("disk");
+        if device != "disk" {
+            return Err(Unsuitable(format!(
+                "domain {name}: disk {target} is a {device}; only <disk device='disk'> can be captured (remove it)"
+            )));
+        }
+        let fmt = child(d, "driver")
+            .and_then(|x| x.attribute("type"))
+            .unwrap_or("raw");
+        let file = child(d, "source").and_then(|s| s.attribute("file"));
+        match (d.attribute("type"), fmt, file) {
+            (Some("file"), "qcow2", Some(file)) => disks.push(DomainDisk {
+                target,
+                source: PathBuf::from(file),
+            }),
+            (t, _, _) => {
+                return Err(Unsuitable(format!(
+                    "domain {name}: disk {target} is <disk type='{}'> with format {fmt}; captured disks must be qcow2 files: <disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='/path/{target}.qcow2'/>…</disk>",
+                    t.unwrap_or("?")
+                )))
+            }
+        }
+    }
+    if disks.is_empty() {
+        return Err(Unsuitable(format!("domain {name} has no disk to capture")));
+    }
+    let agent_socket = devices
+        .children()
+        .filter(|c| c.has_tag_name("channel") && c.attribute("type") == Some("unix"))
+        .find(|c| {
+            child(*c, "target").is_some_and(|t| {
+                t.attribute("type") == Some("virtio") && t.attribute("name") == Some(AGENT_PORT)
+            })
+        })
+        .and_then(|c| child(c, "source"))
+        .filter(|s| s.attribute("mode") == Some("bind"))
+        .and_then(|s| s.attribute("path"))
+        .map(PathBuf::from)
+        .ok_or_else(|| {
+            Unsuitable(format!(
+                "domain {name} lacks the backstop agent channel; add to <devices>: {AGENT_CHANNEL_SNIPPET}"
+            ))
+        })?;
+    let has_watchdog = devices
+        .children()
+        .any(|c| c.has_tag_name("watchdog") && c.attribute("model") == Some("i6300esb"));
+    if !has_watchdog {
+        return Err(Unsuitable(format!(
+            "domain {name} lacks an i6300esb watchdog; add to <devices>: {WATCHDOG_SNIPPET}"
+        )));
+    }
+    let os = child(root, "os");
+    let machine = os
+        .and_then(|o| child(o, "type"))
+        .and_then(|t| t.attribute("machine"))
+        .unwrap_or("")
+        .to_string();
+    let memory_kib = child(root, "memory")
+        .and_then(|m| {
+            let v: u64 = m.text()?.trim().parse().ok()?;
+            Some(match m.attribute("unit").unwrap_or("KiB") {
+                "MiB" | "M" => v << 10,
+                "GiB" | "G" => v << 20,
+                "b" | "bytes" => v >> 10,
+                _ => v,
+            })
+        })
+        .unwrap_or(0);
+    let vcpus = text_of(root, "vcpu")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let emulator = text_of(devices, "emulator").unwrap_or_default();
+    Ok(DomainShape {
+        name,
+        uuid,
+        disks,
+        agent_socket,
+        machine,
+        memory_kib,
+        vcpus,
+        emulator,
+    })
+}
+
+impl DomainShape {
+    /// What a restore must match: machine type, memory, vCPUs, emulator, disk targets. Stable
+    /// across snapshots and restores of the same domain.
+    pub fn fingerprint(&self) -> String {
+        let mut h = Sha256::new();
+        h.update(format!(
+            "libvirt\0{}\0{}\0{}\0{}\0{}\0",
+            self.uuid, self.machine, self.memory_kib, self.vcpus, self.emulator
+        ));
+        for d in &self.disks {
+            h.update(d.target.as_bytes());
+            h.update([0]);
+        }
+        hex::encode(h.finalize())
+    }
+}
+
+/// Rewrites each `<disk>` whose target is in `actives` to that file as its source, dropping
+/// the `<backingStore>` libvirt listed (libvirt reads the chain from the images again), and
+/// removes every `<hostdev>`. Other text is kept byte for byte.
+pub fn rewrite_for_restore(xml: &str, actives: &[(String, PathBuf)]) -> Result<String, String> {
+    let doc = roxmltree::Document::parse(xml).map_err(|e| format!("captured XML: {e}"))?;
+    let root = doc.root_element();
+    let devices = child(root, "devices").ok_or("captured XML has no <devices>")?;
+    // (range to replace, replacement), applied back to front.
+    let mut edits: Vec<(std::ops::Range<usize>, String)> = Vec::new();
+    let mut found = Vec::new();
+    for d in devices.children().filter(|c| c.has_tag_name("disk")) {
+        let Some(target) = child(d, "target").and_then(|t| t.attribute("dev")) else {
+            continue;
+        };
+        let Some((_, path)) = actives.iter().find(|(id, _)| id == target) else {
+            continue;
+        };
+        let source = child(d, "source").ok_or_else(|| format!("disk {target}: no <source>"))?;
+        let file = path
+            .to_str()
+            .filter(|p| !p.contains(['\'', '<', '&', '"']))
+            .ok_or_else(|| format!("disk {target}: path {} cannot go into XML", path.display()))?;
+        edits.push((source.range(), format!("<source file='{file}'/>")));
+        if let Some(b) = child(d, "backingStore") {
+            edits.push((b.range(), String::new()));
+        }
+        found.push(target.to_string());
+    }
+    for (id, _) in actives {
+        if !found.contains(id) {
+            return Err(format!("captured XML has no disk {id}"));
+        }
+    }
+    for h in devices.children().filter(|c| c.has_tag_name("hostdev")) {
+        edits.push((h.range(), String::new()));
+    }
+    edits.sort_by_key(|(r, _)| std::cmp::Reverse(r.start));
+    let mut out = xml.to_string();
+    for (r, s) in edits {
+        out.replace_range(r, &s);
+    }
+    Ok(out)
+}
+
+/// The backing chain libvirt's live XML shows for the disk `target`, top first: its `<source
+/// file>`, then each nested `<backingStore>`'s file. Empty when there is no such disk.
+pub fn backing_chain(xml: &str, target: &str) -> Vec<PathBuf> {
+    let Ok(doc) = roxmltree::Document::parse(xml) else {
+        return Vec::new();
+    };
+    let Some(devices) = child(doc.root_element(), "devices") else {
+        return Vec::new();
+    };
+    let Some(disk) = devices.children().find(|d| {
+        d.has_tag_name("disk")
+            && child(*d, "target").and_then(|t| t.attribute("dev")) == Some(target)
+    }) else {
+        return Vec::new();
+    };
+    let mut chain = Vec::new();
+    let mut level = Some(disk);
+    while let Some(node) = level {
+        match child(node, "source").and_then(|s| s.attribute("file")) {
+            Some(f) => chain.push(PathBuf::from(f)),
+            None => break,
+        }
+        level = child(node, "backingStore");
+    }
+    chain
+}
+
+/// Each `<interface>` of the live XML, rewritten with `<link state='down'/>`: what
+/// `virDomainUpdateDeviceFlags(…, LIVE)` takes to pull a NIC's cable (as `virsh domif-setlink`
+/// does). spec/000 §8: network access does not survive a rollback. An existing `<link>` is
+/// replaced; otherwise one is added before `</interface>`.
+pub fn interfaces_link_down(xml: &str) -> Result<Vec<String>, String> {
+    let doc = roxmltree::Document::parse(xml).map_err(|e| format!("live XML: {e}"))?;
+    let Some(devices) = child(doc.root_element(), "devices") else {
+        return Ok(Vec::new());
+    };
+    let mut out = Vec::new();
+    for nic in devices.children().filter(|c| c.has_tag_name("interface")) {
+        let range = nic.range();
+        let text = &xml[range.clone()];
+        let down = "<link state='down'/>";
+        let rewritten = match child(nic, "link") {
+            Some(l) => {
+                let r = l.range();
+                format!(
+                    "{}{down}{}",
+                    &xml[range.start..r.start],
+                    &xml[r.end..range.end]
+                )
+            }
+            None => match text.strip_suffix("</interface>") {
+                Some(head) => format!("{head}{down}</interface>"),
+                None => return Err(format!("an <interface> without a closing tag: {text}")),
+            },
+        };
+        out.push(rewritten);
+    }
+    Ok(out)
+}
+
+/// Whether every `<interface>` in the XML has its link down (none: true).
+pub fn all_links_down(xml: &str) -> bool {
+    let Ok(doc) = roxmltree::Document::parse(xml) else {
+        return false;
+    };
+    let Some(devices) = child(doc.root_element(), "devices") else {
+        return true;
+    };
+    devices
+        .children()
+        .filter(|c| c.has_tag_name("interface"))
+        .all(|nic| child(nic, "link").and_then(|l| l.attribute("state")) == Some("down"))
+}
+
+/// The top-level element names under `<devices>` with their alias or model: what a restored
+/// domain holds, for the restore report.
+pub fn device_list(xml: &str) -> Vec<String> {
+    let Ok(doc) = roxmltree::Document::parse(xml) else {
+        return Vec::new();
+    };
+    let Some(devices) = child(doc.root_element(), "devices") else {
+        return Vec::new();
+    };
+    devices
+        .children()
+        .filter(|c| c.is_element())
+        .map(|c| {
+            let alias = child(c, "alias").and_then(|a| a.attribute("name"));
+            match alias.or(c.attribute("model")).or(c.attribute("type")) {
+                Some(a) => format!("{}:{a}", c.tag_name().name()),
+                None => c.tag_name().name().to_string(),
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FIXTURE: &str = include_str!("../tests/fixtures/test-guest-domain.xml");
+
+    fn filled() -> String {
+        FIXTURE
+            .replace("@NAME@", "t1")
+            .replace("@DIR@", "/v/t1")
+            .replace("@MEM_MIB@", "256")
+            .replace("@CMDLINE@", "console=ttyS0")
+    }
+
+    #[test]
+    fn the_test_guest_template_is_adoptable() {
+        let s = inspect(&filled()).unwrap();
+        assert_eq!(s.name, "t1");
+        assert_eq!(
+            s.disks,
+            vec![DomainDisk {
+                target: "vda".into(),
+                source: "/v/t1/disk.qcow2".into()
+            }]
+        );
+        assert_eq!(s.agent_socket, PathBuf::from("/v/t1/agent.sock"));
+        assert_eq!(s.memory_kib, 256 << 10);
+        assert_eq!(s.machine, "q35");
+    }
+
+    #[test]
+    fn each_refusal_names_what_to_add() {
+        let x = filled();
+        let no_chan = x.replace("org.backstop.agent.0", "org.other.0");
+        assert!(inspect(&no_chan)
+            .unwrap_err()
+            .0
+            .contains(AGENT_CHANNEL_SNIPPET));
+        let no_wd = x.replace("i6300esb", "ib700");
+        assert!(inspect(&no_wd).unwrap_err().0.contains(WATCHDOG_SNIPPET));
+        let raw = x.replace("type='qcow2'", "type='raw'");
+        assert!(inspect(&raw).unwrap_err().0.contains("must be qcow2"));
+        let hostdev = x.replace(
+            "<memballoon",
+            "<hostdev mode='subsystem' type='usb'><source><vendor id='0x1'/><product id='0x2'/></source></hostdev><memballoon",
+        );
+        assert!(inspect(&hostdev).unwrap_err().0.contains("passthrough"));
+        assert!(inspect("<domain").is_err());
+    }
+
+    #[test]
+    fn every_interface_gets_its_link_pulled() {
+        let xml = "<domain><devices>\
+            <interface type='user'><mac address='52:54:00:00:00:01'/><model type='virtio'/></interface>\
+            <interface type='network'><source network='default'/><link state='up'/></interface>\
+            <disk/></devices></domain>";
+        assert!(!all_links_down(xml));
+        let nics = interfaces_link_down(xml).unwrap();
+        assert_eq!(
+            nics,
+            [
+                "<interface type='user'><mac address='52:54:00:00:00:01'/><model type='virtio'/><link state='down'/></interface>",
+                "<interface type='network'><source network='default'/><link state='down'/></interface>",
+            ]
+        );
+        let after = format!("<domain><devices>{}</devices></domain>", nics.join(""));
+        assert!(all_links_down(&after));
+        assert!(interfaces_link_down("<domain><devices/></domain>")
+            .unwrap()
+            .is_empty());
+        assert!(all_links_down("<domain><devices/></domain>"));
+    }
+
+    #[test]
+    fn the_backing_chain_is_read_top_first() {
+        let xml = "<domain><devices><disk type='file' device='disk'>\
+            <source file='/l/3.qcow2'/><backingStore type='file'><format type='qcow2'/>\
+            <source file='/l/2.qcow2'/><backingStore type='file'><source file='/b.qcow2'/>\
+            <backingStore/></backingStore></backingStore><target dev='vda'/></disk>\
+            </devices></domain>";
+        assert_eq!(
+            backing_chain(xml, "vda"),
+            ["/l/3.qcow2", "/l/2.qcow2", "/b.qcow2"].map(PathBuf::from)
+        );
+        assert!(backing_chain(xml, "vdb").is_empty());
+        assert!(backing_chain("<not xml", "vda").is_empty());
+    }
+
+    #[test]
+    fn restore_rewrite_moves_the_disk_and_drops_backing_and_hostdevs() {
+        let x = filled().replace(
+            "<source file='/v/t1/disk.qcow2'/>",
+            "<source file='/v/t1/disk-1.qcow2'/><backingStore type='file'><format type='qcow2'/><source file='/v/t1/disk.qcow2'/></backingStore>",
+        ).replace("<memballoon", "<hostdev mode='subsystem' type='usb'/><memballoon");
+        let out = rewrite_for_restore(&x, &[("vda".into(), "/s/vda/000007.qcow2".into())]).unwrap();
+        assert!(
+            out.contains("<source file='/s/vda/000007.qcow2'/>"),
+            "{out}"
+        );
+        assert!(!out.contains("backingStore"));
+        assert!(!out.contains("hostdev"));
+        assert!(out.contains("<channel type='unix'>"));
+        assert!(rewrite_for_restore(&x, &[("vdz".into(), "/a".into())]).is_err());
+        assert!(rewrite_for_restore(&x, &[("vda".into(), "/a'b".into())]).is_err());
+    }
+}

@@ -1,0 +1,80 @@
+//! The libvirt backend: guards a domain that libvirt already runs, without restarting it and
+//! without libvirt losing track of it.
+//!
+//! * **Adopt**: connect to the configured URI, look the domain up by name or UUID, check it
+//!   (captured disks are qcow2 files, no `<hostdev>`, the agent channel and an i6300esb
+//!   watchdog present, background snapshots possible unless `capture` allows pre-copy) or refuse naming what to add; the QEMU
+//!   process is left as it is (same pid).
+//! * **Capture** (one instant): outside the pause, the background-snapshot capability, the
+//!   bandwidth and the stream's pipe (`getfd` with the fd passed by
+//!   `virDomainQemuMonitorCommandWithFiles`); inside it, `virDomainSuspend` → a disk-only
+//!   external snapshot by libvirt itself onto overlays backstop created
+//!   (`DISK_ONLY|REUSE_EXT|NO_METADATA|ATOMIC`, so libvirt's live and persistent XML name the
+//!   new top) → `migrate fd:` through monitor passthrough; QEMU 7.2 resumes the guest when the
+//!   device state is saved. The capability is switched off again after each capture.
+//!   With `capture = "precopy"` (hosts that keep `vm.unprivileged_userfaultfd=0`) the guest is
+//!   not suspended first: `migrate` runs live with `pause-before-switchover`; when QEMU stops
+//!   the guest at switchover the same disk-only snapshot is taken, then `migrate-continue`,
+//!   and the guest is resumed through libvirt (`precopy.rs`).
+//! * **Restore** keeping name and UUID: `virDomainDestroy`, then a libvirt save image written
+//!   from the stored stream (the domain XML travels in the stream, disks rewritten onto fresh
+//!   overlays) and `virDomainRestoreFlags(.., PAUSED)`, checked, and the persistent definition
+//!   redefined so a later cold start boots the same chain.
+//!
+//! It must never change libvirt's block graph behind its back (no `blockdev-*` or `transaction`
+//! through passthrough) and never resume a guest on its own initiative except where QEMU's
+//! background snapshot requires it (see `wait_resumed_after_migrate`).
+//!
+//! The parts that need no libvirt (XML checks and rewrites, the save-image framing) always
+//! build; the backend itself needs the cargo feature `libvirt` (libvirt-dev at build time).
+
+pub mod domain_xml;
+pub mod save_image;
+
+#[cfg(feature = "libvirt")]
+mod backend;
+#[cfg(feature = "libvirt")]
+mod precopy;
+#[cfg(feature = "libvirt")]
+pub use backend::{version_text, LibvirtBackend};
+
+use std::path::PathBuf;
+
+/// Whether this build has the backend (the `libvirt` feature).
+pub const AVAILABLE: bool = cfg!(feature = "libvirt");
+
+/// What the backend needs from `[vm.libvirt]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LibvirtConfig {
+    /// `qemu:///system`. Fd passing needs a local (UNIX socket) connection.
+    pub uri: String,
+    /// The domain's name, or
+    pub domain: Option<String>,
+    /// its UUID (takes precedence; both given → they must agree).
+    pub uuid: Option<String>,
+    /// Where restore images are written (libvirtd reads them as root); the layers directory.
+    pub work_dir: PathBuf,
+    /// QEMU's migration bandwidth during a capture (bytes/s).
+    pub max_bandwidth: u64,
+    /// How RAM is captured (`[vm.libvirt] capture`).
+    pub capture: CaptureMode,
+}
+
+/// `[vm.libvirt] capture`: how a snapshot gets RAM at the same instant as the disks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CaptureMode {
+    /// QEMU's background snapshot: the guest pauses only for the disk switch, and RAM streams
+    /// out while it runs (userfaultfd write-protection). Libvirt's QEMU runs unprivileged, so
+    /// the host must allow `vm.unprivileged_userfaultfd=1`; adoption refuses otherwise.
+    #[default]
+    Background,
+    /// A live pre-copy migration into the store: RAM streams out while the guest runs and
+    /// dirties it; QEMU stops the guest once the rest fits in its downtime limit, the disks
+    /// switch, the rest and the device state follow, and the guest resumes. Needs no
+    /// userfaultfd; the pause grows with how fast the guest writes memory. Experimental: see
+    /// README ("`precopy` is experimental").
+    Precopy,
+    /// `background` where the host allows it, else `precopy` (journaled at adoption).
+    Auto,
+}

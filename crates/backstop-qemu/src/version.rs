@@ -1,0 +1,190 @@
+//! Which QEMU this is and how a capture must be driven on it. Pure functions, unit-tested.
+//!
+//! What differs between the supported versions (read in QEMU's `migration/migration.c`,
+//! measured on 7.2 and 10.0):
+//! * 7.2 and 8.x: a background snapshot's thread resumes the VM with `vm_start()` once device
+//!   state is saved and write tracking is on, whatever the run state was before. So `stop` →
+//!   disk switch → `migrate` is resumed by QEMU itself (and a guest the operator paused is
+//!   resumed too: backstop pauses it again at once).
+//! * 9.0 and later: the thread calls `vm_resume(vm_old_state)`, so a VM stopped before
+//!   `migrate` stays paused. backstop resumes it itself, but only once write tracking is on:
+//!   the `MIGRATION` event `active` comes *before* the thread stops the VM and starts tracking,
+//!   and a `cont` in that window would let the guest run between the disk switch and the RAM
+//!   instant. The first RAM page counted by `query-migrate` is written after tracking started
+//!   (and after the thread scheduled its own resume), so that is the signal.
+
+use std::fmt;
+
+/// `query-version`'s `qemu` triple.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct QemuVersion {
+    pub major: u64,
+    pub minor: u64,
+    pub micro: u64,
+}
+
+impl fmt::Display for QemuVersion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.micro)
+    }
+}
+
+impl QemuVersion {
+    /// From `query-version`'s reply (`{"qemu": {"major": .., "minor": .., "micro": ..}, ..}`).
+    pub fn from_query(reply: &serde_json::Value) -> Option<QemuVersion> {
+        let q = reply.get("qemu")?;
+        Some(QemuVersion {
+            major: q.get("major")?.as_u64()?,
+            minor: q.get("minor")?.as_u64()?,
+            micro: q.get("micro")?.as_u64()?,
+        })
+    }
+}
+
+/// The versions backstop is built and tested against: 7.2 up to (not including) 11.0.
+pub const SUPPORTED: &str = "7.2 through 10.x";
+
+/// Who resumes a guest that backstop stopped for the capture instant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// QEMU's snapshot thread resumes it (`vm_start()`, 7.2 and 8.x).
+    ByQemu,
+    /// QEMU keeps it paused (≥ 9.0): backstop sends `cont` once write tracking is on.
+    AfterWriteTracking,
+}
+
+/// How a capture is driven on one QEMU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CapturePlan {
+    pub version: QemuVersion,
+    pub resume: Resume,
+}
+
+/// Decides the capture sequence for a QEMU from its version and its migration capabilities
+/// (the names `query-migrate-capabilities` lists). An error is one line naming the version and
+/// what is supported.
+pub fn capture_plan(version: QemuVersion, capabilities: &[&str]) -> Result<CapturePlan, String> {
+    let v = (version.major, version.minor);
+    let resume = if !((7, 2)..(11, 0)).contains(&v) {
+        return Err(format!(
+            "QEMU {version} is not supported (backstop supports QEMU {SUPPORTED})"
+        ));
+    } else if v < (9, 0) {
+        Resume::ByQemu
+    } else {
+        Resume::AfterWriteTracking
+    };
+    for needed in ["background-snapshot", "events"] {
+        if !capabilities.contains(&needed) {
+            return Err(format!(
+                "QEMU {version} lacks the migration capability {needed:?} (backstop supports QEMU {SUPPORTED})"
+            ));
+        }
+    }
+    Ok(CapturePlan { version, resume })
+}
+
+/// Whether `query-migrate`'s reply shows that RAM pages are being written, which QEMU's
+/// background snapshot only does after write tracking started (or that it already ended).
+pub fn write_tracking_on(query_migrate: &serde_json::Value) -> bool {
+    let status = query_migrate
+        .get("status")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("");
+    if matches!(status, "completed") {
+        return true;
+    }
+    let ram = query_migrate.get("ram");
+    let pages = |k: &str| {
+        ram.and_then(|r| r.get(k))
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(0)
+    };
+    // Either count alone says pages are being written; adding them could overflow (a panic in
+    // debug builds) on a reply claiming u64::MAX pages.
+    status == "active" && (pages("normal") > 0 || pages("duplicate") > 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const CAPS: &[&str] = &["xbzrle", "events", "background-snapshot"];
+
+    fn v(major: u64, minor: u64, micro: u64) -> QemuVersion {
+        QemuVersion {
+            major,
+            minor,
+            micro,
+        }
+    }
+
+    #[test]
+    fn versions_map_to_who_resumes() {
+        assert_eq!(
+            capture_plan(v(7, 2, 22), CAPS).unwrap().resume,
+            Resume::ByQemu
+        );
+        assert_eq!(
+            capture_plan(v(8, 2, 2), CAPS).unwrap().resume,
+            Resume::ByQemu
+        );
+        assert_eq!(
+            capture_plan(v(9, 0, 0), CAPS).unwrap().resume,
+            Resume::AfterWriteTracking
+        );
+        assert_eq!(
+            capture_plan(v(10, 0, 2), CAPS).unwrap().resume,
+            Resume::AfterWriteTracking
+        );
+        assert_eq!(
+            capture_plan(v(10, 2, 0), CAPS).unwrap().resume,
+            Resume::AfterWriteTracking
+        );
+    }
+
+    #[test]
+    fn versions_outside_the_range_are_refused_with_one_line() {
+        for old_or_new in [v(7, 1, 0), v(6, 2, 0), v(11, 0, 0), v(12, 1, 3)] {
+            let e = capture_plan(old_or_new, CAPS).unwrap_err();
+            assert!(e.contains(&old_or_new.to_string()), "{e}");
+            assert!(e.contains("7.2 through 10.x"), "{e}");
+            assert!(!e.contains('\n'));
+        }
+    }
+
+    #[test]
+    fn a_missing_capability_is_refused() {
+        let e = capture_plan(v(10, 0, 2), &["events"]).unwrap_err();
+        assert!(e.contains("background-snapshot"), "{e}");
+    }
+
+    #[test]
+    fn parses_query_version() {
+        let reply = json!({"qemu": {"micro": 2, "minor": 0, "major": 10}, "package": "Debian"});
+        assert_eq!(QemuVersion::from_query(&reply), Some(v(10, 0, 2)));
+        assert_eq!(
+            QemuVersion::from_query(&json!({"qemu": {"major": 7}})),
+            None
+        );
+        assert_eq!(v(10, 0, 2).to_string(), "10.0.2");
+    }
+
+    #[test]
+    fn tracking_is_on_once_pages_are_counted() {
+        assert!(!write_tracking_on(&json!({"status": "setup"})));
+        assert!(!write_tracking_on(
+            &json!({"status": "active", "ram": {"normal": 0, "duplicate": 0}})
+        ));
+        assert!(write_tracking_on(
+            &json!({"status": "active", "ram": {"normal": 0, "duplicate": 3}})
+        ));
+        assert!(write_tracking_on(&json!({"status": "completed"})));
+        assert!(!write_tracking_on(&json!({"status": "failed"})));
+        // Counts near u64::MAX are not added up (that overflowed).
+        assert!(write_tracking_on(
+            &json!({"status": "active", "ram": {"normal": u64::MAX, "duplicate": 1}})
+        ));
+    }
+}

@@ -1,0 +1,330 @@
+//! The QEMU backend on a real QEMU and the real test guest (scripts/setup.sh builds it into
+//! `~/.cache/backstop/guest`), driven through the `VmBackend` trait as the engine drives it:
+//!
+//! * a failure injected at each step of a capture leaves the guest running (QEMU says so, and
+//!   the guest's own serial ticks go on), and the next snapshot works;
+//! * a guest the operator paused before a snapshot is still paused after it;
+//! * any number of snapshots on one QEMU instance.
+//!
+//! `BACKSTOP_QEMU` chooses the QEMU (default: `qemu-system-x86_64` on PATH). Skips loudly when
+//! QEMU or the guest is missing; `BACKSTOP_REQUIRE_E2E=1` makes that a failure.
+//!
+//! Needs the test-only feature: `cargo test -p backstop-qemu --features fault-injection`
+//! (without it this file compiles to nothing).
+#![cfg(feature = "fault-injection")]
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use backstop_hypervisor::{BackendError, BootMode, DiskAttachment, DiskSwitch, VmBackend};
+use backstop_qemu::{Accel, FaultStep, QemuBackend, QemuConfig};
+
+fn qemu() -> String {
+    match std::env::var("BACKSTOP_QEMU") {
+        Ok(q) if !q.is_empty() => q,
+        _ => "qemu-system-x86_64".into(),
+    }
+}
+
+fn guest_dir() -> PathBuf {
+    match std::env::var("BACKSTOP_GUEST_DIR") {
+        Ok(d) if !d.is_empty() => d.into(),
+        _ => PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/root".into()))
+            .join(".cache/backstop/guest"),
+    }
+}
+
+fn runs(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn skip(test: &str) -> bool {
+    let g = guest_dir();
+    let why = if !["vmlinuz", "initrd.img", "disk-base.qcow2"]
+        .iter()
+        .all(|f| g.join(f).exists())
+    {
+        Some(format!(
+            "test guest missing in {} (run scripts/setup.sh)",
+            g.display()
+        ))
+    } else if !runs(&qemu()) || !runs("qemu-img") {
+        Some(format!(
+            "{} or qemu-img does not run (run scripts/setup.sh)",
+            qemu()
+        ))
+    } else {
+        None
+    };
+    match why {
+        None => false,
+        Some(why) if std::env::var("BACKSTOP_REQUIRE_E2E").as_deref() == Ok("1") => {
+            panic!("{test}: BACKSTOP_REQUIRE_E2E=1 but {why}")
+        }
+        Some(why) => {
+            eprintln!("SKIPPED {test}: {why}");
+            true
+        }
+    }
+}
+
+struct Vm {
+    backend: QemuBackend,
+    dir: tempfile::TempDir,
+    serial: PathBuf,
+    active: PathBuf,
+    n: u32,
+}
+
+/// A new empty overlay on `backing` (which a running QEMU may hold: `-u`, size given).
+fn overlay(backing: &Path, path: &Path) {
+    let info = Command::new("qemu-img")
+        .args(["info", "-U", "--output=json"])
+        .arg(backing)
+        .output()
+        .unwrap();
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    let size = info["virtual-size"].as_u64().unwrap().to_string();
+    let st = Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-u", "-F", "qcow2", "-b"])
+        .arg(backing)
+        .arg(path)
+        .arg(size)
+        .status()
+        .unwrap();
+    assert!(st.success(), "qemu-img create {}", path.display());
+}
+
+impl Vm {
+    fn boot(name: &str) -> Vm {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("bq-{name}-"))
+            .tempdir()
+            .unwrap();
+        let g = guest_dir();
+        let active = dir.path().join("data-0.qcow2");
+        overlay(&g.join("disk-base.qcow2"), &active);
+        let serial = dir.path().join("serial.log");
+        let cfg = QemuConfig {
+            vm_name: name.into(),
+            binary: qemu().into(),
+            machine: "q35".into(),
+            accel: Accel::detect().0,
+            memory_mib: 256,
+            vcpus: 1,
+            kernel: g.join("vmlinuz"),
+            initrd: Some(g.join("initrd.img")),
+            append: "console=ttyS0 quiet panic=-1 no_timer_check".into(),
+            run_dir: PathBuf::from(format!("/tmp/bq-{}-{name}", std::process::id())),
+            serial_log: serial.clone(),
+            serial_log_max_bytes: 1 << 20,
+            nics: Vec::new(),
+            watchdog: false,
+            max_bandwidth: 16 << 30,
+            qmp_timeout: Duration::from_secs(30),
+            disk_shape: vec![("data".into(), true)],
+            devices: Default::default(),
+        };
+        let mut backend = QemuBackend::new(cfg);
+        backend
+            .launch(
+                &[DiskAttachment {
+                    id: "data".into(),
+                    active: active.clone(),
+                    captured: true,
+                }],
+                BootMode::Cold,
+            )
+            .unwrap();
+        let vm = Vm {
+            backend,
+            dir,
+            serial,
+            active,
+            n: 0,
+        };
+        vm.wait_ticks(2, Duration::from_secs(90));
+        vm
+    }
+
+    /// The guest's `BACKSTOP tick ram=<n>` counters so far (complete lines only).
+    fn ticks(&self) -> Vec<u64> {
+        let text = std::fs::read_to_string(&self.serial).unwrap_or_default();
+        let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+        complete
+            .lines()
+            .filter_map(|l| {
+                let rest = l.trim().strip_prefix("BACKSTOP tick ram=")?;
+                rest.split_whitespace().next()?.parse().ok()
+            })
+            .collect()
+    }
+
+    fn last_tick(&self) -> u64 {
+        self.ticks().last().copied().unwrap_or(0)
+    }
+
+    /// Waits for `more` new ticks: the guest really runs.
+    fn wait_ticks(&self, more: u64, timeout: Duration) {
+        let from = self.last_tick();
+        let deadline = Instant::now() + timeout;
+        while self.last_tick() < from + more {
+            assert!(
+                Instant::now() < deadline,
+                "the guest did not tick on within {timeout:?} (last {})",
+                self.last_tick()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn status(&mut self) -> String {
+        let s = self.backend.qmp_execute("query-status", None).unwrap();
+        s["status"].as_str().unwrap().to_string()
+    }
+
+    /// One capture as the engine drives it: new overlay, begin, read the stream to its end,
+    /// finish; on any error after begin, abort. Returns the pause or the error.
+    fn snapshot(&mut self) -> Result<(u64, u64), BackendError> {
+        self.n += 1;
+        let next = self.dir.path().join(format!("data-{}.qcow2", self.n));
+        overlay(&self.active, &next);
+        let stream = match self.backend.begin_capture(&[DiskSwitch {
+            id: "data".into(),
+            new_active: next.clone(),
+        }]) {
+            Ok(s) => s,
+            Err(e) => {
+                if let BackendError::CaptureAfterSwitch(_) = e {
+                    self.active = next;
+                }
+                return Err(e);
+            }
+        };
+        self.active = next;
+        let mut reader = stream.reader;
+        let mut bytes = 0u64;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            match reader.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => bytes += n as u64,
+                Err(e) => panic!("reading the capture stream: {e}"),
+            }
+        }
+        match self.backend.finish_capture() {
+            Ok(report) => Ok((report.pause_us, bytes)),
+            Err(e) => {
+                drop(reader);
+                self.backend.abort_capture();
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        let _ = self.backend.terminate();
+        let _ = std::fs::remove_dir_all(&self.backend.config().run_dir);
+    }
+}
+
+#[test]
+fn a_failure_at_any_capture_step_leaves_the_guest_running_and_the_next_snapshot_works() {
+    if skip("a_failure_at_any_capture_step_leaves_the_guest_running") {
+        return;
+    }
+    let mut vm = Vm::boot("faults");
+    eprintln!("qemu: {:?}", vm.backend.capture_plan());
+    for step in FaultStep::ALL {
+        vm.backend.inject_fault(step);
+        let r = vm.snapshot();
+        let e = r.expect_err(&format!("{step:?}: the injected failure must surface"));
+        assert!(
+            e.to_string().contains("injected failure"),
+            "{step:?}: unexpected error {e}"
+        );
+        assert_eq!(
+            vm.status(),
+            "running",
+            "{step:?}: guest left {}",
+            vm.status()
+        );
+        vm.wait_ticks(2, Duration::from_secs(30));
+        let (pause_us, bytes) = vm
+            .snapshot()
+            .unwrap_or_else(|e| panic!("{step:?}: the snapshot after the failure failed: {e}"));
+        assert!(
+            pause_us > 0 && bytes > 1 << 20,
+            "{step:?}: pause {pause_us} us, {bytes} bytes"
+        );
+        assert_eq!(vm.status(), "running", "{step:?}: after the good snapshot");
+        vm.wait_ticks(1, Duration::from_secs(30));
+        eprintln!("{step:?}: guest runs after the failure; next snapshot paused it {pause_us} us");
+    }
+}
+
+#[test]
+fn a_guest_paused_by_the_operator_stays_paused_through_snapshots() {
+    if skip("a_guest_paused_by_the_operator_stays_paused_through_snapshots") {
+        return;
+    }
+    let mut vm = Vm::boot("paused");
+    vm.backend.pause().unwrap();
+    assert_eq!(vm.status(), "paused");
+    std::thread::sleep(Duration::from_millis(500));
+    let frozen = vm.last_tick();
+    for i in 0..2 {
+        let (pause_us, bytes) = vm.snapshot().unwrap();
+        assert!(bytes > 1 << 20);
+        assert_eq!(pause_us, 0, "no pause of ours on a paused guest");
+        assert_eq!(
+            vm.status(),
+            "paused",
+            "snapshot {i} resumed the operator's paused guest"
+        );
+    }
+    // A failed capture does not resume it either.
+    vm.backend.inject_fault(FaultStep::AfterMigrate);
+    assert!(vm.snapshot().is_err());
+    assert_eq!(
+        vm.status(),
+        "paused",
+        "a failed capture resumed the paused guest"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        vm.last_tick() <= frozen + 1,
+        "the paused guest ticked on: {frozen} -> {}",
+        vm.last_tick()
+    );
+    vm.backend.resume().unwrap();
+    assert_eq!(vm.status(), "running");
+    vm.wait_ticks(2, Duration::from_secs(30));
+}
+
+#[test]
+fn many_snapshots_on_one_qemu_instance() {
+    if skip("many_snapshots_on_one_qemu_instance") {
+        return;
+    }
+    let mut vm = Vm::boot("many");
+    for i in 0..5 {
+        let (pause_us, _) = vm
+            .snapshot()
+            .unwrap_or_else(|e| panic!("snapshot {i} on the same QEMU failed: {e}"));
+        eprintln!("snapshot {i}: pause {pause_us} us");
+        assert_eq!(vm.status(), "running");
+    }
+    vm.wait_ticks(1, Duration::from_secs(30));
+}

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Prepare a Debian 12 host for backstop's libvirt backend and its tests:
+# install libvirt 9.0 (daemon, clients, headers for the `virt` crate), make its
+# QEMU driver work in a container without systemd, and start virtlogd and
+# libvirtd if they are not running. Idempotent and non-interactive; prints the
+# libvirt version on stdout.
+#
+# Called by scripts/setup.sh when BACKSTOP_WITH_LIBVIRT=1 (see docs/libvirt-notes.md
+# for the measured install time). Needs root.
+set -euo pipefail
+
+die() { echo "setup-libvirt: error: $*" >&2; exit 1; }
+log() { echo "setup-libvirt: $*" >&2; }
+
+[[ $EUID -eq 0 ]] || die "needs root (libvirtd runs as root; qemu:///system)"
+
+declare -A needs=(
+	[libvirt-daemon-system]=/usr/sbin/libvirtd
+	[libvirt-clients]=/usr/bin/virsh
+	[libvirt-dev]=/usr/lib/x86_64-linux-gnu/pkgconfig/libvirt-qemu.pc
+	[pkg-config]=/usr/bin/pkg-config
+)
+installed() {
+	[[ $(dpkg-query -W -f='${Status}' "$1" 2>/dev/null) == "install ok installed" ]]
+}
+missing=()
+for pkg in "${!needs[@]}"; do
+	if ! installed "$pkg" || [[ ! -e ${needs[$pkg]} ]]; then
+		missing+=("$pkg")
+	fi
+done
+if ((${#missing[@]})); then
+	log "missing: ${missing[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -q >/dev/null || die "apt-get update failed"
+	# --no-install-recommends: no dnsmasq/firewall/qemu-system-* recommends;
+	# the QEMU is the system's 7.2 installed by setup.sh.
+	apt-get install -y -q --no-install-recommends \
+		libvirt-daemon-system libvirt-clients libvirt-dev pkg-config >/dev/null ||
+		die "apt-get install failed"
+	for pkg in "${!needs[@]}"; do
+		[[ -e ${needs[$pkg]} ]] || die "$pkg installed but ${needs[$pkg]} is missing"
+	done
+fi
+
+# /dev/kvm as Debian's udev rule leaves it (root:kvm 0660; libvirt-qemu is in group kvm).
+# Containers without udev have root:root 0600: libvirt then finds KVM "not usable" for its QEMU
+# user while its capability probe (run as root) reports KVM, so it throws its capability cache
+# away and re-probes QEMU on every define/lookup (84 s each on these machines, measured).
+if [[ -c /dev/kvm ]] && getent group kvm >/dev/null &&
+	[[ $(stat -c '%G %a' /dev/kvm) != "kvm 660" ]]; then
+	log "/dev/kvm: root:kvm 0660 (as udev does on Debian)"
+	chgrp kvm /dev/kvm
+	chmod 0660 /dev/kvm
+fi
+
+# qemu.conf: libvirt's defaults were enough to start a TCG domain in this container
+# (no systemd, cgroup v1 mounted, no AppArmor): security_driver, namespaces and
+# cgroup_controllers stay as shipped (docs/libvirt-notes.md, step 1). A host that needs
+# some of them sets BACKSTOP_LIBVIRT_QEMU_CONF, e.g.
+#   'security_driver="none" namespaces=[] cgroup_controllers=[]'
+# A marked block, rewritten each time: idempotent.
+conf=/etc/libvirt/qemu.conf
+begin='# >>> backstop setup-libvirt.sh'
+end='# <<< backstop setup-libvirt.sh'
+block=$(
+	echo "$begin"
+	echo "# Added for containers without systemd (see backstop docs/libvirt-notes.md)."
+	for kv in ${BACKSTOP_LIBVIRT_QEMU_CONF:-}; do
+		echo "${kv%%=*} = ${kv#*=}"
+	done
+	echo "$end"
+)
+tmp=$(mktemp)
+sed "/^$begin\$/,/^$end\$/d" "$conf" >"$tmp"
+echo "$block" >>"$tmp"
+restart=0
+if ! cmp -s "$tmp" "$conf"; then
+	cat "$tmp" >"$conf"
+	restart=1
+	log "updated $conf"
+fi
+rm -f "$tmp"
+
+if ! pgrep -x virtlogd >/dev/null; then
+	log "starting virtlogd"
+	virtlogd -d || die "virtlogd -d failed"
+fi
+if ((restart)) && pid=$(pgrep -x libvirtd); then
+	log "restarting libvirtd (pid $pid) for the new qemu.conf"
+	kill "$pid"
+	for _ in $(seq 50); do pgrep -x libvirtd >/dev/null || break; sleep 0.1; done
+fi
+if ! pgrep -x libvirtd >/dev/null; then
+	log "starting libvirtd"
+	libvirtd -d || die "libvirtd -d failed"
+fi
+for _ in $(seq 100); do
+	if virsh -c qemu:///system version >/dev/null 2>&1; then break; fi
+	sleep 0.1
+done
+version=$(virsh -c qemu:///system version 2>&1) || die "libvirtd does not answer: $version"
+log "$(echo "$version" | tr '\n' ';')"
+virsh -c qemu:///system version --daemon | sed -n 's/^Running against daemon: *//p' |
+	sed 's/^/libvirt /'

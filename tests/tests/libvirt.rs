@@ -1,0 +1,1046 @@
+//! The libvirt backend end to end: a real libvirtd (scripts/setup-libvirt.sh), the test guest
+//! defined and started with `virsh`, a real backstopd (built with `--features libvirt`) adopting
+//! it, a snapshot, the guest moving on, a rollback, and the guest's own serial output.
+//!
+//! Skips loudly when libvirt is not usable here; with `BACKSTOP_REQUIRE_LIBVIRT=1` that fails.
+//! Background snapshots need `vm.unprivileged_userfaultfd=1` for libvirt's unprivileged QEMU:
+//! the tests set it and put the old value back.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use backstop_e2e::{bin, disk_sector0, guest_dir, parse_ticks, Daemon, Tick};
+use serde_json::Value;
+
+const TEMPLATE: &str =
+    include_str!("../../crates/backstop-libvirt/tests/fixtures/test-guest-domain.xml");
+const BOOT: Duration = Duration::from_secs(120);
+const STEP: Duration = Duration::from_secs(90);
+
+fn virsh(args: &[&str]) -> Output {
+    Command::new("nice")
+        .args(["-n", "10", "virsh", "-c", "qemu:///system"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn virsh_text(args: &[&str]) -> String {
+    let o = virsh(args);
+    assert!(o.status.success(), "virsh {args:?}: {o:?}");
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// Why the libvirt tests cannot run here, if they cannot.
+fn libvirt_missing() -> Option<String> {
+    if !guest_dir().join("vmlinuz").exists() {
+        return Some("test guest missing (run scripts/setup.sh)".into());
+    }
+    match Command::new("virsh")
+        .args(["-c", "qemu:///system", "version"])
+        .output()
+    {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            return Some(format!(
+                "libvirtd does not answer on qemu:///system (run scripts/setup-libvirt.sh): {}",
+                String::from_utf8_lossy(&o.stderr).trim()
+            ))
+        }
+        Err(_) => return Some("virsh not installed (run scripts/setup-libvirt.sh)".into()),
+    }
+    if !bin("backstopd").exists() || !bin("backstop").exists() {
+        return Some("backstopd/backstop not built".into());
+    }
+    // A backstopd built without the feature refuses the config at load, naming it.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        config(
+            &dir.path().join("s"),
+            &dir.path().join("r"),
+            "x",
+            "",
+            Path::new("/tmp/x"),
+        ),
+    )
+    .unwrap();
+    let o = Command::new(bin("backstopd"))
+        .arg("--check-config")
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr);
+    if out.contains("without the libvirt backend") {
+        return Some("backstopd was built without `--features libvirt`".into());
+    }
+    None
+}
+
+fn skip_unless_libvirt(test: &str) -> bool {
+    match libvirt_missing() {
+        None => false,
+        Some(why) if std::env::var("BACKSTOP_REQUIRE_LIBVIRT").as_deref() == Ok("1") => {
+            panic!("{test}: BACKSTOP_REQUIRE_LIBVIRT=1 but {why}")
+        }
+        Some(why) => {
+            eprintln!("SKIPPED {test}: {why}");
+            true
+        }
+    }
+}
+
+fn config(state: &Path, run: &Path, domain: &str, extra_libvirt: &str, layers: &Path) -> String {
+    format!(
+        r#"[daemon]
+state_dir = "{state}"
+run_dir = "{run}"
+
+[vm]
+name = "lv"
+backend = "libvirt"
+
+[vm.libvirt]
+uri = "qemu:///system"
+domain = "{domain}"
+layers_dir = "{layers}"
+{extra_libvirt}
+
+[watchdog]
+heartbeat_timeout_s = 30
+boot_grace_s = 120
+"#,
+        state = state.display(),
+        run = run.display(),
+        layers = layers.display(),
+    )
+}
+
+/// Sets `vm.unprivileged_userfaultfd` and puts the old value back on drop.
+///
+/// The sysctl is one value for the whole host while the tests of this file run in parallel:
+/// the guard holds a process-wide lock for as long as it lives, so a test that needs 0 waits
+/// for the one that needs 1 (without it, the "refused without userfaultfd" check set 0 in the
+/// middle of the other test's adoption: a CI failure).
+struct Uffd {
+    old: String,
+    _held: std::sync::MutexGuard<'static, ()>,
+}
+static UFFD_SYSCTL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+impl Uffd {
+    fn set(v: &str) -> Uffd {
+        let held = UFFD_SYSCTL
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let p = "/proc/sys/vm/unprivileged_userfaultfd";
+        let old = std::fs::read_to_string(p).unwrap().trim().to_string();
+        std::fs::write(p, v).unwrap();
+        Uffd { old, _held: held }
+    }
+}
+impl Drop for Uffd {
+    fn drop(&mut self) {
+        // Runs before the fields drop: the old value is back before the lock is released.
+        let _ = std::fs::write("/proc/sys/vm/unprivileged_userfaultfd", &self.old);
+    }
+}
+
+/// The tests of this file share one libvirtd; the one that restarts it holds this exclusively.
+static LIBVIRTD: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn libvirtd_shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    LIBVIRTD.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A domain of the test guest defined and started with virsh; destroyed and undefined on drop.
+struct TestDomain {
+    name: String,
+    dir: PathBuf,
+}
+
+impl TestDomain {
+    /// `edit` changes the domain XML before `virsh define`.
+    fn start(name: &str, edit: &dyn Fn(String) -> String) -> TestDomain {
+        let name = format!("{name}-{}", std::process::id());
+        let root = Path::new("/var/lib/backstop-lvtest");
+        let dir = root.join(&name);
+        let _ = virsh(&["destroy", &name]);
+        let _ = virsh(&["undefine", &name]);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        for d in [root, dir.as_path()] {
+            Command::new("chmod").arg("755").arg(d).status().unwrap();
+        }
+        let g = guest_dir();
+        for f in ["vmlinuz", "initrd.img"] {
+            std::fs::copy(g.join(f), dir.join(f)).unwrap();
+        }
+        std::fs::copy(g.join("disk-base.qcow2"), dir.join("base.qcow2")).unwrap();
+        let st = Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
+            .arg(dir.join("base.qcow2"))
+            .arg(dir.join("disk.qcow2"))
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let xml = edit(
+            TEMPLATE
+                .replace("@NAME@", &name)
+                .replace("@DIR@", dir.to_str().unwrap())
+                .replace("@MEM_MIB@", "256")
+                .replace("@CMDLINE@", "console=ttyS0 quiet panic=-1 no_timer_check"),
+        );
+        std::fs::write(dir.join("domain.xml"), xml).unwrap();
+        let dom = TestDomain { name, dir };
+        virsh_text(&["define", dom.dir.join("domain.xml").to_str().unwrap()]);
+        virsh_text(&["start", &dom.name]);
+        dom.renice();
+        dom
+    }
+
+    fn pid(&self) -> u32 {
+        std::fs::read_to_string(format!("/run/libvirt/qemu/{}.pid", self.name))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// The machine is shared: libvirt's QEMU runs at nice 10 like all the tests start.
+    fn renice(&self) {
+        let _ = Command::new("renice")
+            .args(["-n", "10", "-p", &self.pid().to_string()])
+            .output();
+    }
+
+    fn serial(&self) -> String {
+        std::fs::read_to_string(self.dir.join("serial.log")).unwrap_or_default()
+    }
+
+    fn wait_ticks(&self, from: usize, what: &str, done: impl Fn(&[Tick]) -> bool) -> Vec<Tick> {
+        let end = Instant::now() + BOOT;
+        loop {
+            let text = self.serial();
+            let t = parse_ticks(&text[from.min(text.len())..]);
+            if done(&t) {
+                return t;
+            }
+            assert!(Instant::now() < end, "{what}: serial:\n{text}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn layers(&self) -> PathBuf {
+        self.dir.join("layers")
+    }
+}
+
+impl Drop for TestDomain {
+    fn drop(&mut self) {
+        let _ = virsh(&["destroy", &self.name]);
+        let _ = virsh(&["undefine", &self.name]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn events<'a>(journal: &'a [Value], name: &str) -> Vec<&'a Value> {
+    journal.iter().filter(|e| e["event"] == name).collect()
+}
+
+#[test]
+fn libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant() {
+    let test = "libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    let dom = TestDomain::start("bs-e2e", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let pid_before = dom.pid();
+    let uuid = virsh_text(&["domuuid", &dom.name]).trim().to_string();
+
+    let layers = dom.layers();
+    let (name, l2) = (dom.name.clone(), layers.clone());
+    let mut d = Daemon::prepare_custom(
+        "lv-adopt",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &[],
+    );
+    d.launch();
+
+    // Adopted, not restarted: same QEMU, versions and capture mode journaled.
+    let adopted =
+        d.wait_journal(STEP, "vm.adopted", |e| e["event"] == "vm.adopted")["fields"].clone();
+    eprintln!("vm.adopted: {adopted}");
+    assert_eq!(adopted["pid"], pid_before, "{adopted}");
+    assert_eq!(adopted["uuid"], uuid.as_str());
+    assert_eq!(adopted["domain"], dom.name.as_str());
+    assert_eq!(adopted["capture_mode"], "bg");
+    assert!(
+        adopted["libvirt_version"]
+            .as_str()
+            .unwrap()
+            .starts_with("9."),
+        "{adopted}"
+    );
+    assert!(!adopted["qemu_version"].as_str().unwrap().is_empty());
+    assert_eq!(
+        dom.pid(),
+        pid_before,
+        "the same QEMU process after adoption"
+    );
+    let baseline = d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    let snaps = d.ok(&["snapshot", "list"]);
+    assert_eq!(snaps["snapshots"].as_array().unwrap().len(), 1, "{snaps}");
+    assert_eq!(
+        snaps["snapshots"][0]["snapshot_id"], baseline["fields"]["snapshot_id"],
+        "the baseline is listed"
+    );
+    assert_eq!(dom.pid(), pid_before, "the baseline snapshot kept the QEMU");
+
+    // A snapshot: libvirt's own view follows the new top layer, the capability is off again.
+    let v = d.ok(&["snapshot", "create", "--reason", "before the change"]);
+    let id = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    let completed = d.wait_journal(STEP, "snapshot completed", |e| {
+        e["event"] == "snapshot.create.completed" && e["fields"]["snapshot_id"] == id.as_str()
+    });
+    eprintln!(
+        "snapshot {id}: pause_us {}",
+        completed["fields"]["pause_us"]
+    );
+    let show = d.ok(&["snapshot", "show", &id]);
+    let refs = show["manifest"]["payload_refs"].as_array().unwrap();
+    let chain = refs
+        .iter()
+        .find(|p| p["kind"] == "disk-layer-chain" && p["name"] == "disk:vda")
+        .unwrap_or_else(|| panic!("vda in the manifest: {show}"));
+    let frozen_top = PathBuf::from(
+        chain["layers"].as_array().unwrap().last().unwrap()["path"]
+            .as_str()
+            .unwrap(),
+    );
+    let snap_disk = disk_sector0(&frozen_top);
+    assert!(snap_disk > 0);
+    let blk = virsh_text(&["domblklist", &dom.name]);
+    let live_top = blk
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("vda"))
+        .unwrap()
+        .trim()
+        .to_string();
+    assert!(live_top.starts_with(layers.to_str().unwrap()), "{blk}");
+    assert!(
+        virsh_text(&["dumpxml", "--inactive", &dom.name]).contains(&live_top),
+        "the persistent definition names the new top too"
+    );
+    let caps = virsh_text(&[
+        "qemu-monitor-command",
+        &dom.name,
+        r#"{"execute":"query-migrate-capabilities"}"#,
+    ]);
+    assert!(
+        caps.contains(r#"{"state":false,"capability":"background-snapshot"}"#),
+        "{caps}"
+    );
+    assert_eq!(
+        virsh_text(&["snapshot-list", "--name", &dom.name]).trim(),
+        "",
+        "no libvirt snapshot metadata (NO_METADATA)"
+    );
+
+    // The guest moves on; then the rollback.
+    dom.wait_ticks(0, "guest moving on", |t| {
+        t.last().is_some_and(|t| t.ram >= snap_disk + 5)
+    });
+    let before = dom.serial().len();
+    let started = Instant::now();
+    let rb = d.ok(&["rollback", "--to", &id, "--reason", "test: undo the change"]);
+    eprintln!(
+        "rollback in {:?}: phases {}",
+        started.elapsed(),
+        rb["phases"]
+    );
+    assert_eq!(rb["snapshot_id"], id.as_str());
+    dom.renice();
+    let after = dom.wait_ticks(before, "restored guest ticking", |t| {
+        t.iter().skip_while(|t| t.ram > snap_disk + 1).count() >= 2
+    });
+    let restored: Vec<Tick> = after
+        .into_iter()
+        .skip_while(|t| t.ram > snap_disk + 1)
+        .collect();
+    eprintln!("snapshot disk {snap_disk}; first ticks after rollback {restored:?}");
+    assert_eq!(
+        restored[0].ram, restored[0].disk,
+        "RAM and disk at one instant"
+    );
+    assert!(
+        restored[0].ram == snap_disk || restored[0].ram == snap_disk + 1,
+        "at the snapshot point: {restored:?} vs {snap_disk}"
+    );
+
+    // Same name and UUID in libvirt, a new QEMU, the persistent definition on the new chain.
+    let info = virsh_text(&["dominfo", &dom.name]);
+    assert!(info.contains(&uuid), "{info}");
+    assert!(info.contains(&dom.name), "{info}");
+    assert_ne!(dom.pid(), pid_before, "a fresh QEMU");
+    let top_now = virsh_text(&["domblklist", &dom.name]);
+    let top_now = top_now
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("vda"))
+        .unwrap()
+        .trim()
+        .to_string();
+    assert_ne!(top_now, live_top, "fresh overlay");
+    assert!(virsh_text(&["dumpxml", "--inactive", &dom.name]).contains(&top_now));
+    let j = d.journal();
+    assert_eq!(events(&j, "rollback.completed").len(), 1);
+    d.ok(&["audit", "verify"]);
+    // A clean stop of the daemon leaves the operator's domain running, on the same QEMU.
+    let pid_restored = dom.pid();
+    d.stop();
+    assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
+    assert_eq!(
+        dom.pid(),
+        pid_restored,
+        "stopping backstopd did not end the domain"
+    );
+    let stopped = d.journal();
+    let stopped = events(&stopped, "daemon.stopped");
+    assert_eq!(stopped.last().unwrap()["fields"]["vm_left_running"], true);
+
+    // The next start adopts the still-running domain again and, since it ran unguarded, goes
+    // back to the newest verified snapshot (fail-closed), keeping name and UUID.
+    let before = dom.serial().len();
+    d.launch();
+    let rb2 = d.wait_journal(STEP, "rollback after restart", |e| {
+        e["event"] == "rollback.completed" && e["fields"]["rollback_type"] == "emergency"
+    });
+    eprintln!("after restart: {}", rb2["fields"]);
+    let j = d.journal();
+    let adoptions = events(&j, "vm.adopted");
+    assert_eq!(adoptions.len(), 2, "journaled at each adoption");
+    assert_eq!(adoptions[1]["fields"]["pid"], pid_restored);
+    dom.renice();
+    let again = dom.wait_ticks(before, "guest after the restart rollback", |t| t.len() >= 2);
+    assert_eq!(again[0].ram, again[0].disk, "{again:?}");
+    assert!(virsh_text(&["dominfo", &dom.name]).contains(&uuid));
+    let top_now = virsh_text(&["domblklist", &dom.name])
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("vda").map(|p| p.trim().to_string()))
+        .unwrap();
+    d.kill9();
+    // A cold start by the operator boots the restored chain (the persistent definition).
+    virsh_text(&["destroy", &dom.name]);
+    virsh_text(&["start", &dom.name]);
+    dom.renice();
+    let cold = virsh_text(&["domblklist", &dom.name]);
+    assert!(
+        cold.contains(&top_now),
+        "cold start on the restored chain: {cold}"
+    );
+    let from = dom.serial().len();
+    dom.wait_ticks(from, "cold-started guest ticking", |t| t.len() >= 2);
+}
+
+#[test]
+fn libvirt_bad_input_is_one_line_with_a_code_and_changes_nothing() {
+    let test = "libvirt_bad_input_is_one_line_with_a_code_and_changes_nothing";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    // A domain without the agent channel.
+    let dom = TestDomain::start("bs-e2e-nochan", &|x| {
+        let a = x.find("<channel").unwrap();
+        let b = x.find("</channel>").unwrap() + "</channel>".len();
+        format!("{}{}", &x[..a], &x[b..])
+    });
+    let pid = dom.pid();
+    let layers = dom.layers();
+    for (case, domain, extra, code, says) in [
+        (
+            "missing domain",
+            "bs-no-such-domain",
+            "",
+            "ERR_LIBVIRT_DOMAIN_NOT_FOUND",
+            "bs-no-such-domain",
+        ),
+        (
+            "wrong uri",
+            dom.name.as_str(),
+            "",
+            "ERR_LIBVIRT_CONNECT",
+            "cannot connect to libvirt",
+        ),
+        (
+            "no agent channel",
+            dom.name.as_str(),
+            "",
+            "ERR_LIBVIRT_DOMAIN_UNSUITABLE",
+            "<channel type='unix'>",
+        ),
+    ] {
+        let (name, l2, extra) = (domain.to_string(), layers.clone(), extra.to_string());
+        let wrong_uri = case == "wrong uri";
+        let mut d = Daemon::prepare_custom(
+            "lv-refuse",
+            &move |s: &Path, r: &Path| {
+                let c = config(s, r, &name, &extra, &l2);
+                if wrong_uri {
+                    c.replace(
+                        "qemu:///system",
+                        "qemu+unix:///system?socket=/nonexistent/libvirt-sock",
+                    )
+                } else {
+                    c
+                }
+            },
+            &[],
+        );
+        d.launch_answering();
+        let st = d.cli(&["status"]);
+        let text =
+            String::from_utf8_lossy(&st.stdout).to_string() + &String::from_utf8_lossy(&st.stderr);
+        let log = d.log();
+        eprintln!("{case}: status: {text}");
+        let line = log
+            .lines()
+            .find(|l| l.contains("could not start"))
+            .unwrap_or_else(|| panic!("{case}: no refusal in the log:\n{log}"));
+        eprintln!("{case}: log: {line}");
+        assert!(text.contains(code), "{case}: status names {code}: {text}");
+        assert!(line.contains(says), "{case}: the line says why: {line}");
+        assert!(line.contains(code), "{case}: the line names {code}: {line}");
+        // Nothing changed: no VM journal or layers, the domain runs on the same QEMU.
+        assert!(
+            !d.journal_path().exists(),
+            "{case}: a VM journal was written"
+        );
+        assert!(!layers.exists(), "{case}: layers dir created");
+        assert_eq!(dom.pid(), pid, "{case}: the domain was touched");
+        d.kill9();
+    }
+    assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
+
+    // A good domain, but libvirt's unprivileged QEMU cannot get a userfaultfd
+    // (vm.unprivileged_userfaultfd=0, Debian's default): refused, naming the sysctl.
+    let _uffd = Uffd::set("0");
+    let good = TestDomain::start("bs-e2e-nouffd", &|x| x);
+    let pid = good.pid();
+    let (name, l2) = (good.name.clone(), good.layers());
+    let mut d = Daemon::prepare_custom(
+        "lv-nouffd",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &[],
+    );
+    d.launch_answering();
+    let st = d.cli(&["status"]);
+    let text = String::from_utf8_lossy(&st.stdout).to_string();
+    let log = d.log();
+    let line = log.lines().find(|l| l.contains("could not start")).unwrap();
+    eprintln!("no userfaultfd: log: {line}");
+    assert!(text.contains("ERR_LIBVIRT_NO_USERFAULTFD"), "{text}");
+    assert!(line.contains("vm.unprivileged_userfaultfd=1"), "{line}");
+    assert!(!d.journal_path().exists());
+    assert_eq!(good.pid(), pid);
+    let caps = virsh_text(&[
+        "qemu-monitor-command",
+        &good.name,
+        r#"{"execute":"query-migrate-capabilities"}"#,
+    ]);
+    assert!(caps.contains(r#"{"state":false,"capability":"background-snapshot"}"#));
+    d.kill9();
+}
+
+/// Issue 14: a host that keeps `vm.unprivileged_userfaultfd=0` (Debian's default) can still
+/// guard a domain: with `capture = "auto"` adoption falls back to the live pre-copy capture, the
+/// disks switch at QEMU's switchover, and a rollback lands RAM and disk at one instant.
+#[test]
+fn libvirt_precopy_capture_without_userfaultfd_keeps_one_instant() {
+    let test = "libvirt_precopy_capture_without_userfaultfd_keeps_one_instant";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("0");
+    let dom = TestDomain::start("bs-e2e-pre", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let pid_before = dom.pid();
+    let layers = dom.layers();
+    let (name, l2) = (dom.name.clone(), layers.clone());
+    let mut d = Daemon::prepare_custom(
+        "lv-precopy",
+        &move |s: &Path, r: &Path| config(s, r, &name, r#"capture = "auto""#, &l2),
+        &[],
+    );
+    d.launch();
+    let adopted =
+        d.wait_journal(STEP, "vm.adopted", |e| e["event"] == "vm.adopted")["fields"].clone();
+    eprintln!("vm.adopted: {adopted}");
+    assert_eq!(adopted["pid"], pid_before, "{adopted}");
+    assert_eq!(adopted["capture_mode"], "precopy", "{adopted}");
+    assert!(
+        adopted["capture_mode_reason"]
+            .as_str()
+            .unwrap()
+            .contains("auto"),
+        "{adopted}"
+    );
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+
+    let v = d.ok(&["snapshot", "create", "--reason", "pre-copy"]);
+    let id = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    let show = d.ok(&["snapshot", "show", &id]);
+    let capture = &show["manifest"]["capture"];
+    eprintln!("pre-copy capture: {capture}");
+    let phases: Vec<&str> = capture["pause_breakdown_us"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p[0].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        phases,
+        ["stop-seen", "switch", "device-state", "resume"],
+        "{capture}"
+    );
+    assert!(capture["pause_us"].as_u64().unwrap() > 0, "{capture}");
+    let frozen_top = frozen_vda_top(&show);
+    let snap_disk = disk_sector0(&frozen_top);
+    assert!(snap_disk > 0);
+    // libvirt follows the switch; the guest runs; the capabilities are off again.
+    let blk = virsh_text(&["domblklist", &dom.name]);
+    assert!(!blk.contains(frozen_top.to_str().unwrap()), "{blk}");
+    assert!(blk.contains(layers.to_str().unwrap()), "{blk}");
+    assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
+    let caps = virsh_text(&[
+        "qemu-monitor-command",
+        &dom.name,
+        r#"{"execute":"query-migrate-capabilities"}"#,
+    ]);
+    for c in [
+        "pause-before-switchover",
+        "auto-converge",
+        "background-snapshot",
+    ] {
+        assert!(
+            caps.contains(&format!(r#"{{"state":false,"capability":"{c}"}}"#)),
+            "{c} still on: {caps}"
+        );
+    }
+    let params = virsh_text(&[
+        "qemu-monitor-command",
+        &dom.name,
+        r#"{"execute":"query-migrate-parameters"}"#,
+    ]);
+    assert!(
+        params.contains(r#""downtime-limit":300"#),
+        "the domain's downtime limit is back: {params}"
+    );
+    assert_eq!(dom.pid(), pid_before, "captured without restarting QEMU");
+
+    dom.wait_ticks(0, "guest moving on", |t| {
+        t.last().is_some_and(|t| t.ram >= snap_disk + 5)
+    });
+    rollback_lands_at(&d, &dom, &id, snap_disk);
+    d.ok(&["audit", "verify"]);
+    d.kill9();
+}
+
+/// Rolls `d`'s domain back to snapshot `id`, whose frozen disk says `snap_disk`, and asserts the
+/// guest's first ticks after it have RAM = disk at that point (one instant).
+fn rollback_lands_at(d: &Daemon, dom: &TestDomain, id: &str, snap_disk: u64) {
+    let before = dom.serial().len();
+    let rb = d.ok(&["rollback", "--to", id, "--reason", "test: undo"]);
+    assert_eq!(rb["snapshot_id"], id);
+    dom.renice();
+    let after = dom.wait_ticks(before, "restored guest ticking", |t| {
+        t.iter().skip_while(|t| t.ram > snap_disk + 1).count() >= 2
+    });
+    let restored: Vec<Tick> = after
+        .into_iter()
+        .skip_while(|t| t.ram > snap_disk + 1)
+        .collect();
+    eprintln!("snapshot disk {snap_disk}; first ticks after rollback {restored:?}");
+    assert_eq!(
+        restored[0].ram, restored[0].disk,
+        "RAM and disk at one instant"
+    );
+    assert!(
+        restored[0].ram == snap_disk || restored[0].ram == snap_disk + 1,
+        "at the snapshot point: {restored:?} vs {snap_disk}"
+    );
+}
+
+/// The last layer of disk `vda`'s chain in a `snapshot show` view: the layer frozen at the
+/// snapshot.
+fn frozen_vda_top(show: &Value) -> PathBuf {
+    let chain = show["manifest"]["payload_refs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["kind"] == "disk-layer-chain" && p["name"] == "disk:vda")
+        .unwrap_or_else(|| panic!("vda in the manifest: {show}"));
+    PathBuf::from(
+        chain["layers"].as_array().unwrap().last().unwrap()["path"]
+            .as_str()
+            .unwrap(),
+    )
+}
+
+/// The newest layer file backstop made for `disk` under a domain's layers directory.
+fn newest_layer(layers: &Path, disk: &str) -> Option<PathBuf> {
+    std::fs::read_dir(layers.join(disk))
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "qcow2"))
+        .max()
+}
+
+/// Issue 14, the pre-copy's failure path: when the disk switch at the switchover fails (here the
+/// new overlay vanished while the store stalled), the migration is cancelled, the guest runs on
+/// its old top layer in the same QEMU, nothing is published, the capabilities and downtime limit
+/// are back, and the next snapshot switches and publishes normally.
+#[test]
+fn libvirt_precopy_switch_failure_leaves_the_guest_on_its_disk() {
+    let test = "libvirt_precopy_switch_failure_leaves_the_guest_on_its_disk";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("0");
+    let dom = TestDomain::start("bs-e2e-prefail", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let pid = dom.pid();
+    let layers = dom.layers();
+    let (name, l2) = (dom.name.clone(), layers.clone());
+    // Every snapshot but the baseline stalls its store 4 s after 1 MiB (well inside the bound).
+    let mut d = Daemon::prepare_custom(
+        "lv-prefail",
+        &move |s: &Path, r: &Path| {
+            config(s, r, &name, r#"capture = "precopy""#, &l2)
+                .replace("[vm]", "max_capture_stall_ms = 60000\n\n[vm]")
+        },
+        &[("BACKSTOP_FAULT_INJECT", "capture.stall=4")],
+    );
+    d.launch();
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    let snapshots = d.ok(&["snapshot", "list"])["snapshots"].clone();
+    let top_before = virsh_text(&["domblklist", &dom.name]);
+    let before_layer = newest_layer(&layers, "vda");
+
+    let create = Command::new(bin("backstop"))
+        .arg("--socket")
+        .arg(d.socket())
+        .args(["--json", "snapshot", "create", "--reason", "switch fails"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The overlay is made before the capture starts; the store stalls for 4 s after 1 MiB.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let overlay = loop {
+        match newest_layer(&layers, "vda") {
+            Some(p) if Some(&p) != before_layer.as_ref() => break p,
+            _ => {
+                assert!(Instant::now() < deadline, "no new overlay appeared");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    std::fs::remove_file(&overlay).unwrap();
+    let out = create.wait_with_output().unwrap();
+    let err: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("switch failure: {err}");
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("disk-only snapshot at the switchover"),
+        "{err}"
+    );
+    assert_eq!(dom.pid(), pid, "the QEMU was replaced");
+    assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
+    assert_eq!(
+        virsh_text(&["domblklist", &dom.name]),
+        top_before,
+        "the guest left its top layer"
+    );
+    assert_eq!(d.ok(&["snapshot", "list"])["snapshots"], snapshots);
+    let from = dom.serial().len();
+    dom.wait_ticks(from, "guest ticking after the failed switch", |t| {
+        t.len() >= 2
+    });
+    let caps = virsh_text(&[
+        "qemu-monitor-command",
+        &dom.name,
+        r#"{"execute":"query-migrate-capabilities"}"#,
+    ]);
+    assert!(
+        caps.contains(r#"{"state":false,"capability":"pause-before-switchover"}"#),
+        "{caps}"
+    );
+    let params = virsh_text(&[
+        "qemu-monitor-command",
+        &dom.name,
+        r#"{"execute":"query-migrate-parameters"}"#,
+    ]);
+    assert!(params.contains(r#""downtime-limit":300"#), "{params}");
+
+    // The next snapshot switches and publishes; its chain ends at the layer the guest left.
+    let v = d.ok(&["snapshot", "create", "--reason", "after the failure"]);
+    let id = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    let show = d.ok(&["snapshot", "show", &id]);
+    let chain = show["manifest"]["payload_refs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "disk:vda")
+        .unwrap()["layers"]
+        .clone();
+    let frozen_top = chain.as_array().unwrap().last().unwrap()["path"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        top_before.contains(&frozen_top),
+        "the snapshot froze {frozen_top}, the guest wrote {top_before}"
+    );
+    assert!(!virsh_text(&["domblklist", &dom.name]).contains(&frozen_top));
+    d.ok(&["snapshot", "verify", &id]);
+    d.ok(&["audit", "verify"]);
+    d.kill9();
+}
+
+/// Restarts libvirtd as scripts/setup-libvirt.sh starts it (no systemd here) and waits until it
+/// answers again.
+fn restart_libvirtd() {
+    let st = Command::new("pkill")
+        .args(["-x", "libvirtd"])
+        .status()
+        .unwrap();
+    assert!(st.success(), "no libvirtd to stop");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Command::new("pgrep")
+        .args(["-x", "libvirtd"])
+        .output()
+        .unwrap()
+        .status
+        .success()
+    {
+        assert!(Instant::now() < deadline, "libvirtd did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let st = Command::new("libvirtd").arg("-d").status().unwrap();
+    assert!(st.success(), "libvirtd -d failed");
+    while !virsh(&["version"]).status.success() {
+        assert!(Instant::now() < deadline, "libvirtd did not come back");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Issue 14 item 5, supervision through libvirt: a libvirtd restart is survived without a
+/// rollback (backstop opens its connection again and snapshots on), and an operator's
+/// `virsh destroy` makes the VM HALTED — not restarted behind their back — until `halt clear`
+/// brings the domain back, same name and UUID, from the newest snapshot.
+#[test]
+fn libvirt_destroy_by_hand_halts_and_a_libvirtd_restart_is_survived() {
+    let test = "libvirt_destroy_by_hand_halts_and_a_libvirtd_restart_is_survived";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = LIBVIRTD.write().unwrap_or_else(|p| p.into_inner());
+    // With a NIC: network access must not survive the rollback `halt clear` makes.
+    let dom = TestDomain::start("bs-e2e-sup", &|x| {
+        x.replace(
+            "<watchdog",
+            "<interface type='user'><model type='virtio'/></interface>\n    <watchdog",
+        )
+    });
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let pid = dom.pid();
+    let uuid = virsh_text(&["domuuid", &dom.name]).trim().to_string();
+    let (name, l2) = (dom.name.clone(), dom.layers());
+    // `auto`: whatever this host's userfaultfd sysctl says, the domain is guarded.
+    let mut d = Daemon::prepare_custom(
+        "lv-sup",
+        &move |s: &Path, r: &Path| config(s, r, &name, r#"capture = "auto""#, &l2),
+        &[],
+    );
+    d.launch();
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    let st = d.status();
+    eprintln!("status: {st}");
+    assert_eq!(st["backend_details"]["domain"], dom.name.as_str(), "{st}");
+    assert!(st["backend_details"]["capture_mode"].is_string(), "{st}");
+    assert_eq!(st["backend_details"]["libvirt_reconnects"], 0, "{st}");
+
+    // libvirtd goes away and comes back; the guest never stopped, so nothing is rolled back.
+    restart_libvirtd();
+    let deadline = Instant::now() + STEP;
+    loop {
+        let st = d.status();
+        if st["backend_details"]["libvirt_reconnects"] == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never reconnected: {st}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let v = d.ok(&["snapshot", "create", "--reason", "after libvirtd restarted"]);
+    assert!(v["summary"]["snapshot_id"].is_string(), "{v}");
+    assert_eq!(dom.pid(), pid, "the domain's QEMU was replaced");
+    assert_eq!(d.status()["state"], "running");
+    let j = d.journal();
+    assert!(
+        j.iter()
+            .all(|e| !e["event"].as_str().unwrap().starts_with("rollback.")),
+        "a rollback after a libvirtd restart"
+    );
+
+    // An operator destroys the domain: HALTED, and it stays off.
+    virsh_text(&["destroy", &dom.name]);
+    let deadline = Instant::now() + STEP;
+    let st = loop {
+        let st = d.status();
+        if st["state"] == "halted" {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "not halted: {st}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("after virsh destroy: {st}");
+    assert_eq!(st["halted"]["code"], "ERR_VM_ENDED_OUTSIDE", "{st}");
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        virsh_text(&["domstate", &dom.name]).contains("shut off"),
+        "restarted behind the operator's back"
+    );
+    let j = d.journal();
+    assert!(j
+        .iter()
+        .all(|e| !e["event"].as_str().unwrap().starts_with("rollback.")));
+
+    // halt clear brings it back from the newest snapshot: same name and UUID, a fresh QEMU.
+    let before = dom.serial().len();
+    d.ok(&["halt", "clear", "--reason", "test: the operator is done"]);
+    assert_eq!(d.status()["state"], "running");
+    assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
+    assert!(virsh_text(&["dominfo", &dom.name]).contains(&uuid));
+    assert_ne!(dom.pid(), pid);
+    // spec/000 §8: the restored guest's NIC has its link down (live), while the operator's
+    // persistent definition keeps its NIC as it was.
+    let live = virsh_text(&["dumpxml", &dom.name]);
+    assert!(live.contains("<interface type='user'>"), "{live}");
+    assert!(
+        backstop_libvirt::domain_xml::all_links_down(&live),
+        "a NIC's link survived the rollback: {live}"
+    );
+    assert!(!virsh_text(&["dumpxml", "--inactive", &dom.name]).contains("state='down'"));
+    dom.renice();
+    dom.wait_ticks(before, "guest after halt clear", |t| t.len() >= 2);
+    d.ok(&["audit", "verify"]);
+    d.kill9();
+}
+
+/// Issue 14 item 6: libvirt refuses backing chains deeper than 200, and every snapshot adds a
+/// layer. Past 16 the running chain is merged through libvirt (`virDomainBlockRebase`, a block
+/// pull), so libvirt's own view stays short; the layers older snapshots name stay intact, so a
+/// rollback to one from before the merge still lands RAM and disk at one instant.
+/// `BACKSTOP_LIBVIRT_SNAPSHOTS` sets the count (CI: 24; the issue's full run: 210).
+#[test]
+fn libvirt_many_snapshots_keep_libvirts_chain_bounded() {
+    let test = "libvirt_many_snapshots_keep_libvirts_chain_bounded";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    // The default capture mode, pinned (the host-wide sysctl is held): what this test is about
+    // is libvirt's chain, the same in both modes.
+    let _uffd = Uffd::set("1");
+    let n: usize = std::env::var("BACKSTOP_LIBVIRT_SNAPSHOTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(24);
+    let dom = TestDomain::start("bs-e2e-deep", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let (name, l2) = (dom.name.clone(), dom.layers());
+    let mut d = Daemon::prepare_custom(
+        "lv-deep",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &[],
+    );
+    d.launch();
+    let adopted = d.wait_journal(STEP, "vm.adopted", |e| e["event"] == "vm.adopted");
+    eprintln!("deep chain: adopted {}", adopted["fields"]);
+    assert_eq!(adopted["fields"]["capture_mode"], "bg");
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    let mut early = None;
+    let mut max_depth = 0;
+    eprintln!("libvirt-chain,n,engine_depth,libvirt_sources");
+    for i in 1..=n {
+        let v = d.ok(&["snapshot", "create", "--reason", "deep chain"]);
+        if i == 2 {
+            early = v["summary"]["snapshot_id"].as_str().map(str::to_string);
+        }
+        let vm: Value =
+            serde_json::from_slice(&std::fs::read(d.state_dir().join("vm-state.json")).unwrap())
+                .unwrap();
+        let depth = vm["chains"]["vda"].as_array().unwrap().len();
+        let chain = backstop_libvirt::domain_xml::backing_chain(
+            &virsh_text(&["dumpxml", &dom.name]),
+            "vda",
+        );
+        eprintln!("libvirt-chain,{i},{depth},{}", chain.len());
+        assert!(depth <= 17, "the running chain grew to {depth} layers");
+        // libvirt's chain: the engine's layers plus the domain's own base image below them.
+        assert_eq!(chain.len(), depth + 1, "libvirt's view differs: {chain:?}");
+        max_depth = max_depth.max(chain.len());
+    }
+    let j = d.journal();
+    if n > 16 {
+        assert!(
+            !events(&j, "disk.chain_flattened").is_empty(),
+            "no merge after {n} snapshots"
+        );
+    }
+    eprintln!("{n} snapshots: libvirt's chain at most {max_depth} deep");
+
+    // A snapshot from before the merge still verifies: every layer it names is byte-identical
+    // (restoring it needs reviewer evidence, the restore gate's business, not this test's).
+    d.ok(&["snapshot", "verify", &early.unwrap()]);
+    // The newest snapshot, taken on the merged chain, restores to its own instant.
+    let newest = d.ok(&["snapshot", "list"])["snapshots"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()["snapshot_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let show = d.ok(&["snapshot", "show", &newest]);
+    let snap_disk = disk_sector0(&frozen_vda_top(&show));
+    dom.wait_ticks(0, "guest moving on", |t| {
+        t.last().is_some_and(|t| t.ram >= snap_disk + 3)
+    });
+    rollback_lands_at(&d, &dom, &newest, snap_disk);
+    d.ok(&["audit", "verify"]);
+    d.kill9();
+}
