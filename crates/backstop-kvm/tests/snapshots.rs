@@ -29,8 +29,13 @@ fn msr_entries(bytes: &[u8]) -> Vec<(u32, u64)> {
 }
 
 fn guest_tick(vm: &KvmVm) -> u32 {
+    guest_counter(vm, 0)
+}
+
+/// The program's counter at word `index` of its counter block (0 tick, 1 cursor, 2 writes).
+fn guest_counter(vm: &KvmVm, index: u64) -> u32 {
     let mut b = [0u8; 4];
-    vm.read_guest(COUNTERS_GPA, &mut b).unwrap();
+    vm.read_guest(COUNTERS_GPA + 4 * index, &mut b).unwrap();
     u32::from_le_bytes(b)
 }
 
@@ -263,11 +268,14 @@ fn pages_dirtied_during_a_capture_are_in_the_next_diff() {
 
     let s1 = dir.path().join("s1");
     let mut during = (0u32, 0u32);
+    let mut writes_during = (0u32, 0u32);
     let vmm_gpa = 0x80_0000u64;
     vm.capture_with_hook(&s1, SnapshotKind::Diff, &key(), |vm| {
         let before = guest_tick(vm);
+        let writes_before = guest_counter(vm, 2);
         run_ticks(vm, 3);
         during = (before, guest_tick(vm));
+        writes_during = (writes_before, guest_counter(vm, 2));
         vm.write_guest(vmm_gpa, b"written by the VMM during the capture")
             .unwrap();
     })
@@ -292,9 +300,19 @@ fn pages_dirtied_during_a_capture_are_in_the_next_diff() {
     let mut must = BTreeSet::new();
     must.insert(COUNTERS_GPA / PAGE_SIZE as u64);
     must.insert(vmm_gpa / PAGE_SIZE as u64);
-    // Writes number `before*per_tick .. after*per_tick` hit dirty-area pages cursor % span.
+    // Write number `w` hits dirty-area page `w % span`. The program bumps its tick counter
+    // *before* a tick's writes and its writes counter after each write's two stores, and
+    // `run_ticks` may pause it anywhere in a tick: so the writes that provably all happened inside
+    // the capture are `writes_before + 1 .. writes_after` (write `writes_before` may have had both
+    // its stores before the hook; a tick-based range would count writes of the last tick that the
+    // pause cut short, and an unwritten page is no lost page).
     let base_page = DEFAULT_DIRTY_BASE_GPA / PAGE_SIZE as u64;
-    for w in before * per_tick..after * per_tick {
+    let (writes_before, writes_after) = writes_during;
+    assert!(
+        writes_after >= writes_before + per_tick,
+        "the guest wrote during the capture: writes {writes_before} → {writes_after}"
+    );
+    for w in writes_before + 1..writes_after {
         must.insert(base_page + u64::from(w % 4096));
     }
     let lost: Vec<_> = must.difference(&pages).collect();
