@@ -489,3 +489,124 @@ fn sighup_reloads_the_vm_files_and_ends_nothing() {
     assert!(d.log().contains("SIGHUP: VM files reloaded"), "{}", d.log());
     d.stop();
 }
+
+/// Whether process `pid` is gone or a zombie (ended, not yet reaped by its parent).
+fn process_ended(pid: u64) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+    }
+}
+
+/// Issue 13: an actor that wedges (injected: it sleeps for good inside a snapshot, without a
+/// sign of life) HALTs its own VM and nothing else. Past `actor_silence_limit_secs` the
+/// supervisor writes the HALTED record, ends that guest and answers the waiting console;
+/// the other VM keeps counting and snapshotting; the daemon's stop does not wait for the wedged
+/// thread, and the next start keeps the VM HALTED with the same code.
+#[test]
+fn a_wedged_actor_halts_its_own_vm_and_no_other() {
+    if skip_unless_ready("a_wedged_actor_halts_its_own_vm_and_no_other") {
+        return;
+    }
+    let mut d = Daemon::start_many(
+        "wedge",
+        &["a", "b"],
+        "actor_silence_limit_secs = 20",
+        &[],
+        &[("BACKSTOP_FAULT_INJECT", "actor.wedge-on-snapshot=b")],
+    );
+    wait_vm_tick(&d, "a", 3);
+    wait_vm_tick(&d, "b", 3);
+    let b_pid = d.ok_vm("b", &["status"])["pid"].as_u64().unwrap();
+    let a_pid = d.ok_vm("a", &["status"])["pid"].as_u64().unwrap();
+
+    // b's snapshot wedges its actor; the console is answered once the supervisor gives up.
+    let asked = Instant::now();
+    let out = d.cli_vm("b", &["snapshot", "create", "--reason", "wedge"]);
+    assert!(!out.status.success(), "a wedged actor's snapshot succeeded");
+    assert_eq!(
+        code_of(&out),
+        "ERR_VM_ACTOR_WEDGED",
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(
+        asked.elapsed() >= Duration::from_secs(15),
+        "answered after {:?}, before the silence limit",
+        asked.elapsed()
+    );
+    let st = d.ok_vm("b", &["status"]);
+    assert_eq!(st["state"], "halted", "{st}");
+    assert_eq!(st["halted"]["code"], "ERR_VM_ACTOR_WEDGED", "{st}");
+    assert!(st["pid"].is_null(), "{st}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !process_ended(b_pid) {
+        assert!(Instant::now() < deadline, "b's QEMU {b_pid} still runs");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let record = std::fs::read_to_string(d.vm_state_dir("b").join("halted.json"))
+        .expect("b's HALTED record");
+    assert!(record.contains("ERR_VM_ACTOR_WEDGED"), "{record}");
+    assert!(
+        d.daemon_journal().iter().any(|e| e["event"] == "vm.halted"
+            && e["fields"]["vm"] == "b"
+            && e["fields"]["code"] == "ERR_VM_ACTOR_WEDGED"),
+        "the wedge is not in the daemon journal"
+    );
+    // Any other request for b is answered at once, with the same code.
+    let t = Instant::now();
+    assert_eq!(
+        code_of(&d.cli_vm("b", &["snapshot", "list"])),
+        "ERR_VM_ACTOR_WEDGED"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    let vms = d.ok(&["vms"]);
+    let b_row = vms["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "b")
+        .cloned()
+        .unwrap();
+    assert_eq!(b_row["state"], "halted", "{vms}");
+
+    // a never noticed: same QEMU, still counting, still snapshotting.
+    assert_eq!(d.ok_vm("a", &["status"])["pid"].as_u64(), Some(a_pid));
+    let b_len = d.vm_serial("b").len();
+    let a_last = ticks_of(&d, "a").last().unwrap().ram;
+    wait_vm_tick(&d, "a", a_last + 2);
+    d.ok_vm("a", &["snapshot", "create", "--reason", "after b wedged"]);
+    assert_eq!(d.vm_serial("b").len(), b_len, "b's guest still prints");
+
+    // The stop does not wait on the wedged thread; the next start keeps b HALTED (durable) and
+    // resumes a.
+    let stopping = Instant::now();
+    d.stop();
+    assert!(
+        stopping.elapsed() < Duration::from_secs(60),
+        "the stop took {:?}",
+        stopping.elapsed()
+    );
+    assert!(d
+        .daemon_journal()
+        .iter()
+        .any(|e| e["event"] == "daemon.stopped"));
+    d.launch();
+    let st = d.ok_vm("b", &["status"]);
+    assert_eq!(st["state"], "halted", "{st}");
+    assert_eq!(st["halted"]["code"], "ERR_VM_ACTOR_WEDGED", "{st}");
+    assert_eq!(d.ok_vm("a", &["status"])["state"], "running");
+    assert_eq!(
+        d.vm_journal("a")
+            .iter()
+            .filter(|e| e["event"] == "vm.resumed")
+            .count(),
+        1,
+        "a did not resume from its final snapshot"
+    );
+    d.ok_vm("a", &["audit", "verify"]);
+    d.stop();
+}

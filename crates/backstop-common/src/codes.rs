@@ -120,6 +120,8 @@ error_codes! {
         "the VM was shut off outside backstop (e.g. `virsh destroy`), so it is HALTED until `halt clear` restores it";
     VmActorPanicked = "ERR_VM_ACTOR_PANICKED", Halted,
         "the VM's actor panicked: its guest was ended and the VM is HALTED (the others run on)";
+    VmActorWedged = "ERR_VM_ACTOR_WEDGED", Halted,
+        "the VM's actor stopped answering (wedged): its guest was ended and the VM is HALTED (the others run on)";
     VmNotFound = "ERR_VM_NOT_FOUND", Failed,
         "no VM of that name is guarded by this daemon (`backstop vms` lists them)";
     VmNotNamed = "ERR_VM_NOT_NAMED", Failed,

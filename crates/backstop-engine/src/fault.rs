@@ -16,6 +16,9 @@ pub enum Fault {
     /// The actor of the VM of this name panics when asked for a snapshot (not the baseline):
     /// isolation of one VM's failure from the others.
     PanicOnSnapshot(&'static str),
+    /// The actor of the VM of this name wedges when asked for a snapshot (not the baseline):
+    /// it sleeps for good without a sign of life, as an actor stuck in a blocked call would.
+    WedgeOnSnapshot(&'static str),
     /// The first rollback's snapshot verification runs with no descriptor left to the daemon
     /// (its RLIMIT_NOFILE lowered to the descriptors it holds, restored right after): the real
     /// EMFILE of a host whose clients hold every descriptor.
@@ -142,6 +145,11 @@ fn parse(v: &str) -> Option<Fault> {
                     .filter(|n| !n.is_empty())
                     // Armed once per process; the name lives as long as it.
                     .map(|n| Fault::PanicOnSnapshot(Box::leak(n.to_string().into_boxed_str())))
+            })
+            .or_else(|| {
+                s.strip_prefix("actor.wedge-on-snapshot=")
+                    .filter(|n| !n.is_empty())
+                    .map(|n| Fault::WedgeOnSnapshot(Box::leak(n.to_string().into_boxed_str())))
             }),
     }
 }
@@ -163,6 +171,11 @@ mod tests {
             Some(Fault::PanicOnSnapshot("a"))
         );
         assert_eq!(parse("actor.panic-on-snapshot="), None);
+        assert_eq!(
+            parse("actor.wedge-on-snapshot=b"),
+            Some(Fault::WedgeOnSnapshot("b"))
+        );
+        assert_eq!(parse("actor.wedge-on-snapshot="), None);
         assert_eq!(parse("other"), None);
     }
 }

@@ -7,7 +7,7 @@
 //! daemon. It also serialises every operation on the VM. `status` is answered from a shared copy
 //! the engine publishes, so it works even while a long rollback runs.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -53,6 +53,12 @@ pub struct VmHandle {
     status: Arc<Mutex<StatusView>>,
     /// When the actor last showed a sign of life ([`crate::systemd::now_ms`]).
     alive: Arc<AtomicU64>,
+    /// Set by the supervisor when it gave up on a wedged actor: the actor's loop ends at its
+    /// next turn without touching the VM again, and callers waiting on it are answered.
+    retired: Arc<AtomicBool>,
+    /// The status a retired actor's VM shows from then on (HALTED, no guest): the wedged actor
+    /// could still publish into `status` if it ever finished what it was doing.
+    frozen: Mutex<Option<StatusView>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -128,6 +134,8 @@ impl VmHandle {
         let alive = Arc::new(AtomicU64::new(crate::systemd::now_ms()));
         let name = cfg.vm.name.clone();
         let thread_alive = Arc::clone(&alive);
+        let retired = Arc::new(AtomicBool::new(false));
+        let thread_retired = Arc::clone(&retired);
         let thread = std::thread::Builder::new()
             .name(format!("vm-{name}"))
             .spawn(move || {
@@ -145,12 +153,16 @@ impl VmHandle {
                 let _ = ready_tx.send(Ok((Arc::clone(&status), Arc::clone(&preempt))));
                 loop {
                     let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        run(engine, &rx)
+                        run(engine, &rx, &thread_retired)
                     }));
                     let Err(panic) = ran else { return };
                     // Unwinding dropped the actor and with it the hypervisor (the guest ended).
                     let what = panic_text(&panic);
                     tracing::error!(vm = %cfg.vm.name, panic = %what, "VM actor panicked; the VM is HALTED");
+                    if thread_retired.load(Ordering::SeqCst) {
+                        // The supervisor gave up on it already and recorded the halt.
+                        return;
+                    }
                     halt_after_panic(&cfg, &what);
                     engine = match start_actor(&cfg, &shared) {
                         Ok(mut e) => {
@@ -181,6 +193,8 @@ impl VmHandle {
             preempt,
             status,
             alive,
+            retired,
+            frozen: Mutex::new(None),
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -192,6 +206,22 @@ impl VmHandle {
     /// Milliseconds since the actor last showed a sign of life.
     pub fn silent_ms(&self) -> u64 {
         crate::systemd::now_ms().saturating_sub(self.alive.load(Ordering::Relaxed))
+    }
+
+    /// Gives up on a wedged actor: its loop ends at its next turn (if it ever gets there) without
+    /// touching the VM, and every caller waiting on it, or calling later, is answered
+    /// `ERR_VM_ACTOR_WEDGED`. The supervisor ends the guest and records the halt itself.
+    pub fn retire(&self, halt: backstop_control::HaltView) {
+        let mut last = self.status();
+        last.state = "halted".into();
+        last.pid = None;
+        last.halted = Some(halt);
+        *self.frozen.lock().unwrap_or_else(|p| p.into_inner()) = Some(last);
+        self.retired.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::SeqCst)
     }
 
     /// Queues a job; its reply arrives on `job.reply`.
@@ -210,6 +240,9 @@ impl VmHandle {
     ) -> JobResult {
         if matches!(request, Request::Status) {
             return Ok(Response::Status(self.status()));
+        }
+        if self.is_retired() {
+            return Err(wedged_refusal(&self.name));
         }
         let (reply, rx) = mpsc::channel();
         let urgent = matches!(request, Request::Trigger { .. });
@@ -231,8 +264,20 @@ impl VmHandle {
             self.submit(job)
         };
         sent.map_err(|e| (e.code().to_string(), e.to_string()))?;
-        rx.recv()
-            .unwrap_or_else(|_| Err(("ERR_SHUTTING_DOWN".into(), "the engine stopped".into())))
+        // Waits in turns, so that a caller of an actor the supervisor gave up on is answered
+        // instead of waiting for good.
+        loop {
+            match rx.recv_timeout(Duration::from_millis(500)) {
+                Ok(result) => return result,
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(("ERR_SHUTTING_DOWN".into(), "the engine stopped".into()))
+                }
+                Err(RecvTimeoutError::Timeout) if self.is_retired() => {
+                    return Err(wedged_refusal(&self.name))
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+        }
     }
 
     /// Records a connection the control socket refused (journaled as `control.refused`).
@@ -241,6 +286,9 @@ impl VmHandle {
     }
 
     pub fn status(&self) -> StatusView {
+        if let Some(f) = &*self.frozen.lock().unwrap_or_else(|p| p.into_inner()) {
+            return f.clone();
+        }
         match self.status.lock() {
             Ok(s) => s.clone(),
             Err(p) => p.into_inner().clone(),
@@ -252,6 +300,11 @@ impl VmHandle {
     /// send afterwards are answered `ERR_SHUTTING_DOWN`.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Order::Shutdown);
+        if self.is_retired() {
+            // Its thread is wedged: waiting for it would wedge the daemon's stop as well. (Its
+            // guest is ended already; the process's exit ends the thread.)
+            return;
+        }
         let thread = match self.thread.lock() {
             Ok(mut g) => g.take(),
             Err(p) => p.into_inner().take(),
@@ -284,10 +337,17 @@ fn next_message(
 /// similar background changes show up within this).
 const STATUS_REFRESH: Duration = Duration::from_secs(2);
 
-fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>) {
+fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>, retired: &AtomicBool) {
     let mut pending = std::collections::VecDeque::new();
     let mut last_publish = std::time::Instant::now();
     loop {
+        if retired.load(Ordering::SeqCst) {
+            // The supervisor ended this VM's guest and recorded the halt while this actor was
+            // wedged: it must not act on the VM again (no snapshot, no rollback, no relaunch).
+            tracing::error!(vm = %engine.cfg.vm.name, "a wedged actor came back after the supervisor retired it; it stops here");
+            refuse_all_retired(rx, &engine.cfg.vm.name);
+            return;
+        }
         crate::systemd::beat();
         match next_message(rx, &mut pending) {
             Ok(Order::Trigger(job)) => {
@@ -330,19 +390,34 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "a panic without a message".into())
 }
 
-/// Records HALTED durably for a VM whose actor panicked, and journals it in the VM's chain.
-fn halt_after_panic(cfg: &Config, what: &str) {
+/// Writes the durable HALTED record of a VM whose actor failed (panicked or wedged): the
+/// next start of the daemon finds it and keeps the VM HALTED until a person clears it.
+pub(crate) fn write_halt_record(
+    cfg: &Config,
+    code: ErrorCode,
+    reason: String,
+) -> crate::records::HaltRecord {
     let records = crate::records::Records::new(&cfg.daemon.state_dir);
-    let trace = backstop_common::ids::random_id();
     let rec = crate::records::HaltRecord {
-        reason: format!("the VM's actor panicked ({what}); its guest was ended"),
-        code: ErrorCode::VmActorPanicked.as_str().into(),
+        reason,
+        code: code.as_str().into(),
         since: backstop_common::time::now_rfc3339(),
-        trace_id: trace.clone(),
+        trace_id: backstop_common::ids::random_id(),
     };
     if let Err(e) = records.set_halted(&rec) {
-        tracing::error!(error = %e, "could not write the HALTED record after a panic");
+        tracing::error!(vm = %cfg.vm.name, %code, error = %e, "could not write the HALTED record");
     }
+    rec
+}
+
+/// Records HALTED durably for a VM whose actor panicked, and journals it in the VM's chain.
+fn halt_after_panic(cfg: &Config, what: &str) {
+    let rec = write_halt_record(
+        cfg,
+        ErrorCode::VmActorPanicked,
+        format!("the VM's actor panicked ({what}); its guest was ended"),
+    );
+    let trace = rec.trace_id.clone();
     let journaled = Services::open(cfg).and_then(|mut s| {
         let mut f = serde_json::Map::new();
         for (k, v) in [
@@ -373,6 +448,31 @@ fn refuse_all(rx: &mpsc::Receiver<Order>, error: &EngineError) {
                     ErrorCode::VmHalted.to_string(),
                     format!("the VM is HALTED and its actor could not restart: {error}"),
                 )));
+            }
+            Order::Shutdown => return,
+            Order::NoteRefused { .. } | Order::Tick => {}
+        }
+    }
+}
+
+/// The answer to every request for a VM whose wedged actor the supervisor retired.
+fn wedged_refusal(vm: &str) -> (String, String) {
+    (
+        ErrorCode::VmActorWedged.to_string(),
+        format!(
+            "VM {vm} is HALTED: its actor stopped answering and its guest was ended; restart \
+             backstopd (the other VMs resume where they were) and clear the halt then"
+        ),
+    )
+}
+
+/// What a retired actor's thread does with what is still queued: refuses it, until the handle
+/// goes away.
+fn refuse_all_retired(rx: &mpsc::Receiver<Order>, vm: &str) {
+    while let Ok(order) = rx.recv() {
+        match order {
+            Order::Request(job) | Order::Trigger(job) => {
+                let _ = job.reply.send(Err(wedged_refusal(vm)));
             }
             Order::Shutdown => return,
             Order::NoteRefused { .. } | Order::Tick => {}

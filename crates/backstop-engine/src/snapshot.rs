@@ -131,10 +131,21 @@ impl VmActor {
         // A VM holding a granted device cannot be snapshotted (see devices.rs): deferred.
         self.defer_snapshot_while_granted(ctx, reason, trigger)?;
         #[cfg(feature = "fault-injection")]
-        if let Some(crate::fault::Fault::PanicOnSnapshot(vm)) = self.fault {
-            if vm == self.cfg.vm.name && trigger != "baseline" {
+        match self.fault {
+            Some(crate::fault::Fault::PanicOnSnapshot(vm))
+                if vm == self.cfg.vm.name && trigger != "baseline" =>
+            {
                 panic!("fault injection: actor.panic-on-snapshot={vm}");
             }
+            Some(crate::fault::Fault::WedgeOnSnapshot(vm))
+                if vm == self.cfg.vm.name && trigger != "baseline" =>
+            {
+                tracing::warn!("fault injection: actor.wedge-on-snapshot={vm}: wedged for good");
+                loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                }
+            }
+            _ => {}
         }
         // One of the daemon's capture slots (a trigger waiting makes this give up).
         let captures = Arc::clone(&self.captures);

@@ -22,6 +22,17 @@ use crate::host::{HostConfig, VmSlot};
 use crate::mailbox::{Shared, VmHandle};
 use crate::services::backend_for;
 
+/// Ends a wedged VM's guest process (SIGKILL) if `pid` is still a QEMU; whether one was ended.
+/// (The pid is the one the actor last published; the check keeps a reused pid safe.)
+fn end_guest_process(pid: u32) -> bool {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    if !String::from_utf8_lossy(&cmdline).contains("qemu") {
+        return false;
+    }
+    let pid = nix::unistd::Pid::from_raw(pid as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).is_ok()
+}
+
 /// What a request without `--vm` gets from a daemon that guards no VM.
 const NO_VM_YET: &str =
     "this daemon guards no VM yet: add a VM file to daemon.vms_dir and run `backstop reload`";
@@ -52,11 +63,10 @@ pub struct Supervisor {
     config_path: Option<PathBuf>,
     /// One reload at a time.
     reloading: Mutex<()>,
+    /// An actor silent this long is wedged (`daemon.actor_silence_limit_secs`; every tick and
+    /// every step of a long operation beats, so this is far above any healthy gap).
+    silence_limit_ms: u64,
 }
-
-/// An actor silent this long is not alive (every tick and every step of a long operation
-/// beats, so this is far above any healthy gap).
-pub const ACTOR_SILENCE_LIMIT_MS: u64 = 60_000;
 
 impl Supervisor {
     /// Starts an actor for every ready VM, one after the other (each reconciles with what the
@@ -85,6 +95,7 @@ impl Supervisor {
             shared,
             config_path,
             reloading: Mutex::new(()),
+            silence_limit_ms: host.daemon.actor_silence_limit_secs.saturating_mul(1000),
         };
         let mut members = BTreeMap::new();
         for slot in &host.vms {
@@ -465,12 +476,63 @@ impl Supervisor {
             .collect()
     }
 
-    /// Whether every running actor showed a sign of life within [`ACTOR_SILENCE_LIMIT_MS`]
-    /// (systemd's watchdog is pinged only then).
+    /// Whether every running actor showed a sign of life within the silence limit (systemd's
+    /// watchdog is pinged only then). An actor given up on ([`Self::halt_wedged`]) no longer
+    /// counts: its VM is HALTED and the others are alive.
     pub fn all_alive(&self) -> bool {
         self.handles()
             .iter()
-            .all(|h| h.silent_ms() < ACTOR_SILENCE_LIMIT_MS)
+            .filter(|h| !h.is_retired())
+            .all(|h| h.silent_ms() < self.silence_limit_ms)
+    }
+
+    /// HALTs every VM whose actor has been silent past the limit, each on its own (issue 13:
+    /// one wedged VM must not take the others down, as a daemon restart by systemd's watchdog
+    /// would): the HALTED record is written durably first, then its guest process is ended, the
+    /// actor is retired (it never touches the VM again, its callers are answered) and the halt
+    /// is journaled in the daemon journal (the VM's own journal is locked by the wedged actor;
+    /// its next start journals the HALTED state it finds). Returns the names it halted.
+    pub fn halt_wedged(&self) -> Vec<String> {
+        let wedged: Vec<(String, Arc<VmHandle>, Box<Config>)> = self
+            .members()
+            .iter()
+            .filter_map(|(name, m)| match m {
+                Member::Running(h, cfg)
+                    if !h.is_retired() && h.silent_ms() >= self.silence_limit_ms =>
+                {
+                    Some((name.clone(), Arc::clone(h), cfg.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+        let mut halted = Vec::new();
+        for (name, handle, cfg) in wedged {
+            let silent_ms = handle.silent_ms();
+            let pid = handle.status().pid;
+            let reason = format!(
+                "the VM's actor showed no sign of life for {} s (limit {} s); its guest was ended",
+                silent_ms / 1000,
+                self.silence_limit_ms / 1000
+            );
+            tracing::error!(vm = %name, silent_ms, ?pid, "VM actor wedged; the VM is HALTED");
+            let rec = crate::mailbox::write_halt_record(&cfg, ErrorCode::VmActorWedged, reason);
+            let ended = pid.map(end_guest_process);
+            handle.retire(backstop_control::HaltView {
+                reason: rec.reason.clone(),
+                code: rec.code.clone(),
+                since: rec.since.clone(),
+            });
+            let _ = self.journal(
+                AuditEvent::VmHalted,
+                json!({
+                    "vm": name, "trace_id": rec.trace_id, "code": rec.code, "reason": rec.reason,
+                    "silent_ms": silent_ms, "guest_pid": pid, "guest_ended": ended,
+                    "result": "halted",
+                }),
+            );
+            halted.push(name);
+        }
+        halted
     }
 
     /// A connection the control socket refused: journaled by the daemon and in every VM's

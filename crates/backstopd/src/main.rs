@@ -168,10 +168,12 @@ fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
             .spawn(move || accept_loop(&server, &engine))
             .map_err(|e| format!("spawn accept thread: {e}"))?;
     }
-    // Wait for a signal; meanwhile ping systemd's watchdog, but only while every VM's actor is
-    // alive (a wedged one stops the pings, and systemd restarts the daemon).
+    // Wait for a signal; meanwhile HALT the VM of any actor silent past its limit (that VM
+    // alone), and ping systemd's watchdog while every other actor is alive (a daemon too stuck
+    // to do this is restarted by systemd).
     let mut last_status = String::new();
     let sig = loop {
+        engine.halt_wedged();
         if engine.all_alive() {
             backstop_engine::systemd::watchdog_ping();
         }

@@ -276,6 +276,16 @@ impl Config {
                 "must be between 100 and 60000 (the bound cannot be lifted)",
             );
         }
+        if !ACTOR_SILENCE_LIMIT_SECS.contains(&self.daemon.actor_silence_limit_secs) {
+            return Err(ConfigError::Invalid {
+                key: "daemon.actor_silence_limit_secs".into(),
+                message: format!(
+                    "must be between {} and {} (a wedged VM cannot go unguarded longer)",
+                    ACTOR_SILENCE_LIMIT_SECS.start(),
+                    ACTOR_SILENCE_LIMIT_SECS.end()
+                ),
+            });
+        }
         if !SERIAL_LOG_MAX_KIB.contains(&self.daemon.serial_log_max_kib) {
             return Err(ConfigError::Invalid {
                 key: "daemon.serial_log_max_kib".into(),

@@ -134,6 +134,11 @@ pub struct DaemonConfig {
     /// slow disk cannot keep the guest stalled (`ERR_SNAPSHOT_STALLED`).
     #[serde(default = "default_max_capture_stall_ms")]
     pub max_capture_stall_ms: u64,
+    /// A VM's actor that shows no sign of life for this long is wedged: the supervisor ends its
+    /// guest and HALTs that VM alone (`ERR_VM_ACTOR_WEDGED`); the others run on. Every tick and
+    /// every step of a long operation is a sign of life, so a healthy actor is never near it.
+    #[serde(default = "default_actor_silence_limit_secs")]
+    pub actor_silence_limit_secs: u64,
 }
 
 /// A group by name or by number.
@@ -204,6 +209,14 @@ fn one_capture() -> u32 {
 fn default_max_capture_stall_ms() -> u64 {
     2000
 }
+
+fn default_actor_silence_limit_secs() -> u64 {
+    60
+}
+
+/// The wedge limit's bounds: below 5 s a slow fsync could pass for a wedge; above 10 min a
+/// wedged VM would go unguarded (its watchdog does not run) for too long.
+pub const ACTOR_SILENCE_LIMIT_SECS: std::ops::RangeInclusive<u64> = 5..=600;
 
 fn default_serial_log_max_kib() -> u64 {
     8 << 10

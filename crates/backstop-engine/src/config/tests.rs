@@ -52,6 +52,37 @@ fn a_watchdog_timeout_of_zero_or_absurd_is_refused_by_name() {
 }
 
 #[test]
+fn the_wedge_limit_defaults_to_a_minute_and_cannot_be_lifted() {
+    assert_eq!(
+        Config::parse(DEFAULT_CONFIG)
+            .unwrap()
+            .daemon
+            .actor_silence_limit_secs,
+        60
+    );
+    let with = |v: &str| {
+        DEFAULT_CONFIG.replace(
+            "[vm]\n",
+            &format!("actor_silence_limit_secs = {v}\n\n[vm]\n"),
+        )
+    };
+    assert_eq!(
+        Config::parse(&with("20"))
+            .unwrap()
+            .daemon
+            .actor_silence_limit_secs,
+        20
+    );
+    for bad in ["0", "4", "601", "100000"] {
+        let err = Config::parse(&with(bad)).unwrap_err().to_string();
+        assert!(
+            err.contains("daemon.actor_silence_limit_secs"),
+            "{bad}: {err}"
+        );
+    }
+}
+
+#[test]
 fn unknown_keys_and_bad_values_are_refused() {
     let err = Config::parse(
         &DEFAULT_CONFIG.replace("memory_mib = 256", "memory_mib = 256\ncolour = \"red\""),
