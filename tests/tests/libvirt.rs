@@ -1044,3 +1044,80 @@ fn libvirt_many_snapshots_keep_libvirts_chain_bounded() {
     d.ok(&["audit", "verify"]);
     d.kill9();
 }
+
+/// Issue 14: the hardware watchdog of an adopted domain. The guest's kicker feeds its i6300esb
+/// (`<watchdog model='i6300esb' action='pause'/>`, as adoption requires) and is killed at a set
+/// uptime; the device fires, libvirt pauses the domain for the watchdog, and backstop rolls it
+/// back to the newest snapshot as an emergency (`watchdog_device`): the guest runs again at
+/// that point, told the new epoch, under the same domain name and UUID.
+#[test]
+fn libvirt_an_unkicked_i6300esb_rolls_the_adopted_domain_back() {
+    let test = "libvirt_an_unkicked_i6300esb_rolls_the_adopted_domain_back";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    let dom = TestDomain::start("bs-e2e-wd", &|x| {
+        x.replace(
+            "no_timer_check",
+            "no_timer_check backstop.watchdog=1 backstop.wd_timeout=3 backstop.wd_stop_at=45",
+        )
+    });
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    assert!(
+        dom.serial().contains("BACKSTOP watchdog armed"),
+        "the guest's i6300esb kicker did not start: {}",
+        dom.serial()
+    );
+    let uuid = virsh_text(&["domuuid", &dom.name]).trim().to_string();
+    let (name, l2) = (dom.name.clone(), dom.layers());
+    let mut d = Daemon::prepare_custom(
+        "lv-wd",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &[],
+    );
+    d.launch();
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    let v = d.ok(&["snapshot", "create", "--reason", "the kicker still runs"]);
+    let id = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    assert!(
+        !dom.serial().contains("BACKSTOP watchdog stopped"),
+        "the kicker stopped before the snapshot: raise wd_stop_at"
+    );
+
+    let done = d.wait_journal(Duration::from_secs(150), "device watchdog rollback", |e| {
+        e["event"] == "rollback.completed" && e["fields"]["trigger"] == "watchdog_device"
+    });
+    assert_eq!(done["fields"]["snapshot_id"], id.as_str(), "{done}");
+    let j = d.journal();
+    assert!(
+        events(&j, "rollback.initiated")
+            .iter()
+            .any(|e| e["fields"]["trigger"] == "watchdog_device"),
+        "no watchdog_device rollback.initiated"
+    );
+    // The guest runs again from the snapshot (before its kicker was killed), told epoch 1.
+    let stopped = dom
+        .serial()
+        .find("BACKSTOP watchdog stopped")
+        .expect("the kicker was killed");
+    let deadline = Instant::now() + STEP;
+    while !dom.serial()[stopped..].contains("BACKSTOP epoch=1") {
+        assert!(
+            Instant::now() < deadline,
+            "no epoch=1 after the rollback: {}",
+            &dom.serial()[stopped..]
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    dom.renice();
+    let st = d.status();
+    assert_eq!(st["state"], "running", "{st}");
+    assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
+    assert!(virsh_text(&["dominfo", &dom.name]).contains(&uuid));
+    d.ok(&["audit", "verify"]);
+    d.kill9();
+}

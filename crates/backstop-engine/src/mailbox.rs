@@ -212,11 +212,14 @@ impl VmHandle {
     /// touching the VM, and every caller waiting on it, or calling later, is answered
     /// `ERR_VM_ACTOR_WEDGED`. The supervisor ends the guest and records the halt itself.
     pub fn retire(&self, halt: backstop_control::HaltView) {
-        let mut last = self.status();
-        last.state = "halted".into();
-        last.pid = None;
-        last.halted = Some(halt);
-        *self.frozen.lock().unwrap_or_else(|p| p.into_inner()) = Some(last);
+        // (A view of the VM for `status`, not the lifecycle: the actor that owns that is wedged.)
+        let view = StatusView {
+            state: "halted".into(),
+            pid: None,
+            halted: Some(halt),
+            ..self.status()
+        };
+        *self.frozen.lock().unwrap_or_else(|p| p.into_inner()) = Some(view);
         self.retired.store(true, Ordering::SeqCst);
     }
 
