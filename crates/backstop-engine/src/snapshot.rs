@@ -376,6 +376,9 @@ impl VmActor {
             };
             let progress = &mut *ctx.progress;
             let mut on_chunk = |bytes| {
+                // Each stored chunk is a sign of life: a long capture of a big guest is not a
+                // wedged actor (the supervisor gives up on an actor silent past its limit).
+                crate::systemd::beat();
                 progress(backstop_control::Progress {
                     step: "capture".into(),
                     message: "storing RAM and device state".into(),
