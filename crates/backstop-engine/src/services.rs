@@ -43,6 +43,8 @@ impl Services {
         })?;
         let (store, sweep) =
             Store::open(&state_dir.join("store"), key.clone()).map_err(EngineError::Store)?;
+        // Opened on the actor's thread: the store's long work keeps this actor looking alive.
+        let store = store.with_keepalive(crate::systemd::keepalive_for_this_actor());
         let journal_path = state_dir.join("audit/journal.jsonl");
         let journal = Journal::open(&journal_path, key.clone())?;
         Ok(Services {

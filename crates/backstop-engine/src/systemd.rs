@@ -41,6 +41,15 @@ pub fn adopt_liveness(cell: Arc<AtomicU64>) {
     ALIVE.with(|a| *a.borrow_mut() = Some(cell));
 }
 
+/// A sign of life for the actor on this thread that works from any thread: for the store's long
+/// work (hashing a disk layer, checking chunks on worker threads). A no-op off an actor.
+pub fn keepalive_for_this_actor() -> backstop_store::Keepalive {
+    match ALIVE.with(|a| a.borrow().clone()) {
+        Some(cell) => Arc::new(move || cell.store(now_ms(), Ordering::Relaxed)),
+        None => Arc::new(|| {}),
+    }
+}
+
 /// A sign of life from the actor on this thread (cheap; called every tick and every step).
 pub fn beat() {
     ALIVE.with(|a| {

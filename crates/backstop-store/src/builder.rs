@@ -36,6 +36,7 @@ pub struct SnapshotBuilder {
     /// durable, which is what makes a length check enough for a dedup hit.
     pending: BTreeSet<String>,
     published: bool,
+    keepalive: Option<crate::Keepalive>,
 }
 
 impl std::fmt::Debug for SnapshotBuilder {
@@ -48,7 +49,11 @@ impl std::fmt::Debug for SnapshotBuilder {
 }
 
 impl SnapshotBuilder {
-    pub(crate) fn new(paths: Arc<Paths>, dir: PathBuf) -> Self {
+    pub(crate) fn new(
+        paths: Arc<Paths>,
+        dir: PathBuf,
+        keepalive: Option<crate::Keepalive>,
+    ) -> Self {
         Self {
             paths,
             dir,
@@ -56,6 +61,7 @@ impl SnapshotBuilder {
             checksums: Vec::new(),
             pending: BTreeSet::new(),
             published: false,
+            keepalive,
         }
     }
 
@@ -253,7 +259,12 @@ impl SnapshotBuilder {
                 source,
             };
             let mut file = File::open(path).map_err(read_err)?;
-            let digests = digests_of_reader(&mut file).map_err(read_err)?;
+            let keepalive = || {
+                if let Some(k) = &self.keepalive {
+                    k();
+                }
+            };
+            let digests = digests_of_reader(&mut file, &keepalive).map_err(read_err)?;
             total_bytes += digests.len;
             entries.push((
                 reference,

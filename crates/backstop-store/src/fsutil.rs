@@ -115,7 +115,12 @@ pub(crate) fn digests_of(bytes: &[u8]) -> Digests {
 }
 
 /// Streams `reader` to EOF computing its digests.
-pub(crate) fn digests_of_reader(reader: &mut dyn Read) -> io::Result<Digests> {
+/// `keepalive` is called after every MiB read: hashing a disk layer of tens of GiB is long work
+/// whose caller must still look alive (see [`crate::Keepalive`]).
+pub(crate) fn digests_of_reader(
+    reader: &mut dyn Read,
+    keepalive: &dyn Fn(),
+) -> io::Result<Digests> {
     let mut sha = Sha256::new();
     let mut crc = crc32fast::Hasher::new();
     let mut len = 0u64;
@@ -131,6 +136,7 @@ pub(crate) fn digests_of_reader(reader: &mut dyn Read) -> io::Result<Digests> {
         sha.update(data);
         crc.update(data);
         len += n as u64;
+        keepalive();
     }
     Ok(Digests {
         sha256: hex::encode(sha.finalize()),

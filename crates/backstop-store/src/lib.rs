@@ -127,10 +127,15 @@ pub struct VerifiedSnapshot {
     indexes: BTreeMap<String, ChunkIndex>,
 }
 
+/// Called while the store does long work (hashing a disk layer, verifying chunks): a sign of
+/// life for whoever owns the calling operation, from any thread. It must be cheap.
+pub type Keepalive = Arc<dyn Fn() + Send + Sync>;
+
 /// The snapshot store rooted at one directory.
 #[derive(Clone)]
 pub struct Store {
     paths: Arc<Paths>,
+    keepalive: Option<Keepalive>,
 }
 
 impl std::fmt::Debug for Store {
@@ -158,6 +163,7 @@ impl Store {
         }
         let store = Store {
             paths: Arc::new(paths),
+            keepalive: None,
         };
         let tmp_removed = store.sweep_tmp()?;
         let chunks_removed = store.collect_chunks()?;
@@ -175,6 +181,19 @@ impl Store {
         Ok((store, report))
     }
 
+    /// Calls `keepalive` during long work from now on (every MiB hashed, every chunk checked),
+    /// in verification and in the builders this store begins.
+    pub fn with_keepalive(mut self, keepalive: Keepalive) -> Store {
+        self.keepalive = Some(keepalive);
+        self
+    }
+
+    fn keepalive(&self) {
+        if let Some(k) = &self.keepalive {
+            k();
+        }
+    }
+
     /// The store's root directory.
     pub fn root(&self) -> &Path {
         &self.paths.root
@@ -190,7 +209,11 @@ impl Store {
                 path: dir.clone(),
                 source,
             })?;
-        Ok(SnapshotBuilder::new(Arc::clone(&self.paths), dir))
+        Ok(SnapshotBuilder::new(
+            Arc::clone(&self.paths),
+            dir,
+            self.keepalive.clone(),
+        ))
     }
 
     /// Every published snapshot, oldest first by `created_at` (ties by id); entries whose
@@ -304,7 +327,7 @@ impl Store {
         }
         for payload in &manifest.payload_refs {
             for layer in &payload.layers {
-                verify_layer(id, layer)?;
+                verify_layer(id, layer, &|| self.keepalive())?;
                 report.disk_layers_checked += 1;
                 report.bytes_checked += layer.bytes;
             }
@@ -479,6 +502,7 @@ impl Store {
     }
 
     fn verify_chunk(&self, id: &str, chunk: &ChunkRef) -> Result<(), StoreError> {
+        self.keepalive();
         let path = chunk_path(&self.paths.chunks, &chunk.sha256);
         let file = match File::open(&path) {
             Ok(f) => f,
@@ -638,7 +662,7 @@ pub(crate) fn chunk_path(chunks: &Path, sha256: &str) -> PathBuf {
     chunks.join(sha256.get(..2).unwrap_or("xx")).join(sha256)
 }
 
-fn verify_layer(id: &str, layer: &DiskLayer) -> Result<(), StoreError> {
+fn verify_layer(id: &str, layer: &DiskLayer, keepalive: &dyn Fn()) -> Result<(), StoreError> {
     let path = &layer.path;
     let mut file = match File::open(path) {
         Ok(f) => f,
@@ -671,10 +695,11 @@ fn verify_layer(id: &str, layer: &DiskLayer) -> Result<(), StoreError> {
     if len != layer.bytes {
         return Err(size_err(len));
     }
-    let digests = digests_of_reader(&mut file).map_err(|source| StoreError::ReadLayer {
-        path: path.clone(),
-        source,
-    })?;
+    let digests =
+        digests_of_reader(&mut file, keepalive).map_err(|source| StoreError::ReadLayer {
+            path: path.clone(),
+            source,
+        })?;
     if digests.len != layer.bytes {
         return Err(size_err(digests.len));
     }

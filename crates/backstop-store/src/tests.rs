@@ -1195,3 +1195,43 @@ mod never_panics {
         }
     }
 }
+
+/// The store's long work keeps its caller alive: hashing a disk layer calls the keepalive after
+/// every MiB (building and verifying), and checking chunks after every chunk, also on the
+/// verification's worker threads.
+#[test]
+fn long_work_calls_the_keepalive_per_mib_hashed_and_per_chunk_checked() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let fx = Fixture::new();
+    let calls = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&calls);
+    let store = fx.store.clone().with_keepalive(Arc::new(move || {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }));
+    let layer = fx.root().join("big-layer.qcow2");
+    fs::write(&layer, random_bytes(9, 6 * MIB)).unwrap();
+    let mut b = store.begin().unwrap();
+    let data = random_bytes(10, 5 * MIB);
+    let payload = b
+        .write_chunked("vmstate", KIND_RAM_DEVICE, &mut &data[..], &mut |_| {})
+        .unwrap();
+    b.add_disk_chain("root", std::slice::from_ref(&layer))
+        .unwrap();
+    let built = calls.swap(0, Ordering::Relaxed);
+    assert!(built >= 6, "6 MiB hashed with {built} keepalives");
+    let m = b.publish(input("keepalive")).unwrap();
+    store
+        .verify(&m.snapshot_id, &VerifyOptions::default())
+        .unwrap();
+    let verified = calls.load(Ordering::Relaxed);
+    assert!(
+        verified >= 6 + payload.chunks,
+        "6 MiB layer and {} chunks verified with {verified} keepalives",
+        payload.chunks
+    );
+    // A store without one works as before.
+    fx.store
+        .verify(&m.snapshot_id, &VerifyOptions::default())
+        .unwrap();
+    assert_eq!(calls.load(Ordering::Relaxed), verified);
+}
