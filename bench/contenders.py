@@ -304,6 +304,22 @@ run_dir = "{self.run_dir}"
 
 
 # ---------------------------------------------------------------------------------------------
+def heartbeat_expiries(entries, timeout_s):
+    """(detect_ms, restore_ms) of each heartbeat-watchdog rollback in a VM's journal `entries`:
+    how long past the timeout the silence was noticed (from the `rollback.initiated` reason,
+    "no valid heartbeat for N ms ...") and the engine's total_ms of the restore that followed
+    (the last restores, paired in order). bench-many.py uses it too."""
+    init = [e for e in entries if e["event"] == "rollback.initiated"
+            and e["fields"].get("trigger") == "watchdog_timeout"]
+    done = [e for e in entries if e["event"] == "snapshot.restore.completed"]
+    n = min(len(init), len(done))
+    rows = []
+    for i in range(n):
+        silent = int(init[i]["fields"]["reason"].split("for ")[1].split(" ms")[0])
+        rows.append((silent - timeout_s * 1000, done[-(n - i)]["fields"]["total_ms"]))
+    return rows
+
+
 def watchdog_expiries(env, reps, timeout_s=4, hb_stop_at=12):
     """Watchdog expiry -> guest running (as scripts/bench-watchdog.sh): backstopd on `env.qemu`
     with a heartbeat timeout, one snapshot while the agent is alive, then the guest's agent falls
@@ -359,15 +375,9 @@ boot_grace_s = 60
         deadline = time.monotonic() + 60 * reps + 60
         while len(rows) < reps and time.monotonic() < deadline:
             entries = [json.loads(l) for l in journal.read_text().splitlines() if l.strip()]
-            init = [e for e in entries if e["event"] == "rollback.initiated"
-                    and e["fields"].get("trigger") == "watchdog_timeout"]
-            done = [e for e in entries if e["event"] == "snapshot.restore.completed"]
-            n = min(len(init), len(done))
-            while len(rows) < n:
-                i = len(rows)
-                silent = int(init[i]["fields"]["reason"].split("for ")[1].split(" ms")[0])
-                detect = silent - timeout_s * 1000
-                total = done[-(n - i)]["fields"]["total_ms"]
+            for i, (detect, total) in enumerate(heartbeat_expiries(entries, timeout_s)):
+                if i < len(rows) or len(rows) >= reps:
+                    continue
                 rows.append({"qemu": env.qemu_label, "rep": i, "timeout_s": timeout_s,
                              "detect_ms": detect, "restore_ms": total, "beyond_ms": detect + total})
             time.sleep(0.5)

@@ -28,6 +28,8 @@ import tempfile
 import threading
 import time
 
+from contenders import heartbeat_expiries
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -193,19 +195,9 @@ def watchdog_run(args, n):
         rows = []
         deadline = time.time() + args.reps * (args.silent_at + args.timeout + 60) + 60
         while len(rows) < args.reps and time.time() < deadline:
-            entries = d.journal("v1")
-            init = [
-                e for e in entries
-                if e["event"] == "rollback.initiated" and e["fields"].get("trigger") == "watchdog_timeout"
-            ]
-            done = [e for e in entries if e["event"] == "snapshot.restore.completed"]
-            while len(rows) < min(len(init), len(done)):
-                i = len(rows)
-                reason = init[i]["fields"]["reason"]
-                silent = int(reason.split("for ")[1].split(" ms")[0])
-                total = done[i]["fields"]["total_ms"]
-                rows.append(silent - args.timeout * 1000 + total)
+            rows = [detect + total for detect, total in heartbeat_expiries(d.journal("v1"), args.timeout)]
             time.sleep(0.5)
+        rows = rows[: args.reps]
         stop.set()
         for t in threads:
             t.join()

@@ -173,7 +173,13 @@ impl VmHandle {
                         }
                         Err(e) => {
                             tracing::error!(vm = %cfg.vm.name, error = %e, "the HALTED VM's actor could not restart");
-                            refuse_all(&rx, &e);
+                            refuse_all(
+                                &rx,
+                                (
+                                    ErrorCode::VmHalted.to_string(),
+                                    format!("the VM is HALTED and its actor could not restart: {e}"),
+                                ),
+                            );
                             return;
                         }
                     };
@@ -348,7 +354,7 @@ fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>, retired: &AtomicBool) {
             // The supervisor ended this VM's guest and recorded the halt while this actor was
             // wedged: it must not act on the VM again (no snapshot, no rollback, no relaunch).
             tracing::error!(vm = %engine.cfg.vm.name, "a wedged actor came back after the supervisor retired it; it stops here");
-            refuse_all_retired(rx, &engine.cfg.vm.name);
+            refuse_all(rx, wedged_refusal(&engine.cfg.vm.name));
             return;
         }
         crate::systemd::beat();
@@ -442,15 +448,13 @@ fn halt_after_panic(cfg: &Config, what: &str) {
     }
 }
 
-/// Answers every order with `error` until the handle goes away (an actor that cannot restart).
-fn refuse_all(rx: &mpsc::Receiver<Order>, error: &EngineError) {
+/// Answers every request with `refusal` until the handle goes away or says shut down: the
+/// thread of an actor that cannot restart, or of one the supervisor retired.
+fn refuse_all(rx: &mpsc::Receiver<Order>, refusal: (String, String)) {
     while let Ok(order) = rx.recv() {
         match order {
             Order::Request(job) | Order::Trigger(job) => {
-                let _ = job.reply.send(Err((
-                    ErrorCode::VmHalted.to_string(),
-                    format!("the VM is HALTED and its actor could not restart: {error}"),
-                )));
+                let _ = job.reply.send(Err(refusal.clone()));
             }
             Order::Shutdown => return,
             Order::NoteRefused { .. } | Order::Tick => {}
@@ -467,20 +471,6 @@ fn wedged_refusal(vm: &str) -> (String, String) {
              backstopd (the other VMs resume where they were) and clear the halt then"
         ),
     )
-}
-
-/// What a retired actor's thread does with what is still queued: refuses it, until the handle
-/// goes away.
-fn refuse_all_retired(rx: &mpsc::Receiver<Order>, vm: &str) {
-    while let Ok(order) = rx.recv() {
-        match order {
-            Order::Request(job) | Order::Trigger(job) => {
-                let _ = job.reply.send(Err(wedged_refusal(vm)));
-            }
-            Order::Shutdown => return,
-            Order::NoteRefused { .. } | Order::Tick => {}
-        }
-    }
 }
 
 /// Runs one job on the engine thread and sends its reply.

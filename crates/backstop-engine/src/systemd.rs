@@ -1,8 +1,10 @@
 //! `sd_notify` without libsystemd: one datagram to `$NOTIFY_SOCKET` when systemd set one.
 //! backstopd runs as `Type=notify` with `WatchdogSec=`: it says `READY=1` once serving, and its
 //! main thread pings `WATCHDOG=1` only while every VM actor has shown a sign of life recently
-//! ([`beat`], from each actor's loop and from every step of a long operation), so a wedged actor
-//! stops the pings and systemd restarts the daemon.
+//! ([`beat`], from each actor's loop and from every step of a long operation, and
+//! [`keepalive_for_this_actor`] for the store's long work). An actor silent past
+//! `daemon.actor_silence_limit_secs` is retired by the supervisor, its VM alone HALTED, and stops
+//! counting; a daemon too stuck to ping at all is restarted by systemd.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

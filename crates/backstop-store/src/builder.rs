@@ -36,7 +36,7 @@ pub struct SnapshotBuilder {
     /// durable, which is what makes a length check enough for a dedup hit.
     pending: BTreeSet<String>,
     published: bool,
-    keepalive: Option<crate::Keepalive>,
+    keepalive: crate::Keepalive,
 }
 
 impl std::fmt::Debug for SnapshotBuilder {
@@ -49,11 +49,7 @@ impl std::fmt::Debug for SnapshotBuilder {
 }
 
 impl SnapshotBuilder {
-    pub(crate) fn new(
-        paths: Arc<Paths>,
-        dir: PathBuf,
-        keepalive: Option<crate::Keepalive>,
-    ) -> Self {
+    pub(crate) fn new(paths: Arc<Paths>, dir: PathBuf, keepalive: crate::Keepalive) -> Self {
         Self {
             paths,
             dir,
@@ -259,12 +255,7 @@ impl SnapshotBuilder {
                 source,
             };
             let mut file = File::open(path).map_err(read_err)?;
-            let keepalive = || {
-                if let Some(k) = &self.keepalive {
-                    k();
-                }
-            };
-            let digests = digests_of_reader(&mut file, &keepalive).map_err(read_err)?;
+            let digests = digests_of_reader(&mut file, &*self.keepalive).map_err(read_err)?;
             total_bytes += digests.len;
             entries.push((
                 reference,

@@ -135,7 +135,8 @@ pub type Keepalive = Arc<dyn Fn() + Send + Sync>;
 #[derive(Clone)]
 pub struct Store {
     paths: Arc<Paths>,
-    keepalive: Option<Keepalive>,
+    /// Called during long work (a no-op unless [`Store::with_keepalive`] set one).
+    keepalive: Keepalive,
 }
 
 impl std::fmt::Debug for Store {
@@ -163,7 +164,7 @@ impl Store {
         }
         let store = Store {
             paths: Arc::new(paths),
-            keepalive: None,
+            keepalive: Arc::new(|| {}),
         };
         let tmp_removed = store.sweep_tmp()?;
         let chunks_removed = store.collect_chunks()?;
@@ -184,14 +185,8 @@ impl Store {
     /// Calls `keepalive` during long work from now on (every MiB hashed, every chunk checked),
     /// in verification and in the builders this store begins.
     pub fn with_keepalive(mut self, keepalive: Keepalive) -> Store {
-        self.keepalive = Some(keepalive);
+        self.keepalive = keepalive;
         self
-    }
-
-    fn keepalive(&self) {
-        if let Some(k) = &self.keepalive {
-            k();
-        }
     }
 
     /// The store's root directory.
@@ -327,7 +322,7 @@ impl Store {
         }
         for payload in &manifest.payload_refs {
             for layer in &payload.layers {
-                verify_layer(id, layer, &|| self.keepalive())?;
+                verify_layer(id, layer, &*self.keepalive)?;
                 report.disk_layers_checked += 1;
                 report.bytes_checked += layer.bytes;
             }
@@ -502,7 +497,7 @@ impl Store {
     }
 
     fn verify_chunk(&self, id: &str, chunk: &ChunkRef) -> Result<(), StoreError> {
-        self.keepalive();
+        (self.keepalive)();
         let path = chunk_path(&self.paths.chunks, &chunk.sha256);
         let file = match File::open(&path) {
             Ok(f) => f,
