@@ -119,6 +119,9 @@ audit_events! {
     /// A VM's changed file was applied by a reload: stopped cleanly, started on the new file,
     /// resumed from the final snapshot (daemon journal).
     VmReconfigured = "vm.reconfigured" ["vm"];
+    /// A VM moved from the daemon file into `vms_dir` had its single-VM state moved into its own
+    /// directory, once (daemon journal and the VM's own).
+    VmStateMigrated = "vm.state_migrated" ["vm", "from", "to", "moved", "layers_dir"];
     /// A VM's audit chain head at a snapshot, rollback, halt or stop (daemon journal), so a
     /// truncated VM journal is detected by the daemon's `audit verify`.
     VmChainAnchored = "vm.chain_anchored" ["vm", "seq", "hash", "anchored_event"];

@@ -5,8 +5,9 @@
 //! or validate makes that VM `config_invalid` (with the reason) and the others start.
 //!
 //! Where each VM keeps its state: a VM of the daemon file keeps the single-VM layout in
-//! `state_dir` itself (its manifests name their disk layers by absolute path, so the layout is
-//! not moved); a VM from `vms_dir` lives in `state_dir/vms/NAME/`. Every VM shares the daemon's
+//! `state_dir` itself; a VM from `vms_dir` lives in `state_dir/vms/NAME/` (a VM moved from the
+//! daemon file into `vms_dir` has its state moved there at its first start: `crate::migrate`).
+//! Every VM shares the daemon's
 //! host key and run directory (its QEMU sockets go in `run_dir/NAME/`).
 
 use std::path::{Path, PathBuf};

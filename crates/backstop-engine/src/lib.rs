@@ -34,6 +34,7 @@ pub mod host;
 mod layers;
 pub mod lifecycle;
 pub mod mailbox;
+pub mod migrate;
 pub mod orders;
 pub mod policy;
 pub mod records;

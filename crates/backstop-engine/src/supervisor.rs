@@ -66,6 +66,8 @@ pub struct Supervisor {
     /// An actor silent this long is wedged (`daemon.actor_silence_limit_secs`; every tick and
     /// every step of a long operation beats, so this is far above any healthy gap).
     silence_limit_ms: u64,
+    /// The daemon's `state_dir` (a VM of `vms_dir` lives in `vms/NAME/` below it).
+    state_root: PathBuf,
 }
 
 impl Supervisor {
@@ -96,6 +98,7 @@ impl Supervisor {
             config_path,
             reloading: Mutex::new(()),
             silence_limit_ms: host.daemon.actor_silence_limit_secs.saturating_mul(1000),
+            state_root: host.daemon.state_dir.clone(),
         };
         let mut members = BTreeMap::new();
         for slot in &host.vms {
@@ -145,6 +148,20 @@ impl Supervisor {
     }
 
     fn spawn(&self, cfg: &Config) -> Member {
+        // The VM runs with its settled state directory; the member keeps the config as the
+        // file says, so a reload compares like with like.
+        let settled = match self.settle_state_dir(cfg) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(vm = %cfg.vm.name, code = %e.code(), error = %e, "VM state could not be moved to its directory; the VM does not start");
+                return Member::Down {
+                    state: "start_failed",
+                    code: e.code(),
+                    reason: e.to_string(),
+                    backend: cfg.vm.backend.clone(),
+                };
+            }
+        };
         self.vm_journals
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -152,7 +169,7 @@ impl Supervisor {
                 cfg.vm.name.clone(),
                 cfg.daemon.state_dir.join("audit/journal.jsonl"),
             );
-        match VmHandle::spawn_in(cfg.clone(), self.shared.clone()) {
+        match VmHandle::spawn_in(settled, self.shared.clone()) {
             Ok(h) => Member::Running(Arc::new(h), Box::new(cfg.clone())),
             Err(e) => {
                 tracing::error!(vm = %cfg.vm.name, code = %e.code(), error = %e, "VM could not start; the others run");
@@ -164,6 +181,43 @@ impl Supervisor {
                 }
             }
         }
+    }
+
+    /// A VM of `vms_dir` whose state still sits in the single-VM layout of `state_dir` (the VM
+    /// was moved from the daemon file into `vms.d/`) gets it moved to `vms/NAME/` first, once,
+    /// journaled in the daemon's journal and the VM's own (see [`crate::migrate`]). A migrated
+    /// VM keeps its disk layers where they were.
+    fn settle_state_dir(&self, cfg: &Config) -> Result<Config, EngineError> {
+        let mut cfg = cfg.clone();
+        let vm_dir = self.state_root.join("vms").join(&cfg.vm.name);
+        if cfg.daemon.state_dir != vm_dir {
+            return Ok(cfg);
+        }
+        let io = |step: &'static str| move |source| EngineError::Io { step, source };
+        let moved = crate::migrate::adopt_legacy_state(&self.state_root, &vm_dir, &cfg.vm.name)
+            .map_err(io("move the VM's state to its own directory"))?;
+        if let Some(rec) = moved {
+            tracing::info!(vm = %cfg.vm.name, from = %rec.from.display(), to = %rec.to.display(), "moved the VM's single-VM state into its own directory");
+            let fields = json!({
+                "vm": cfg.vm.name, "from": rec.from.display().to_string(),
+                "to": rec.to.display().to_string(), "moved": rec.moved,
+                "layers_dir": rec.layers_dir.as_ref().map(|p| p.display().to_string()),
+                "result": "ok",
+            });
+            self.journal(AuditEvent::VmStateMigrated, fields.clone())?;
+            // The VM's own chain says it too (its first entry in the new place).
+            let mut own = Journal::open(&vm_dir.join("audit/journal.jsonl"), self.key.clone())?;
+            let mut fields: Map<String, Value> = serde_json::from_value(fields).unwrap_or_default();
+            for k in ["trace_id", "snapshot_id"] {
+                fields.insert(k.into(), Value::Null);
+            }
+            fields.insert("session_id".into(), self.session_id.clone().into());
+            own.append(AuditEvent::VmStateMigrated.as_str(), fields)?;
+        }
+        if cfg.vm.libvirt.is_none() {
+            cfg.pinned_layers_dir = crate::migrate::pinned_layers_dir(&vm_dir);
+        }
+        Ok(cfg)
     }
 
     /// Re-reads the daemon file's VMs: starts new ones (and ones refused before that are good

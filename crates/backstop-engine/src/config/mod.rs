@@ -57,6 +57,11 @@ pub struct Config {
     /// The KVM backend's parsed settings (`None` for QEMU).
     #[serde(skip)]
     pub kvm_backend: Option<backstop_kvm::config::KvmConfigFile>,
+    /// A VM whose single-VM state was moved into `vms/NAME/` keeps its disk layers in the old
+    /// `state_dir/disks` (manifests and overlays name them by path): set at start, never read
+    /// from a file (see `crate::migrate`).
+    #[serde(skip)]
+    pub pinned_layers_dir: Option<PathBuf>,
 }
 
 /// The heartbeat watchdog. It is always on; only its timeout is configurable, within bounds.
@@ -304,7 +309,10 @@ impl Config {
             Some(l) => l.layers_dir.clone().unwrap_or_else(|| {
                 PathBuf::from("/var/lib/libvirt/images/backstop").join(&self.vm.name)
             }),
-            None => self.daemon.state_dir.join("disks"),
+            None => self
+                .pinned_layers_dir
+                .clone()
+                .unwrap_or_else(|| self.daemon.state_dir.join("disks")),
         }
     }
 }
