@@ -67,6 +67,13 @@ write("guest_line", "heartbeats", b"\x07HB 1\nHB 2\nHB 18446744073709551615\n")
 write("guest_line", "junk", b"\x2aHB 1\ngarbage\x00\xff\nHB -1\n HB 1\nHB 18446744073709551616\nHB 12")
 write("guest_line", "long", b"\x03HB " + b"7" * 70 + b"\nHB 5\n" + b"x" * 63 + b"\n")
 
+# qga_reply: byte 0 seeds the chunking, then what qemu-ga (or a hostile guest) answers.
+write("qga_reply", "pongs", b"\x07" + b'{"return": {}, "id": "bs-1"}\n{"return": {}, "id": "bs-2"}\n'
+      b'{"error": {"class": "CommandNotFound", "desc": "x"}, "id": "bs-time-3"}\n')
+write("qga_reply", "junk", b"\x2a" + b'{"return": {}}\n{"return": {"a": 1}, "id": "bs-1"}\n\xff\xff{\n'
+      b'{"return": {}, "id": "bs-1", "x": 0}\n[1,2]\n{"return": {}, "id": "' + b"9" * 40 + b'"}\n')
+write("qga_reply", "long", b"\x03" + b"{" * 600 + b'\n{"return": {}, "id": "bs-5"}\n' + b" " * 511 + b"\n")
+
 # manifest: the sealed sample of backstop-store's manifest unit tests; byte 0 is the options.
 manifest = {
     "snapshot_id": "",

@@ -132,6 +132,8 @@ pub struct Options<'a> {
     pub guest_flags: &'a str,
     /// Extra TOML tables at the end (e.g. `[watchdog]`).
     pub extra_toml: &'a str,
+    /// Extra keys of the `[vm]` table (e.g. `heartbeat = "qemu-ga"`).
+    pub extra_vm: &'a str,
     /// Environment for the daemon process.
     pub env: &'a [(&'a str, &'a str)],
 }
@@ -191,6 +193,7 @@ initrd = "{g}/initrd.img"
 append = "console=ttyS0 quiet panic=-1 no_timer_check {guest_flags}"
 nics = ["net0"]
 watchdog_device = true
+{extra_vm}
 
 [[vm.disks]]
 id = "data"
@@ -207,6 +210,7 @@ create_size_mib = 16
 "#,
             guest_flags = o.guest_flags,
             extra_toml = o.extra_toml,
+            extra_vm = o.extra_vm,
             state = state.display(),
             run = run_dir.display(),
             g = g.display(),

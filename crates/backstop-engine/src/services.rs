@@ -90,6 +90,7 @@ pub fn backend_for(cfg: &Config, key: &HostKey) -> Result<Box<dyn VmBackend>, En
         run_dir: cfg.daemon.run_dir.join(&cfg.vm.name),
         nics: cfg.vm.nics.clone(),
         watchdog: cfg.vm.watchdog_device,
+        heartbeat: cfg.vm.heartbeat,
         max_bandwidth: 16 << 30,
         qmp_timeout: Duration::from_secs(30),
         disk_shape: cfg

@@ -316,6 +316,28 @@ pub trait VmBackend: Send {
     }
 }
 
+/// Where a VM's heartbeat comes from (`vm.heartbeat`). Exactly one source credits heartbeats;
+/// neither can be turned off.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum HeartbeatSource {
+    /// `HB <n>` lines on backstop's own port `org.backstop.agent.0` (backstop-agent, the test
+    /// guest).
+    #[default]
+    BackstopAgent,
+    /// Pongs of `guest-ping` from the QEMU guest agent on `org.qemu.guest_agent.0`.
+    QemuGa,
+}
+
+impl HeartbeatSource {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HeartbeatSource::BackstopAgent => "backstop-agent",
+            HeartbeatSource::QemuGa => "qemu-ga",
+        }
+    }
+}
+
 /// Heartbeat counters of the guest agent channel (untrusted input, strictly parsed).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HeartbeatStatus {

@@ -50,14 +50,31 @@ pub fn parse_guest_line(line: &[u8]) -> GuestLine {
 }
 
 /// Splits a byte stream into bounded lines. Over-long lines are discarded up to their newline.
-#[derive(Default)]
 pub struct LineSplitter {
     buf: Vec<u8>,
     overflow: bool,
+    /// Longest line kept, newline included.
+    max: usize,
+}
+
+impl Default for LineSplitter {
+    /// Lines of backstop's own agent ([`GUEST_LINE_MAX`]).
+    fn default() -> Self {
+        Self::with_max(GUEST_LINE_MAX)
+    }
 }
 
 impl LineSplitter {
-    /// Bytes of the current, unfinished line held (never more than [`GUEST_LINE_MAX`]).
+    /// Lines of at most `max` bytes, newline included.
+    pub fn with_max(max: usize) -> Self {
+        LineSplitter {
+            buf: Vec::new(),
+            overflow: false,
+            max,
+        }
+    }
+
+    /// Bytes of the current, unfinished line held (never more than the maximum).
     #[cfg(any(test, feature = "fuzzing"))]
     pub fn buffered_len(&self) -> usize {
         self.buf.len()
@@ -73,8 +90,8 @@ impl LineSplitter {
                 }
                 self.buf.clear();
                 self.overflow = false;
-            } else if self.buf.len() + 1 >= GUEST_LINE_MAX {
-                // GUEST_LINE_MAX counts the newline: a line may hold one byte less. (This said
+            } else if self.buf.len() + 1 >= self.max {
+                // The maximum counts the newline: a line may hold one byte less. (This said
                 // `buf.len() >= GUEST_LINE_MAX` once, which let a 64-byte line and its newline
                 // through; found by the `guest_line` fuzz target.)
                 self.overflow = true;

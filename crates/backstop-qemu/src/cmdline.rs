@@ -33,6 +33,11 @@ pub(crate) fn serial_fifo(cfg: &QemuConfig) -> PathBuf {
     cfg.run_dir.join("serial.fifo")
 }
 
+/// The socket of qemu-ga's port (`vm.heartbeat = "qemu-ga"`).
+pub(crate) fn qga_socket(cfg: &QemuConfig) -> PathBuf {
+    cfg.run_dir.join("qga.sock")
+}
+
 pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) -> Vec<String> {
     let run = &cfg.run_dir;
     let mut a: Vec<String> = Vec::new();
@@ -80,6 +85,17 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
         "-device",
         "virtserialport,bus=vser0.0,chardev=agent0,name=org.backstop.agent.0",
     ]);
+    if cfg.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa {
+        push(&[
+            "-chardev",
+            &format!(
+                "socket,id=qga0,path={},server=on,wait=off",
+                qga_socket(cfg).display()
+            ),
+            "-device",
+            "virtserialport,bus=vser0.0,chardev=qga0,name=org.qemu.guest_agent.0",
+        ]);
+    }
     for d in disks {
         push(&[
             "-blockdev",
@@ -135,6 +151,11 @@ pub fn fingerprint(cfg: &QemuConfig) -> String {
     ));
     line(format!("memory_mib={} vcpus={}", cfg.memory_mib, cfg.vcpus));
     line(format!("watchdog={}", cfg.watchdog));
+    // A second virtio-serial port is device state a snapshot carries; written only when
+    // present, so the shape of every VM without it is what it always was.
+    if cfg.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa {
+        line("port=org.qemu.guest_agent.0".into());
+    }
     for (id, captured) in &cfg.disk_shape {
         line(format!("disk={id} captured={captured}"));
     }
@@ -170,6 +191,7 @@ pub(crate) mod tests_support {
             serial_log_max_bytes: 1 << 20,
             nics: vec!["net0".into()],
             watchdog: true,
+            heartbeat: Default::default(),
             max_bandwidth: 1 << 33,
             qmp_timeout: Duration::from_secs(5),
             disk_shape: vec![("data".into(), true)],
@@ -218,6 +240,27 @@ mod tests {
         let mut other_disks = cfg();
         other_disks.disk_shape.push(("scratch".into(), false));
         assert_ne!(fingerprint(&cfg()), fingerprint(&other_disks));
+    }
+
+    #[test]
+    fn qemu_ga_as_the_heartbeat_adds_its_port_and_changes_the_shape() {
+        let mut qga = cfg();
+        qga.heartbeat = backstop_hypervisor::HeartbeatSource::QemuGa;
+        let joined = command_line(&qga, &[], BootMode::Cold).join(" ");
+        assert!(
+            joined.contains("socket,id=qga0,path=/run/x/qga.sock,server=on,wait=off")
+                && joined.contains(
+                    "virtserialport,bus=vser0.0,chardev=qga0,name=org.qemu.guest_agent.0"
+                ),
+            "{joined}"
+        );
+        // Backstop's own port stays (epoch notices), the default adds nothing.
+        assert!(joined.contains("name=org.backstop.agent.0"));
+        assert!(!command_line(&cfg(), &[], BootMode::Cold)
+            .join(" ")
+            .contains("qga0"));
+        assert_ne!(fingerprint(&cfg()), fingerprint(&qga));
+        assert_eq!(fingerprint(&cfg()), FINGERPRINT_BEFORE_DEVICES);
     }
 
     #[test]

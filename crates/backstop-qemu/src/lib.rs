@@ -22,6 +22,7 @@
 mod agent;
 mod cmdline;
 pub mod devices;
+pub mod qga;
 pub mod qmp;
 mod serial_log;
 pub mod stream_chunks;
@@ -115,6 +116,8 @@ pub struct QemuConfig {
     pub max_bandwidth: u64,
     /// Bound on each QMP command.
     pub qmp_timeout: Duration,
+    /// Which channel's heartbeats count (`qemu-ga` adds its virtio-serial port).
+    pub heartbeat: backstop_hypervisor::HeartbeatSource,
     /// Each disk's id and whether snapshots capture it: part of the VM's shape, known from
     /// config before anything is launched.
     pub disk_shape: Vec<(String, bool)>,
@@ -156,6 +159,8 @@ struct Running {
     child: Child,
     qmp: Qmp,
     agent: agent::AgentChannel,
+    /// qemu-ga's channel, when it is the heartbeat source.
+    qga: Option<qga::QgaChannel>,
     capture: Option<CaptureInFlight>,
     restore: Option<Instant>,
     /// How captures are driven on this QEMU (probed at launch).
@@ -309,12 +314,24 @@ impl QemuBackend {
         &self.cfg
     }
 
-    /// Heartbeat counters from the guest agent channel.
+    /// Heartbeat counters of the configured source (backstop's agent or qemu-ga): lines on the
+    /// other channel never count.
     pub fn agent_stats(&self) -> AgentStats {
         self.running
             .as_ref()
-            .map(|r| r.agent.stats())
+            .map(|r| match &r.qga {
+                Some(q) => q.stats(),
+                None => r.agent.stats(),
+            })
             .unwrap_or_default()
+    }
+
+    /// Whether qemu-ga set the guest's clock after the last restore (`false` without qemu-ga).
+    pub fn clock_resynced(&self) -> bool {
+        self.running
+            .as_ref()
+            .and_then(|r| r.qga.as_ref())
+            .is_some_and(|q| q.clock_resynced())
     }
 
     /// Raw QMP access for tests and diagnostics (e.g. `query-pci`).
@@ -349,7 +366,8 @@ impl QemuBackend {
         }
         let qmp_path = run.join("qmp.sock");
         let agent_path = run.join("agent.sock");
-        for p in [&qmp_path, &agent_path] {
+        let qga_path = cmdline::qga_socket(&self.cfg);
+        for p in [&qmp_path, &agent_path, &qga_path] {
             let _ = std::fs::remove_file(p);
         }
         if self.serial.is_none() {
@@ -429,10 +447,14 @@ impl QemuBackend {
         };
         tracing::info!(qemu = %plan.version, resume = ?plan.resume, "qemu probed");
         let agent = agent::AgentChannel::connect(&agent_path);
+        // A restored guest's clock is the snapshot's: set it once its agent answers.
+        let qga = (self.cfg.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa)
+            .then(|| qga::QgaChannel::connect(&qga_path, mode == BootMode::Incoming));
         Ok(Running {
             child,
             qmp,
             agent,
+            qga,
             capture: None,
             restore: None,
             plan,
@@ -1023,6 +1045,9 @@ impl VmBackend for QemuBackend {
         }
         report.revoked.push("guest agent channel closed".into());
         r.agent.close();
+        if let Some(q) = r.qga.as_mut() {
+            q.close();
+        }
         Ok(report)
     }
 
@@ -1031,6 +1056,9 @@ impl VmBackend for QemuBackend {
             return Ok(());
         };
         r.agent.close();
+        if let Some(q) = r.qga.as_mut() {
+            q.close();
+        }
         let _ = r.qmp.execute("quit", None, Duration::from_millis(500));
         let deadline = Instant::now() + Duration::from_secs(2);
         loop {
@@ -1165,6 +1193,19 @@ impl VmBackend for QemuBackend {
         let r = self.running_mut("notify epoch")?;
         r.agent.send_epoch(epoch);
         Ok(())
+    }
+
+    /// The heartbeat source, and with qemu-ga whether the clock was set after the last restore.
+    fn status_details(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut m = serde_json::Map::new();
+        m.insert(
+            "heartbeat_source".into(),
+            self.cfg.heartbeat.as_str().into(),
+        );
+        if self.cfg.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa {
+            m.insert("clock_resynced".into(), self.clock_resynced().into());
+        }
+        m
     }
 
     fn heartbeats(&self) -> backstop_hypervisor::HeartbeatStatus {

@@ -129,6 +129,7 @@ impl Vm {
             serial_log_max_bytes: 1 << 20,
             nics: Vec::new(),
             watchdog: false,
+            heartbeat: Default::default(),
             max_bandwidth: 16 << 30,
             qmp_timeout: Duration::from_secs(30),
             disk_shape: vec![("data".into(), true)],

@@ -216,6 +216,12 @@ impl Config {
             "libvirt" => self.validate_libvirt()?,
             _ => return bad("vm.backend", "one of \"qemu\", \"kvm\", \"libvirt\""),
         }
+        if vm.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa && vm.backend != "qemu" {
+            return bad(
+                "vm.heartbeat",
+                "\"qemu-ga\" is for the qemu backend only (the others read backstop's own agent channel)",
+            );
+        }
         if vm.libvirt.is_some() && vm.backend != "libvirt" {
             return bad("vm.libvirt", "only for backend = \"libvirt\"");
         }

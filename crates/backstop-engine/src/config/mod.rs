@@ -276,6 +276,11 @@ pub struct VmConfig {
     pub nics: Vec<String>,
     #[serde(default)]
     pub watchdog_device: bool,
+    /// Where heartbeats come from: `backstop-agent` (default: `HB <n>` lines on
+    /// `org.backstop.agent.0`) or `qemu-ga` (pongs of the stock QEMU guest agent on
+    /// `org.qemu.guest_agent.0`, which this adds to the VM). QEMU backend only.
+    #[serde(default)]
+    pub heartbeat: backstop_hypervisor::HeartbeatSource,
     #[serde(default)]
     pub disks: Vec<DiskConfig>,
     /// `backend = "libvirt"`: the running libvirt domain to adopt (`[vm.libvirt]`).

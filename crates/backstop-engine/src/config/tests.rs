@@ -211,3 +211,32 @@ fn libvirt_tables_parse_strictly() {
         "a [vm.libvirt] table needs backend = libvirt: {err}"
     );
 }
+
+#[test]
+fn the_heartbeat_source_is_backstops_agent_or_qemu_ga_and_never_off() {
+    use backstop_hypervisor::HeartbeatSource;
+    assert_eq!(
+        Config::parse(DEFAULT_CONFIG).unwrap().vm.heartbeat,
+        HeartbeatSource::BackstopAgent
+    );
+    let with = |v: &str| {
+        DEFAULT_CONFIG.replace(
+            "memory_mib = 256",
+            &format!("memory_mib = 256\nheartbeat = {v}"),
+        )
+    };
+    assert_eq!(
+        Config::parse(&with("\"qemu-ga\"")).unwrap().vm.heartbeat,
+        HeartbeatSource::QemuGa
+    );
+    for bad in ["\"off\"", "\"none\"", "false", "\"qga\""] {
+        let err = Config::parse(&with(bad)).unwrap_err().to_string();
+        assert!(err.contains("heartbeat"), "{bad}: {err}");
+    }
+    let kvm = include_str!("../../../../vmm-config/kvm.toml").replace(
+        "\nbackend = \"kvm\"",
+        "\nbackend = \"kvm\"\nheartbeat = \"qemu-ga\"",
+    );
+    let err = Config::parse(&kvm).unwrap_err().to_string();
+    assert!(err.contains("vm.heartbeat"), "{err}");
+}

@@ -1,0 +1,134 @@
+//! A guest guarded by the stock QEMU guest agent (`vm.heartbeat = "qemu-ga"`, issue 17): the
+//! real `qemu-ga` of Debian's package runs in the test guest on `org.qemu.guest_agent.0`, and
+//! backstop's own agent does not run at all (`backstop.hb=off`). Its pongs keep the VM alive; a
+//! rollback brings the agent back and sets the restored guest's clock through it; an agent that
+//! stops answering is an emergency rollback like a silent backstop agent.
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use backstop_e2e::{skip_unless_ready, Daemon, Options};
+use serde_json::Value;
+
+const BOOT: Duration = Duration::from_secs(90);
+
+fn wait_serial(d: &Daemon, from: usize, line: &str, within: Duration) {
+    let deadline = Instant::now() + within;
+    while !d.serial_since(from).contains(line) {
+        assert!(
+            Instant::now() < deadline,
+            "guest never printed {line:?}:\n{}\ndaemon log:\n{}",
+            backstop_e2e::tail(&d.serial(), 20),
+            backstop_e2e::tail(&d.log(), 20)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits until `status` satisfies `pred`; returns it.
+fn wait_status(d: &Daemon, what: &str, within: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let st = d.status();
+        if pred(&st) {
+            return st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within {within:?}: {st}\ndaemon log:\n{}",
+            backstop_e2e::tail(&d.log(), 20)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn fresh_heartbeat(st: &Value) -> bool {
+    st["heartbeat_age_ms"].as_u64().is_some_and(|a| a < 3000)
+}
+
+#[test]
+fn qemu_ga_pongs_keep_the_vm_alive_and_a_restore_gets_its_clock_set() {
+    if skip_unless_ready("qemu_ga_pongs_keep_the_vm_alive_and_a_restore_gets_its_clock_set") {
+        return;
+    }
+    let d = Daemon::start_opts(
+        "qga",
+        &Options {
+            guest_flags: "backstop.qga=1 backstop.hb=off",
+            extra_vm: "heartbeat = \"qemu-ga\"",
+            extra_toml: "[watchdog]\nheartbeat_timeout_s = 5\nboot_grace_s = 60",
+            ..Options::default()
+        },
+    );
+    wait_serial(&d, 0, "BACKSTOP qemu-ga started", BOOT);
+    let st = wait_status(&d, "a pong credited", BOOT, fresh_heartbeat);
+    assert_eq!(st["backend_details"]["heartbeat_source"], "qemu-ga", "{st}");
+    assert_eq!(st["backend_details"]["clock_resynced"], false, "{st}");
+    d.wait_tick(0, 3, BOOT);
+    let snap = d.ok(&["snapshot", "create", "--reason", "agent alive"]);
+    let id = snap["summary"]["snapshot_id"].as_str().unwrap().to_string();
+
+    // Well past the timeout with no backstop agent at all: the pongs alone keep it running.
+    std::thread::sleep(Duration::from_secs(8));
+    assert!(
+        !d.journal()
+            .iter()
+            .any(|e| e["event"] == "rollback.completed"),
+        "rolled back although qemu-ga answered"
+    );
+    assert!(!d.serial().contains("HB "), "backstop's agent ran");
+
+    // A rollback: the restored guest's agent answers again, and its clock is set through it.
+    let from = d.serial_len();
+    let rb = d.ok(&["rollback", "--to", &id, "--reason", "test: qga restore"]);
+    assert_eq!(rb["epoch"], 1);
+    wait_serial(&d, from, "BACKSTOP epoch=1", Duration::from_secs(30));
+    let st = wait_status(
+        &d,
+        "clock set after the restore",
+        Duration::from_secs(30),
+        |s| s["backend_details"]["clock_resynced"] == true && fresh_heartbeat(s),
+    );
+    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(st["epoch"], 1);
+    d.ok(&["audit", "verify"]);
+}
+
+#[test]
+fn a_qemu_ga_that_stops_answering_is_rolled_back_by_the_watchdog() {
+    if skip_unless_ready("a_qemu_ga_that_stops_answering_is_rolled_back_by_the_watchdog") {
+        return;
+    }
+    let d = Daemon::start_opts(
+        "qgastop",
+        &Options {
+            guest_flags: "backstop.qga=1 backstop.hb=off backstop.qga_stop_at=30",
+            extra_vm: "heartbeat = \"qemu-ga\"",
+            extra_toml: "[watchdog]\nheartbeat_timeout_s = 4\nboot_grace_s = 60",
+            ..Options::default()
+        },
+    );
+    wait_status(&d, "a pong credited", BOOT, fresh_heartbeat);
+    d.wait_tick(0, 3, BOOT);
+    let snap = d.ok(&["snapshot", "create", "--reason", "agent alive"]);
+    let id = snap["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    // qemu-ga is killed at uptime 30 s; the watchdog rolls the VM back to the snapshot.
+    let e = d.wait_journal(Duration::from_secs(90), "watchdog rollback", |e| {
+        e["event"] == "rollback.completed" && e["fields"]["trigger"] == "watchdog_timeout"
+    });
+    assert_eq!(e["fields"]["snapshot_id"], id.as_str());
+    assert_eq!(e["fields"]["rollback_type"], "emergency");
+    let stopped = d
+        .serial()
+        .find("BACKSTOP qemu-ga stopped")
+        .expect("the guest says it killed qemu-ga");
+    wait_serial(&d, stopped, "BACKSTOP epoch=1", Duration::from_secs(30));
+    // The restored guest's agent (running at the snapshot point, before uptime 30 s) answers
+    // again.
+    wait_status(
+        &d,
+        "pongs after the rollback",
+        Duration::from_secs(30),
+        fresh_heartbeat,
+    );
+}
