@@ -30,6 +30,7 @@ pub mod config;
 pub mod devices;
 pub mod error;
 pub mod fault;
+pub mod firmware;
 pub mod host;
 mod layers;
 pub mod lifecycle;

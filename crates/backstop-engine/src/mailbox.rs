@@ -100,6 +100,7 @@ fn start_actor(cfg: &Config, shared: &Shared) -> Result<VmActor, EngineError> {
     services.captures = Arc::clone(&shared.captures);
     services.anchors = shared.anchors.clone();
     let mut cfg = cfg.clone();
+    crate::firmware::add_vars_disk(&mut cfg)?;
     let (backend, adoption) = match adopted {
         Some((backend, adoption)) => {
             crate::services::create_layers_dir(&cfg.layers_dir())?;

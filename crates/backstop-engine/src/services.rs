@@ -88,7 +88,22 @@ pub fn backend_for(cfg: &Config, key: &HostKey) -> Result<Box<dyn VmBackend>, En
         serial_log: state_dir.join(format!("{}-serial.log", cfg.vm.name)),
         serial_log_max_bytes: cfg.daemon.serial_log_max_kib << 10,
         run_dir: cfg.daemon.run_dir.join(&cfg.vm.name),
-        nics: cfg.vm.nics.clone(),
+        nics: cfg
+            .vm
+            .nics
+            .iter()
+            .chain(cfg.vm.tap_nics.iter().map(|t| &t.id))
+            .cloned()
+            .collect(),
+        tap_nics: cfg
+            .vm
+            .tap_nics
+            .iter()
+            .map(|t| (t.id.clone(), t.ifname.clone()))
+            .collect(),
+        ovmf_code: (cfg.vm.firmware == crate::config::Firmware::Ovmf)
+            .then(|| cfg.vm.ovmf_code.clone()),
+        cpu: cfg.vm.cpu.clone(),
         watchdog: cfg.vm.watchdog_device,
         heartbeat: cfg.vm.heartbeat,
         max_bandwidth: 16 << 30,

@@ -43,10 +43,30 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
     let mut a: Vec<String> = Vec::new();
     let mut push = |parts: &[&str]| a.extend(parts.iter().map(|s| s.to_string()));
     push(&["-name", &cfg.vm_name]);
+    // UEFI: OVMF's code read-only, the VM's own variable store (a captured disk) writable.
+    let flash = match &cfg.ovmf_code {
+        Some(_) => format!(
+            ",pflash0=fw-code,pflash1={}",
+            node_name(crate::UEFI_VARS_DISK)
+        ),
+        None => String::new(),
+    };
     push(&[
         "-machine",
-        &format!("{},accel={}", cfg.machine, cfg.accel.as_str()),
+        &format!("{},accel={}{flash}", cfg.machine, cfg.accel.as_str()),
     ]);
+    if let Some(code) = &cfg.ovmf_code {
+        push(&[
+            "-blockdev",
+            &format!(
+                "driver=raw,node-name=fw-code,read-only=on,file.driver=file,file.filename={},file.read-only=on",
+                code.display()
+            ),
+        ]);
+    }
+    if let Some(cpu) = &cfg.cpu {
+        push(&["-cpu", cpu]);
+    }
     push(&[
         "-m",
         &cfg.memory_mib.to_string(),
@@ -60,11 +80,15 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
         "none",
         "-no-reboot",
     ]);
-    push(&["-kernel", &cfg.kernel.to_string_lossy()]);
-    if let Some(initrd) = &cfg.initrd {
-        push(&["-initrd", &initrd.to_string_lossy()]);
+    // No kernel: the firmware boots the first disk.
+    let kernel_boot = !cfg.kernel.as_os_str().is_empty();
+    if kernel_boot {
+        push(&["-kernel", &cfg.kernel.to_string_lossy()]);
+        if let Some(initrd) = &cfg.initrd {
+            push(&["-initrd", &initrd.to_string_lossy()]);
+        }
+        push(&["-append", &cfg.append]);
     }
-    push(&["-append", &cfg.append]);
     push(&[
         "-chardev",
         &format!(
@@ -96,6 +120,7 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
             "virtserialport,bus=vser0.0,chardev=qga0,name=org.qemu.guest_agent.0",
         ]);
     }
+    let mut boot_disk = !kernel_boot;
     for d in disks {
         push(&[
             "-blockdev",
@@ -104,9 +129,19 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
                 node_name(&d.id),
                 d.active.display()
             ),
+        ]);
+        if d.id == crate::UEFI_VARS_DISK && cfg.ovmf_code.is_some() {
+            continue; // the flash device of `-machine pflash1=…`
+        }
+        let bootindex = if std::mem::take(&mut boot_disk) {
+            ",bootindex=1"
+        } else {
+            ""
+        };
+        push(&[
             "-device",
             &format!(
-                "virtio-blk-pci,drive={},id={}",
+                "virtio-blk-pci,drive={},id={}{bootindex}",
                 node_name(&d.id),
                 device_id(&d.id)
             ),
@@ -116,9 +151,15 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
         push(&["-device", "i6300esb,id=watchdog0"]);
     }
     for nic in &cfg.nics {
+        let netdev = match cfg.tap_nics.iter().find(|(id, _)| id == nic) {
+            Some((_, ifname)) => {
+                format!("tap,id=net-{nic},ifname={ifname},script=no,downscript=no")
+            }
+            None => format!("user,id=net-{nic},restrict=on"),
+        };
         push(&[
             "-netdev",
-            &format!("user,id=net-{nic},restrict=on"),
+            &netdev,
             "-device",
             &format!("virtio-net-pci,netdev=net-{nic},id={}", nic_id(nic)),
         ]);
@@ -162,6 +203,13 @@ pub fn fingerprint(cfg: &QemuConfig) -> String {
     for n in &cfg.nics {
         line(format!("nic={n}"));
     }
+    // Like the qemu-ga port: only written where set, so earlier shapes stay what they were.
+    if cfg.ovmf_code.is_some() {
+        line("firmware=ovmf".into());
+    }
+    if let Some(cpu) = &cfg.cpu {
+        line(format!("cpu={cpu}"));
+    }
     line("agent=virtserialport".into());
     for l in crate::devices::fingerprint_lines(cfg) {
         line(l);
@@ -192,6 +240,9 @@ pub(crate) mod tests_support {
             nics: vec!["net0".into()],
             watchdog: true,
             heartbeat: Default::default(),
+            ovmf_code: None,
+            cpu: None,
+            tap_nics: Vec::new(),
             max_bandwidth: 1 << 33,
             qmp_timeout: Duration::from_secs(5),
             disk_shape: vec![("data".into(), true)],
@@ -240,6 +291,58 @@ mod tests {
         let mut other_disks = cfg();
         other_disks.disk_shape.push(("scratch".into(), false));
         assert_ne!(fingerprint(&cfg()), fingerprint(&other_disks));
+    }
+
+    #[test]
+    fn ovmf_disk_boot_cpu_and_a_tap_nic() {
+        let mut c = cfg();
+        c.kernel = PathBuf::new();
+        c.initrd = None;
+        c.ovmf_code = Some("/fw/CODE.fd".into());
+        c.cpu = Some("max".into());
+        c.nics.push("lan".into());
+        c.tap_nics = vec![("lan".into(), "bs-tap0".into())];
+        let disks = [
+            DiskAttachment {
+                id: crate::UEFI_VARS_DISK.into(),
+                active: PathBuf::from("/l/vars/2.qcow2"),
+                captured: true,
+            },
+            DiskAttachment {
+                id: "root".into(),
+                active: PathBuf::from("/l/root/2.qcow2"),
+                captured: true,
+            },
+            DiskAttachment {
+                id: "data".into(),
+                active: PathBuf::from("/l/data/2.qcow2"),
+                captured: true,
+            },
+        ];
+        let a = command_line(&c, &disks, BootMode::Cold);
+        let joined = a.join(" ");
+        assert!(joined.contains("-machine q35,accel=tcg,pflash0=fw-code,pflash1=disk-uefi-vars"));
+        assert!(joined
+            .contains("node-name=fw-code,read-only=on,file.driver=file,file.filename=/fw/CODE.fd"));
+        // The variable store is a block node of the chain, attached as flash only.
+        assert!(joined
+            .contains("node-name=disk-uefi-vars,file.driver=file,file.filename=/l/vars/2.qcow2"));
+        assert!(!joined.contains("drive=disk-uefi-vars"));
+        // No kernel: the first real disk boots.
+        assert!(!a.iter().any(|x| x == "-kernel" || x == "-append"));
+        assert!(joined.contains("virtio-blk-pci,drive=disk-root,id=dev-root,bootindex=1"));
+        assert!(joined.contains("virtio-blk-pci,drive=disk-data,id=dev-data "));
+        assert!(joined.contains("-cpu max"));
+        assert!(joined.contains("-netdev tap,id=net-lan,ifname=bs-tap0,script=no,downscript=no"));
+        assert!(joined.contains("-netdev user,id=net-net0,restrict=on"));
+        assert!(joined.contains("virtio-net-pci,netdev=net-lan,id=nic-lan"));
+        // Firmware and CPU are the guest's shape.
+        let mut bios = c.clone();
+        bios.ovmf_code = None;
+        assert_ne!(fingerprint(&c), fingerprint(&bios));
+        let mut other_cpu = c.clone();
+        other_cpu.cpu = None;
+        assert_ne!(fingerprint(&c), fingerprint(&other_cpu));
     }
 
     #[test]

@@ -89,6 +89,9 @@ impl Accel {
     }
 }
 
+/// The captured disk that is OVMF's variable store: attached as flash, not as a virtio disk.
+pub const UEFI_VARS_DISK: &str = "uefi-vars";
+
 /// Everything the backend needs to build QEMU's command line.
 #[derive(Debug, Clone)]
 pub struct QemuConfig {
@@ -108,7 +111,8 @@ pub struct QemuConfig {
     pub serial_log: PathBuf,
     /// The serial log is rotated to `<serial_log>.1` before it grows past this.
     pub serial_log_max_bytes: u64,
-    /// NIC ids (`-netdev user,restrict=on` + `virtio-net-pci`).
+    /// NIC ids (`-netdev user,restrict=on` + `virtio-net-pci`, or a tap: `tap_nics`): every one
+    /// has its link taken down on each rollback.
     pub nics: Vec<String>,
     /// Emulated i6300esb watchdog.
     pub watchdog: bool,
@@ -118,6 +122,13 @@ pub struct QemuConfig {
     pub qmp_timeout: Duration,
     /// Which channel's heartbeats count (`qemu-ga` adds its virtio-serial port).
     pub heartbeat: backstop_hypervisor::HeartbeatSource,
+    /// OVMF's code image: UEFI boot, with the captured disk [`UEFI_VARS_DISK`] as the variable
+    /// store (second flash device). `None`: SeaBIOS.
+    pub ovmf_code: Option<PathBuf>,
+    /// `-cpu` (QEMU's default model when `None`).
+    pub cpu: Option<String>,
+    /// NICs of `nics` that sit on a host tap device (id, ifname); the others are user-mode.
+    pub tap_nics: Vec<(String, String)>,
     /// Each disk's id and whether snapshots capture it: part of the VM's shape, known from
     /// config before anything is launched.
     pub disk_shape: Vec<(String, bool)>,

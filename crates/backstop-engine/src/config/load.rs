@@ -75,6 +75,8 @@ impl Config {
         for (i, disk) in vm.disks.iter_mut().enumerate() {
             disk.path = expand_path(&format!("vm.disks[{i}].path"), &disk.path)?;
         }
+        vm.ovmf_code = expand_path("vm.ovmf_code", &vm.ovmf_code)?;
+        vm.ovmf_vars_template = expand_path("vm.ovmf_vars_template", &vm.ovmf_vars_template)?;
         if let Some(l) = vm.libvirt.as_mut() {
             if let Some(d) = &l.layers_dir {
                 l.layers_dir = Some(expand_path("vm.libvirt.layers_dir", d)?);
@@ -107,8 +109,30 @@ impl Config {
                 return missing(key, bin, "the program");
             }
         }
-        if !vm.kernel.is_file() {
+        if !vm.kernel.as_os_str().is_empty() && !vm.kernel.is_file() {
             return missing("vm.kernel", &vm.kernel, "the kernel");
+        }
+        if vm.firmware == super::Firmware::Ovmf {
+            for (key, path) in [
+                ("vm.ovmf_code", &vm.ovmf_code),
+                ("vm.ovmf_vars_template", &vm.ovmf_vars_template),
+            ] {
+                if !path.is_file() {
+                    return missing(key, path, "the firmware file");
+                }
+            }
+        }
+        for (i, t) in vm.tap_nics.iter().enumerate() {
+            let dev = Path::new("/sys/class/net").join(&t.ifname);
+            if !dev.exists() {
+                return Err(ConfigError::Invalid {
+                    key: format!("vm.tap_nics[{i}].ifname"),
+                    message: format!(
+                        "no network device {:?} on this host (create the tap and attach it to its bridge first)",
+                        t.ifname
+                    ),
+                });
+            }
         }
         if let Some(initrd) = vm.initrd.as_deref().filter(|i| !i.is_file()) {
             return missing("vm.initrd", initrd, "the initrd");
@@ -202,8 +226,20 @@ impl Config {
             return bad("vm.name", "use 1-32 characters from [a-z0-9_-]");
         }
         match vm.backend.as_str() {
-            "qemu" if vm.kernel.as_os_str().is_empty() => {
-                return bad("vm.kernel", "the qemu backend needs a kernel");
+            "qemu" if vm.kernel.as_os_str().is_empty() && vm.disks.is_empty() => {
+                return bad(
+                    "vm.kernel",
+                    "the qemu backend boots a kernel or its first disk: give one of them",
+                );
+            }
+            "qemu"
+                if vm.kernel.as_os_str().is_empty()
+                    && (vm.initrd.is_some() || !vm.append.is_empty()) =>
+            {
+                return bad(
+                    "vm.initrd",
+                    "initrd and append are for direct kernel boot (give vm.kernel, or boot from the disk without them)",
+                );
             }
             "qemu" => {}
             "kvm" if !vm.disks.is_empty() || !vm.nics.is_empty() => {
@@ -221,6 +257,57 @@ impl Config {
                 "vm.heartbeat",
                 "\"qemu-ga\" is for the qemu backend only (the others read backstop's own agent channel)",
             );
+        }
+        let qemu_only = [
+            ("vm.firmware", vm.firmware != super::Firmware::Seabios),
+            ("vm.cpu", vm.cpu.is_some()),
+            ("vm.tap_nics", !vm.tap_nics.is_empty()),
+        ];
+        if let Some((key, _)) = qemu_only
+            .iter()
+            .find(|(_, set)| *set && vm.backend != "qemu")
+        {
+            return bad(key, "for the qemu backend only");
+        }
+        if let Some(cpu) = &vm.cpu {
+            let ok = (1..=64).contains(&cpu.len())
+                && cpu
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_.,+=-".contains(&b));
+            if !ok {
+                return bad(
+                    "vm.cpu",
+                    "a QEMU CPU model and options: 1-64 characters from [A-Za-z0-9_.,+=-]",
+                );
+            }
+        }
+        if vm.firmware == super::Firmware::Ovmf
+            && vm.disks.iter().any(|d| d.id == crate::firmware::VARS_DISK)
+        {
+            return bad(
+                "vm.disks",
+                "the disk id \"uefi-vars\" is OVMF's variable store (captured by backstop): use another id",
+            );
+        }
+        let mut nic_ids: std::collections::BTreeSet<&str> =
+            vm.nics.iter().map(String::as_str).collect();
+        for (i, t) in vm.tap_nics.iter().enumerate() {
+            if !valid_id(&t.id) || !nic_ids.insert(&t.id) {
+                return bad(
+                    &format!("vm.tap_nics[{i}].id"),
+                    "use 1-32 characters from [a-z0-9_-], not the id of another NIC",
+                );
+            }
+            let name_ok = (1..=15).contains(&t.ifname.len())
+                && t.ifname
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+            if !name_ok {
+                return bad(
+                    &format!("vm.tap_nics[{i}].ifname"),
+                    "a Linux interface name: 1-15 characters from [A-Za-z0-9_.-]",
+                );
+            }
         }
         if vm.libvirt.is_some() && vm.backend != "libvirt" {
             return bad("vm.libvirt", "only for backend = \"libvirt\"");

@@ -281,6 +281,21 @@ pub struct VmConfig {
     /// `org.qemu.guest_agent.0`, which this adds to the VM). QEMU backend only.
     #[serde(default)]
     pub heartbeat: backstop_hypervisor::HeartbeatSource,
+    /// `seabios` (QEMU's default BIOS) or `ovmf` (UEFI: its variable store is captured with the
+    /// VM like a disk, see `crate::firmware`). QEMU backend only.
+    #[serde(default)]
+    pub firmware: Firmware,
+    /// OVMF's code image (read-only), for `firmware = "ovmf"`.
+    #[serde(default = "default_ovmf_code")]
+    pub ovmf_code: PathBuf,
+    /// The variable store every new VM's own copy starts from, for `firmware = "ovmf"`.
+    #[serde(default = "default_ovmf_vars")]
+    pub ovmf_vars_template: PathBuf,
+    /// QEMU's `-cpu` model (and options), e.g. `max` or `host`; QEMU's default when unset.
+    pub cpu: Option<String>,
+    /// Extra NICs on host tap devices (a bridge the operator made), beside `nics`.
+    #[serde(default)]
+    pub tap_nics: Vec<TapNic>,
     #[serde(default)]
     pub disks: Vec<DiskConfig>,
     /// `backend = "libvirt"`: the running libvirt domain to adopt (`[vm.libvirt]`).
@@ -334,6 +349,31 @@ fn default_qemu() -> PathBuf {
 fn default_qemu_img() -> PathBuf {
     "qemu-img".into()
 }
+/// The VM's firmware.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Firmware {
+    #[default]
+    Seabios,
+    Ovmf,
+}
+
+/// A NIC on a host tap device (`-netdev tap,ifname=…,script=no`): the tap must exist and be
+/// attached to its bridge before the VM starts; backstop never configures host networking.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TapNic {
+    pub id: String,
+    pub ifname: String,
+}
+
+fn default_ovmf_code() -> PathBuf {
+    "/usr/share/OVMF/OVMF_CODE_4M.fd".into()
+}
+fn default_ovmf_vars() -> PathBuf {
+    "/usr/share/OVMF/OVMF_VARS_4M.fd".into()
+}
+
 fn default_machine() -> String {
     "q35".into()
 }

@@ -240,3 +240,74 @@ fn the_heartbeat_source_is_backstops_agent_or_qemu_ga_and_never_off() {
     let err = Config::parse(&kvm).unwrap_err().to_string();
     assert!(err.contains("vm.heartbeat"), "{err}");
 }
+
+#[test]
+fn firmware_cpu_disk_boot_and_tap_nics_are_checked_by_name() {
+    let with = |extra: &str| {
+        DEFAULT_CONFIG.replace("memory_mib = 256", &format!("memory_mib = 256\n{extra}"))
+    };
+    let cfg = Config::parse(&with("firmware = \"ovmf\"\ncpu = \"max,pmu=off\"\ntap_nics = [{ id = \"lan\", ifname = \"bs-tap0\" }]")).unwrap();
+    assert_eq!(cfg.vm.firmware, Firmware::Ovmf);
+    assert_eq!(
+        cfg.vm.ovmf_code,
+        PathBuf::from("/usr/share/OVMF/OVMF_CODE_4M.fd")
+    );
+    for (extra, key) in [
+        ("firmware = \"coreboot\"", "firmware"),
+        ("cpu = \"max -device evil\"", "vm.cpu"),
+        ("cpu = \"\"", "vm.cpu"),
+        (
+            "tap_nics = [{ id = \"net0\", ifname = \"bs-tap0\" }]",
+            "vm.tap_nics[0].id",
+        ),
+        (
+            "tap_nics = [{ id = \"lan\", ifname = \"a-name-far-too-long\" }]",
+            "vm.tap_nics[0].ifname",
+        ),
+        (
+            "tap_nics = [{ id = \"lan\", ifname = \"x y\" }]",
+            "vm.tap_nics[0].ifname",
+        ),
+        ("tap_nics = [{ id = \"lan\" }]", "ifname"),
+    ] {
+        let err = Config::parse(&with(extra)).unwrap_err().to_string();
+        assert!(err.contains(key), "{extra}: {err}");
+    }
+    // The variable store's disk id is reserved under OVMF.
+    let text = with("firmware = \"ovmf\"").replace("id = \"scratch\"", "id = \"uefi-vars\"");
+    assert!(Config::parse(&text)
+        .unwrap_err()
+        .to_string()
+        .contains("uefi-vars"));
+    // Files: a missing firmware image or tap device is one line at load, naming the key.
+    let mut cfg = Config::parse(&with(
+        "firmware = \"ovmf\"\novmf_code = \"/nonexistent/CODE.fd\"",
+    ))
+    .unwrap();
+    cfg.vm.qemu_binary = "sh".into();
+    cfg.vm.qemu_img = "sh".into();
+    cfg.vm.kernel = PathBuf::new();
+    cfg.vm.disks.clear();
+    let err = cfg.check_files().unwrap_err().to_string();
+    assert!(
+        err.contains("vm.ovmf_code") && err.contains("does not exist"),
+        "{err}"
+    );
+    let mut cfg = Config::parse(&with(
+        "tap_nics = [{ id = \"lan\", ifname = \"bs-nosuch0\" }]",
+    ))
+    .unwrap();
+    cfg.vm.qemu_binary = "sh".into();
+    cfg.vm.qemu_img = "sh".into();
+    cfg.vm.kernel = PathBuf::new();
+    cfg.vm.disks.clear();
+    let err = cfg.check_files().unwrap_err().to_string();
+    assert!(
+        err.contains("vm.tap_nics[0].ifname") && err.contains("bs-nosuch0"),
+        "{err}"
+    );
+    // Disk boot: no kernel, then no initrd or append either.
+    let diskboot = DEFAULT_CONFIG.replace("kernel = ", "# kernel = ");
+    let err = Config::parse(&diskboot).unwrap_err().to_string();
+    assert!(err.contains("vm.initrd"), "{err}");
+}
