@@ -8,9 +8,15 @@
 #   ${BACKSTOP_GUEST_DIR:-$HOME/.cache/backstop/guest}/
 #     vmlinuz          kernel for -kernel (an uncompressed PVH ELF, see below)
 #     vmlinuz.bzimage  Debian's original bzImage, same kernel
-#     initrd.img       busybox + modules + /init, gzip'd newc cpio
+#     initrd.img       busybox + modules + /init + qemu-ga and its shared
+#                      libraries, gzip'd newc cpio
 #     disk-base.qcow2  64 MiB empty disk, the backing file for test overlays
 #     stamp            input hash, then what was built (key=value lines)
+#
+# qemu-ga is Debian's qemu-guest-agent, for the guests that test
+# vm.heartbeat = "qemu-ga" (scripts/guest/init, backstop.qga=1). It is the one
+# dynamic binary in the guest: its libraries are the host's (resolved by ldd),
+# which are the ones a Debian guest would have, as the host is Debian too.
 #
 # The stamp holds a hash of this script and scripts/guest/*, so a rerun with
 # unchanged inputs is a no-op. The kernel is not part of the key on purpose:
@@ -56,7 +62,7 @@ fi
 # --- tools -------------------------------------------------------------------
 # depmod lives in /sbin, which a non-root PATH may lack.
 PATH=$PATH:/usr/sbin:/sbin
-for tool in apt-get apt-cache dpkg-deb depmod cpio gzip xz qemu-img sha256sum od; do
+for tool in apt-get apt-cache dpkg-deb depmod cpio gzip xz qemu-img sha256sum od ldd; do
 	command -v "$tool" >/dev/null || die "'$tool' not found (run scripts/setup.sh)"
 done
 [[ -x $busybox ]] || die "$busybox not found (install busybox-static)"
@@ -85,12 +91,37 @@ has_candidate() {
 	[[ -n $cand && $cand != "(none)" ]]
 }
 
+# A fresh machine may have empty package lists; refresh them once (for both
+# packages) if we can. False if we cannot, or already did.
+apt_refreshed=0
+refresh_apt_lists() {
+	[[ $EUID -eq 0 && $apt_refreshed == 0 ]] || return 1
+	log "$1; running apt-get update"
+	apt-get update -qq >/dev/null
+	apt_refreshed=1
+}
+
+# download_deb PKG: fetch PKG's .deb into a directory of its own (so the two
+# packages' globs cannot mix) and set $deb to its path.
+download_deb() {
+	local dir=$work/dl-$1 debs
+	mkdir -p "$dir"
+	log "downloading $1"
+	# apt-get download writes into the cwd; as root it warns that the _apt
+	# sandbox user cannot write there, which is harmless, so its chatter is
+	# only shown on failure.
+	(cd "$dir" && apt-get download -q "$1" 2>&1) >"$work/download.log" || {
+		cat "$work/download.log" >&2
+		die "apt-get download $1 failed"
+	}
+	debs=("$dir"/*.deb)
+	deb=${debs[0]}
+	[[ -f $deb ]] || die "apt-get download $1 produced no .deb"
+}
+
 pkg=${BACKSTOP_GUEST_KERNEL:-$(newest_kernel_pkg)}
 if [[ -z $pkg ]] || ! has_candidate "$pkg"; then
-	# A fresh machine may have empty package lists; refresh once if we can.
-	if [[ $EUID -eq 0 ]]; then
-		log "no kernel package found in the apt lists; running apt-get update"
-		apt-get update -qq >/dev/null
+	if refresh_apt_lists "no kernel package found in the apt lists"; then
 		pkg=${BACKSTOP_GUEST_KERNEL:-$(newest_kernel_pkg)}
 	fi
 	if [[ -z $pkg ]] || ! has_candidate "$pkg"; then
@@ -98,17 +129,7 @@ if [[ -z $pkg ]] || ! has_candidate "$pkg"; then
 	fi
 fi
 
-log "downloading $pkg"
-# apt-get download writes into the cwd; as root it warns that the _apt
-# sandbox user cannot write there, which is harmless, so its chatter is only
-# shown on failure.
-(cd "$work" && apt-get download -q "$pkg" 2>&1) >"$work/download.log" || {
-	cat "$work/download.log" >&2
-	die "apt-get download $pkg failed"
-}
-debs=("$work"/*.deb)
-deb=${debs[0]}
-[[ -f $deb ]] || die "apt-get download $pkg produced no .deb"
+download_deb "$pkg"
 pkg_version=$(dpkg-deb -f "$deb" Version)
 
 root=$work/root
@@ -160,6 +181,34 @@ else
 	cp "$work/vmlinuz.bzimage" "$work/vmlinux"
 fi
 
+# --- qemu guest agent --------------------------------------------------------
+# Only usr/sbin/qemu-ga is used: the package's init script, udev rule and
+# systemd unit have nothing to run under in the guest (its /init starts it).
+qga_pkg=qemu-guest-agent
+if ! has_candidate "$qga_pkg"; then
+	refresh_apt_lists "no $qga_pkg package found in the apt lists" || true
+	has_candidate "$qga_pkg" || die "package '$qga_pkg' not available from apt (apt-get update as root?)"
+fi
+download_deb "$qga_pkg"
+qga_version=$(dpkg-deb -f "$deb" Version)
+qga_root=$work/qga
+dpkg-deb -x "$deb" "$qga_root"
+rm -f "$deb"
+qga_bin=$qga_root/usr/sbin/qemu-ga
+[[ -x $qga_bin ]] || die "$qga_pkg $qga_version has no usr/sbin/qemu-ga"
+
+# Its shared libraries, loader included, as ldd resolves them on this host.
+# ldd prints "name => /path (addr)", "/loader (addr)", "name (addr)" for the
+# vDSO (no file), and "name => not found" for what is missing.
+ldd_status=0
+qga_ldd=$(ldd "$qga_bin" 2>&1) || ldd_status=$?
+if grep -q 'not found' <<<"$qga_ldd"; then
+	die "qemu-ga needs libraries this host lacks:"$'\n'"$(grep 'not found' <<<"$qga_ldd")"
+fi
+((ldd_status == 0)) || die "ldd $qga_bin failed:"$'\n'"$qga_ldd"
+mapfile -t qga_libs < <(awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }' <<<"$qga_ldd")
+[[ ${#qga_libs[@]} -gt 0 ]] || die "ldd listed no libraries for qemu-ga:"$'\n'"$qga_ldd"
+
 # --- module closure ----------------------------------------------------------
 # The package ships no modules.dep (postinst runs depmod), so generate it
 # against the extracted tree.
@@ -206,7 +255,7 @@ done <"$guest_src/modules"
 
 # --- initramfs tree ----------------------------------------------------------
 initrd=$work/initrd
-mkdir -p "$initrd"/{bin,dev,proc,sys,tmp,etc/backstop,lib/modules}
+mkdir -p "$initrd"/{bin,dev,proc,sys,tmp,run,etc/backstop,lib/modules}
 cp "$busybox" "$initrd/bin/busybox"
 # Applet links at build time so /init can use plain command names from line 1.
 for applet in $("$busybox" --list); do
@@ -214,6 +263,16 @@ for applet in $("$busybox" --list); do
 done
 ln -s bin "$initrd/sbin"
 install -m 0755 "$guest_src/init" "$initrd/init"
+
+# qemu-ga and its libraries at the paths ldd found them at, which are the
+# loader's default directories, so no ld.so.cache is needed. cp -L: the real
+# file, not the host's symlink (libudev.so.1 -> libudev.so.1.7.5, and the
+# loader's /lib64/ld-linux-x86-64.so.2 is one too).
+install -D -m 0755 "$qga_bin" "$initrd/usr/sbin/qemu-ga"
+for lib in "${qga_libs[@]}"; do
+	mkdir -p "$initrd${lib%/*}"
+	cp -L "$lib" "$initrd$lib"
+done
 
 # busybox insmod takes a plain ELF object, so compressed modules (other
 # kernel builds use .ko.xz/.ko.zst) are expanded here on the host.
@@ -259,7 +318,8 @@ mv "$work/disk-base.qcow2" "$out/disk-base.qcow2"
 	echo "kernel_release=$kver"
 	echo "kernel_format=$kernel_format"
 	echo "modules=${load_order[*]}"
+	echo "qemu-ga=$qga_version"
 	echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 } >"$out/stamp"
 
-log "built guest in $out: kernel $kver ($pkg $pkg_version, $kernel_format), modules: ${load_order[*]}"
+log "built guest in $out: kernel $kver ($pkg $pkg_version, $kernel_format), modules: ${load_order[*]}, qemu-ga $qga_version"

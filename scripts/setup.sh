@@ -22,6 +22,8 @@ declare -A needs=(
 	[cpio]=/usr/bin/cpio          # initramfs archive
 	[kmod]=/sbin/depmod           # modules.dep for the downloaded kernel
 	[xz-utils]=/usr/bin/xz        # unpacks the kernel out of its bzImage
+	[ovmf]=/usr/share/OVMF/OVMF_CODE_4M.fd # UEFI firmware (firmware = "ovmf" tests)
+	[iproute2]=/sbin/ip                    # network namespace, bridge and tap of the tap-NIC test
 )
 
 installed() {
@@ -44,7 +46,7 @@ if ((${#missing[@]})); then
 	# that some images ship; asking for bookworm's qemu-utils alongside keeps
 	# a matching one, downgrading if needed.
 	apt-get install -y -q --allow-downgrades \
-		qemu-system-x86 qemu-utils/bookworm busybox-static cpio kmod xz-utils ||
+		qemu-system-x86 qemu-utils/bookworm busybox-static cpio kmod xz-utils ovmf iproute2 ||
 		die "apt-get install failed"
 	for pkg in "${!needs[@]}"; do
 		[[ -e ${needs[$pkg]} ]] || die "$pkg installed but ${needs[$pkg]} is missing"

@@ -134,6 +134,8 @@ pub struct Options<'a> {
     pub extra_toml: &'a str,
     /// Extra keys of the `[vm]` table (e.g. `heartbeat = "qemu-ga"`).
     pub extra_vm: &'a str,
+    /// Run backstopd in this network namespace (made by the test).
+    pub netns: Option<&'a str>,
     /// Environment for the daemon process.
     pub env: &'a [(&'a str, &'a str)],
 }
@@ -145,6 +147,8 @@ pub struct Daemon {
     pub config_path: PathBuf,
     child: Option<Child>,
     pub extra_env: Vec<(String, String)>,
+    /// Run backstopd (and so its QEMU) inside this network namespace (`ip netns exec`).
+    pub netns: Option<String>,
 }
 
 impl Daemon {
@@ -227,6 +231,7 @@ create_size_mib = 16
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            netns: o.netns.map(str::to_string),
         };
         d.launch();
         d
@@ -256,6 +261,7 @@ create_size_mib = 16
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            netns: None,
         }
     }
 
@@ -334,6 +340,7 @@ snapshot = "capture"
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
+            netns: None,
         }
     }
 
@@ -394,6 +401,18 @@ snapshot = "capture"
         self.dir.path().join("backstopd.log")
     }
 
+    /// backstopd, inside the test's network namespace if it has one.
+    fn daemon_command(&self) -> Command {
+        match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(bin("backstopd"));
+                c
+            }
+            None => Command::new(bin("backstopd")),
+        }
+    }
+
     /// (Re)starts the daemon process and waits for its socket to answer `status`.
     pub fn launch(&mut self) {
         self.spawn();
@@ -407,7 +426,7 @@ snapshot = "capture"
             .append(true)
             .open(self.log_path())
             .unwrap();
-        let mut cmd = Command::new(bin("backstopd"));
+        let mut cmd = self.daemon_command();
         cmd.arg("--config")
             .arg(&self.config_path)
             .stdin(Stdio::null())
@@ -458,7 +477,7 @@ snapshot = "capture"
             .append(true)
             .open(self.log_path())
             .unwrap();
-        let mut cmd = Command::new(bin("backstopd"));
+        let mut cmd = self.daemon_command();
         cmd.arg("--config")
             .arg(&self.config_path)
             .stdin(Stdio::null())
