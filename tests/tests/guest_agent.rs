@@ -132,3 +132,36 @@ fn a_qemu_ga_that_stops_answering_is_rolled_back_by_the_watchdog() {
         fresh_heartbeat,
     );
 }
+
+#[test]
+fn a_guest_agent_port_full_of_junk_is_silence() {
+    if skip_unless_ready("a_guest_agent_port_full_of_junk_is_silence") {
+        return;
+    }
+    let d = Daemon::start_opts(
+        "qgajunk",
+        &Options {
+            guest_flags: "backstop.qga=junk backstop.hb=off",
+            extra_vm: "heartbeat = \"qemu-ga\"",
+            extra_toml: "[watchdog]\nheartbeat_timeout_s = 4\nboot_grace_s = 20",
+            ..Options::default()
+        },
+    );
+    wait_serial(&d, 0, "BACKSTOP qemu-ga junk", BOOT);
+    // Foreign ids, no ids, extra keys, errors, garbage and floods: never a heartbeat, so the
+    // boot grace runs out and the watchdog rolls the VM back to its baseline.
+    let e = d.wait_journal(Duration::from_secs(90), "watchdog rollback", |e| {
+        e["event"] == "rollback.completed" && e["fields"]["trigger"] == "watchdog_timeout"
+    });
+    assert_eq!(e["fields"]["rollback_type"], "emergency");
+    let st = d.status();
+    assert!(st["heartbeat_age_ms"].is_null(), "junk was credited: {st}");
+    // The daemon took it all in its stride: bounded, still answering.
+    let rss_kib = std::fs::read_to_string(format!("/proc/{}/status", d.pid().unwrap()))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap();
+    assert!(rss_kib < 256 * 1024, "backstopd grew to {rss_kib} KiB");
+}
