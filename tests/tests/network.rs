@@ -136,4 +136,18 @@ fn a_guest_on_a_tap_reaches_its_peer_until_a_rollback_takes_the_link_down() {
         !d.serial_since(from).contains("BACKSTOP ping ok"),
         "the guest reached its peer after the rollback"
     );
+
+    // A person grants the network again (a tap NIC is grantable like any NIC): both ways again.
+    let again = d.serial_len();
+    d.ok(&["device", "grant", "lan", "--reason", "test: network back"]);
+    assert_eq!(link_up(&d, "lan"), Value::Bool(true));
+    wait_for(
+        "the guest reaches its peer again",
+        Duration::from_secs(60),
+        || d.serial_since(again).contains("BACKSTOP ping ok"),
+    );
+    assert!(
+        ns.ping_guest(),
+        "the peer does not reach the guest after the grant"
+    );
 }

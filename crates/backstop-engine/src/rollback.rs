@@ -467,7 +467,7 @@ impl VmActor {
             .map_err(|e| ("check restored vm", e.to_string()))?;
         clock.done("check");
         let restore_ms = load_started.elapsed().as_millis() as u64;
-        if !self.cfg.vm.nics.is_empty() {
+        if !self.cfg.vm.all_nics().is_empty() {
             revoked.push("network links down in the restored VM".into());
         }
 

@@ -88,13 +88,7 @@ pub fn backend_for(cfg: &Config, key: &HostKey) -> Result<Box<dyn VmBackend>, En
         serial_log: state_dir.join(format!("{}-serial.log", cfg.vm.name)),
         serial_log_max_bytes: cfg.daemon.serial_log_max_kib << 10,
         run_dir: cfg.daemon.run_dir.join(&cfg.vm.name),
-        nics: cfg
-            .vm
-            .nics
-            .iter()
-            .chain(cfg.vm.tap_nics.iter().map(|t| &t.id))
-            .cloned()
-            .collect(),
+        nics: cfg.vm.all_nics(),
         tap_nics: cfg
             .vm
             .tap_nics

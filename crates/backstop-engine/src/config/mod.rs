@@ -321,6 +321,18 @@ pub struct LibvirtSection {
     pub capture: backstop_libvirt::CaptureMode,
 }
 
+impl VmConfig {
+    /// Every NIC's id: the user-mode ones (`nics`), then those on host taps (`tap_nics`). All
+    /// are taken down on every rollback, and each can be granted again.
+    pub fn all_nics(&self) -> Vec<String> {
+        self.nics
+            .iter()
+            .cloned()
+            .chain(self.tap_nics.iter().map(|t| t.id.clone()))
+            .collect()
+    }
+}
+
 impl Config {
     /// Where the disk layers live: the state directory, or for a libvirt domain a directory
     /// its unprivileged QEMU can reach.

@@ -253,8 +253,8 @@ pub fn validate(devices: &[DeviceConfig], vm: &VmConfig) -> Result<(), ConfigErr
                         "a network grant raises one NIC's link; nothing else".into(),
                     );
                 }
-                if !vm.nics.iter().any(|n| n == nic) {
-                    return bad("nic", format!("{nic:?} is not in vm.nics"));
+                if !vm.all_nics().iter().any(|n| n == nic) {
+                    return bad("nic", format!("{nic:?} is not in vm.nics or vm.tap_nics"));
                 }
                 if !nics.insert(nic) {
                     return bad(

@@ -57,12 +57,12 @@ impl VmActor {
             .ok_or_else(|| DeviceError::NotConfigured { id: id.to_string() })
     }
 
-    /// What `device grant` may give: the `[[devices]]` entries, and every NIC of `vm.nics` that
+    /// What `device grant` may give: the `[[devices]]` entries, and every NIC (`nics`, `tap_nics`) that
     /// no entry controls, under its own name (issue 18: a rollback takes every link down, and
     /// the operator must be able to raise it again, journaled, with a lease like any grant).
     pub(crate) fn grantable(&self) -> Vec<DeviceConfig> {
         let mut all = self.cfg.devices.clone();
-        all.extend(implicit_nics(&self.cfg.devices, &self.cfg.vm.nics));
+        all.extend(implicit_nics(&self.cfg.devices, &self.cfg.vm.all_nics()));
         all
     }
 
