@@ -74,6 +74,10 @@ write("qga_reply", "junk", b"\x2a" + b'{"return": {}}\n{"return": {"a": 1}, "id"
       b'{"return": {}, "id": "bs-1", "x": 0}\n[1,2]\n{"return": {}, "id": "' + b"9" * 40 + b'"}\n')
 write("qga_reply", "long", b"\x03" + b"{" * 600 + b'\n{"return": {}, "id": "bs-5"}\n' + b" " * 511 + b"\n")
 
+# host_line: byte 0 seeds the chunking, then what the host sends backstop-agent.
+write("host_line", "epochs", b"\x07EPOCH 1\nEPOCH 18446744073709551615\nEPOCH 3")
+write("host_line", "junk", b"\x2aEPOCH -1\nEPOCH 18446744073709551616\n epoch 2\nEPOCH 1 \n\xff\x00\n" + b"9" * 90 + b"\nEPOCH 4\n")
+
 # manifest: the sealed sample of backstop-store's manifest unit tests; byte 0 is the options.
 manifest = {
     "snapshot_id": "",

@@ -255,6 +255,24 @@ mod tests {
 
     use super::*;
 
+    /// The fuzz target `host_line`'s kept inputs (byte 0 seeds the chunking): never a panic,
+    /// never more than the bound held, every complete line within it.
+    #[test]
+    fn fuzz_inputs_replay() {
+        for (name, bytes) in backstop_common::fuzz_corpus::inputs("host_line") {
+            let mut s = LineSplitter::new();
+            for b in bytes.iter().skip(1) {
+                s.feed(std::slice::from_ref(b), |line| {
+                    if let Line::Complete(l) = line {
+                        assert!(l.len() < HOST_LINE_MAX, "{name}");
+                        let _ = parse_host_line(l);
+                    }
+                });
+                assert!(s.buffered_len() <= HOST_LINE_MAX, "{name}");
+            }
+        }
+    }
+
     fn split(s: &mut LineSplitter, bytes: &[u8]) -> Vec<Option<Vec<u8>>> {
         let mut got = Vec::new();
         s.feed(bytes, |l| {
