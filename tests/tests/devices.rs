@@ -721,3 +721,35 @@ fn a_configured_nic_can_be_granted_again_after_a_rollback() {
     wait_link(&d, "net0", false);
     d.stop();
 }
+
+#[test]
+fn a_scheduled_slot_put_off_by_a_granted_device_is_journaled_as_deferred() {
+    if skip_unless_ready("a_scheduled_slot_put_off_by_a_granted_device_is_journaled_as_deferred") {
+        return;
+    }
+    let media = tempfile::tempdir().unwrap();
+    let stick = media.path().join("stick.img");
+    std::fs::write(&stick, vec![0u8; 1 << 20]).unwrap();
+    let toml = format!(
+        "{}\n[snapshots]\nschedule_seconds = 6\n",
+        devices_toml(&stick)
+    );
+    let d = Daemon::start_opts(
+        "devsched",
+        &Options {
+            extra_toml: &toml,
+            ..Options::default()
+        },
+    );
+    d.wait_tick(0, 3, BOOT);
+    d.ok(&["device", "grant", "tablet", "--reason", "t"]);
+    // The next slot cannot be taken while the tablet is in the VM: put off, not failed.
+    let missed = d.wait_journal(Duration::from_secs(60), "a missed slot", |e| {
+        e["event"] == "snapshot.schedule.missed"
+    });
+    assert_eq!(missed["fields"]["why"], "snapshot_deferred", "{missed}");
+    assert_eq!(
+        missed["fields"]["code"], "ERR_SNAPSHOT_DEFERRED_DEVICE_GRANTED",
+        "{missed}"
+    );
+}

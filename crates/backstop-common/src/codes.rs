@@ -231,6 +231,17 @@ error_codes! {
         "the daemon is shutting down";
 }
 
+impl ErrorCode {
+    /// A snapshot that was put off, not failed: the slot it was for is journaled as deferred
+    /// (both the general code and the passthrough-device one).
+    pub fn is_deferral(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::SnapshotDeferred | ErrorCode::SnapshotDeferredDeviceGranted
+        )
+    }
+}
+
 impl fmt::Display for ErrorCode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())

@@ -195,7 +195,9 @@ impl VmActor {
                 }
             }
             Err(e) => {
-                let why = if e.code() == "ERR_SNAPSHOT_DEFERRED" {
+                // (This compared with ERR_SNAPSHOT_DEFERRED alone, so a slot put off by a
+                // granted device was journaled as a failure: issue 15.)
+                let why = if e.code().is_deferral() {
                     "snapshot_deferred"
                 } else {
                     "snapshot_failed"
