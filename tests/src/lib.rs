@@ -91,6 +91,16 @@ pub fn skip_unless_ready(test: &str) -> bool {
     }
 }
 
+/// A test that needs more than [`skip_unless_ready`] checks (OVMF, the Debian image, a network
+/// namespace) and lacks it: skipped loudly, or a failure where CI requires every e2e test to
+/// run (`BACKSTOP_REQUIRE_E2E=1`: scripts/setup.sh provides all of it).
+pub fn skip_for(test: &str, why: &str) {
+    if std::env::var("BACKSTOP_REQUIRE_E2E").as_deref() == Ok("1") {
+        panic!("{test}: BACKSTOP_REQUIRE_E2E=1 but {why}");
+    }
+    eprintln!("SKIPPED {test}: {why}");
+}
+
 /// One tick line of the guest workload: `BACKSTOP tick ram=<n> disk=<d>`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tick {

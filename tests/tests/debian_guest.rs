@@ -66,9 +66,12 @@ fn a_disk_booted_debian_guest_with_qemu_ga_is_guarded_and_rolled_back() {
     }
     let image = debian_image();
     if !image.exists() {
-        eprintln!(
-            "SKIP a_disk_booted_debian_guest_with_qemu_ga_is_guarded_and_rolled_back: no {} (run scripts/build-debian-guest.sh as root; scripts/setup.sh does)",
-            image.display()
+        backstop_e2e::skip_for(
+            "a_disk_booted_debian_guest_with_qemu_ga_is_guarded_and_rolled_back",
+            &format!(
+                "no {} (run scripts/build-debian-guest.sh as root; scripts/setup.sh does)",
+                image.display()
+            ),
         );
         return;
     }

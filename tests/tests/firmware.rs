@@ -69,7 +69,10 @@ fn an_ovmf_guest_rolls_its_uefi_variables_back_with_it() {
         return;
     }
     if !std::path::Path::new(OVMF_CODE).exists() {
-        eprintln!("SKIP an_ovmf_guest_rolls_its_uefi_variables_back_with_it: no {OVMF_CODE} (package ovmf; scripts/setup.sh installs it)");
+        backstop_e2e::skip_for(
+            "an_ovmf_guest_rolls_its_uefi_variables_back_with_it",
+            &format!("no {OVMF_CODE} (package ovmf; scripts/setup.sh installs it)"),
+        );
         return;
     }
     // OVMF loads a kernel with an EFI stub: the bzImage, not the PVH ELF the BIOS tests boot.

@@ -92,7 +92,10 @@ fn a_guest_on_a_tap_reaches_its_peer_until_a_rollback_takes_the_link_down() {
         return;
     }
     let Some(ns) = Netns::make("tap") else {
-        eprintln!("SKIP a_guest_on_a_tap_reaches_its_peer_until_a_rollback_takes_the_link_down: cannot make a network namespace with a bridge and a tap (needs root and iproute2)");
+        backstop_e2e::skip_for(
+            "a_guest_on_a_tap_reaches_its_peer_until_a_rollback_takes_the_link_down",
+            "cannot make a network namespace with a bridge and a tap (needs root and iproute2)",
+        );
         return;
     };
     let d = Daemon::start_opts(
