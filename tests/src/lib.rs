@@ -674,6 +674,46 @@ snapshot = "capture"
         }
     }
 
+    /// Waits until the guest prints `line` after byte `from` of its serial output; returns the
+    /// byte where it starts.
+    pub fn wait_serial(&self, from: usize, line: &str, within: Duration) -> usize {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(at) = self.serial_since(from).find(line) {
+                return from + at;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "guest never printed {line:?} within {within:?}:\n{}\ndaemon log:\n{}",
+                tail(&self.serial(), 25),
+                tail(&self.log(), 20)
+            );
+            std::thread::sleep(Duration::from_millis(150));
+        }
+    }
+
+    /// Waits until `status` satisfies `pred`; returns it.
+    pub fn wait_status(
+        &self,
+        what: &str,
+        within: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + within;
+        loop {
+            let st = self.status();
+            if pred(&st) {
+                return st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what}: not within {within:?}: {st}\ndaemon log:\n{}",
+                tail(&self.log(), 20)
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
     /// The newest tick seen so far.
     pub fn last_tick(&self) -> Option<Tick> {
         parse_ticks(&self.serial()).last().copied()

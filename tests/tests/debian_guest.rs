@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use backstop_e2e::{qemu_binary, skip_unless_ready, Daemon};
 use serde_json::Value;
@@ -21,38 +21,6 @@ fn debian_image() -> PathBuf {
                 .join(".cache/backstop/debian-guest")
         });
     dir.join("disk.qcow2")
-}
-
-fn wait_serial(d: &Daemon, from: usize, line: &str, within: Duration) -> usize {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(at) = d.serial_since(from).find(line) {
-            return from + at;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "guest never printed {line:?}:\n{}\ndaemon log:\n{}",
-            backstop_e2e::tail(&d.serial(), 25),
-            backstop_e2e::tail(&d.log(), 20)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-fn wait_status(d: &Daemon, what: &str, within: Duration, pred: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + within;
-    loop {
-        let st = d.status();
-        if pred(&st) {
-            return st;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {within:?}: {st}\ndaemon log:\n{}",
-            backstop_e2e::tail(&d.log(), 20)
-        );
-        std::thread::sleep(Duration::from_millis(300));
-    }
 }
 
 fn fresh_heartbeat(st: &Value) -> bool {
@@ -110,13 +78,8 @@ boot_grace_s = 300
     );
     d.launch();
     // Booted from its disk by SeaBIOS (no kernel on QEMU's command line), guarded by pongs.
-    wait_serial(&d, 0, "BACKSTOP debian up", BOOT);
-    let st = wait_status(
-        &d,
-        "the first pong",
-        Duration::from_secs(60),
-        fresh_heartbeat,
-    );
+    d.wait_serial(0, "BACKSTOP debian up", BOOT);
+    let st = d.wait_status("the first pong", Duration::from_secs(60), fresh_heartbeat);
     assert_eq!(st["backend_details"]["heartbeat_source"], "qemu-ga", "{st}");
     let cmdline = std::fs::read_to_string(format!("/proc/{}/cmdline", st["pid"])).unwrap();
     assert!(
@@ -125,12 +88,7 @@ boot_grace_s = 300
     );
 
     // A snapshot while the workload's file does not exist yet.
-    wait_serial(
-        &d,
-        0,
-        "BACKSTOP debian marker absent",
-        Duration::from_secs(60),
-    );
+    d.wait_serial(0, "BACKSTOP debian marker absent", Duration::from_secs(60));
     let snap = d.ok(&["snapshot", "create", "--reason", "before the file"]);
     let id = snap["summary"]["snapshot_id"].as_str().unwrap().to_string();
     assert!(
@@ -138,14 +96,12 @@ boot_grace_s = 300
         "the guest wrote its file before the snapshot (boot too slow?): the test proves nothing"
     );
     // The guest writes the file (synced to its disk).
-    let written = wait_serial(
-        &d,
+    let written = d.wait_serial(
         0,
         "BACKSTOP debian marker written",
         Duration::from_secs(120),
     );
-    wait_serial(
-        &d,
+    d.wait_serial(
         written,
         "BACKSTOP debian marker present",
         Duration::from_secs(10),
@@ -155,15 +111,13 @@ boot_grace_s = 300
     let rb = d.ok(&["rollback", "--to", &id, "--reason", "test: undo the file"]);
     assert_eq!(rb["epoch"], 1);
     // The restored guest looks and finds no file (the old guest only ever said `present`).
-    wait_serial(
-        &d,
+    d.wait_serial(
         from,
         "BACKSTOP debian marker absent",
         Duration::from_secs(60),
     );
     // Its agent answers again, and set the guest's clock after the restore.
-    let st = wait_status(
-        &d,
+    let st = d.wait_status(
         "pongs and the clock after the rollback",
         Duration::from_secs(60),
         |s| fresh_heartbeat(s) && s["backend_details"]["clock_resynced"] == true,

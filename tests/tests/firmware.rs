@@ -3,7 +3,7 @@
 //! captured disk of the VM, not a file on the host that outlives rollbacks.
 #![allow(clippy::unwrap_used)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use backstop_e2e::{guest_dir, qemu_binary, skip_unless_ready, Daemon};
 
@@ -45,22 +45,6 @@ fn holds_the_variable(d: &Daemon, layer: &str) -> bool {
         .flat_map(u16::to_le_bytes)
         .collect();
     bytes.windows(name.len()).any(|w| w == name)
-}
-
-fn wait_serial(d: &Daemon, from: usize, line: &str, within: Duration) -> usize {
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(at) = d.serial_since(from).find(line) {
-            return from + at;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "guest never printed {line:?}:\n{}\ndaemon log:\n{}",
-            backstop_e2e::tail(&d.serial(), 25),
-            backstop_e2e::tail(&d.log(), 20)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 #[test]
@@ -113,7 +97,7 @@ boot_grace_s = 120
     );
     d.launch();
     // Booted by OVMF (the guest sees UEFI runtime services), the variable not there yet.
-    wait_serial(&d, 0, "BACKSTOP efivar absent", BOOT);
+    d.wait_serial(0, "BACKSTOP efivar absent", BOOT);
     assert!(
         !d.serial().contains("BACKSTOP efivar set"),
         "the guest set the variable before the snapshot could be taken (boot too slow?)"
@@ -132,15 +116,15 @@ boot_grace_s = 120
     );
 
     // The guest sets a variable; OVMF writes it to the flash, i.e. the store's active layer.
-    let set_at = wait_serial(&d, 0, "BACKSTOP efivar set", BOOT);
+    let set_at = d.wait_serial(0, "BACKSTOP efivar set", BOOT);
     let written = vars_top(&d);
     let from = d.serial_len();
     assert!(from > set_at);
     let rb = d.ok(&["rollback", "--to", &id, "--reason", "test: uefi variable"]);
     assert_eq!(rb["epoch"], 1);
     // The restored guest is told the epoch, looks, and finds the variable gone.
-    let told = wait_serial(&d, from, "BACKSTOP epoch=1", Duration::from_secs(60));
-    let after = wait_serial(&d, told, "BACKSTOP efivar ", Duration::from_secs(30));
+    let told = d.wait_serial(from, "BACKSTOP epoch=1", Duration::from_secs(60));
+    let after = d.wait_serial(told, "BACKSTOP efivar ", Duration::from_secs(30));
     let seen = d.serial_since(after);
     assert!(
         seen.starts_with("BACKSTOP efivar absent"),

@@ -5,42 +5,12 @@
 //! stops answering is an emergency rollback like a silent backstop agent.
 #![allow(clippy::unwrap_used)]
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use backstop_e2e::{skip_unless_ready, Daemon, Options};
 use serde_json::Value;
 
 const BOOT: Duration = Duration::from_secs(90);
-
-fn wait_serial(d: &Daemon, from: usize, line: &str, within: Duration) {
-    let deadline = Instant::now() + within;
-    while !d.serial_since(from).contains(line) {
-        assert!(
-            Instant::now() < deadline,
-            "guest never printed {line:?}:\n{}\ndaemon log:\n{}",
-            backstop_e2e::tail(&d.serial(), 20),
-            backstop_e2e::tail(&d.log(), 20)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-/// Waits until `status` satisfies `pred`; returns it.
-fn wait_status(d: &Daemon, what: &str, within: Duration, pred: impl Fn(&Value) -> bool) -> Value {
-    let deadline = Instant::now() + within;
-    loop {
-        let st = d.status();
-        if pred(&st) {
-            return st;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {within:?}: {st}\ndaemon log:\n{}",
-            backstop_e2e::tail(&d.log(), 20)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
 
 fn fresh_heartbeat(st: &Value) -> bool {
     st["heartbeat_age_ms"].as_u64().is_some_and(|a| a < 3000)
@@ -60,8 +30,8 @@ fn qemu_ga_pongs_keep_the_vm_alive_and_a_restore_gets_its_clock_set() {
             ..Options::default()
         },
     );
-    wait_serial(&d, 0, "BACKSTOP qemu-ga started", BOOT);
-    let st = wait_status(&d, "a pong credited", BOOT, fresh_heartbeat);
+    d.wait_serial(0, "BACKSTOP qemu-ga started", BOOT);
+    let st = d.wait_status("a pong credited", BOOT, fresh_heartbeat);
     assert_eq!(st["backend_details"]["heartbeat_source"], "qemu-ga", "{st}");
     assert_eq!(st["backend_details"]["clock_resynced"], false, "{st}");
     d.wait_tick(0, 3, BOOT);
@@ -82,9 +52,8 @@ fn qemu_ga_pongs_keep_the_vm_alive_and_a_restore_gets_its_clock_set() {
     let from = d.serial_len();
     let rb = d.ok(&["rollback", "--to", &id, "--reason", "test: qga restore"]);
     assert_eq!(rb["epoch"], 1);
-    wait_serial(&d, from, "BACKSTOP epoch=1", Duration::from_secs(30));
-    let st = wait_status(
-        &d,
+    d.wait_serial(from, "BACKSTOP epoch=1", Duration::from_secs(30));
+    let st = d.wait_status(
         "clock set after the restore",
         Duration::from_secs(30),
         |s| s["backend_details"]["clock_resynced"] == true && fresh_heartbeat(s),
@@ -108,7 +77,7 @@ fn a_qemu_ga_that_stops_answering_is_rolled_back_by_the_watchdog() {
             ..Options::default()
         },
     );
-    wait_status(&d, "a pong credited", BOOT, fresh_heartbeat);
+    d.wait_status("a pong credited", BOOT, fresh_heartbeat);
     d.wait_tick(0, 3, BOOT);
     let snap = d.ok(&["snapshot", "create", "--reason", "agent alive"]);
     let id = snap["summary"]["snapshot_id"].as_str().unwrap().to_string();
@@ -122,11 +91,10 @@ fn a_qemu_ga_that_stops_answering_is_rolled_back_by_the_watchdog() {
         .serial()
         .find("BACKSTOP qemu-ga stopped")
         .expect("the guest says it killed qemu-ga");
-    wait_serial(&d, stopped, "BACKSTOP epoch=1", Duration::from_secs(30));
+    d.wait_serial(stopped, "BACKSTOP epoch=1", Duration::from_secs(30));
     // The restored guest's agent (running at the snapshot point, before uptime 30 s) answers
     // again.
-    wait_status(
-        &d,
+    d.wait_status(
         "pongs after the rollback",
         Duration::from_secs(30),
         fresh_heartbeat,
@@ -147,7 +115,7 @@ fn a_guest_agent_port_full_of_junk_is_silence() {
             ..Options::default()
         },
     );
-    wait_serial(&d, 0, "BACKSTOP qemu-ga junk", BOOT);
+    d.wait_serial(0, "BACKSTOP qemu-ga junk", BOOT);
     // Foreign ids, no ids, extra keys, errors, garbage and floods: never a heartbeat, so the
     // boot grace runs out and the watchdog rolls the VM back to its baseline.
     let e = d.wait_journal(Duration::from_secs(90), "watchdog rollback", |e| {

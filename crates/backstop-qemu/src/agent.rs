@@ -154,10 +154,35 @@ impl Drop for AgentChannel {
     }
 }
 
+/// At most [`MAX_LINES_PER_SEC`] guest lines are looked at per one-second window; the surplus
+/// is dropped uncounted (shared by both guest channels).
+pub(crate) struct LineRate {
+    window_start: Instant,
+    in_window: u32,
+}
+
+impl LineRate {
+    pub(crate) fn new() -> Self {
+        LineRate {
+            window_start: Instant::now(),
+            in_window: 0,
+        }
+    }
+
+    /// Whether one more line may be looked at now.
+    pub(crate) fn admit(&mut self) -> bool {
+        if self.window_start.elapsed() >= Duration::from_secs(1) {
+            self.window_start = Instant::now();
+            self.in_window = 0;
+        }
+        self.in_window += 1;
+        self.in_window <= MAX_LINES_PER_SEC
+    }
+}
+
 fn read_loop(mut stream: UnixStream, stats: Arc<Mutex<AgentStats>>) {
     let mut splitter = LineSplitter::default();
-    let mut window_start = Instant::now();
-    let mut lines_in_window = 0u32;
+    let mut rate = LineRate::new();
     let mut buf = [0u8; 4096];
     loop {
         let n = match stream.read(&mut buf) {
@@ -166,12 +191,7 @@ fn read_loop(mut stream: UnixStream, stats: Arc<Mutex<AgentStats>>) {
         };
         let Ok(mut st) = stats.lock() else { return };
         splitter.feed(&buf[..n], |line| {
-            if window_start.elapsed() >= Duration::from_secs(1) {
-                window_start = Instant::now();
-                lines_in_window = 0;
-            }
-            lines_in_window += 1;
-            if lines_in_window > MAX_LINES_PER_SEC {
+            if !rate.admit() {
                 st.dropped_rate += 1;
                 return;
             }

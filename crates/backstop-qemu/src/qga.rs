@@ -4,7 +4,7 @@
 //! Once a second a pinger thread sends `{"execute":"guest-ping","id":"bs-<n>"}`. A heartbeat is
 //! credited only for a reply that is exactly `{"return": {}, "id": "bs-<n>"}` for the newest
 //! ping sent; anything else — garbage, an error, an old or foreign id, a line over
-//! [`QGA_LINE_MAX`] bytes, lines beyond [`crate::agent::MAX_LINES_PER_SEC`] a second — is
+//! [`QGA_LINE_MAX`] bytes, lines beyond `MAX_LINES_PER_SEC` a second — is
 //! counted as rejected and is silence to the watchdog. A guest that floods, stalls or echoes
 //! the wrong id thus expires like a silent one; memory stays bounded by the line limit.
 //!
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use serde::Deserialize;
 
-use crate::agent::{AgentStats, LineSplitter, MAX_LINES_PER_SEC};
+use crate::agent::{AgentStats, LineRate, LineSplitter};
 
 /// Longest reply line accepted from qemu-ga, newline included. A pong is ~30 bytes.
 pub const QGA_LINE_MAX: usize = 512;
@@ -216,8 +216,7 @@ fn ping_loop(mut stream: UnixStream, shared: Arc<Mutex<Shared>>, stop: Arc<Atomi
 
 fn read_loop(mut stream: UnixStream, shared: Arc<Mutex<Shared>>) {
     let mut splitter = LineSplitter::with_max(QGA_LINE_MAX);
-    let mut window_start = Instant::now();
-    let mut lines_in_window = 0u32;
+    let mut rate = LineRate::new();
     let mut buf = [0u8; 4096];
     loop {
         let n = match stream.read(&mut buf) {
@@ -226,12 +225,7 @@ fn read_loop(mut stream: UnixStream, shared: Arc<Mutex<Shared>>) {
         };
         let Ok(mut s) = shared.lock() else { return };
         splitter.feed(&buf[..n], |line| {
-            if window_start.elapsed() >= Duration::from_secs(1) {
-                window_start = Instant::now();
-                lines_in_window = 0;
-            }
-            lines_in_window += 1;
-            if lines_in_window > MAX_LINES_PER_SEC {
+            if !rate.admit() {
                 s.stats.dropped_rate += 1;
                 return;
             }

@@ -280,28 +280,21 @@ fn firmware_cpu_disk_boot_and_tap_nics_are_checked_by_name() {
         .to_string()
         .contains("uefi-vars"));
     // Files: a missing firmware image or tap device is one line at load, naming the key.
-    let mut cfg = Config::parse(&with(
-        "firmware = \"ovmf\"\novmf_code = \"/nonexistent/CODE.fd\"",
-    ))
-    .unwrap();
-    cfg.vm.qemu_binary = "sh".into();
-    cfg.vm.qemu_img = "sh".into();
-    cfg.vm.kernel = PathBuf::new();
-    cfg.vm.disks.clear();
-    let err = cfg.check_files().unwrap_err().to_string();
+    let files_error = |extra: &str| {
+        let mut cfg = Config::parse(&with(extra)).unwrap();
+        // Everything else present: programs found on PATH, no kernel or disk to look for.
+        cfg.vm.qemu_binary = "sh".into();
+        cfg.vm.qemu_img = "sh".into();
+        cfg.vm.kernel = PathBuf::new();
+        cfg.vm.disks.clear();
+        cfg.check_files().unwrap_err().to_string()
+    };
+    let err = files_error("firmware = \"ovmf\"\novmf_code = \"/nonexistent/CODE.fd\"");
     assert!(
         err.contains("vm.ovmf_code") && err.contains("does not exist"),
         "{err}"
     );
-    let mut cfg = Config::parse(&with(
-        "tap_nics = [{ id = \"lan\", ifname = \"bs-nosuch0\" }]",
-    ))
-    .unwrap();
-    cfg.vm.qemu_binary = "sh".into();
-    cfg.vm.qemu_img = "sh".into();
-    cfg.vm.kernel = PathBuf::new();
-    cfg.vm.disks.clear();
-    let err = cfg.check_files().unwrap_err().to_string();
+    let err = files_error("tap_nics = [{ id = \"lan\", ifname = \"bs-nosuch0\" }]");
     assert!(
         err.contains("vm.tap_nics[0].ifname") && err.contains("bs-nosuch0"),
         "{err}"
