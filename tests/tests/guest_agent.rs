@@ -38,15 +38,19 @@ fn qemu_ga_pongs_keep_the_vm_alive_and_a_restore_gets_its_clock_set() {
     let snap = d.ok(&["snapshot", "create", "--reason", "agent alive"]);
     let id = snap["summary"]["snapshot_id"].as_str().unwrap().to_string();
 
-    // Well past the timeout with no backstop agent at all: the pongs alone keep it running.
-    std::thread::sleep(Duration::from_secs(8));
+    // Well past the timeout with no backstop agent at all: the pongs alone keep it running,
+    // each sample a heartbeat younger than the timeout.
+    for _ in 0..8 {
+        std::thread::sleep(Duration::from_secs(1));
+        let st = d.status();
+        assert!(fresh_heartbeat(&st), "no fresh pong: {st}");
+    }
     assert!(
         !d.journal()
             .iter()
             .any(|e| e["event"] == "rollback.completed"),
         "rolled back although qemu-ga answered"
     );
-    assert!(!d.serial().contains("HB "), "backstop's agent ran");
 
     // A rollback: the restored guest's agent answers again, and its clock is set through it.
     let from = d.serial_len();

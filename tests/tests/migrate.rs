@@ -55,11 +55,14 @@ fn a_vm_moved_into_vms_dir_takes_its_state_along_once() {
         .to_string();
     let entries_before = d.journal().len();
     let root = d.state_dir();
-    let layers_before: Vec<_> = std::fs::read_dir(root.join("disks"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    assert!(!layers_before.is_empty());
+    // Layers live in a directory per disk below `disks/`.
+    let layer_files = |root: &std::path::Path| {
+        std::fs::read_dir(root.join("disks/data"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let layers_before = layer_files(&root);
+    assert!(layers_before > 0);
 
     move_vm_into_vms_dir(&d);
     let from = std::fs::metadata(d.serial_path()).unwrap().len() as usize;
@@ -149,8 +152,10 @@ fn a_vm_moved_into_vms_dir_takes_its_state_along_once() {
         !vm_dir.join("disks").exists(),
         "layers went to a second place"
     );
-    let layers_now = std::fs::read_dir(root.join("disks")).unwrap().count();
-    assert!(layers_now > 0);
+    assert!(
+        layer_files(&root) > layers_before,
+        "the rollback's new layer is not beside the old ones"
+    );
     d.ok(&["audit", "verify"]);
 
     // Once: the next start moves nothing.

@@ -207,12 +207,10 @@ impl Supervisor {
             self.journal(AuditEvent::VmStateMigrated, fields.clone())?;
             // The VM's own chain says it too (its first entry in the new place).
             let mut own = Journal::open(&vm_dir.join("audit/journal.jsonl"), self.key.clone())?;
-            let mut fields: Map<String, Value> = serde_json::from_value(fields).unwrap_or_default();
-            for k in ["trace_id", "snapshot_id"] {
-                fields.insert(k.into(), Value::Null);
-            }
-            fields.insert("session_id".into(), self.session_id.clone().into());
-            own.append(AuditEvent::VmStateMigrated.as_str(), fields)?;
+            own.append(
+                AuditEvent::VmStateMigrated.as_str(),
+                self.entry_fields(fields),
+            )?;
         }
         if cfg.vm.libvirt.is_none() {
             cfg.pinned_layers_dir = crate::migrate::pinned_layers_dir(&vm_dir);
@@ -346,17 +344,23 @@ impl Supervisor {
     }
 
     fn journal(&self, event: AuditEvent, f: Value) -> Result<(), EngineError> {
+        let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
+        j.append(event.as_str(), self.entry_fields(f))?;
+        Ok(())
+    }
+
+    /// `f` with the fields every entry carries (spec/000 §11): this daemon session's id, and
+    /// the trace and snapshot ids when `f` has none.
+    fn entry_fields(&self, f: Value) -> Map<String, Value> {
         let mut fields = match f {
             Value::Object(m) => m,
             _ => Map::new(),
         };
-        for k in ["session_id", "trace_id", "snapshot_id"] {
+        for k in ["trace_id", "snapshot_id"] {
             fields.entry(k).or_insert(Value::Null);
         }
         fields.insert("session_id".into(), self.session_id.clone().into());
-        let mut j = self.journal.lock().unwrap_or_else(|p| p.into_inner());
-        j.append(event.as_str(), fields)?;
-        Ok(())
+        fields
     }
 
     /// The daemon's `audit verify`: its own chain, then, for every VM it guards, that the VM's

@@ -178,6 +178,16 @@ struct Running {
     plan: CapturePlan,
 }
 
+impl Running {
+    /// Backstop's agent channel and qemu-ga's: nothing more is read from the guest or said to it.
+    fn close_guest_channels(&mut self) {
+        self.agent.close();
+        if let Some(q) = self.qga.as_mut() {
+            q.close();
+        }
+    }
+}
+
 struct CaptureInFlight {
     /// The guest's pause (QEMU's STOP → RESUME), 0 when the operator had paused it.
     pause_us: u64,
@@ -1055,10 +1065,7 @@ impl VmBackend for QemuBackend {
             }
         }
         report.revoked.push("guest agent channel closed".into());
-        r.agent.close();
-        if let Some(q) = r.qga.as_mut() {
-            q.close();
-        }
+        r.close_guest_channels();
         Ok(report)
     }
 
@@ -1066,10 +1073,7 @@ impl VmBackend for QemuBackend {
         let Some(mut r) = self.running.take() else {
             return Ok(());
         };
-        r.agent.close();
-        if let Some(q) = r.qga.as_mut() {
-            q.close();
-        }
+        r.close_guest_channels();
         let _ = r.qmp.execute("quit", None, Duration::from_millis(500));
         let deadline = Instant::now() + Duration::from_secs(2);
         loop {

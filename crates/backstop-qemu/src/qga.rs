@@ -55,6 +55,7 @@ struct Reply {
 #[serde(deny_unknown_fields)]
 struct ReplyError {
     class: String,
+    /// Required by the reply's shape (strict parsing); its text is the guest's, never shown.
     #[allow(dead_code)]
     desc: String,
 }

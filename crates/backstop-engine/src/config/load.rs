@@ -252,13 +252,11 @@ impl Config {
             "libvirt" => self.validate_libvirt()?,
             _ => return bad("vm.backend", "one of \"qemu\", \"kvm\", \"libvirt\""),
         }
-        if vm.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa && vm.backend != "qemu" {
-            return bad(
-                "vm.heartbeat",
-                "\"qemu-ga\" is for the qemu backend only (the others read backstop's own agent channel)",
-            );
-        }
         let qemu_only = [
+            (
+                "vm.heartbeat",
+                vm.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa,
+            ),
             ("vm.firmware", vm.firmware != super::Firmware::Seabios),
             ("vm.cpu", vm.cpu.is_some()),
             ("vm.tap_nics", !vm.tap_nics.is_empty()),
