@@ -167,8 +167,12 @@ pub enum ReviewCommand {
         #[arg(long, value_name = "FILE")]
         key: PathBuf,
         /// The full snapshot id the restore may go to.
-        #[arg(long, value_name = "ID", value_parser = non_empty)]
-        snapshot: String,
+        #[arg(long, value_name = "ID", value_parser = non_empty, required_unless_present = "divergence", conflicts_with = "divergence")]
+        snapshot: Option<String>,
+        /// Or: the digest of a replay divergence `audit replay --force-continue` may continue
+        /// past (printed by `audit replay`).
+        #[arg(long, value_name = "DIGEST", value_parser = non_empty)]
+        divergence: Option<String>,
         /// Who reviewed it.
         #[arg(long, value_parser = non_empty)]
         reviewer: String,
@@ -265,6 +269,61 @@ pub enum AuditCommand {
         #[arg(long)]
         daemon: bool,
     },
+    /// Replay the VM's journal (spec/003): verify every signature, then recompute every
+    /// recorded decision (rollback target, restore gate, epoch, soft-rollback marks, storm
+    /// guard, state transitions, id provenance) from the recorded inputs and compare. Exit 0
+    /// when all reproduce; the report's code (INTEGRITY_FAILURE, MISSING_SNAPSHOT,
+    /// MISSING_PERSISTED_AGENT_OUTPUT, RESULT_MISMATCH, REPLAY_DIVERGENCE,
+    /// FORCE_CONTINUE_REQUIRED, REPLAY_TIMEOUT) otherwise.
+    Replay {
+        /// audit: look up what was not recorded (non-authoritative); production: strict, no
+        /// live call; reexecute: audit, then restore a snapshot into a sandbox VM.
+        #[arg(long, value_enum, default_value = "audit")]
+        mode: ReplayModeArg,
+        /// Compare decisions from this journal seq on.
+        #[arg(long = "from", value_name = "SEQ")]
+        from_seq: Option<u64>,
+        /// Continue past a divergence (needs --reviewer-token naming it; the report is then
+        /// not authoritative).
+        #[arg(long = "force-continue")]
+        force_continue: bool,
+        /// Reviewer evidence for --force-continue: `backstop review sign --divergence DIGEST`.
+        #[arg(long = "reviewer-token", value_name = "FILE", value_parser = json_file)]
+        reviewer_token: Option<Value>,
+        /// reexecute: the snapshot the sandbox VM restores (default: the newest verified).
+        #[arg(long, value_name = "ID")]
+        snapshot: Option<String>,
+        /// Stop after this many journal entries (REPLAY_TIMEOUT).
+        #[arg(long = "max-steps", value_name = "N")]
+        max_steps: Option<u64>,
+        /// Stop after this long (REPLAY_TIMEOUT), e.g. 30s, 2m.
+        #[arg(long, value_name = "DURATION", value_parser = duration_s)]
+        timeout: Option<u64>,
+    },
+}
+
+/// `audit replay --mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ReplayModeArg {
+    Audit,
+    Production,
+    Reexecute,
+}
+
+impl ReplayModeArg {
+    fn as_str(self) -> &'static str {
+        match self {
+            ReplayModeArg::Audit => "audit",
+            ReplayModeArg::Production => "production",
+            ReplayModeArg::Reexecute => "reexecute",
+        }
+    }
+}
+
+/// A humantime duration in whole seconds (at least one).
+fn duration_s(s: &str) -> Result<u64, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e} (e.g. 30s, 2m)"))?;
+    Ok(d.as_secs().max(1))
 }
 
 impl Command {
@@ -319,6 +378,23 @@ impl Command {
             Command::Audit(AuditCommand::Tail { count }) => Request::AuditTail { count: *count },
             Command::Audit(AuditCommand::Verify { daemon: false }) => Request::AuditVerify,
             Command::Audit(AuditCommand::Verify { daemon: true }) => Request::DaemonAuditVerify,
+            Command::Audit(AuditCommand::Replay {
+                mode,
+                from_seq,
+                force_continue,
+                reviewer_token,
+                snapshot,
+                max_steps,
+                timeout,
+            }) => Request::AuditReplay(backstop_control::ReplayAsk {
+                mode: mode.as_str().into(),
+                from_seq: *from_seq,
+                force_continue: *force_continue,
+                reviewer_token: reviewer_token.clone(),
+                snapshot: snapshot.clone(),
+                max_steps: *max_steps,
+                timeout_s: *timeout,
+            }),
             Command::Trigger {
                 kind,
                 reason,
@@ -367,14 +443,20 @@ impl Command {
             ReviewCommand::Sign {
                 key,
                 snapshot,
+                divergence,
                 reviewer,
                 expires_in,
             } => backstop_control::evidence::load_key(key).and_then(|k| {
+                // Exactly one is given (clap); both are 32 hex digits, signed alike.
+                let subject = snapshot
+                    .as_deref()
+                    .or(divergence.as_deref())
+                    .unwrap_or_default();
                 let secs = i64::try_from(*expires_in).unwrap_or(i64::MAX);
                 let until = time::OffsetDateTime::now_utc()
                     .checked_add(time::Duration::seconds(secs))
                     .unwrap_or(time::OffsetDateTime::now_utc());
-                let t = backstop_control::evidence::sign(&k, snapshot, reviewer, until)?;
+                let t = backstop_control::evidence::sign(&k, subject, reviewer, until)?;
                 Ok(serde_json::to_string_pretty(&t).unwrap_or_default() + "\n")
             }),
         };

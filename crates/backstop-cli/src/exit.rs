@@ -33,6 +33,7 @@ pub fn for_code(code: &str) -> u8 {
 pub fn for_response(response: &Response) -> u8 {
     match response {
         Response::AuditVerified(report) if report.first_bad.is_some() => INTEGRITY,
+        Response::Replayed(report) => report.code.as_deref().map_or(OK, for_code),
         _ => OK,
     }
 }

@@ -4,8 +4,8 @@ use std::fmt::Write as _;
 
 use backstop_control::{
     ActionView, AuditVerifyReport, DevicesView, HypervisorDevicesView, Progress, PruneView,
-    ReloadReport, Request, Response, RollbackReport, SnapshotSummary, SnapshotView, StatusView,
-    VerifyReport, VmSummary,
+    ReloadReport, ReplayReport, Request, Response, RollbackReport, SnapshotSummary, SnapshotView,
+    StatusView, VerifyReport, VmSummary,
 };
 use serde_json::{json, Value};
 use time::format_description::well_known::Rfc3339;
@@ -53,6 +53,7 @@ pub fn human(request: &Request, response: &Response) -> String {
         },
         Response::AuditEntries { entries } => audit_entries_text(entries),
         Response::AuditVerified(report) => audit_verified_text(report),
+        Response::Replayed(report) => replay_text(report),
         Response::Devices(view) => devices_text(view),
         Response::Action(view) => action_text(view),
         Response::Actions { actions } => actions_text(actions),
@@ -658,6 +659,72 @@ fn audit_verified_text(r: &AuditVerifyReport) -> String {
             )
         }
     }
+}
+
+fn replay_text(r: &ReplayReport) -> String {
+    let mut t = String::new();
+    let badge = if r.authoritative {
+        "authoritative"
+    } else {
+        "NON-AUTHORITATIVE"
+    };
+    match &r.code {
+        None => {
+            let _ = writeln!(
+                t,
+                "replay OK ({} mode, {badge}): {}; seq {}..{}",
+                r.mode,
+                clean(&r.detail),
+                r.from_seq,
+                r.through_seq
+            );
+        }
+        Some(code) => {
+            let at = r
+                .stopped_at_seq
+                .map_or_else(String::new, |s| format!(" at seq {s}"));
+            let _ = writeln!(
+                t,
+                "replay FAILED {code}{at} ({} mode): {}",
+                r.mode,
+                clean(&r.detail)
+            );
+        }
+    }
+    for d in &r.divergences {
+        let forced = d
+            .forced_by
+            .as_deref()
+            .map_or_else(String::new, |by| format!(" (forced past by {})", clean(by)));
+        let _ = writeln!(
+            t,
+            "  divergence {} in {} at seq {}{forced}: {}",
+            d.digest,
+            d.decision,
+            d.at_seq,
+            clean(&d.diff)
+        );
+    }
+    if r.code.as_deref() == Some("REPLAY_DIVERGENCE") {
+        if let Some(d) = r.divergences.last() {
+            let _ = writeln!(
+                t,
+                "  to continue past it: a reviewer runs `backstop review sign --key KEY --divergence {} --reviewer NAME > token.json`, then `audit replay --force-continue --reviewer-token token.json`",
+                d.digest
+            );
+        }
+    }
+    for c in &r.live_calls {
+        let _ = writeln!(t, "  live call: {}", clean(c));
+    }
+    for w in &r.non_authoritative_because {
+        let _ = writeln!(t, "  not authoritative: {}", clean(w));
+    }
+    if let Some(s) = &r.sandbox {
+        let _ = writeln!(t, "  sandbox: {}", clean(&s.to_string()));
+    }
+    let _ = writeln!(t, "  recorded as REPLAY_RESULT seq {}", r.result_seq);
+    t
 }
 
 /// A value as a word: strings without quotes, everything else as compact JSON.

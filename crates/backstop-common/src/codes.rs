@@ -86,6 +86,8 @@ error_codes! {
         "replay: an intermediate decision differs from the recorded one";
     ForceContinueRequired = "FORCE_CONTINUE_REQUIRED", Failed,
         "replay: continuing past a divergence needs an explicit, signed approval";
+    ReplayTimeout = "REPLAY_TIMEOUT", Failed,
+        "replay: stopped at its time or step cap before the end of the journal";
     // Snapshots (backstop's own).
     SnapshotCreateFailed = "ERR_SNAPSHOT_CREATE_FAILED", Failed,
         "a snapshot could not be taken; nothing was published";

@@ -66,6 +66,10 @@ audit_events! {
     SnapshotRestoreFailed = "snapshot.restore.failed" ["code", "error"];
     /// A snapshot failed verification and was passed over for an older one.
     SnapshotVerifySkipped = "snapshot.verify.skipped" ["code"];
+    /// A rollback candidate (or a newer snapshot the restore gate asked about) verified and fits
+    /// the VM: the backend result a rollback's target decision rests on (spec/003's persisted
+    /// output).
+    SnapshotVerifyPassed = "snapshot.verify.passed" ["manifest_sha256"];
     /// A host trigger (or the watchdog) asked for a rollback.
     RollbackTriggered = "rollback.triggered" [];
     /// spec/002 `RollbackInitiated`.
@@ -133,6 +137,16 @@ audit_events! {
     ControlRefused = "control.refused" ["uid", "pid"];
     /// The journal cut off a torn last line (written by the journal itself).
     JournalTornTailRecovered = "journal.torn_tail_recovered" [];
+    /// spec/003 §10: a replay was asked for.
+    ReplayRequest = "REPLAY_REQUEST" ["mode", "requested_by", "from_seq", "through_seq"];
+    /// spec/003 §6: a signature over recorded data (a journal entry, a manifest) did not match.
+    ReplayIntegrityFailure = "INTEGRITY_FAILURE" ["detail"];
+    /// spec/003 §7: a recomputed decision differs from the recorded one (canonical diff).
+    ReplayDivergence = "REPLAY_DIVERGENCE" ["decision", "at_seq", "diff", "digest"];
+    /// spec/003 §12: the replay ran past its time or step cap.
+    ReplayTimeout = "REPLAY_TIMEOUT" ["steps", "elapsed_ms"];
+    /// spec/003 §13: how a replay ended.
+    ReplayResult = "REPLAY_RESULT" ["mode", "code", "authoritative", "decisions_checked"];
 }
 
 impl fmt::Display for AuditEvent {

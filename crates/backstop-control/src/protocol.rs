@@ -110,6 +110,40 @@ pub enum Request {
     /// Verify the daemon journal, and that every VM journal still holds the entries the daemon
     /// journal anchored (answered by the daemon).
     DaemonAuditVerify,
+    /// spec/003 replay of this VM's journal: every signature first, then every recorded
+    /// decision recomputed from the recorded inputs and compared. Read-only but for the
+    /// `REPLAY_*` entries it appends.
+    AuditReplay(ReplayAsk),
+}
+
+/// What `audit replay` is asked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplayAsk {
+    /// `audit` (default), `production` or `reexecute`.
+    #[serde(default = "default_replay_mode")]
+    pub mode: String,
+    /// Compare decisions from this journal seq on (state is still rebuilt from seq 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_seq: Option<u64>,
+    /// Continue past a divergence: needs `reviewer_token` naming the divergence's digest.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub force_continue: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reviewer_token: Option<Value>,
+    /// `reexecute`: the snapshot restored into the sandbox VM (default: the newest verified).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+    /// Step cap (journal entries); default 5,000,000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_steps: Option<u64>,
+    /// Time cap in seconds; default 120.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<u64>,
+}
+
+fn default_replay_mode() -> String {
+    "audit".into()
 }
 
 fn is_false(b: &bool) -> bool {
@@ -283,6 +317,7 @@ enum StrictRequest {
     Vms {},
     Reload {},
     DaemonAuditVerify {},
+    AuditReplay(ReplayAsk),
 }
 
 impl From<StrictRequest> for Request {
@@ -357,6 +392,7 @@ impl From<StrictRequest> for Request {
             StrictRequest::Vms {} => Request::Vms,
             StrictRequest::Reload {} => Request::Reload,
             StrictRequest::DaemonAuditVerify {} => Request::DaemonAuditVerify,
+            StrictRequest::AuditReplay(ask) => Request::AuditReplay(ask),
         }
     }
 }
@@ -385,6 +421,7 @@ impl Request {
             Request::Vms => "vms",
             Request::Reload => "reload",
             Request::DaemonAuditVerify => "audit verify --daemon",
+            Request::AuditReplay(_) => "audit replay",
         }
     }
 }
@@ -450,6 +487,43 @@ pub enum Response {
     },
     /// What a reload changed.
     Reloaded(ReloadReport),
+    /// How `audit replay` ended.
+    Replayed(ReplayReport),
+}
+
+/// The report of `audit replay` (spec/003). `code` is `None` when every decision reproduced.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplayReport {
+    pub vm: String,
+    pub mode: String,
+    pub code: Option<String>,
+    pub detail: String,
+    /// `false` for audit and reexecute modes, live look-ups, or a forced divergence.
+    pub authoritative: bool,
+    pub decisions_checked: u64,
+    pub entries_read: u64,
+    pub from_seq: u64,
+    pub through_seq: u64,
+    pub stopped_at_seq: Option<u64>,
+    pub divergences: Vec<ReplayDivergence>,
+    pub live_calls: Vec<String>,
+    pub non_authoritative_because: Vec<String>,
+    /// `reexecute`: what the sandbox VM showed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sandbox: Option<Value>,
+    /// The journal seq of the `REPLAY_RESULT` entry.
+    pub result_seq: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayDivergence {
+    pub decision: String,
+    pub at_seq: u64,
+    /// Canonical JSON (spec/003 §4) of `{"computed","decision","recorded","seq"}`.
+    pub diff: String,
+    /// What a force-continue token names (`backstop review sign --divergence DIGEST`).
+    pub digest: String,
+    pub forced_by: Option<String>,
 }
 
 /// One action of the pre-action gate.

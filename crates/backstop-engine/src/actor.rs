@@ -88,7 +88,7 @@ pub struct VmActor {
     /// When the current VM instance started running (the heartbeat grace starts there).
     pub(crate) running_since: Option<std::time::Instant>,
     /// Recent unattended emergency rollbacks, for the storm guard.
-    pub(crate) emergencies: std::collections::VecDeque<std::time::Instant>,
+    pub(crate) emergencies: std::collections::VecDeque<i64>,
     /// Where [`VmActor::publish`] puts the status for readers on other threads.
     pub(crate) status_out: Option<std::sync::Arc<std::sync::Mutex<StatusView>>>,
     /// Devices granted to the guest now (see `devices.rs`).
@@ -174,12 +174,20 @@ impl VmActor {
             adoption,
         };
         let accel = engine.backend.accel().to_string();
+        // The config in force, as far as decisions read it, recorded with its hash (spec/003:
+        // `audit replay` decides from this, not from whatever the file says later).
+        let decision_config = engine.decision_config();
+        let config_sha256 = backstop_integrity::sha256_hex(
+            &backstop_integrity::canonical::to_vec(&decision_config).unwrap_or_default(),
+        );
         engine.journal(AuditEvent::DaemonStarted, json!({
             "session_id": engine.session_id, "trace_id": Value::Null, "snapshot_id": Value::Null, "result": "ok",
             "vm": engine.cfg.vm.name, "accel": accel, "accel_reason": engine.backend_choice_reason(),
             "swept_tmp": sweep.tmp_removed, "swept_chunks": sweep.chunks_removed,
             "fault_injection": fault.map(|f| format!("{f:?}")),
             "sysfs_root_override": std::env::var("BACKSTOP_SYSFS_ROOT").ok(),
+            "config": decision_config.clone(), "config_sha256": config_sha256,
+            "id_seed": engine.ids.seed(),
         }))?;
         info!(vm = %engine.cfg.vm.name, accel = %accel, "backstopd starting");
         if let Some(a) = &engine.adoption {
@@ -210,6 +218,33 @@ impl VmActor {
             .map_err(EngineError::Store)?
             .iter()
             .any(|e| matches!(e, ListEntry::Valid(_))))
+    }
+
+    /// The parts of the config that decisions read (target, gate, storm guard, retention,
+    /// schedule, watchdog): journaled at every start, replayed by `audit replay`.
+    pub(crate) fn decision_config(&self) -> Value {
+        let c = &self.cfg;
+        json!({
+            "vm": c.vm.name,
+            "config_fingerprint": self.backend.config_fingerprint(),
+            "retention": {
+                "keep_last": c.retention.keep_last, "hourly": c.retention.hourly,
+                "daily": c.retention.daily, "keep_rolled_back_hours": c.retention.keep_rolled_back_hours,
+            },
+            "snapshots": {
+                "schedule_minutes": c.snapshots.schedule_minutes,
+                "schedule_seconds": c.snapshots.schedule_seconds,
+            },
+            "restore_gate": { "reviewer_key": c.restore_gate.reviewer_key },
+            "storm_guard": {
+                "limit": crate::watchdog::STORM_LIMIT,
+                "window_s": crate::watchdog::STORM_WINDOW.as_secs(),
+            },
+            "watchdog": {
+                "heartbeat_timeout_s": c.watchdog.heartbeat_timeout_s,
+                "boot_grace_s": c.watchdog.boot_grace_s,
+            },
+        })
     }
 
     /// A fresh id from the actor's id source (trace ids, session ids).

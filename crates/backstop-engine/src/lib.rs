@@ -19,6 +19,7 @@
 //! | [`watchdog`] | heartbeat, hardware watchdog and crash detection, the storm guard |
 //! | [`devices`] | passthrough device grants, leases and revocation |
 //! | [`policy`] | schedule, retention, Action Descriptors, the restore gate |
+//! | [`replay`] | `audit replay` (spec/003): every recorded decision recomputed and compared |
 //! | [`records`], [`layers`], [`config`] | durable records, qcow2 layers, the config file |
 //!
 //! It must never let the guest influence a rollback, never resume a VM whose rollback failed,
@@ -39,6 +40,7 @@ pub mod migrate;
 pub mod orders;
 pub mod policy;
 pub mod records;
+pub mod replay;
 pub mod rollback;
 pub mod services;
 pub mod snapshot;

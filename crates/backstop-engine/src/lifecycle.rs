@@ -85,6 +85,21 @@ impl VmState {
         Ok(next)
     }
 
+    /// The state named by [`VmState::as_str`] (as journaled).
+    pub fn parse(s: &str) -> Option<VmState> {
+        use VmState as S;
+        [
+            S::Stopped,
+            S::Booting,
+            S::Running,
+            S::Snapshotting,
+            S::RollingBack,
+            S::Halted,
+        ]
+        .into_iter()
+        .find(|v| v.as_str() == s)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             VmState::Stopped => "stopped",
@@ -98,6 +113,25 @@ impl VmState {
 }
 
 impl Transition {
+    /// The transition named by [`Transition::as_str`] (as journaled).
+    pub fn parse(s: &str) -> Option<Transition> {
+        use Transition as T;
+        [
+            T::Boot,
+            T::Booted,
+            T::BeginSnapshot,
+            T::EndSnapshot,
+            T::BeginRollback,
+            T::RolledBack,
+            T::AbortRollback,
+            T::Halt,
+            T::ClearHalt,
+            T::Stop,
+        ]
+        .into_iter()
+        .find(|v| v.as_str() == s)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Transition::Boot => "boot",

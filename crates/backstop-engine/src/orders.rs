@@ -28,6 +28,7 @@ impl VmActor {
                     | Request::HaltClearTo { .. }
                     | Request::AuditTail { .. }
                     | Request::AuditVerify
+                    | Request::AuditReplay(_)
             )
         {
             let reason = self
@@ -147,6 +148,7 @@ impl VmActor {
             } => self.action_end(ctx, action_id, result, reason),
             Request::ActionList => self.action_list(),
             Request::SnapshotPrune => self.prune_request(ctx),
+            Request::AuditReplay(ask) => self.audit_replay(ctx, ask),
             // Answered by the supervisor, which knows every VM; an actor knows only its own.
             Request::Vms | Request::Reload | Request::DaemonAuditVerify => {
                 Err(EngineError::BadRequest(format!(

@@ -111,7 +111,7 @@ impl RollbackPlan {
 }
 
 /// The disk chains a manifest records, by disk id.
-fn manifest_chains(v: &VerifiedSnapshot) -> Vec<(String, Vec<PathBuf>)> {
+pub(crate) fn manifest_chains(v: &VerifiedSnapshot) -> Vec<(String, Vec<PathBuf>)> {
     v.manifest
         .payload_refs
         .iter()
@@ -143,10 +143,13 @@ impl VmActor {
         } = plan;
         let (to, reason) = (to.as_deref(), reason.as_str());
         let mut clock = PhaseClock::start();
+        // The decision's inputs, recorded (spec/003): whether the restore gate governs it,
+        // whether reviewer evidence came with it, and whether it is the clean-stop resume.
         self.journal(AuditEvent::SnapshotRestoreRequested, json!({
             "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "pending",
             "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "requested_by": ctx.caller.label(),
-            "action_ids": action_ids,
+            "action_ids": action_ids, "governed": gate.governed, "resume": resume,
+            "reviewer_evidence": gate.reviewer_token.is_some(),
         }))?;
 
         // 1. Choose and verify, touching nothing.
@@ -266,6 +269,7 @@ impl VmActor {
             if v.manifest.config_fingerprint != fingerprint {
                 return Err(EngineError::ShapeMismatch { snapshot_id: id });
             }
+            self.journal_verify_passed(ctx, &id)?;
             return Ok((v, Vec::new()));
         }
         let mut skipped = Vec::new();
@@ -302,7 +306,10 @@ impl VmActor {
                 } => (snapshot_id, Err(code.to_string())),
             };
             let code = match result {
-                Ok(v) if v.manifest.config_fingerprint == fingerprint => return Ok((v, skipped)),
+                Ok(v) if v.manifest.config_fingerprint == fingerprint => {
+                    self.journal_verify_passed(ctx, &id)?;
+                    return Ok((v, skipped));
+                }
                 Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
                 Err(code) => code,
             };
@@ -316,6 +323,20 @@ impl VmActor {
             });
         }
         Err(EngineError::NoVerifiedSnapshot)
+    }
+
+    /// Records that `id` verified and fits this VM, with the digest of its manifest: the
+    /// backend result a target or gate decision used (replayed by `audit replay`).
+    pub(crate) fn journal_verify_passed(&mut self, ctx: &Ctx, id: &str) -> Result<(), EngineError> {
+        let digest = crate::replay::manifest_sha256(self.store.root(), id).ok();
+        let sid = self.session_id.clone();
+        self.journal(
+            AuditEvent::SnapshotVerifyPassed,
+            json!({
+                "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
+                "manifest_sha256": digest,
+            }),
+        )
     }
 
     /// Steps 3-5. Errors are (step, detail); the caller halts.

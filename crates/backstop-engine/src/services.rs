@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use backstop_common::ids::{IdSource, RandomIds};
+use backstop_common::ids::{IdSource, SeededIds};
 use backstop_hypervisor::VmBackend;
 use backstop_integrity::HostKey;
 use backstop_journal::Journal;
@@ -53,7 +53,7 @@ impl Services {
             journal,
             journal_path,
             key,
-            ids: Arc::new(RandomIds),
+            ids: Arc::new(SeededIds::fresh()),
             captures: Arc::new(CaptureSlots::new(cfg.daemon.max_concurrent_captures)),
             anchors: None,
         })

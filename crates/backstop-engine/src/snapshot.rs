@@ -172,6 +172,8 @@ impl VmActor {
                 self.journal(AuditEvent::SnapshotCreateCompleted, json!({
                     "snapshot_id": m.snapshot_id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
                     "pause_us": m.capture.get("pause_us"), "bytes_stored": m.bytes_stored,
+                    "created_at": m.created_at,
+                    "manifest_sha256": crate::replay::manifest_sha256(self.store.root(), &m.snapshot_id).ok(),
                 }))?;
                 self.bound_running_chains(ctx)?;
                 Ok(m)

@@ -18,7 +18,7 @@
 //! learn the reason of a rollback.
 
 use backstop_common::AuditEvent;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::json;
 use tracing::warn;
@@ -48,6 +48,31 @@ fn emergency_of(event: &VmEvent) -> (TriggerKind, String) {
         }
         VmEvent::GuestPanicked => (TriggerKind::VmCrash, "guest panicked".to_string()),
     }
+}
+
+/// The storm guard's decision: which earlier unattended rollbacks (wall-clock ms) still count
+/// at `now_ms`, and whether one more is one too many. Pure: the actor and `audit replay` both
+/// call it with the journaled times.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StormDecision {
+    pub recent: Vec<i64>,
+    pub halt: bool,
+}
+
+pub fn storm_decision(earlier_ms: &[i64], now_ms: i64) -> StormDecision {
+    let window_ms = STORM_WINDOW.as_millis() as i64;
+    let recent: Vec<i64> = earlier_ms
+        .iter()
+        .copied()
+        .filter(|t| now_ms.saturating_sub(*t) <= window_ms)
+        .collect();
+    let halt = recent.len() >= STORM_LIMIT;
+    StormDecision { recent, halt }
+}
+
+/// Milliseconds since the Unix epoch, wall clock.
+pub(crate) fn wall_ms() -> i64 {
+    (time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64
 }
 
 impl VmActor {
@@ -107,27 +132,46 @@ impl VmActor {
         })
     }
 
-    /// An emergency rollback nobody asked for (watchdog, crash), with the storm guard.
+    /// An emergency rollback nobody asked for (watchdog, crash), with the storm guard. The
+    /// guard's inputs (the wall-clock times of this session's earlier unattended rollbacks) and
+    /// its decision are journaled (`rollback.triggered`), so `audit replay` recomputes it.
     fn unattended_emergency(&mut self, trigger: TriggerKind, reason: &str) {
-        let now = Instant::now();
-        while self
-            .emergencies
-            .front()
-            .is_some_and(|t| now.duration_since(*t) > STORM_WINDOW)
-        {
-            self.emergencies.pop_front();
-        }
+        let now_ms = wall_ms();
+        let decision = storm_decision(self.emergencies.make_contiguous(), now_ms);
+        self.emergencies = decision.recent.iter().copied().collect();
         let trace = self.new_id();
-        if self.emergencies.len() >= STORM_LIMIT {
+        let sid = self.session_id.clone();
+        let journaled = self.journal(
+            AuditEvent::RollbackTriggered,
+            json!({
+                "snapshot_id": null, "session_id": sid, "trace_id": trace, "result": "accepted",
+                "trigger": trigger, "rollback_type": RollbackType::Emergency, "reason": reason,
+                "action_ids": [], "requested_by": "daemon", "decided_at_ms": now_ms,
+                "storm_recent_ms": decision.recent, "storm_limit": STORM_LIMIT,
+                "storm_window_s": STORM_WINDOW.as_secs(),
+                "decision": if decision.halt { "halt" } else { "rollback" },
+            }),
+        );
+        if decision.halt {
             let why = format!(
                 "{} emergency rollbacks within {} s and the guest failed again ({trigger}: {reason})",
-                self.emergencies.len(),
+                decision.recent.len(),
                 STORM_WINDOW.as_secs()
             );
             self.enter_halt(&trace, backstop_common::ErrorCode::RollbackStorm, &why);
             return;
         }
-        self.emergencies.push_back(now);
+        if let Err(e) = journaled {
+            // Fail closed: a rollback that cannot be recorded is not run (spec/000 §12).
+            let why = format!("cannot journal the emergency rollback ({trigger}: {reason}): {e}");
+            self.enter_halt(
+                &trace,
+                backstop_common::ErrorCode::RollbackFailedHalted,
+                &why,
+            );
+            return;
+        }
+        self.emergencies.push_back(now_ms);
         warn!(trigger = trigger.as_str(), reason, "emergency rollback");
         let mut sink = |_p: Progress| {};
         let mut ctx = Ctx {

@@ -281,20 +281,44 @@ impl VmActor {
             return Ok(None);
         };
         for e in entries[pos + 1..].iter().rev() {
-            let ListEntry::Valid(m) = e else { continue };
-            if self.policy.is_rolled_back(&m.snapshot_id) {
+            if self.policy.is_rolled_back(e.snapshot_id()) {
                 continue;
             }
+            let m = match e {
+                ListEntry::Valid(m) => m,
+                ListEntry::Corrupt {
+                    snapshot_id, code, ..
+                } => {
+                    let sid = self.session_id.clone();
+                    self.journal(AuditEvent::SnapshotVerifySkipped, json!({
+                        "snapshot_id": snapshot_id, "session_id": sid, "trace_id": ctx.trace_id,
+                        "result": "skipped", "code": code.to_string(), "asked_by": "restore_gate",
+                    }))?;
+                    continue;
+                }
+            };
             ctx.step(
                 "verify",
                 format!("verifying {} (is it newer and intact?)", m.snapshot_id),
                 None,
             );
-            if let Ok(v) = self.store.verify(&m.snapshot_id, &VerifyOptions::default()) {
-                if v.manifest.config_fingerprint == fingerprint {
+            // Both outcomes are recorded: the gate's decision rests on them (spec/003).
+            let code = match self.store.verify(&m.snapshot_id, &VerifyOptions::default()) {
+                Ok(v) if v.manifest.config_fingerprint == fingerprint => {
+                    self.journal_verify_passed(ctx, &m.snapshot_id)?;
                     return Ok(Some(m.snapshot_id.clone()));
                 }
-            }
+                Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
+                Err(e) => e.code().to_string(),
+            };
+            let sid = self.session_id.clone();
+            self.journal(
+                AuditEvent::SnapshotVerifySkipped,
+                json!({
+                    "snapshot_id": m.snapshot_id, "session_id": sid, "trace_id": ctx.trace_id,
+                    "result": "skipped", "code": code, "asked_by": "restore_gate",
+                }),
+            )?;
         }
         Ok(None)
     }
