@@ -4,6 +4,7 @@
 //! blocked, a third snapshot and a watchdog rollback, then a clean stop. Each test runs on its
 //! own copy of that state (tampered as the test says), with a daemon started on it, and asserts
 //! the exact code and, where there is one, the exact canonical diff.
+#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -228,7 +228,7 @@ pub struct Replayer<'a> {
     pruned: BTreeSet<String>,
     marked: BTreeSet<String>,
     epoch: Option<u64>,
-    state: Option<VmState>,
+    vm_state: Option<VmState>,
     halted: bool,
     storm: Vec<i64>,
     session: Session,
@@ -261,7 +261,7 @@ impl<'a> Replayer<'a> {
             pruned: BTreeSet::new(),
             marked: BTreeSet::new(),
             epoch: None,
-            state: None,
+            vm_state: None,
             halted: false,
             storm: Vec::new(),
             session: Session::new(None),
@@ -513,7 +513,7 @@ impl<'a> Replayer<'a> {
                     }
                 }
                 self.storm.clear();
-                self.state = Some(VmState::Stopped);
+                self.vm_state = Some(VmState::Stopped);
             }
             "snapshot.create.completed" if s(f, "result") == Some("ok") => {
                 let Some(id) = s(f, "snapshot_id") else {
@@ -726,7 +726,7 @@ impl<'a> Replayer<'a> {
                 let to = s(f, "to").and_then(VmState::parse);
                 let t = s(f, "transition").and_then(Transition::parse);
                 if let (Some(from), Some(to), Some(t)) = (from, to, t) {
-                    let start = self.state.unwrap_or(from);
+                    let start = self.vm_state.unwrap_or(from);
                     let computed = start.transition(t).map(VmState::as_str).ok();
                     self.compare(
                         "state_transition",
@@ -734,7 +734,7 @@ impl<'a> Replayer<'a> {
                         json!({"from": from.as_str(), "to": to.as_str()}),
                         json!({"from": start.as_str(), "to": computed}),
                     )?;
-                    self.state = Some(to);
+                    self.vm_state = Some(to);
                 }
             }
             "vm.started" | "vm.resumed" | "vm.adopted" => {
@@ -892,5 +892,361 @@ impl<'a> Replayer<'a> {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The store as a map: id → manifest look; `live_ok` answers audit mode's live calls.
+    struct FakeStore {
+        looks: HashMap<String, ManifestLook>,
+        live_ok: bool,
+        live_calls: u32,
+    }
+
+    impl StoreView for FakeStore {
+        fn manifest(&mut self, id: &str) -> ManifestLook {
+            self.looks.get(id).cloned().unwrap_or(ManifestLook::Missing)
+        }
+        fn verify_live(&mut self, _id: &str) -> Result<(), String> {
+            self.live_calls += 1;
+            if self.live_ok {
+                Ok(())
+            } else {
+                Err("ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED".into())
+            }
+        }
+    }
+
+    fn store(ids: &[&str]) -> FakeStore {
+        FakeStore {
+            looks: ids
+                .iter()
+                .map(|i| {
+                    (
+                        i.to_string(),
+                        ManifestLook::Present {
+                            sha256: format!("sha-{i}"),
+                        },
+                    )
+                })
+                .collect(),
+            live_ok: true,
+            live_calls: 0,
+        }
+    }
+
+    const SEED: &str = "seed-1";
+
+    fn id(k: u64) -> String {
+        seeded_id(SEED, k)
+    }
+
+    /// A journal: a session start, three snapshots (a, b, c) and one emergency rollback whose
+    /// candidate c failed verification, so it went to b, marking c.
+    fn journal() -> Vec<ReplayEntry> {
+        let sid = id(0);
+        let mut seq = 0;
+        let mut e = |event: &str, f: Value| {
+            seq += 1;
+            let mut fields = f.as_object().cloned().unwrap_or_default();
+            fields.entry("session_id").or_insert(json!(sid));
+            ReplayEntry {
+                seq,
+                event: event.into(),
+                fields,
+            }
+        };
+        let rb = id(4);
+        vec![
+            e("daemon.started", json!({"id_seed": SEED, "config": {}})),
+            e("vm.started", json!({"trace_id": id(1), "epoch": 0})),
+            e(
+                "snapshot.create.completed",
+                json!({"trace_id": id(1), "snapshot_id": "a", "result": "ok", "manifest_sha256": "sha-a"}),
+            ),
+            e(
+                "snapshot.create.completed",
+                json!({"trace_id": id(2), "snapshot_id": "b", "result": "ok", "manifest_sha256": "sha-b"}),
+            ),
+            e(
+                "snapshot.create.completed",
+                json!({"trace_id": id(3), "snapshot_id": "c", "result": "ok"}),
+            ),
+            e(
+                "rollback.triggered",
+                json!({"trace_id": rb, "decision": "rollback", "decided_at_ms": 1_000, "storm_recent_ms": []}),
+            ),
+            e(
+                "snapshot.restore.requested",
+                json!({"trace_id": rb, "snapshot_id": null, "governed": false, "resume": false}),
+            ),
+            e(
+                "snapshot.verify.skipped",
+                json!({"trace_id": rb, "snapshot_id": "c", "code": "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"}),
+            ),
+            e(
+                "snapshot.verify.passed",
+                json!({"trace_id": rb, "snapshot_id": "b", "manifest_sha256": "sha-b"}),
+            ),
+            e(
+                "snapshot.restore.policy_decision",
+                json!({"trace_id": rb, "snapshot_id": "b", "decision": "override"}),
+            ),
+            e(
+                "vm.state_changed",
+                json!({"trace_id": rb, "from": "stopped", "to": "rolling_back", "transition": "begin_rollback"}),
+            ),
+            e(
+                "vm.state_changed",
+                json!({"trace_id": rb, "from": "rolling_back", "to": "running", "transition": "rolled_back"}),
+            ),
+            e(
+                "rollback.completed",
+                json!({"trace_id": rb, "snapshot_id": "b", "epoch": 1}),
+            ),
+            e(
+                "snapshot.marked_rolled_back",
+                json!({"trace_id": rb, "snapshot_id": "b", "marked": ["c"], "target_unmarked": false}),
+            ),
+        ]
+    }
+
+    fn last() -> FinalRecords {
+        FinalRecords {
+            epoch: 1,
+            marked: ["c".to_string()].into(),
+            halted: false,
+        }
+    }
+
+    fn run(
+        entries: &[ReplayEntry],
+        view: &mut FakeStore,
+        mode: ReplayMode,
+        force: Option<&str>,
+    ) -> Outcome {
+        let mut approve = |digest: &str| match force {
+            Some(d) if d == digest => Ok("reviewer".to_string()),
+            Some(_) => Err("token names another divergence".to_string()),
+            None => Err(String::new()),
+        };
+        Replayer::new(mode, 1, view, &mut approve).run(entries, &last(), Caps::default())
+    }
+
+    fn set(entries: &mut [ReplayEntry], seq: u64, key: &str, v: Value) {
+        entries[(seq - 1) as usize].fields.insert(key.into(), v);
+    }
+
+    #[test]
+    fn a_faithful_journal_reproduces() {
+        let o = run(
+            &journal(),
+            &mut store(&["a", "b", "c"]),
+            ReplayMode::Production,
+            None,
+        );
+        assert_eq!(o.code, None, "{o:?}");
+        assert!(o.authoritative);
+        // session id, storm guard, target, gate, 2 transitions, epoch, marks, ids of 11 entries.
+        assert!(o.decisions_checked >= 8, "{o:?}");
+    }
+
+    #[test]
+    fn a_changed_target_diverges_with_a_canonical_diff() {
+        let mut j = journal();
+        set(&mut j, 10, "snapshot_id", json!("a"));
+        let o = run(
+            &j,
+            &mut store(&["a", "b", "c"]),
+            ReplayMode::Production,
+            None,
+        );
+        assert_eq!(o.code, Some("REPLAY_DIVERGENCE"));
+        assert_eq!(
+            o.divergences[0].diff,
+            r#"{"computed":"b","decision":"rollback_target","recorded":"a","seq":10}"#
+        );
+        assert_eq!(o.stopped_at_seq, Some(10));
+    }
+
+    #[test]
+    fn force_continue_needs_the_divergence_named_and_is_non_authoritative() {
+        let mut j = journal();
+        set(&mut j, 13, "epoch", json!(7));
+        let first = run(
+            &j,
+            &mut store(&["a", "b", "c"]),
+            ReplayMode::Production,
+            None,
+        );
+        assert_eq!(first.code, Some("REPLAY_DIVERGENCE"));
+        let digest = first.divergences[0].digest.clone();
+        let wrong = run(
+            &j,
+            &mut store(&["a", "b", "c"]),
+            ReplayMode::Production,
+            Some("0000"),
+        );
+        assert_eq!(wrong.code, Some("FORCE_CONTINUE_REQUIRED"));
+        // Forced past the epoch; the final records then disagree with the journal (epoch 7).
+        let forced = run(
+            &j,
+            &mut store(&["a", "b", "c"]),
+            ReplayMode::Production,
+            Some(&digest),
+        );
+        assert_eq!(forced.divergences[0].forced_by.as_deref(), Some("reviewer"));
+        assert!(!forced.authoritative);
+        assert_eq!(forced.code, Some("RESULT_MISMATCH"));
+    }
+
+    #[test]
+    fn a_missing_verification_fails_production_and_is_looked_up_in_audit() {
+        let mut j = journal();
+        j.remove(8); // snapshot.verify.passed of b
+        let mut s = store(&["a", "b", "c"]);
+        let o = run(&j, &mut s, ReplayMode::Production, None);
+        assert_eq!(o.code, Some("MISSING_PERSISTED_AGENT_OUTPUT"));
+        assert_eq!(s.live_calls, 0, "production never calls the store live");
+        let o = run(&j, &mut s, ReplayMode::Audit, None);
+        assert_eq!(o.code, None, "{o:?}");
+        assert!(!o.authoritative);
+        assert_eq!(s.live_calls, 1);
+        assert_eq!(o.live_calls.len(), 1);
+    }
+
+    #[test]
+    fn store_problems_come_first_in_spec_order() {
+        let o = run(
+            &journal(),
+            &mut store(&["a", "c"]),
+            ReplayMode::Production,
+            None,
+        );
+        assert_eq!(o.code, Some("MISSING_SNAPSHOT"));
+        assert_eq!(o.decisions_checked, 0);
+        let mut s = store(&["a", "b", "c"]);
+        s.looks.insert(
+            "a".into(),
+            ManifestLook::Forged("signature mismatch".into()),
+        );
+        let o = run(&journal(), &mut s, ReplayMode::Production, None);
+        assert_eq!(o.code, Some("INTEGRITY_FAILURE"));
+        let mut s = store(&["a", "b", "c"]);
+        s.looks.insert(
+            "b".into(),
+            ManifestLook::Present {
+                sha256: "other".into(),
+            },
+        );
+        let o = run(&journal(), &mut s, ReplayMode::Production, None);
+        assert_eq!(o.code, Some("RESULT_MISMATCH"));
+    }
+
+    #[test]
+    fn a_pruned_snapshot_is_not_missing() {
+        let mut j = journal();
+        let n = j.len() as u64;
+        j.push(ReplayEntry {
+            seq: n + 1,
+            event: "snapshot.pruned".into(),
+            fields: json!({"session_id": id(0), "trace_id": id(5), "snapshot_id": "a"})
+                .as_object()
+                .cloned()
+                .unwrap(),
+        });
+        let o = run(&j, &mut store(&["b", "c"]), ReplayMode::Production, None);
+        assert_eq!(o.code, None, "{o:?}");
+    }
+
+    #[test]
+    fn the_storm_guard_and_transitions_and_ids_are_checked() {
+        let mut j = journal();
+        set(&mut j, 6, "decision", json!("halt"));
+        let o = run(
+            &j,
+            &mut store(&["a", "b", "c"]),
+            ReplayMode::Production,
+            None,
+        );
+        assert_eq!(o.divergences[0].decision, "storm_guard");
+        let mut j = journal();
+        set(&mut j, 11, "from", json!("running"));
+        set(&mut j, 11, "to", json!("halted"));
+        let o = run(
+            &j,
+            &mut store(&["a", "b", "c"]),
+            ReplayMode::Production,
+            None,
+        );
+        assert_eq!(o.divergences[0].decision, "state_transition");
+        let mut j = journal();
+        set(
+            &mut j,
+            4,
+            "trace_id",
+            json!("0123456789abcdef0123456789abcdef"),
+        );
+        let o = run(
+            &j,
+            &mut store(&["a", "b", "c"]),
+            ReplayMode::Production,
+            None,
+        );
+        assert_eq!(o.divergences[0].decision, "id_provenance");
+    }
+
+    #[test]
+    fn the_final_records_must_match_and_caps_stop_a_long_replay() {
+        let mut v = store(&["a", "b", "c"]);
+        let mut approve = |_: &str| Err(String::new());
+        let wrong = FinalRecords {
+            epoch: 1,
+            marked: BTreeSet::new(),
+            halted: false,
+        };
+        let o = Replayer::new(ReplayMode::Production, 1, &mut v, &mut approve).run(
+            &journal(),
+            &wrong,
+            Caps::default(),
+        );
+        assert_eq!(o.code, Some("RESULT_MISMATCH"));
+        let mut approve = |_: &str| Err(String::new());
+        let caps = Caps {
+            max_steps: 3,
+            max_time: Duration::from_secs(60),
+        };
+        let o = Replayer::new(ReplayMode::Production, 1, &mut v, &mut approve).run(
+            &journal(),
+            &last(),
+            caps,
+        );
+        assert_eq!(o.code, Some("REPLAY_TIMEOUT"));
+        assert_eq!(o.entries_read, 3);
+    }
+
+    #[test]
+    fn decisions_before_from_seq_are_applied_not_compared() {
+        let mut j = journal();
+        set(&mut j, 10, "snapshot_id", json!("a"));
+        let mut v = store(&["a", "b", "c"]);
+        let mut approve = |_: &str| Err(String::new());
+        let all = Replayer::new(ReplayMode::Production, 1, &mut v, &mut approve).run(
+            &j,
+            &last(),
+            Caps::default(),
+        );
+        let mut approve = |_: &str| Err(String::new());
+        let late = Replayer::new(ReplayMode::Production, 12, &mut v, &mut approve).run(
+            &j,
+            &last(),
+            Caps::default(),
+        );
+        assert_eq!(all.code, Some("REPLAY_DIVERGENCE"));
+        assert!(late.decisions_checked > 0);
+        assert_eq!(late.code, None, "{late:?}");
     }
 }

@@ -45,7 +45,7 @@ struct LiveStore<'a> {
 }
 
 /// Largest manifest replay reads.
-const MANIFEST_CAP: u64 = backstop_store::MANIFEST_MAX_BYTES as u64;
+const MANIFEST_CAP: u64 = backstop_store::MANIFEST_MAX_BYTES;
 
 fn read_capped(path: &Path) -> std::io::Result<Vec<u8>> {
     let mut out = Vec::new();
