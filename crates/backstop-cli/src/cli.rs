@@ -67,6 +67,21 @@ pub enum Command {
     /// Re-read the VM files (daemon.vms_dir): start new VMs, stop removed ones cleanly; the
     /// other VMs are not disturbed.
     Reload,
+    /// Notifications, in journal order: snapshot_published, rollback_started,
+    /// rollback_completed, rollback_halted, vm_halted, halt_cleared — each with its VM's
+    /// journal seq. Without --vm: every VM.
+    Events {
+        /// Deliver what came after this seq of the VM's journal first (the last seq you saw:
+        /// nothing is missed across a reconnect). Without it: only what happens from now.
+        #[arg(long, value_name = "SEQ")]
+        since: Option<u64>,
+        /// Only these types (repeatable).
+        #[arg(long = "type", value_name = "TYPE", value_parser = notification_type)]
+        types: Vec<String>,
+        /// Keep following (until interrupted); otherwise stop once caught up.
+        #[arg(long)]
+        follow: bool,
+    },
     /// Create, list, show and verify snapshots.
     #[command(subcommand)]
     Snapshot(SnapshotCommand),
@@ -333,6 +348,15 @@ impl Command {
             Command::Status => Request::Status,
             Command::Vms { .. } => Request::Vms,
             Command::Reload => Request::Reload,
+            Command::Events {
+                since,
+                types,
+                follow,
+            } => Request::Events {
+                since: *since,
+                types: types.clone(),
+                follow: *follow,
+            },
             Command::Snapshot(SnapshotCommand::Create { reason }) => Request::SnapshotCreate {
                 reason: reason.clone(),
             },
@@ -566,6 +590,17 @@ fn trigger_kind(value: &str) -> Result<HostTrigger, String> {
         let names: Vec<&str> = HostTrigger::ALL.iter().map(|k| k.as_str()).collect();
         format!("unknown trigger; one of: {}", names.join(", "))
     })
+}
+
+fn notification_type(value: &str) -> Result<String, String> {
+    if backstop_control::NOTIFICATION_TYPES.contains(&value) {
+        Ok(value.to_string())
+    } else {
+        Err(format!(
+            "unknown event type; one of: {}",
+            backstop_control::NOTIFICATION_TYPES.join(", ")
+        ))
+    }
 }
 
 /// Refuses an empty or blank value (a reason must say something).

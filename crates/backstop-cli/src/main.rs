@@ -21,8 +21,27 @@ fn main() -> ExitCode {
     }
 
     let mut display = ProgressDisplay::new(cli.json);
+    // Notifications of `events` are printed as they come, one line each (a follower may run
+    // for days); a closed stdout ends it.
+    let json = cli.json;
+    let mut on_event = |n: &backstop_control::Notification| {
+        let line = backstop_cli::render::notification_line(n, json);
+        let mut out = io::stdout().lock();
+        if out
+            .write_all(line.as_bytes())
+            .and_then(|()| out.flush())
+            .is_err()
+        {
+            std::process::exit(0);
+        }
+    };
     let result = ControlClient::connect(&cli.socket).and_then(|mut client| {
-        client.call_vm(cli.vm.as_deref(), &request, &mut |p| display.update(p))
+        client.call_vm_events(
+            cli.vm.as_deref(),
+            &request,
+            &mut |p| display.update(p),
+            &mut on_event,
+        )
     });
     display.finish();
 

@@ -54,6 +54,16 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::AuditEntries { entries } => audit_entries_text(entries),
         Response::AuditVerified(report) => audit_verified_text(report),
         Response::Replayed(report) => replay_text(report),
+        Response::Events {
+            delivered,
+            last_seq,
+        } => {
+            let seqs: Vec<String> = last_seq
+                .iter()
+                .map(|(vm, s)| format!("{} seq {s}", clean(vm)))
+                .collect();
+            format!("{delivered} event(s); caught up at {}\n", seqs.join(", "))
+        }
         Response::Devices(view) => devices_text(view),
         Response::Action(view) => action_text(view),
         Response::Actions { actions } => actions_text(actions),
@@ -205,9 +215,14 @@ fn pruned_text(p: &PruneView) -> String {
     text
 }
 
-/// `--json`: the response as one pretty-printed JSON document, newline-terminated.
+/// `--json`: the response as one pretty-printed JSON document, newline-terminated (`events`:
+/// one compact line, after its notification lines, so the whole output is JSON lines).
 pub fn json(response: &Response) -> String {
-    let mut text = serde_json::to_string_pretty(response).unwrap_or_else(|e| {
+    let encoded = match response {
+        Response::Events { .. } => serde_json::to_string(response),
+        _ => serde_json::to_string_pretty(response),
+    };
+    let mut text = encoded.unwrap_or_else(|e| {
         error_json("ERR_CONSOLE_ENCODE", &format!("encoding the response: {e}"))
     });
     if !text.ends_with('\n') {
@@ -659,6 +674,32 @@ fn audit_verified_text(r: &AuditVerifyReport) -> String {
             )
         }
     }
+}
+
+/// One notification of `events`: a JSON line, or a line for a person.
+pub fn notification_line(n: &backstop_control::Notification, json: bool) -> String {
+    if json {
+        return format!("{}\n", serde_json::to_string(n).unwrap_or_default());
+    }
+    let mut details = String::new();
+    if let Value::Object(m) = &n.details {
+        for (k, v) in m {
+            if k != "trace_id" {
+                let _ = write!(details, " {k}={}", bare_value(v));
+            }
+        }
+    }
+    format!(
+        "{:>6}  {}  {}  {}  {}{details}\n",
+        n.seq,
+        clean(&n.ts),
+        clean(&n.vm),
+        n.event,
+        n.snapshot_id
+            .as_deref()
+            .map(clean)
+            .unwrap_or_else(|| "-".into()),
+    )
 }
 
 fn replay_text(r: &ReplayReport) -> String {

@@ -120,6 +120,18 @@ impl ControlClient {
         req: &Request,
         on_progress: &mut dyn FnMut(&Progress),
     ) -> Result<Response, ClientError> {
+        self.call_vm_events(vm, req, on_progress, &mut |_| {})
+    }
+
+    /// [`ControlClient::call_vm`] that also hands every notification of an `events`
+    /// subscription to `on_event` (a following subscription only ends when the daemon does).
+    pub fn call_vm_events(
+        &mut self,
+        vm: Option<&str>,
+        req: &Request,
+        on_progress: &mut dyn FnMut(&Progress),
+        on_event: &mut dyn FnMut(&crate::protocol::Notification),
+    ) -> Result<Response, ClientError> {
         let mut line = crate::Envelope::new(vm, req.clone())
             .encode()
             .map_err(|source| ClientError::Encode { source })?;
@@ -127,19 +139,20 @@ impl ControlClient {
         if let Err(source) = framing::write_all(&self.stream, &line, WriteMode::Blocking) {
             // The daemon may have answered and closed before reading everything (a refused
             // uid, an oversize request): its answer is still readable and says more.
-            return match self.next_reply(on_progress) {
+            return match self.next_reply(on_progress, on_event) {
                 Err(ClientError::Failed { code, message }) => {
                     Err(ClientError::Failed { code, message })
                 }
                 _ => Err(ClientError::Send { source }),
             };
         }
-        self.next_reply(on_progress)
+        self.next_reply(on_progress, on_event)
     }
 
     fn next_reply(
         &mut self,
         on_progress: &mut dyn FnMut(&Progress),
+        on_event: &mut dyn FnMut(&crate::protocol::Notification),
     ) -> Result<Response, ClientError> {
         loop {
             let line = match framing::read_line(&mut self.reader, MAX_LINE_BYTES, None) {
@@ -159,6 +172,7 @@ impl ControlClient {
             };
             match serde_json::from_slice::<Reply>(&line) {
                 Ok(Reply::Progress(progress)) => on_progress(&progress),
+                Ok(Reply::Event(n)) => on_event(&n),
                 Ok(Reply::Done(response)) => return Ok(response),
                 Ok(Reply::Failed { code, message }) => {
                     return Err(ClientError::Failed { code, message })

@@ -114,6 +114,48 @@ pub enum Request {
     /// decision recomputed from the recorded inputs and compared. Read-only but for the
     /// `REPLAY_*` entries it appends.
     AuditReplay(ReplayAsk),
+    /// Subscribe to notifications (spec/004's notification scope): snapshot published, rollback
+    /// started/completed/halted, VM halted, halt cleared, in journal order, each with its VM's
+    /// journal `seq`. `since`: deliver what came after that seq first (a subscriber that
+    /// reconnects misses nothing); without it, only what happens from now. `types`: only
+    /// these (empty: all). `follow`: keep the connection open and deliver as they happen;
+    /// otherwise end with [`Response::Events`] once caught up. Without `vm` in the envelope:
+    /// every VM (then `since` is refused: it is one VM's sequence).
+    Events {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        since: Option<u64>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        types: Vec<String>,
+        #[serde(default, skip_serializing_if = "is_false")]
+        follow: bool,
+    },
+}
+
+/// The notification types of [`Request::Events`], in the order they are listed.
+pub const NOTIFICATION_TYPES: [&str; 6] = [
+    "snapshot_published",
+    "rollback_started",
+    "rollback_completed",
+    "rollback_halted",
+    "vm_halted",
+    "halt_cleared",
+];
+
+/// One notification: what happened to a VM, as its journal recorded it. The guest is never
+/// told any of this (it learns its epoch only).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Notification {
+    pub vm: String,
+    /// The VM journal's `seq` of the entry: increasing per VM (not contiguous: other entries
+    /// lie between); what `since` takes back.
+    pub seq: u64,
+    /// When it was journaled (RFC 3339).
+    pub ts: String,
+    /// One of [`NOTIFICATION_TYPES`] (`kind` is taken by the reply's tag).
+    pub event: String,
+    pub snapshot_id: Option<String>,
+    /// The entry's fields that matter to a subscriber (epoch, trigger, rollback_type, code…).
+    pub details: Value,
 }
 
 /// What `audit replay` is asked.
@@ -318,6 +360,14 @@ enum StrictRequest {
     Reload {},
     DaemonAuditVerify {},
     AuditReplay(ReplayAsk),
+    Events {
+        #[serde(default)]
+        since: Option<u64>,
+        #[serde(default)]
+        types: Vec<String>,
+        #[serde(default)]
+        follow: bool,
+    },
 }
 
 impl From<StrictRequest> for Request {
@@ -393,6 +443,15 @@ impl From<StrictRequest> for Request {
             StrictRequest::Reload {} => Request::Reload,
             StrictRequest::DaemonAuditVerify {} => Request::DaemonAuditVerify,
             StrictRequest::AuditReplay(ask) => Request::AuditReplay(ask),
+            StrictRequest::Events {
+                since,
+                types,
+                follow,
+            } => Request::Events {
+                since,
+                types,
+                follow,
+            },
         }
     }
 }
@@ -422,6 +481,7 @@ impl Request {
             Request::Reload => "reload",
             Request::DaemonAuditVerify => "audit verify --daemon",
             Request::AuditReplay(_) => "audit replay",
+            Request::Events { .. } => "events",
         }
     }
 }
@@ -439,6 +499,8 @@ pub enum Reply {
     Done(Response),
     /// The operation failed. `code` is a stable string (the spec's where it has one).
     Failed { code: String, message: String },
+    /// One notification of an `events` subscription.
+    Event(Notification),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -489,6 +551,12 @@ pub enum Response {
     Reloaded(ReloadReport),
     /// How `audit replay` ended.
     Replayed(ReplayReport),
+    /// The end of an `events` request that does not follow: how many were delivered, and the
+    /// last seq seen of each VM (what to pass as `since` next time).
+    Events {
+        delivered: u64,
+        last_seq: std::collections::BTreeMap<String, u64>,
+    },
 }
 
 /// The report of `audit replay` (spec/003). `code` is `None` when every decision reproduced.

@@ -561,10 +561,11 @@ impl Connection {
         Err(error)
     }
 
-    /// Writes one reply line. After `Done` or `Failed` nothing more may be sent.
+    /// Writes one reply line (progress and events any number of times). After `Done` or
+    /// `Failed` nothing more may be sent.
     pub fn send(&mut self, reply: &Reply) -> Result<(), ControlError> {
         let line = encode(reply)?;
-        let terminal = !matches!(reply, Reply::Progress(_));
+        let terminal = matches!(reply, Reply::Done(_) | Reply::Failed { .. });
         let mut writer = lock(&self.writer);
         if writer.answered {
             return Err(ControlError::AlreadyAnswered);
@@ -601,6 +602,20 @@ impl Connection {
     /// Whether a write has failed, i.e. the client has gone away.
     pub fn client_gone(&self) -> bool {
         lock(&self.writer).gone
+    }
+
+    /// Whether the client has closed or shut down its end, without waiting: for replies that
+    /// last (an `events --follow`) and may write nothing for a long time. A client sends
+    /// nothing after its request, so anything readable is its end of stream.
+    pub fn peer_closed(&self) -> bool {
+        let stream = self.reader.get_ref();
+        let mut fds = [PollFd::new(stream.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(n) if n > 0 => fds[0].revents().is_some_and(|r| {
+                r.intersects(PollFlags::POLLIN | PollFlags::POLLHUP | PollFlags::POLLERR)
+            }),
+            _ => false,
+        }
     }
 }
 

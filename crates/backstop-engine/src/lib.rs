@@ -11,6 +11,7 @@
 //! | [`actor`] | the actor: its fields, start-up reconciliation, cold boot, clean stop, status |
 //! | [`services`] | what an actor is handed (store, journal, key, ids, capture slots) and its backend |
 //! | [`supervisor`], [`host`] | one actor per VM of the host's config; routing, `vms`, reload |
+//! | [`subscribers`] | `events`: notifications read back from each VM's journal, in order |
 //! | [`mailbox`] | the handle, the order queue (host triggers first) and the actor's loop |
 //! | [`orders`] | what each order does (dispatch, snapshot list/show/verify, halt clear) |
 //! | [`lifecycle`] | the VM's states, the transition table, entering HALTED |
@@ -44,6 +45,7 @@ pub mod replay;
 pub mod rollback;
 pub mod services;
 pub mod snapshot;
+pub mod subscribers;
 pub mod supervisor;
 pub mod systemd;
 pub mod watchdog;

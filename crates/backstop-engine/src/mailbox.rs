@@ -60,6 +60,8 @@ pub struct VmHandle {
     /// could still publish into `status` if it ever finished what it was doing.
     frozen: Mutex<Option<StatusView>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// The VM's journal, read back (read-only) for `events` subscribers.
+    journal_path: std::path::PathBuf,
 }
 
 /// What every actor of one daemon shares.
@@ -134,6 +136,7 @@ impl VmHandle {
         let (ready_tx, ready_rx) = mpsc::channel();
         let alive = Arc::new(AtomicU64::new(crate::systemd::now_ms()));
         let name = cfg.vm.name.clone();
+        let journal_path = crate::services::journal_path(&cfg);
         let thread_alive = Arc::clone(&alive);
         let retired = Arc::new(AtomicBool::new(false));
         let thread_retired = Arc::clone(&retired);
@@ -203,7 +206,13 @@ impl VmHandle {
             retired,
             frozen: Mutex::new(None),
             thread: Mutex::new(Some(thread)),
+            journal_path,
         })
+    }
+
+    /// The VM's journal file (read-only use: `events`).
+    pub fn journal_path(&self) -> &std::path::Path {
+        &self.journal_path
     }
 
     pub fn name(&self) -> &str {

@@ -150,12 +150,13 @@ impl VmActor {
             Request::SnapshotPrune => self.prune_request(ctx),
             Request::AuditReplay(ask) => self.audit_replay(ctx, ask),
             // Answered by the supervisor, which knows every VM; an actor knows only its own.
-            Request::Vms | Request::Reload | Request::DaemonAuditVerify => {
-                Err(EngineError::BadRequest(format!(
-                    "`{}` is answered by the daemon, not by one VM",
-                    req.name()
-                )))
-            }
+            Request::Vms
+            | Request::Reload
+            | Request::DaemonAuditVerify
+            | Request::Events { .. } => Err(EngineError::BadRequest(format!(
+                "`{}` is answered by the daemon, not by one VM",
+                req.name()
+            ))),
             Request::AuditVerify => {
                 let out = backstop_journal::verify(&self.journal_path, &self.key)?;
                 Ok(Response::AuditVerified(AuditVerifyReport {

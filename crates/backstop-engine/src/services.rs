@@ -45,7 +45,7 @@ impl Services {
             Store::open(&state_dir.join("store"), key.clone()).map_err(EngineError::Store)?;
         // Opened on the actor's thread: the store's long work keeps this actor looking alive.
         let store = store.with_keepalive(crate::systemd::keepalive_for_this_actor());
-        let journal_path = state_dir.join("audit/journal.jsonl");
+        let journal_path = journal_path(cfg);
         let journal = Journal::open(&journal_path, key.clone())?;
         Ok(Services {
             store,
@@ -58,6 +58,11 @@ impl Services {
             anchors: None,
         })
     }
+}
+
+/// Where a VM's journal lives.
+pub fn journal_path(cfg: &Config) -> PathBuf {
+    cfg.daemon.state_dir.join("audit/journal.jsonl")
 }
 
 /// The hypervisor backend the config asks for (not started yet).

@@ -356,6 +356,21 @@ fn serve(mut conn: Connection, engine: &Supervisor) {
             let _ = conn.send(&reply);
             return;
         }
+        Request::Events {
+            since,
+            types,
+            follow,
+        } => {
+            serve_events(
+                &mut conn,
+                engine,
+                envelope.vm.as_deref(),
+                since,
+                types,
+                follow,
+            );
+            return;
+        }
         Request::Reload => {
             let reply = match engine.reload() {
                 Ok(r) => Reply::Done(Response::Reloaded(r)),
@@ -392,6 +407,92 @@ fn serve(mut conn: Connection, engine: &Supervisor) {
         }
     };
     let _ = conn.send(&reply);
+}
+
+/// An `events` subscription, on this connection's thread: it reads the VMs' journals back
+/// (read-only) and never waits on an actor. Ends when caught up (not following), when the
+/// client goes away, or when the daemon stops.
+fn serve_events(
+    conn: &mut Connection,
+    engine: &Supervisor,
+    vm: Option<&str>,
+    since: Option<u64>,
+    types: Vec<String>,
+    follow: bool,
+) {
+    let fail = |conn: &mut Connection, code: backstop_common::ErrorCode, message: String| {
+        let _ = conn.send(&Reply::Failed {
+            code: code.to_string(),
+            message,
+        });
+    };
+    if let Err((code, message)) = backstop_engine::subscribers::check_types(&types) {
+        return fail(conn, code, message);
+    }
+    let handles = match vm {
+        Some(_) => match engine.route(vm) {
+            Ok(h) => vec![h],
+            Err((code, message)) => return fail(conn, code, message),
+        },
+        None if since.is_some() && engine.handles().len() > 1 => {
+            return fail(
+                conn,
+                backstop_common::ErrorCode::BadRequest,
+                "--since is one VM's sequence number: name the VM (--vm NAME)".into(),
+            )
+        }
+        None => engine.handles(),
+    };
+    let mut followers = Vec::new();
+    for h in &handles {
+        match backstop_engine::subscribers::Follower::open(
+            h.name(),
+            h.journal_path(),
+            since,
+            types.clone(),
+        ) {
+            Ok(f) => followers.push(f),
+            Err((code, message)) => return fail(conn, code, message),
+        }
+    }
+    let mut delivered = 0u64;
+    loop {
+        for f in &mut followers {
+            match f.poll() {
+                Ok(batch) => {
+                    for n in batch {
+                        if conn.send(&Reply::Event(n)).is_err() {
+                            return;
+                        }
+                        delivered += 1;
+                    }
+                }
+                Err(e) => {
+                    return fail(
+                        conn,
+                        backstop_common::ErrorCode::Io,
+                        format!("cannot read a VM journal: {e}"),
+                    )
+                }
+            }
+        }
+        if !follow {
+            let last_seq = handles
+                .iter()
+                .zip(&followers)
+                .map(|(h, f)| (h.name().to_string(), f.last_seq))
+                .collect();
+            let _ = conn.send(&Reply::Done(Response::Events {
+                delivered,
+                last_seq,
+            }));
+            return;
+        }
+        if conn.client_gone() || conn.peer_closed() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 /// The host policy engine may trigger, inspect and revoke; only a person at the console clears
