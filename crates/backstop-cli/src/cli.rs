@@ -133,6 +133,10 @@ pub enum Command {
         /// Action ids the trigger concerns (repeatable).
         #[arg(long = "action-id", value_name = "ID")]
         action_ids: Vec<String>,
+        /// The trigger's identity: sending it again is a no-op answered with the first one's
+        /// outcome. Default: the kind and the action ids (none without action ids).
+        #[arg(long = "trigger-id", value_name = "ID")]
+        trigger_id: Option<String>,
     },
     /// Grant, revoke and list the devices declared in the daemon's config.
     #[command(subcommand)]
@@ -423,10 +427,12 @@ impl Command {
                 kind,
                 reason,
                 action_ids,
+                trigger_id,
             } => Request::Trigger {
                 kind: *kind,
                 reason: reason.clone(),
                 action_ids: action_ids.clone(),
+                trigger_id: trigger_id.clone(),
             },
             Command::Device(DeviceCommand::Grant { ids, lease, reason }) => Request::DeviceGrant {
                 ids: ids.clone(),

@@ -409,6 +409,16 @@ fn verified_text(r: &VerifyReport) -> String {
 }
 
 fn rolled_back_text(r: &RollbackReport) -> String {
+    if let Some(first) = &r.repeat_of {
+        return format!(
+            "repeated trigger: nothing done now; the first one (trace {}) rolled back to {} ({}, {}); epoch {}\n",
+            clean(first),
+            clean(&r.snapshot_id),
+            clean(&r.rollback_type),
+            clean(&r.trigger),
+            r.epoch
+        );
+    }
     let revoked = if r.revoked.is_empty() {
         "none".to_string()
     } else {
@@ -1093,6 +1103,7 @@ mod tests {
             total_ms: 812,
             restore_ms: 250,
             phases: Vec::new(),
+            repeat_of: None,
         };
         let req = Request::Rollback {
             to: None,
@@ -1340,6 +1351,7 @@ mod tests {
             total_ms: 900,
             restore_ms: 200,
             phases: Vec::new(),
+            repeat_of: None,
         }));
         let text = human(&req, &Response::Action(a));
         assert!(text.starts_with("action pkg-42 rolled_back: "), "{text}");

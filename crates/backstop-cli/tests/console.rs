@@ -378,6 +378,7 @@ fn progress_goes_to_stderr_as_plain_lines_and_not_with_json() {
                 total_ms: 900,
                 restore_ms: 250,
                 phases: Vec::new(),
+                repeat_of: None,
             })),
         ]
     });

@@ -72,6 +72,9 @@ audit_events! {
     SnapshotVerifyPassed = "snapshot.verify.passed" ["manifest_sha256"];
     /// A host trigger (or the watchdog) asked for a rollback.
     RollbackTriggered = "rollback.triggered" [];
+    /// A host trigger repeated one already executed: nothing was done; the first's outcome
+    /// was answered (issue 15: idempotent triggers).
+    RollbackTriggerRepeated = "rollback.trigger.repeated" ["trigger_id", "first_trace_id", "first_result"];
     /// spec/002 `RollbackInitiated`.
     RollbackInitiated = "rollback.initiated" ["rollback_type", "trigger", "reason", "action_ids", "timestamp"];
     /// spec/002 `RollbackCompleted`.

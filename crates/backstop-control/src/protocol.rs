@@ -72,6 +72,12 @@ pub enum Request {
         /// The action(s) the trigger concerns, recorded in the journal (spec/000 §11).
         #[serde(default)]
         action_ids: Vec<String>,
+        /// The trigger's identity: a repeat of one already executed is a journaled no-op that
+        /// answers with the first one's outcome. Without it, a trigger naming action ids is
+        /// identified by its kind and those ids; one naming none has no identity (every such
+        /// trigger rolls back).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        trigger_id: Option<String>,
     },
     /// Give the guest devices declared in config, after a pre-action snapshot, for a lease
     /// (`None`: each device's `max_lease_s`). Console only.
@@ -333,6 +339,8 @@ enum StrictRequest {
         reason: String,
         #[serde(default)]
         action_ids: Vec<String>,
+        #[serde(default)]
+        trigger_id: Option<String>,
     },
     DeviceGrant {
         ids: Vec<String>,
@@ -411,10 +419,12 @@ impl From<StrictRequest> for Request {
                 kind,
                 reason,
                 action_ids,
+                trigger_id,
             } => Request::Trigger {
                 kind,
                 reason,
                 action_ids,
+                trigger_id,
             },
             StrictRequest::DeviceGrant {
                 ids,
@@ -773,6 +783,10 @@ pub struct RollbackReport {
     /// `end`, `overlays`, `launch`, `load`, `check`, `resume`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub phases: Vec<PhaseTime>,
+    /// This answers a repeated trigger: nothing was rolled back now; this is the outcome of
+    /// the first one, whose trace id this is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repeat_of: Option<String>,
 }
 
 /// One phase of an operation and how long it took.

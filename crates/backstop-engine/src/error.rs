@@ -43,6 +43,13 @@ pub enum EngineError {
     /// The host is short of descriptors or memory: nothing is concluded from the failure.
     #[error("{step}: the host is out of resources ({detail}); nothing was changed, retry")]
     ResourceExhausted { step: &'static str, detail: String },
+    /// A repeated trigger answers with the first one's failure, as it was recorded.
+    #[error("trigger {trigger_id} already ran and failed ({message}); nothing was done again")]
+    RepeatedTrigger {
+        trigger_id: String,
+        code: ErrorCode,
+        message: String,
+    },
     #[error("journal: {0}")]
     Journal(#[from] JournalError),
     #[error(transparent)]
@@ -97,6 +104,7 @@ impl EngineError {
             EngineError::Abandoned => ErrorCode::SnapshotAbandoned,
             EngineError::CaptureStalled { .. } => ErrorCode::SnapshotStalled,
             EngineError::NoSpace { .. } => ErrorCode::SnapshotNoSpace,
+            EngineError::RepeatedTrigger { code, .. } => *code,
         }
     }
 }

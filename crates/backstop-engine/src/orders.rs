@@ -122,6 +122,7 @@ impl VmActor {
                 kind,
                 reason,
                 action_ids,
+                trigger_id,
             } => {
                 let reason = non_empty("reason", reason)?;
                 let r = self.triggered_rollback(
@@ -130,6 +131,7 @@ impl VmActor {
                     kind.rollback_type(),
                     &reason,
                     &action_ids,
+                    trigger_id,
                 )?;
                 Ok(Response::RolledBack(r))
             }

@@ -210,6 +210,7 @@ impl VmActor {
                     total_ms: started.elapsed().as_millis() as u64,
                     restore_ms,
                     phases: clock.phases.clone(),
+                    repeat_of: None,
                 };
                 self.journal(AuditEvent::SnapshotRestoreCompleted, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "ok",

@@ -30,6 +30,7 @@ use backstop_common::{RollbackType, TriggerKind};
 
 use crate::actor::{Caller, Ctx, VmActor};
 use crate::error::EngineError;
+use crate::policy::{TriggerOutcome, TriggerRecord};
 use crate::rollback::RollbackPlan;
 
 /// Unattended emergency rollbacks allowed within [`STORM_WINDOW`] before the VM is HALTED.
@@ -68,6 +69,38 @@ pub fn storm_decision(earlier_ms: &[i64], now_ms: i64) -> StormDecision {
         .collect();
     let halt = recent.len() >= STORM_LIMIT;
     StormDecision { recent, halt }
+}
+
+/// Longest trigger id accepted.
+const TRIGGER_ID_MAX: usize = 128;
+
+/// A trigger's identity: the id given (checked), else derived from its kind and action ids
+/// (sorted, so their order does not matter), else none.
+pub(crate) fn trigger_identity(
+    trigger: TriggerKind,
+    action_ids: &[String],
+    given: Option<String>,
+) -> Result<Option<String>, EngineError> {
+    if let Some(id) = given {
+        let ok = !id.is_empty()
+            && id.len() <= TRIGGER_ID_MAX
+            && id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-:".contains(&b));
+        if !ok {
+            return Err(EngineError::BadRequest(format!(
+                "trigger id {id:?}: 1-{TRIGGER_ID_MAX} characters of A-Z a-z 0-9 . _ - :"
+            )));
+        }
+        return Ok(Some(id));
+    }
+    if action_ids.is_empty() {
+        return Ok(None);
+    }
+    let mut ids = action_ids.to_vec();
+    ids.sort();
+    ids.dedup();
+    Ok(Some(format!("{}:{}", trigger.as_str(), ids.join(","))))
 }
 
 /// Milliseconds since the Unix epoch, wall clock.
@@ -186,6 +219,8 @@ impl VmActor {
 
     /// A host trigger (spec/000 §6) from the control socket: rollback of the trigger's type to
     /// the newest verified snapshot. Never blocked by a policy gate; journaled with its trigger.
+    /// Idempotent: a trigger whose id (given, or its kind and action ids) already ran is a
+    /// journaled no-op that answers with the first one's outcome.
     pub(crate) fn triggered_rollback(
         &mut self,
         ctx: &mut Ctx,
@@ -193,16 +228,49 @@ impl VmActor {
         rollback_type: RollbackType,
         reason: &str,
         action_ids: &[String],
+        trigger_id: Option<String>,
     ) -> Result<RollbackReport, EngineError> {
         self.preempt
             .store(false, std::sync::atomic::Ordering::SeqCst);
         let sid = self.session_id.clone();
+        let trigger_id = trigger_identity(trigger, action_ids, trigger_id)?;
+        if let Some(first) = trigger_id
+            .as_ref()
+            .and_then(|id| self.policy.triggers.get(id))
+            .cloned()
+        {
+            let id = trigger_id.clone().unwrap_or_default();
+            let first_result = match &first.outcome {
+                TriggerOutcome::RolledBack(_) => "rolled_back",
+                TriggerOutcome::Failed { .. } => "failed",
+            };
+            self.journal(AuditEvent::RollbackTriggerRepeated, json!({
+                "snapshot_id": null, "session_id": sid, "trace_id": ctx.trace_id, "result": "noop",
+                "trigger_id": id, "first_trace_id": first.trace_id, "first_result": first_result,
+                "first_at": first.at, "trigger": trigger, "action_ids": action_ids,
+                "requested_by": ctx.caller.label(),
+            }))?;
+            warn!(trigger_id = %id, first = %first.trace_id, "repeated trigger: nothing done");
+            return match first.outcome {
+                TriggerOutcome::RolledBack(report) => Ok(RollbackReport {
+                    repeat_of: Some(first.trace_id),
+                    ..report
+                }),
+                TriggerOutcome::Failed { code, message } => Err(EngineError::RepeatedTrigger {
+                    trigger_id: id,
+                    code: backstop_common::ErrorCode::parse(&code)
+                        .unwrap_or(backstop_common::ErrorCode::RollbackFailedHalted),
+                    message,
+                }),
+            };
+        }
         self.journal(
             AuditEvent::RollbackTriggered,
             json!({
                 "snapshot_id": null, "session_id": sid, "trace_id": ctx.trace_id, "result": "accepted",
                 "trigger": trigger, "rollback_type": rollback_type, "reason": reason,
                 "action_ids": action_ids, "requested_by": ctx.caller.label(),
+                "trigger_id": trigger_id,
             }),
         )?;
         let plan = RollbackPlan {
@@ -210,6 +278,68 @@ impl VmActor {
             rollback_type,
             ..RollbackPlan::emergency(trigger, reason)
         };
-        self.rollback(ctx, plan)
+        let result = self.rollback(ctx, plan);
+        if let Some(id) = trigger_id {
+            let outcome = match &result {
+                Ok(r) => TriggerOutcome::RolledBack(r.clone()),
+                Err(e) => TriggerOutcome::Failed {
+                    code: e.code().to_string(),
+                    message: e.to_string(),
+                },
+            };
+            let rec = TriggerRecord {
+                at: backstop_common::time::now_rfc3339(),
+                trace_id: ctx.trace_id.clone(),
+                outcome,
+            };
+            if let Err(e) = self.policy.record_trigger(id.clone(), rec) {
+                // The rollback happened; only its memory for repeats is lost. Journaled.
+                warn!(trigger_id = %id, error = %e, "could not record the trigger");
+                let _ = self.journal(AuditEvent::PolicyRecordsUnreadable, json!({
+                    "snapshot_id": null, "session_id": self.session_id.clone(), "trace_id": ctx.trace_id,
+                    "result": "failed", "error": e.to_string(), "record": "triggers.json",
+                }));
+            }
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod identity_tests {
+    use super::*;
+
+    #[test]
+    fn a_trigger_is_identified_by_its_id_or_kind_and_action_ids() {
+        let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let k = TriggerKind::ForceRollback;
+        let a = trigger_identity(k, &ids(&["b", "a", "a"]), None).unwrap();
+        assert_eq!(a.as_deref(), Some("force_rollback:a,b"));
+        assert_eq!(trigger_identity(k, &ids(&["a", "b"]), None).unwrap(), a);
+        assert_ne!(
+            trigger_identity(TriggerKind::Tier0Violation, &ids(&["a", "b"]), None).unwrap(),
+            a
+        );
+        assert_eq!(trigger_identity(k, &[], None).unwrap(), None);
+        assert_eq!(
+            trigger_identity(k, &[], Some("pe-1".into()))
+                .unwrap()
+                .as_deref(),
+            Some("pe-1")
+        );
+        assert!(trigger_identity(k, &[], Some("no spaces".into())).is_err());
+        assert!(trigger_identity(k, &[], Some(String::new())).is_err());
+        assert!(trigger_identity(k, &[], Some("x".repeat(129))).is_err());
+    }
+
+    #[test]
+    fn the_storm_guard_counts_the_window_only() {
+        let window = STORM_WINDOW.as_millis() as i64;
+        let d = storm_decision(&[0, 10, 20], 20 + window);
+        assert_eq!(d.recent, vec![20]);
+        assert!(!d.halt);
+        let d = storm_decision(&[0, 10, 20], 30);
+        assert!(d.halt);
+        assert_eq!(d.recent.len(), STORM_LIMIT);
     }
 }

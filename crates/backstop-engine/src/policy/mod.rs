@@ -269,10 +269,33 @@ pub struct Policy {
     pub(crate) schedule: schedule::Schedule,
     /// When this daemon session started (the default point of a session rollback).
     pub(crate) session_started: OffsetDateTime,
+    /// Host triggers already executed, by trigger id (`triggers.json`): a repeat is a no-op.
+    pub(crate) triggers: BTreeMap<String, TriggerRecord>,
 }
+
+/// A host trigger that ran (`triggers.json`), kept so a repeat answers with its outcome.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TriggerRecord {
+    /// RFC 3339.
+    pub at: String,
+    pub trace_id: String,
+    pub outcome: TriggerOutcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum TriggerOutcome {
+    RolledBack(backstop_control::RollbackReport),
+    Failed { code: String, message: String },
+}
+
+/// How many executed triggers are remembered (the oldest are forgotten first).
+pub const TRIGGERS_KEPT: usize = 1000;
 
 const ACTIONS_FILE: &str = "actions.json";
 const MARKS_FILE: &str = "rolled-back.json";
+const TRIGGERS_FILE: &str = "triggers.json";
 
 impl Policy {
     /// Loads the durable records from `<state_dir>/policy/`. An unreadable record is not fatal
@@ -289,6 +312,10 @@ impl Policy {
             errors.push(e);
             BTreeMap::new()
         });
+        let triggers = read_record(&dir.join(TRIGGERS_FILE)).unwrap_or_else(|e| {
+            errors.push(e);
+            BTreeMap::new()
+        });
         Policy {
             dir,
             actions,
@@ -301,6 +328,7 @@ impl Policy {
                 None => schedule::Schedule::new(cfg.snapshots.interval()),
             },
             session_started: OffsetDateTime::now_utc(),
+            triggers,
         }
     }
 
@@ -321,6 +349,28 @@ impl Policy {
     pub(crate) fn save_actions(&self) -> Result<(), PolicyError> {
         self.check_records()?;
         write_record(&self.dir.join(ACTIONS_FILE), &self.actions)
+    }
+
+    /// Remembers an executed trigger (forgetting the oldest beyond [`TRIGGERS_KEPT`]).
+    pub(crate) fn record_trigger(
+        &mut self,
+        id: String,
+        rec: TriggerRecord,
+    ) -> Result<(), PolicyError> {
+        self.triggers.insert(id, rec);
+        while self.triggers.len() > TRIGGERS_KEPT {
+            let oldest = self
+                .triggers
+                .iter()
+                .min_by(|a, b| a.1.at.cmp(&b.1.at))
+                .map(|(k, _)| k.clone());
+            match oldest {
+                Some(k) => self.triggers.remove(&k),
+                None => break,
+            };
+        }
+        self.check_records()?;
+        write_record(&self.dir.join(TRIGGERS_FILE), &self.triggers)
     }
 
     pub(crate) fn save_marks(&self) -> Result<(), PolicyError> {
