@@ -88,8 +88,9 @@ pub enum Command {
     /// Roll the VM back to a verified snapshot (spec/000 §5). Emergency (the default without
     /// --to/--before): the newest verified snapshot, never blocked. Session: --to ID, the newest
     /// snapshot at or before --before TIME, or where this daemon session started; anything but
-    /// the newest verified snapshot needs --reviewer-token. (Micro: `action end ID --result
-    /// failed`.)
+    /// the newest verified snapshot needs --reviewer-token. Any target older than
+    /// [restore_gate] max_target_age_hours (7 days) needs --reviewer-token, even an emergency.
+    /// (Micro: `action end ID --result failed`.)
     Rollback {
         /// Snapshot id (or unique prefix) of a session rollback.
         #[arg(long, value_name = "ID", value_parser = non_empty)]
@@ -240,6 +241,9 @@ pub enum SnapshotCommand {
     },
     /// List published snapshots, oldest first.
     List,
+    /// Show the snapshots' lineage as a tree, with the VM's current position (works while
+    /// HALTED).
+    Tree,
     /// Show one snapshot's summary and manifest.
     Show {
         /// Snapshot id or unique prefix.
@@ -365,6 +369,7 @@ impl Command {
                 reason: reason.clone(),
             },
             Command::Snapshot(SnapshotCommand::List) => Request::SnapshotList,
+            Command::Snapshot(SnapshotCommand::Tree) => Request::SnapshotTree,
             Command::Snapshot(SnapshotCommand::Show { id }) => {
                 Request::SnapshotShow { id: id.clone() }
             }

@@ -54,6 +54,7 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::AuditEntries { entries } => audit_entries_text(entries),
         Response::AuditVerified(report) => audit_verified_text(report),
         Response::Replayed(report) => replay_text(report),
+        Response::SnapshotTree { nodes, current } => tree_text(nodes, current.as_deref()),
         Response::Events {
             delivered,
             last_seq,
@@ -684,6 +685,77 @@ fn audit_verified_text(r: &AuditVerifyReport) -> String {
             )
         }
     }
+}
+
+/// `snapshot tree`: each snapshot under its parent, oldest first, the current position marked.
+fn tree_text(nodes: &[backstop_control::TreeNode], current: Option<&str>) -> String {
+    if nodes.is_empty() {
+        return "no snapshots yet\n".into();
+    }
+    let ids: std::collections::BTreeSet<&str> =
+        nodes.iter().map(|n| n.snapshot_id.as_str()).collect();
+    // A node whose parent is unknown or not listed is drawn as a root.
+    let is_root =
+        |n: &backstop_control::TreeNode| n.parent.as_deref().is_none_or(|p| !ids.contains(p));
+    let mut out = String::new();
+    let roots: Vec<&backstop_control::TreeNode> = nodes.iter().filter(|n| is_root(n)).collect();
+    let mut stack: Vec<(&backstop_control::TreeNode, String, bool)> = roots
+        .iter()
+        .rev()
+        .enumerate()
+        .map(|(i, n)| (*n, String::new(), i == 0))
+        .collect();
+    while let Some((n, prefix, last)) = stack.pop() {
+        let branch = if prefix.is_empty() && is_root(n) {
+            ""
+        } else if last {
+            "└─ "
+        } else {
+            "├─ "
+        };
+        let mut tags = Vec::new();
+        if current == Some(n.snapshot_id.as_str()) {
+            tags.push("◀ current".to_string());
+        }
+        if n.rolled_back {
+            tags.push("rolled back".into());
+        }
+        if n.state != "present" {
+            tags.push(n.state.clone());
+        }
+        if !n.parent_known {
+            tags.push("lineage not recorded".into());
+        }
+        let _ = writeln!(
+            out,
+            "{prefix}{branch}{}  epoch {}  {}  {}{}",
+            clean(&n.snapshot_id),
+            n.epoch,
+            clean(&n.created_at),
+            clean(&n.reason),
+            if tags.is_empty() {
+                String::new()
+            } else {
+                format!("  [{}]", tags.join(", "))
+            }
+        );
+        let children: Vec<&backstop_control::TreeNode> = nodes
+            .iter()
+            .filter(|c| c.parent.as_deref() == Some(n.snapshot_id.as_str()) && !is_root(c))
+            .collect();
+        let child_prefix = if branch.is_empty() {
+            prefix.clone()
+        } else {
+            format!("{prefix}{}", if last { "   " } else { "│  " })
+        };
+        for (i, c) in children.iter().enumerate().rev() {
+            stack.push((c, child_prefix.clone(), i == children.len() - 1));
+        }
+    }
+    if current.is_none() {
+        out.push_str("(the running VM was cold-booted: it descends from no snapshot yet)\n");
+    }
+    out
 }
 
 /// One notification of `events`: a JSON line, or a line for a person.

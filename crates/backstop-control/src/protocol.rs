@@ -23,6 +23,9 @@ pub enum Request {
     SnapshotCreate { reason: String },
     /// Every published snapshot, oldest first (spec/001 `snapshot list`).
     SnapshotList,
+    /// The snapshots' lineage as a tree (spec/004), with the VM's current position. Read-only:
+    /// answered while HALTED.
+    SnapshotTree,
     /// One snapshot's manifest and capture figures. `id` may be a unique prefix.
     SnapshotShow { id: String },
     /// Full verification (signature, fields, versions, every checksum) without touching the VM.
@@ -301,6 +304,7 @@ enum StrictRequest {
         reason: String,
     },
     SnapshotList {},
+    SnapshotTree {},
     SnapshotShow {
         id: String,
     },
@@ -384,6 +388,7 @@ impl From<StrictRequest> for Request {
             StrictRequest::Status {} => Request::Status,
             StrictRequest::SnapshotCreate { reason } => Request::SnapshotCreate { reason },
             StrictRequest::SnapshotList {} => Request::SnapshotList,
+            StrictRequest::SnapshotTree {} => Request::SnapshotTree,
             StrictRequest::SnapshotShow { id } => Request::SnapshotShow { id },
             StrictRequest::SnapshotVerify { id } => Request::SnapshotVerify { id },
             StrictRequest::Rollback {
@@ -473,6 +478,7 @@ impl Request {
             Request::Status => "status",
             Request::SnapshotCreate { .. } => "snapshot create",
             Request::SnapshotList => "snapshot list",
+            Request::SnapshotTree => "snapshot tree",
             Request::SnapshotShow { .. } => "snapshot show",
             Request::SnapshotVerify { .. } => "snapshot verify",
             Request::Rollback { .. } => "rollback",
@@ -561,12 +567,40 @@ pub enum Response {
     Reloaded(ReloadReport),
     /// How `audit replay` ended.
     Replayed(ReplayReport),
+    /// The lineage tree (`snapshot tree`).
+    SnapshotTree {
+        /// Every snapshot ever published that the lineage book or the store knows, oldest
+        /// first; a node's children are those naming it as parent.
+        nodes: Vec<TreeNode>,
+        /// The snapshot the running VM descends from (`None` right after a cold boot).
+        current: Option<String>,
+    },
     /// The end of an `events` request that does not follow: how many were delivered, and the
     /// last seq seen of each VM (what to pass as `since` next time).
     Events {
         delivered: u64,
         last_seq: std::collections::BTreeMap<String, u64>,
     },
+}
+
+/// One snapshot in the lineage tree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeNode {
+    pub snapshot_id: String,
+    /// `None`: a root (first after a cold boot); unknown for snapshots from before lineage
+    /// (`parent_known` false).
+    pub parent: Option<String>,
+    pub parent_known: bool,
+    pub epoch: u64,
+    pub created_at: String,
+    /// `present`: in the store; `pruned`: removed by retention (kept in the book);
+    /// `corrupt`: in the store but its manifest does not check out.
+    pub state: String,
+    pub rolled_back: bool,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub trigger: String,
 }
 
 /// The report of `audit replay` (spec/003). `code` is `None` when every decision reproduced.

@@ -235,7 +235,10 @@ impl VmActor {
                 "schedule_minutes": c.snapshots.schedule_minutes,
                 "schedule_seconds": c.snapshots.schedule_seconds,
             },
-            "restore_gate": { "reviewer_key": c.restore_gate.reviewer_key },
+            "restore_gate": {
+                "reviewer_key": c.restore_gate.reviewer_key,
+                "max_target_age_s": c.restore_gate.max_target_age_s(),
+            },
             "storm_guard": {
                 "limit": crate::watchdog::STORM_LIMIT,
                 "window_s": crate::watchdog::STORM_WINDOW.as_secs(),
@@ -412,6 +415,8 @@ impl VmActor {
     /// Boots the guest from its disks (first start, or no snapshot to come back to), then takes
     /// a baseline snapshot so that a rollback target exists from the first minute.
     pub(crate) fn cold_boot(&mut self, ctx: &mut Ctx) -> Result<(), EngineError> {
+        // A booted guest descends from no snapshot: its first one is a new root.
+        self.vm.position = None;
         if self.adoption.is_some() {
             return self.adopted_boot(ctx);
         }

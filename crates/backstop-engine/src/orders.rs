@@ -29,6 +29,7 @@ impl VmActor {
                     | Request::AuditTail { .. }
                     | Request::AuditVerify
                     | Request::AuditReplay(_)
+                    | Request::SnapshotTree
             )
         {
             let reason = self
@@ -46,6 +47,7 @@ impl VmActor {
                 Ok(Response::Snapshot(snapshot_view(&m)))
             }
             Request::SnapshotList => self.snapshot_list(),
+            Request::SnapshotTree => self.snapshot_tree(),
             Request::SnapshotShow { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
                 let m = self
@@ -212,6 +214,7 @@ impl VmActor {
             plan.rollback_type = backstop_common::RollbackType::Session;
             plan.gate = crate::policy::RestoreRequest {
                 governed: true,
+                bounded: true,
                 reviewer_token,
                 allow_newer_minor: false,
             };

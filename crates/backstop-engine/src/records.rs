@@ -25,6 +25,10 @@ pub struct VmRecord {
     pub chains: BTreeMap<String, Vec<PathBuf>>,
     /// Counter for new layer file names.
     pub next_layer: u64,
+    /// The snapshot the running VM descends from (lineage): the last one published of it, or
+    /// the one it was restored from; `None` after a cold boot.
+    #[serde(default)]
+    pub position: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

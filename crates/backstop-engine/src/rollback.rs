@@ -148,7 +148,7 @@ impl VmActor {
         self.journal(AuditEvent::SnapshotRestoreRequested, json!({
             "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "pending",
             "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "requested_by": ctx.caller.label(),
-            "action_ids": action_ids, "governed": gate.governed, "resume": resume,
+            "action_ids": action_ids, "governed": gate.governed, "bounded": gate.bounded, "resume": resume,
             "reviewer_evidence": gate.reviewer_token.is_some(),
         }))?;
 
@@ -496,6 +496,8 @@ impl VmActor {
         if !resume {
             vm.epoch += 1;
         }
+        // The restored VM descends from the target (lineage).
+        vm.position = Some(target.manifest.snapshot_id.clone());
         self.vm = vm;
         self.save_vm()
             .map_err(|e| ("record new epoch", e.to_string()))?;

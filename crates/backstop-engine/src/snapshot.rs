@@ -169,12 +169,15 @@ impl VmActor {
         self.transition(Transition::EndSnapshot, &ctx.trace_id.clone())?;
         match outcome {
             Ok(m) => {
+                let parent = m.lineage.as_ref().and_then(|l| l.parent.clone());
                 self.journal(AuditEvent::SnapshotCreateCompleted, json!({
                     "snapshot_id": m.snapshot_id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
                     "pause_us": m.capture.get("pause_us"), "bytes_stored": m.bytes_stored,
                     "created_at": m.created_at,
                     "manifest_sha256": crate::replay::manifest_sha256(self.store.root(), &m.snapshot_id).ok(),
+                    "parent": parent, "epoch": m.epoch,
                 }))?;
+                self.note_lineage(&m);
                 self.bound_running_chains(ctx)?;
                 Ok(m)
             }
@@ -193,6 +196,27 @@ impl VmActor {
     /// into the top, live, so the chain is base + top again. The merged layers stay on disk
     /// byte-identical while a snapshot names them (prune collects them after). A merge that
     /// fails leaves the chain as it was and is only logged: the snapshot itself is fine.
+    /// A published snapshot is the running VM's new position and joins the lineage book.
+    /// Best effort: the snapshot is published; a book that cannot be saved only loses the
+    /// walk through it once it is pruned (the manifest still names its parent).
+    fn note_lineage(&mut self, m: &Manifest) {
+        self.policy.lineage.insert(
+            m.snapshot_id.clone(),
+            crate::policy::lineage::Node {
+                parent: m.lineage.as_ref().and_then(|l| l.parent.clone()),
+                epoch: m.epoch,
+                created_at: m.created_at.clone(),
+            },
+        );
+        if let Err(e) = self.policy.save_lineage() {
+            warn!(error = %e, "could not save the lineage book");
+        }
+        self.vm.position = Some(m.snapshot_id.clone());
+        if let Err(e) = self.save_vm() {
+            warn!(error = %e, "could not record the VM's position");
+        }
+    }
+
     fn bound_running_chains(&mut self, ctx: &mut Ctx) -> Result<(), EngineError> {
         let deep: Vec<(String, Vec<PathBuf>)> = self
             .vm
@@ -451,6 +475,9 @@ impl VmActor {
                     epoch: self.vm.epoch,
                     config_fingerprint: self.backend.config_fingerprint(),
                     capture,
+                    lineage: Some(backstop_store::Lineage {
+                        parent: self.vm.position.clone(),
+                    }),
                 })
                 .map_err(|source| EngineError::SnapshotStore {
                     step: "publish",

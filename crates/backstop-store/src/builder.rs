@@ -335,6 +335,7 @@ impl SnapshotBuilder {
             config_fingerprint: input.config_fingerprint,
             capture: input.capture,
             bytes_stored,
+            lineage: input.lineage,
         };
         let (manifest, bytes) = seal(&draft)?;
         // What we publish must pass the same checks a reader applies.

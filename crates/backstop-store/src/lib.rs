@@ -48,8 +48,8 @@ use crate::fsutil::{
 pub use crate::index::{ChunkIndex, ChunkRef, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES, CHUNK_MIN_BYTES};
 use crate::manifest::parse_created_at;
 pub use crate::manifest::{
-    check_signature, decode_manifest, is_snapshot_id, parse_version, Checksum, DiskLayer, Manifest,
-    ManifestInput, PayloadRef, VerifyOptions, DISK_PAYLOAD_PREFIX, INDEX_VERSION,
+    check_signature, decode_manifest, is_snapshot_id, parse_version, Checksum, DiskLayer, Lineage,
+    Manifest, ManifestInput, PayloadRef, VerifyOptions, DISK_PAYLOAD_PREFIX, INDEX_VERSION,
     KIND_DISK_LAYER_CHAIN, KIND_RAM_DEVICE, MANIFEST_MAX_BYTES, SCHEMA_VERSION, SCOPE_FULL,
     SUPPORTED_INDEX, SUPPORTED_SCHEMA,
 };

@@ -74,6 +74,20 @@ pub struct Manifest {
     pub capture: Value,
     /// Sum of the payloads' `new_bytes`: what this snapshot added to the store.
     pub bytes_stored: u64,
+    /// Where the snapshot sits in the VM's history (spec/004 lineage). Absent in manifests
+    /// written before lineage was recorded; their place is inferred from creation order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lineage: Option<Lineage>,
+}
+
+/// A snapshot's place in the VM's history.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Lineage {
+    /// The snapshot the captured VM descended from: the last one published before it on its
+    /// line, or the rollback target it was restored from; `None` for the first after a cold
+    /// boot.
+    pub parent: Option<String>,
 }
 
 /// Digests of one file the snapshot depends on.
@@ -127,6 +141,8 @@ pub struct ManifestInput {
     pub epoch: u64,
     pub config_fingerprint: String,
     pub capture: Value,
+    /// The snapshot's lineage (always recorded by the engine; `None` only in old callers).
+    pub lineage: Option<Lineage>,
 }
 
 /// How strict verification is about versions.
@@ -547,6 +563,7 @@ mod tests {
             config_fingerprint: "fp".into(),
             capture: json!({"pause_us": 3000, "ratio": 0.25}),
             bytes_stored: 40,
+            lineage: None,
         }
     }
 

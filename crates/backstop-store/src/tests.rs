@@ -43,6 +43,7 @@ fn input(reason: &str) -> ManifestInput {
         epoch: 1,
         config_fingerprint: "fp-1".into(),
         capture: json!({"pause_us": 3000, "capture_ms": 12}),
+        lineage: None,
     }
 }
 

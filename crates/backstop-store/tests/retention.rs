@@ -158,6 +158,7 @@ impl World {
                 epoch: 0,
                 config_fingerprint: "fp".into(),
                 capture: json!({}),
+                lineage: None,
             })
             .unwrap();
         self.chains.insert(m.snapshot_id, frozen);

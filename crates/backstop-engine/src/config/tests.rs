@@ -304,3 +304,38 @@ fn firmware_cpu_disk_boot_and_tap_nics_are_checked_by_name() {
     let err = Config::parse(&diskboot).unwrap_err().to_string();
     assert!(err.contains("vm.initrd"), "{err}");
 }
+
+#[test]
+fn the_temporal_bound_defaults_to_seven_days_and_cannot_be_turned_off() {
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert_eq!(cfg.restore_gate.max_target_age_s(), 7 * 24 * 3600);
+    for (line, key) in [
+        (
+            "max_target_age_hours = 0",
+            "restore_gate.max_target_age_hours",
+        ),
+        (
+            "max_target_age_hours = 100000",
+            "restore_gate.max_target_age_hours",
+        ),
+        (
+            "max_target_age_seconds = 1",
+            "restore_gate.max_target_age_seconds",
+        ),
+    ] {
+        let text = DEFAULT_CONFIG.replace("[restore_gate]\n", &format!("[restore_gate]\n{line}\n"));
+        let err = Config::parse(&text).unwrap_err().to_string();
+        assert!(err.contains(key), "{line}: {err}");
+    }
+    let text = DEFAULT_CONFIG.replace(
+        "[restore_gate]\n",
+        "[restore_gate]\nmax_target_age_seconds = 30\n",
+    );
+    assert_eq!(
+        Config::parse(&text)
+            .unwrap()
+            .restore_gate
+            .max_target_age_s(),
+        30
+    );
+}

@@ -19,6 +19,7 @@
 
 use backstop_common::ErrorCode;
 pub mod actions;
+pub mod lineage;
 pub mod restore_gate;
 pub mod retention;
 pub mod schedule;
@@ -123,12 +124,42 @@ fn default_rolled_back_hours() -> u64 {
 }
 
 /// `[restore_gate]`: reviewer evidence for console restores (spec/001 governance).
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RestoreGateConfig {
     /// 32-byte HMAC key (mode 0600) that reviewer tokens are signed with. Without it, a console
     /// restore can only go to the newest verified snapshot.
     pub reviewer_key: Option<PathBuf>,
+    /// The temporal bound (spec/004): a rollback asked for on the control socket to a snapshot
+    /// older than this needs reviewer evidence even with `--emergency`. Unattended rollbacks
+    /// (watchdog, crash, host triggers) are never blocked; the bound is journaled for all.
+    #[serde(default = "default_max_target_age_hours")]
+    pub max_target_age_hours: u64,
+    /// Overrides `max_target_age_hours` with seconds (tests and demos; at least 5).
+    #[serde(default)]
+    pub max_target_age_seconds: Option<u64>,
+}
+
+impl RestoreGateConfig {
+    /// The temporal bound in seconds.
+    pub fn max_target_age_s(&self) -> u64 {
+        self.max_target_age_seconds
+            .unwrap_or(self.max_target_age_hours.saturating_mul(3600))
+    }
+}
+
+impl Default for RestoreGateConfig {
+    fn default() -> Self {
+        RestoreGateConfig {
+            reviewer_key: None,
+            max_target_age_hours: default_max_target_age_hours(),
+            max_target_age_seconds: None,
+        }
+    }
+}
+
+fn default_max_target_age_hours() -> u64 {
+    7 * 24
 }
 
 /// Bounds of `[snapshots]`, `[retention]` and `[restore_gate]`, each refusal naming its key.
@@ -171,6 +202,22 @@ pub fn validate_config(cfg: &Config) -> Result<(), ConfigError> {
         return bad(
             "retention.keep_rolled_back_hours",
             "must be at most 8760".into(),
+        );
+    }
+    if !(1..=87_600).contains(&cfg.restore_gate.max_target_age_hours) {
+        return bad(
+            "restore_gate.max_target_age_hours",
+            "must be between 1 and 87600 (the bound cannot be turned off)".into(),
+        );
+    }
+    if cfg
+        .restore_gate
+        .max_target_age_seconds
+        .is_some_and(|s| s < 5)
+    {
+        return bad(
+            "restore_gate.max_target_age_seconds",
+            "must be at least 5".into(),
         );
     }
     if let Some(k) = &cfg.restore_gate.reviewer_key {
@@ -255,6 +302,9 @@ pub struct Mark {
 pub(crate) struct RestoreRequest {
     /// A session rollback from the console: spec/001 governance applies.
     pub governed: bool,
+    /// Asked for on the control socket (console or policy engine, any type but micro): the
+    /// temporal bound applies.
+    pub bounded: bool,
     pub reviewer_token: Option<Value>,
     pub allow_newer_minor: bool,
 }
@@ -271,6 +321,8 @@ pub struct Policy {
     pub(crate) session_started: OffsetDateTime,
     /// Host triggers already executed, by trigger id (`triggers.json`): a repeat is a no-op.
     pub(crate) triggers: BTreeMap<String, TriggerRecord>,
+    /// Every snapshot's parent and epoch (`lineage.json`, never pruned).
+    pub(crate) lineage: lineage::Book,
 }
 
 /// A host trigger that ran (`triggers.json`), kept so a repeat answers with its outcome.
@@ -296,6 +348,7 @@ pub const TRIGGERS_KEPT: usize = 1000;
 const ACTIONS_FILE: &str = "actions.json";
 const MARKS_FILE: &str = "rolled-back.json";
 const TRIGGERS_FILE: &str = "triggers.json";
+const LINEAGE_FILE: &str = "lineage.json";
 
 impl Policy {
     /// Loads the durable records from `<state_dir>/policy/`. An unreadable record is not fatal
@@ -316,6 +369,10 @@ impl Policy {
             errors.push(e);
             BTreeMap::new()
         });
+        let lineage = read_record(&dir.join(LINEAGE_FILE)).unwrap_or_else(|e| {
+            errors.push(e);
+            BTreeMap::new()
+        });
         Policy {
             dir,
             actions,
@@ -329,6 +386,7 @@ impl Policy {
             },
             session_started: OffsetDateTime::now_utc(),
             triggers,
+            lineage,
         }
     }
 
@@ -371,6 +429,11 @@ impl Policy {
         }
         self.check_records()?;
         write_record(&self.dir.join(TRIGGERS_FILE), &self.triggers)
+    }
+
+    pub(crate) fn save_lineage(&self) -> Result<(), PolicyError> {
+        self.check_records()?;
+        write_record(&self.dir.join(LINEAGE_FILE), &self.lineage)
     }
 
     pub(crate) fn save_marks(&self) -> Result<(), PolicyError> {

@@ -74,10 +74,12 @@ impl VmActor {
                         .into(),
                 )),
                 RollbackType::Emergency => {
-                    if ask.to.is_some() || ask.before.is_some() || ask.reviewer_token.is_some() {
+                    // A reviewer token is evidence for a newest verified snapshot beyond the
+                    // temporal bound; a target cannot be chosen.
+                    if ask.to.is_some() || ask.before.is_some() {
                         return Err(EngineError::BadRequest(
                             "an emergency rollback always goes to the newest verified snapshot: \
-                         drop --to/--before/--reviewer-token, or ask for --type session"
+                         drop --to/--before, or ask for --type session"
                                 .into(),
                         ));
                     }
@@ -103,6 +105,7 @@ impl VmActor {
             };
         let gate = RestoreRequest {
             governed: ty == RollbackType::Session,
+            bounded: true,
             reviewer_token: ask.reviewer_token,
             allow_newer_minor: ask.allow_newer_minor,
         };
@@ -170,6 +173,42 @@ impl VmActor {
         let trace = ctx.trace_id.clone();
         let by = ctx.caller.label();
         let compat = request.allow_newer_minor;
+        // The temporal bound (spec/004), journaled with every decision.
+        let bound_s = self.cfg.restore_gate.max_target_age_s();
+        let age_s = parse_time(&target.manifest.created_at)
+            .map(|t| (OffsetDateTime::now_utc() - t).whole_seconds().max(0) as u64)
+            .unwrap_or(0);
+        if request.bounded && age_s > bound_s {
+            let verdict = self.beyond_bound(&id, age_s, bound_s, request.reviewer_token.as_ref());
+            let (result, decision, basis, reviewer) = match &verdict {
+                Ok((basis, reviewer)) => {
+                    ("allowed", "allow", basis.clone(), Some(reviewer.clone()))
+                }
+                Err(why) => ("blocked", "block", why.clone(), None),
+            };
+            self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
+                "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": result,
+                "decision": decision, "rollback_type": rollback_type, "trigger": trigger, "basis": basis,
+                "reviewer": reviewer, "compatibility_mode": compat, "requested_by": by,
+                "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": true,
+                "schema_version": target.manifest.schema_version, "index_version": target.manifest.index_version,
+            }))?;
+            return match verdict {
+                Ok(_) => Ok(()),
+                Err(reason) => {
+                    let e = PolicyError::RestoreBlocked {
+                        snapshot_id: id.clone(),
+                        reason,
+                    };
+                    self.journal(AuditEvent::SnapshotRestoreFailed, json!({
+                        "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "refused",
+                        "code": e.code(), "error": e.to_string(), "vm_halted": false, "vm_touched": false,
+                    }))?;
+                    warn!(snapshot_id = %id, age_s, bound_s, "restore blocked: target beyond the temporal bound");
+                    Err(e.into())
+                }
+            };
+        }
         if !request.governed {
             // spec/000 wins: emergency, watchdog, host triggers and micro rollbacks are never
             // blocked by governance. The decision is recorded as an override.
@@ -177,6 +216,7 @@ impl VmActor {
                 "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
                 "decision": "override", "rollback_type": rollback_type, "trigger": trigger,
                 "basis": format!("{rollback_type} rollback ({trigger}) by {by}: never blocked by the restore gate (spec/000)"),
+                "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": age_s > bound_s,
                 "compatibility_mode": compat, "schema_version": target.manifest.schema_version,
                 "index_version": target.manifest.index_version,
             }));
@@ -187,6 +227,7 @@ impl VmActor {
                 "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
                 "decision": "allow", "rollback_type": rollback_type, "trigger": trigger, "basis": basis,
                 "reviewer": reviewer, "compatibility_mode": compat,
+                "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": false,
                 "schema_version": target.manifest.schema_version, "index_version": target.manifest.index_version,
             })),
             Err(reason) => {
@@ -198,6 +239,7 @@ impl VmActor {
                     "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "blocked",
                     "decision": "block", "rollback_type": rollback_type, "trigger": trigger,
                     "basis": e.to_string(), "code": e.code(), "requested_by": by,
+                    "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": false,
                 }))?;
                 self.journal(AuditEvent::SnapshotRestoreFailed, json!({
                     "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "refused",
@@ -207,6 +249,44 @@ impl VmActor {
                 Err(e.into())
             }
         }
+    }
+
+    /// A target older than the temporal bound: only reviewer evidence for it lets the restore
+    /// through. Ok((basis, reviewer)) or Err(why blocked, naming both ways forward).
+    fn beyond_bound(
+        &mut self,
+        id: &str,
+        age_s: u64,
+        bound_s: u64,
+        token: Option<&Value>,
+    ) -> Result<(String, String), String> {
+        let what = format!(
+            "{id} is {} old, beyond the temporal bound of {} ([restore_gate] max_target_age_hours)",
+            humantime::format_duration(std::time::Duration::from_secs(age_s)),
+            humantime::format_duration(std::time::Duration::from_secs(bound_s))
+        );
+        let key_path = self.cfg.restore_gate.reviewer_key.clone();
+        let Some(token) = token else {
+            let how = match &key_path {
+                Some(k) => format!("a reviewer signs it with `backstop review sign --key {} --snapshot {id} --reviewer NAME > token.json`, then --reviewer-token token.json", k.display()),
+                None => "no reviewer key is configured yet ([restore_gate] reviewer_key)".into(),
+            };
+            return Err(format!(
+                "{what}: restoring it needs reviewer evidence, even for --emergency: {how}"
+            ));
+        };
+        let Some(key_path) = key_path else {
+            return Err(format!(
+                "{what} and no reviewer key is configured ([restore_gate] reviewer_key)"
+            ));
+        };
+        let key = evidence::load_key(&key_path).map_err(|e| e.to_string())?;
+        let t = evidence::verify(&key, token, id, OffsetDateTime::now_utc())
+            .map_err(|e| format!("{what}; {e}"))?;
+        Ok((
+            format!("{what}: reviewer evidence from {}", t.reviewer),
+            t.reviewer,
+        ))
     }
 
     /// Ok((basis, reviewer)) or Err(why blocked).
@@ -340,9 +420,35 @@ impl VmActor {
         };
         let at = rfc3339(OffsetDateTime::now_utc());
         let mut marked = Vec::new();
+        // Only what descends from the target is left behind: other lines stay as they are.
+        let after: Vec<String> = entries[pos + 1..]
+            .iter()
+            .filter_map(|e| match e {
+                ListEntry::Valid(m) => Some(m.snapshot_id.clone()),
+                ListEntry::Corrupt { .. } => None,
+            })
+            .collect();
+        let manifests: std::collections::BTreeMap<&str, Option<Option<String>>> = entries
+            .iter()
+            .filter_map(|e| match e {
+                ListEntry::Valid(m) => Some((
+                    m.snapshot_id.as_str(),
+                    m.lineage.as_ref().map(|l| l.parent.clone()),
+                )),
+                ListEntry::Corrupt { .. } => None,
+            })
+            .collect();
+        let parent_of = |id: &str| -> Option<Option<String>> {
+            match self.policy.lineage.get(id) {
+                Some(n) => Some(n.parent.clone()),
+                None => manifests.get(id).cloned().flatten(),
+            }
+        };
+        let left = crate::policy::lineage::left_behind(target, &after, &parent_of);
         for e in &entries[pos + 1..] {
             if let ListEntry::Valid(m) = e {
-                if !self.policy.marks.contains_key(&m.snapshot_id) {
+                if left.contains(&m.snapshot_id) && !self.policy.marks.contains_key(&m.snapshot_id)
+                {
                     self.policy.marks.insert(
                         m.snapshot_id.clone(),
                         Mark {
@@ -383,6 +489,74 @@ impl VmActor {
     }
 
     /// `snapshot list`: every valid snapshot with its trigger and soft-rollback mark.
+    /// `snapshot tree`: every snapshot the lineage book or the store knows, with its parent.
+    pub(crate) fn snapshot_tree(&self) -> Result<Response, EngineError> {
+        let entries = self.store.list().map_err(EngineError::Store)?;
+        let mut nodes: Vec<backstop_control::TreeNode> = Vec::new();
+        let mut seen = std::collections::BTreeSet::new();
+        for e in &entries {
+            let id = e.snapshot_id().to_string();
+            let book = self.policy.lineage.get(&id);
+            let node = match e {
+                ListEntry::Valid(m) => {
+                    let known = m
+                        .lineage
+                        .as_ref()
+                        .map(|l| l.parent.clone())
+                        .or_else(|| book.map(|n| n.parent.clone()));
+                    backstop_control::TreeNode {
+                        snapshot_id: id.clone(),
+                        parent_known: known.is_some(),
+                        parent: known.flatten(),
+                        epoch: m.epoch,
+                        created_at: m.created_at.clone(),
+                        state: "present".into(),
+                        rolled_back: self.policy.is_rolled_back(&id),
+                        reason: m.reason.clone(),
+                        trigger: m.trigger.clone(),
+                    }
+                }
+                ListEntry::Corrupt { .. } => backstop_control::TreeNode {
+                    snapshot_id: id.clone(),
+                    parent_known: book.is_some(),
+                    parent: book.and_then(|n| n.parent.clone()),
+                    epoch: book.map_or(0, |n| n.epoch),
+                    created_at: book.map(|n| n.created_at.clone()).unwrap_or_default(),
+                    state: "corrupt".into(),
+                    rolled_back: self.policy.is_rolled_back(&id),
+                    reason: String::new(),
+                    trigger: String::new(),
+                },
+            };
+            seen.insert(id);
+            nodes.push(node);
+        }
+        for (id, n) in &self.policy.lineage {
+            if !seen.contains(id) {
+                nodes.push(backstop_control::TreeNode {
+                    snapshot_id: id.clone(),
+                    parent: n.parent.clone(),
+                    parent_known: true,
+                    epoch: n.epoch,
+                    created_at: n.created_at.clone(),
+                    state: "pruned".into(),
+                    rolled_back: false,
+                    reason: String::new(),
+                    trigger: String::new(),
+                });
+            }
+        }
+        nodes.sort_by(|a, b| {
+            a.created_at
+                .cmp(&b.created_at)
+                .then(a.snapshot_id.cmp(&b.snapshot_id))
+        });
+        Ok(Response::SnapshotTree {
+            nodes,
+            current: self.vm.position.clone(),
+        })
+    }
+
     pub(crate) fn snapshot_list(&self) -> Result<Response, EngineError> {
         let snapshots = self
             .store

@@ -170,6 +170,8 @@ struct Episode {
     requested_seq: u64,
     to: Option<String>,
     governed: bool,
+    /// The temporal bound applies (asked for on the control socket).
+    bounded: bool,
     resume: bool,
     outcomes: HashMap<String, Verified>,
     target: Option<String>,
@@ -234,6 +236,8 @@ pub struct Replayer<'a> {
     session: Session,
     episodes: HashMap<String, Episode>,
     recorded_sha: HashMap<String, String>,
+    /// Each published snapshot's recorded parent (`None`: not recorded, before lineage).
+    parents: HashMap<String, Option<Option<String>>>,
     out: Outcome,
 }
 
@@ -267,6 +271,7 @@ impl<'a> Replayer<'a> {
             session: Session::new(None),
             episodes: HashMap::new(),
             recorded_sha: HashMap::new(),
+            parents: HashMap::new(),
             out: Outcome {
                 code: None,
                 detail: String::new(),
@@ -536,6 +541,8 @@ impl<'a> Replayer<'a> {
                 if !self.published.iter().any(|p| p == id) {
                     self.published.push(id.to_string());
                 }
+                let parent = f.get("parent").map(|p| p.as_str().map(str::to_string));
+                self.parents.insert(id.to_string(), parent);
             }
             "snapshot.pruned" => {
                 if let Some(id) = s(f, "snapshot_id") {
@@ -568,6 +575,7 @@ impl<'a> Replayer<'a> {
                         requested_seq: e.seq,
                         to: s(f, "snapshot_id").map(str::to_string),
                         governed,
+                        bounded: f.get("bounded").and_then(Value::as_bool).unwrap_or(false),
                         resume,
                         ..Default::default()
                     },
@@ -614,7 +622,23 @@ impl<'a> Replayer<'a> {
                 let computed = self.target(&mut ep, e.seq)?;
                 self.compare("rollback_target", e.seq, json!(recorded), json!(computed))?;
                 let target = recorded.clone().unwrap_or_default();
-                let gate = self.gate(&mut ep, &target, f.get("reviewer"), e.seq)?;
+                // The target's age is a clock reading at decision time: a recorded input.
+                let beyond = match (
+                    f.get("target_age_s").and_then(Value::as_u64),
+                    f.get("temporal_bound_s").and_then(Value::as_u64),
+                ) {
+                    (Some(age), Some(bound)) => age > bound,
+                    _ => false,
+                };
+                let gate = if ep.bounded && beyond {
+                    if f.get("reviewer").is_some_and(|r| !r.is_null()) {
+                        "allow"
+                    } else {
+                        "block"
+                    }
+                } else {
+                    self.gate(&mut ep, &target, f.get("reviewer"), e.seq)?
+                };
                 self.compare("restore_gate", e.seq, json!(s(f, "decision")), json!(gate))?;
                 ep.target = recorded;
                 self.episodes.insert(trace, ep);
@@ -653,11 +677,18 @@ impl<'a> Replayer<'a> {
                         .iter()
                         .position(|p| *p == target)
                         .map_or(0, |i| i + 1);
-                    let marked: Vec<String> = self.published[after..]
+                    let listed: Vec<String> = self.published[after..]
                         .iter()
-                        .filter(|p| !self.pruned.contains(*p) && !self.marked.contains(*p))
+                        .filter(|p| !self.pruned.contains(*p))
                         .cloned()
                         .collect();
+                    let parents = &self.parents;
+                    let parent_of = |id: &str| parents.get(id).cloned().flatten();
+                    let marked: Vec<String> =
+                        crate::policy::lineage::left_behind(&target, &listed, &parent_of)
+                            .into_iter()
+                            .filter(|p| !self.marked.contains(p))
+                            .collect();
                     let unmarked = self.marked.contains(&target);
                     for m in &marked {
                         self.marked.insert(m.clone());
