@@ -80,6 +80,9 @@ pub(crate) struct RollbackPlan {
     /// The daemon's own resume after a clean stop: no rollback happened from the guest's point
     /// of view, so the epoch stays and the guest is not told one.
     pub resume: bool,
+    /// Without `to`: only snapshots created before this (RFC 3339) are candidates — the target
+    /// precedes the offence (a host trigger naming actions: the earliest one's begin).
+    pub before: Option<String>,
 }
 
 impl RollbackPlan {
@@ -93,6 +96,7 @@ impl RollbackPlan {
             action_ids: Vec::new(),
             gate: RestoreRequest::default(),
             resume: false,
+            before: None,
         }
     }
 
@@ -106,6 +110,7 @@ impl RollbackPlan {
             action_ids: Vec::new(),
             gate: RestoreRequest::default(),
             resume: true,
+            before: None,
         }
     }
 }
@@ -140,6 +145,7 @@ impl VmActor {
             action_ids,
             gate,
             resume,
+            before,
         } = plan;
         let (to, reason) = (to.as_deref(), reason.as_str());
         let mut clock = PhaseClock::start();
@@ -149,11 +155,12 @@ impl VmActor {
             "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "pending",
             "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "requested_by": ctx.caller.label(),
             "action_ids": action_ids, "governed": gate.governed, "bounded": gate.bounded, "resume": resume,
+            "before": before,
             "reviewer_evidence": gate.reviewer_token.is_some(),
         }))?;
 
         // 1. Choose and verify, touching nothing.
-        let (target, skipped) = match self.choose_target(ctx, to, &gate) {
+        let (target, skipped) = match self.choose_target(ctx, to, &gate, before.as_deref()) {
             Ok(t) => t,
             Err(e) => {
                 let halting = matches!(e, EngineError::NoVerifiedSnapshot);
@@ -251,6 +258,7 @@ impl VmActor {
         ctx: &mut Ctx,
         to: Option<&str>,
         gate: &RestoreRequest,
+        before: Option<&str>,
     ) -> Result<(VerifiedSnapshot, Vec<SkippedSnapshot>), EngineError> {
         // spec/001's explicit compatibility mode (`--compat`) widens what verifies.
         let opts = VerifyOptions {
@@ -281,6 +289,13 @@ impl VmActor {
             .collect();
         for entry in entries.into_iter().rev() {
             let (id, result) = match entry {
+                // Taken at or after the offence began: not a candidate (not verified, nothing
+                // journaled; replay applies the same filter to the recorded creation times).
+                ListEntry::Valid(m)
+                    if before.is_some_and(|b| !created_before(&m.created_at, b)) =>
+                {
+                    continue
+                }
                 ListEntry::Valid(m) => {
                     ctx.step("verify", format!("verifying {}", m.snapshot_id), None);
                     let r = {
@@ -517,6 +532,12 @@ impl VmActor {
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
         Ok((revoked, restore_ms.max(rr.load_ms)))
     }
+}
+
+/// Whether `created_at` is strictly before `bound` (both RFC 3339); an unreadable time is not.
+pub(crate) fn created_before(created_at: &str, bound: &str) -> bool {
+    use backstop_common::time::parse_rfc3339;
+    matches!((parse_rfc3339(created_at), parse_rfc3339(bound)), (Some(c), Some(b)) if c < b)
 }
 
 /// Reads until `buf` is full or the stream ends; the count read (0 only at the end).

@@ -264,18 +264,31 @@ impl VmActor {
                 }),
             };
         }
+        // The target precedes the offence: the earliest begin of the named actions the
+        // pre-action gate knows. Ids it never saw are recorded and bound nothing.
+        let known: Vec<&String> = action_ids
+            .iter()
+            .filter_map(|a| self.policy.actions_begun.get(a))
+            .collect();
+        let unknown: Vec<&String> = action_ids
+            .iter()
+            .filter(|a| !self.policy.actions_begun.contains_key(*a))
+            .collect();
+        let before = known.into_iter().min().cloned();
         self.journal(
             AuditEvent::RollbackTriggered,
             json!({
                 "snapshot_id": null, "session_id": sid, "trace_id": ctx.trace_id, "result": "accepted",
                 "trigger": trigger, "rollback_type": rollback_type, "reason": reason,
                 "action_ids": action_ids, "requested_by": ctx.caller.label(),
-                "trigger_id": trigger_id,
+                "trigger_id": trigger_id, "offence_began_at": before,
+                "unknown_action_ids": unknown,
             }),
         )?;
         let plan = RollbackPlan {
             action_ids: action_ids.to_vec(),
             rollback_type,
+            before,
             ..RollbackPlan::emergency(trigger, reason)
         };
         let result = self.rollback(ctx, plan);

@@ -336,6 +336,13 @@ impl VmActor {
             self.policy.actions.remove(&d.action_id);
             return Err(e.into());
         }
+        // Kept after the action ends: a later trigger naming it rolls back to before it began.
+        if let Err(e) = self
+            .policy
+            .note_action_begun(&d.action_id, &action.opened_at)
+        {
+            warn!(action_id = %d.action_id, error = %e, "could not record when the action began");
+        }
         self.journal(
             AuditEvent::ActionBegun,
             with(json!({
@@ -395,6 +402,7 @@ impl VmActor {
                     action_ids: vec![action_id.clone()],
                     gate: Default::default(),
                     resume: false,
+                    before: None,
                 };
                 let r = self.rollback(ctx, plan);
                 Some(r?)

@@ -323,7 +323,13 @@ pub struct Policy {
     pub(crate) triggers: BTreeMap<String, TriggerRecord>,
     /// Every snapshot's parent and epoch (`lineage.json`, never pruned).
     pub(crate) lineage: lineage::Book,
+    /// When each action began (`actions-begun.json`, open and closed, the newest
+    /// [`ACTIONS_REMEMBERED`]): a trigger naming actions rolls back to before the earliest.
+    pub(crate) actions_begun: BTreeMap<String, String>,
 }
+
+/// How many actions' begin times are remembered.
+pub const ACTIONS_REMEMBERED: usize = 10_000;
 
 /// A host trigger that ran (`triggers.json`), kept so a repeat answers with its outcome.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -349,6 +355,7 @@ const ACTIONS_FILE: &str = "actions.json";
 const MARKS_FILE: &str = "rolled-back.json";
 const TRIGGERS_FILE: &str = "triggers.json";
 const LINEAGE_FILE: &str = "lineage.json";
+const ACTIONS_BEGUN_FILE: &str = "actions-begun.json";
 
 impl Policy {
     /// Loads the durable records from `<state_dir>/policy/`. An unreadable record is not fatal
@@ -373,6 +380,10 @@ impl Policy {
             errors.push(e);
             BTreeMap::new()
         });
+        let actions_begun = read_record(&dir.join(ACTIONS_BEGUN_FILE)).unwrap_or_else(|e| {
+            errors.push(e);
+            BTreeMap::new()
+        });
         Policy {
             dir,
             actions,
@@ -387,6 +398,7 @@ impl Policy {
             session_started: OffsetDateTime::now_utc(),
             triggers,
             lineage,
+            actions_begun,
         }
     }
 
@@ -429,6 +441,24 @@ impl Policy {
         }
         self.check_records()?;
         write_record(&self.dir.join(TRIGGERS_FILE), &self.triggers)
+    }
+
+    /// Remembers when an action began (forgetting the earliest beyond [`ACTIONS_REMEMBERED`]).
+    pub(crate) fn note_action_begun(&mut self, id: &str, at: &str) -> Result<(), PolicyError> {
+        self.actions_begun.insert(id.to_string(), at.to_string());
+        while self.actions_begun.len() > ACTIONS_REMEMBERED {
+            let oldest = self
+                .actions_begun
+                .iter()
+                .min_by(|a, b| a.1.cmp(b.1))
+                .map(|(k, _)| k.clone());
+            match oldest {
+                Some(k) => self.actions_begun.remove(&k),
+                None => break,
+            };
+        }
+        self.check_records()?;
+        write_record(&self.dir.join(ACTIONS_BEGUN_FILE), &self.actions_begun)
     }
 
     pub(crate) fn save_lineage(&self) -> Result<(), PolicyError> {

@@ -122,6 +122,7 @@ impl VmActor {
             action_ids: Vec::new(),
             gate,
             resume: false,
+            before: None,
         };
         self.rollback(ctx, plan)
     }

@@ -170,6 +170,8 @@ struct Episode {
     requested_seq: u64,
     to: Option<String>,
     governed: bool,
+    /// Only snapshots created before this are candidates (a trigger naming actions).
+    before: Option<String>,
     /// The temporal bound applies (asked for on the control socket).
     bounded: bool,
     resume: bool,
@@ -238,6 +240,8 @@ pub struct Replayer<'a> {
     recorded_sha: HashMap<String, String>,
     /// Each published snapshot's recorded parent (`None`: not recorded, before lineage).
     parents: HashMap<String, Option<Option<String>>>,
+    /// Each published snapshot's recorded creation time.
+    created: HashMap<String, String>,
     out: Outcome,
 }
 
@@ -272,6 +276,7 @@ impl<'a> Replayer<'a> {
             episodes: HashMap::new(),
             recorded_sha: HashMap::new(),
             parents: HashMap::new(),
+            created: HashMap::new(),
             out: Outcome {
                 code: None,
                 detail: String::new(),
@@ -543,6 +548,9 @@ impl<'a> Replayer<'a> {
                 }
                 let parent = f.get("parent").map(|p| p.as_str().map(str::to_string));
                 self.parents.insert(id.to_string(), parent);
+                if let Some(c) = s(f, "created_at") {
+                    self.created.insert(id.to_string(), c.to_string());
+                }
             }
             "snapshot.pruned" => {
                 if let Some(id) = s(f, "snapshot_id") {
@@ -575,6 +583,7 @@ impl<'a> Replayer<'a> {
                         requested_seq: e.seq,
                         to: s(f, "snapshot_id").map(str::to_string),
                         governed,
+                        before: s(f, "before").map(str::to_string),
                         bounded: f.get("bounded").and_then(Value::as_bool).unwrap_or(false),
                         resume,
                         ..Default::default()
@@ -824,11 +833,17 @@ impl<'a> Replayer<'a> {
             let id = (**id).clone();
             return Ok(self.verified(ep, &id, seq)?.then_some(id));
         }
+        let before = ep.before.clone();
         let candidates: Vec<String> = self
             .published
             .iter()
             .rev()
             .filter(|p| !self.pruned.contains(*p) && !self.marked.contains(*p))
+            .filter(|p| match (&before, self.created.get(*p)) {
+                (None, _) => true,
+                (Some(b), Some(c)) => crate::rollback::created_before(c, b),
+                (Some(_), None) => false,
+            })
             .cloned()
             .collect();
         for id in candidates {
