@@ -97,6 +97,8 @@ error_codes! {
         "a snapshot in flight was abandoned because a host trigger overrides it";
     SnapshotStalled = "ERR_SNAPSHOT_STALLED", Failed,
         "the store was too slow: the capture was abandoned so the guest would not stay stalled";
+    SnapshotGuestUnhealthy = "ERR_SNAPSHOT_GUEST_UNHEALTHY", Failed,
+        "the guest was not healthy when this snapshot was taken: a rollback passes it over while a healthy one verifies";
     SnapshotDeferred = "ERR_SNAPSHOT_DEFERRED", Failed,
         "a snapshot was not taken now and will be taken later";
     SnapshotDeferredDeviceGranted = "ERR_SNAPSHOT_DEFERRED_DEVICE_GRANTED", Failed,

@@ -43,6 +43,9 @@ pub enum EngineError {
     /// The host is short of descriptors or memory: nothing is concluded from the failure.
     #[error("{step}: the host is out of resources ({detail}); nothing was changed, retry")]
     ResourceExhausted { step: &'static str, detail: String },
+    /// A scheduled snapshot put off (the guest is not healthy now).
+    #[error("snapshot deferred: {0}")]
+    Deferred(String),
     /// A repeated trigger answers with the first one's failure, as it was recorded.
     #[error("trigger {trigger_id} already ran and failed ({message}); nothing was done again")]
     RepeatedTrigger {
@@ -105,6 +108,7 @@ impl EngineError {
             EngineError::CaptureStalled { .. } => ErrorCode::SnapshotStalled,
             EngineError::NoSpace { .. } => ErrorCode::SnapshotNoSpace,
             EngineError::RepeatedTrigger { code, .. } => *code,
+            EngineError::Deferred(_) => ErrorCode::SnapshotDeferred,
         }
     }
 }

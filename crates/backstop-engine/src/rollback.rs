@@ -190,7 +190,7 @@ impl VmActor {
         self.journal(AuditEvent::RollbackInitiated, json!({
             "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "pending",
             "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
-            "timestamp": now_rfc3339(),
+            "timestamp": now_rfc3339(), "target_healthy": crate::snapshot::manifest_healthy(&target.manifest),
         }))?;
         if let Err(source) = self.records.set_inflight(&InflightRecord {
             snapshot_id: snapshot_id.clone(),
@@ -282,63 +282,101 @@ impl VmActor {
             return Ok((v, Vec::new()));
         }
         let mut skipped = Vec::new();
-        // Snapshots a rollback left off the current line (soft rollback) are not candidates.
+        // Snapshots a rollback left off the current line (soft rollback) are not candidates,
+        // nor (for a trigger naming actions) those taken at or after the offence began
+        // (nothing journaled: replay applies the same filter to the recorded creation times).
         let entries: Vec<ListEntry> = (self.store.list().map_err(EngineError::Store)?)
             .into_iter()
             .filter(|e| !self.policy.is_rolled_back(e.snapshot_id()))
+            .filter(|e| match (e, before) {
+                (ListEntry::Valid(m), Some(b)) => created_before(&m.created_at, b),
+                _ => true,
+            })
+            .rev()
             .collect();
-        for entry in entries.into_iter().rev() {
-            let (id, result) = match entry {
-                // Taken at or after the offence began: not a candidate (not verified, nothing
-                // journaled; replay applies the same filter to the recorded creation times).
-                ListEntry::Valid(m)
-                    if before.is_some_and(|b| !created_before(&m.created_at, b)) =>
-                {
-                    continue
-                }
-                ListEntry::Valid(m) => {
-                    ctx.step("verify", format!("verifying {}", m.snapshot_id), None);
-                    let r = {
-                        let _squeeze = crate::fault::squeeze_descriptors(self.fault);
-                        self.store.verify(&m.snapshot_id, &opts)
-                    };
-                    // Out of descriptors or memory says nothing about the snapshot: skipping
-                    // it (and then HALTing for want of one) would turn a busy host into a
-                    // halted VM. The rollback is refused as it is; nothing was touched yet.
-                    if let Some(io) = r
-                        .as_ref()
-                        .err()
-                        .and_then(|e| backstop_common::resources::exhaustion(e))
-                    {
-                        return Err(EngineError::ResourceExhausted {
-                            step: "verify",
-                            detail: format!("{}: {io}", m.snapshot_id),
-                        });
-                    }
-                    (m.snapshot_id, r.map_err(|e| e.code().to_string()))
-                }
-                ListEntry::Corrupt {
-                    snapshot_id, code, ..
-                } => (snapshot_id, Err(code.to_string())),
-            };
-            let code = match result {
-                Ok(v) if v.manifest.config_fingerprint == fingerprint => {
-                    self.journal_verify_passed(ctx, &id)?;
-                    return Ok((v, skipped));
-                }
-                Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
-                Err(code) => code,
-            };
-            let sid = self.session_id.clone();
-            self.journal(AuditEvent::SnapshotVerifySkipped, json!({
-                "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "skipped", "code": code,
-            }))?;
-            skipped.push(SkippedSnapshot {
-                snapshot_id: id,
-                code,
-            });
+        // Snapshots of a healthy guest first (issue 15): one of a guest whose agent was silent
+        // may hold the very hang being undone. Only when none of them verifies are those tried.
+        let unhealthy = |e: &ListEntry| matches!(e, ListEntry::Valid(m) if !crate::snapshot::manifest_healthy(m));
+        for entry in &entries {
+            if unhealthy(entry) {
+                let sid = self.session_id.clone();
+                let code = ErrorCode::SnapshotGuestUnhealthy.as_str().to_string();
+                self.journal(AuditEvent::SnapshotVerifySkipped, json!({
+                    "snapshot_id": entry.snapshot_id(), "session_id": sid, "trace_id": ctx.trace_id,
+                    "result": "skipped", "code": code,
+                }))?;
+                skipped.push(SkippedSnapshot {
+                    snapshot_id: entry.snapshot_id().to_string(),
+                    code,
+                });
+            } else if let Some(v) =
+                self.try_candidate(ctx, entry, &opts, &fingerprint, &mut skipped)?
+            {
+                return Ok((v, skipped));
+            }
+        }
+        for entry in entries.iter().filter(|e| unhealthy(e)) {
+            if let Some(v) = self.try_candidate(ctx, entry, &opts, &fingerprint, &mut skipped)? {
+                tracing::warn!(snapshot_id = %v.manifest.snapshot_id, "no snapshot of a healthy guest verifies: rolling back to one taken while it was unhealthy");
+                return Ok((v, skipped));
+            }
         }
         Err(EngineError::NoVerifiedSnapshot)
+    }
+
+    /// Verifies one candidate: `Some` if it verifies and fits this VM (journaled passed), else
+    /// journaled skipped and `None`.
+    fn try_candidate(
+        &mut self,
+        ctx: &mut Ctx,
+        entry: &ListEntry,
+        opts: &VerifyOptions,
+        fingerprint: &str,
+        skipped: &mut Vec<SkippedSnapshot>,
+    ) -> Result<Option<VerifiedSnapshot>, EngineError> {
+        let (id, result) = match entry {
+            ListEntry::Valid(m) => {
+                ctx.step("verify", format!("verifying {}", m.snapshot_id), None);
+                let r = {
+                    let _squeeze = crate::fault::squeeze_descriptors(self.fault);
+                    self.store.verify(&m.snapshot_id, opts)
+                };
+                // Out of descriptors or memory says nothing about the snapshot: skipping it
+                // (and then HALTing for want of one) would turn a busy host into a halted VM.
+                // The rollback is refused as it is; nothing was touched yet.
+                if let Some(io) = r
+                    .as_ref()
+                    .err()
+                    .and_then(|e| backstop_common::resources::exhaustion(e))
+                {
+                    return Err(EngineError::ResourceExhausted {
+                        step: "verify",
+                        detail: format!("{}: {io}", m.snapshot_id),
+                    });
+                }
+                (m.snapshot_id.clone(), r.map_err(|e| e.code().to_string()))
+            }
+            ListEntry::Corrupt {
+                snapshot_id, code, ..
+            } => (snapshot_id.clone(), Err(code.to_string())),
+        };
+        let code = match result {
+            Ok(v) if v.manifest.config_fingerprint == fingerprint => {
+                self.journal_verify_passed(ctx, &id)?;
+                return Ok(Some(v));
+            }
+            Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
+            Err(code) => code,
+        };
+        let sid = self.session_id.clone();
+        self.journal(AuditEvent::SnapshotVerifySkipped, json!({
+            "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "skipped", "code": code,
+        }))?;
+        skipped.push(SkippedSnapshot {
+            snapshot_id: id,
+            code,
+        });
+        Ok(None)
     }
 
     /// Records that `id` verified and fits this VM, with the digest of its manifest: the

@@ -6,7 +6,7 @@
 //! layers, streams the state into the store, and publishes last. Until the publish renames the
 //! build directory into place the snapshot does not exist.
 
-use backstop_common::AuditEvent;
+use backstop_common::{AuditEvent, ErrorCode};
 use std::io::Read;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -121,7 +121,71 @@ fn free_mib(dir: &std::path::Path) -> Option<u64> {
     Some(st.blocks_available() as u64 * st.fragment_size() as u64 / (1 << 20))
 }
 
+/// The guest's health at an instant: its agent heard from recently (or still booting).
+#[derive(Debug, Clone)]
+pub(crate) struct GuestHealth {
+    pub healthy: bool,
+    pub heartbeat_age_ms: Option<u64>,
+    pub heartbeats: u64,
+    pub why: String,
+}
+
+impl GuestHealth {
+    pub(crate) fn as_json(&self) -> Value {
+        json!({
+            "healthy": self.healthy, "heartbeat_age_ms": self.heartbeat_age_ms,
+            "heartbeats": self.heartbeats, "why": self.why,
+        })
+    }
+}
+
+/// Whether a manifest's guest was healthy at capture (manifests from before health was
+/// recorded count as healthy).
+pub(crate) fn manifest_healthy(m: &Manifest) -> bool {
+    m.capture
+        .get("guest_health")
+        .and_then(|h| h.get("healthy"))
+        .and_then(Value::as_bool)
+        .unwrap_or(true)
+}
+
 impl VmActor {
+    /// Healthy: the last heartbeat is at most `watchdog.healthy_within_s` old, or none came yet
+    /// and the instance is still within its boot grace.
+    pub(crate) fn guest_health(&self) -> GuestHealth {
+        let hb = self.backend.heartbeats();
+        let within = self.cfg.watchdog.healthy_within();
+        match hb.last {
+            Some(t) => {
+                let age = t.elapsed();
+                GuestHealth {
+                    healthy: age <= within,
+                    heartbeat_age_ms: Some(age.as_millis() as u64),
+                    heartbeats: hb.count,
+                    why: format!(
+                        "last heartbeat {} ms ago (healthy within {} s)",
+                        age.as_millis(),
+                        within.as_secs()
+                    ),
+                }
+            }
+            None => {
+                let grace = std::time::Duration::from_secs(self.cfg.watchdog.boot_grace_s);
+                let up = self.running_since.map(|r| r.elapsed()).unwrap_or_default();
+                GuestHealth {
+                    healthy: up <= grace,
+                    heartbeat_age_ms: None,
+                    heartbeats: 0,
+                    why: format!(
+                        "no heartbeat yet, {} s after start (boot grace {} s)",
+                        up.as_secs(),
+                        grace.as_secs()
+                    ),
+                }
+            }
+        }
+    }
+
     pub(crate) fn create_snapshot(
         &mut self,
         ctx: &mut Ctx,
@@ -130,6 +194,24 @@ impl VmActor {
     ) -> Result<Manifest, EngineError> {
         // A VM holding a granted device cannot be snapshotted (see devices.rs): deferred.
         self.defer_snapshot_while_granted(ctx, reason, trigger)?;
+        // A scheduled snapshot of a guest that is not healthy (its agent silent) would be a
+        // rollback target holding the hang: put off, journaled (issue 15). Others are taken
+        // and marked unhealthy.
+        if trigger == "schedule" {
+            let health = self.guest_health();
+            if !health.healthy {
+                let sid = self.session_id.clone();
+                self.journal(AuditEvent::SnapshotCreateDeferred, json!({
+                    "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "deferred",
+                    "code": ErrorCode::SnapshotDeferred, "reason": reason, "trigger": trigger, "devices": [],
+                    "guest_health": health.as_json(),
+                }))?;
+                return Err(EngineError::Deferred(format!(
+                    "the guest is not healthy: {}",
+                    health.why
+                )));
+            }
+        }
         #[cfg(feature = "fault-injection")]
         match self.fault {
             Some(crate::fault::Fault::PanicOnSnapshot(vm))
@@ -175,7 +257,7 @@ impl VmActor {
                     "pause_us": m.capture.get("pause_us"), "bytes_stored": m.bytes_stored,
                     "created_at": m.created_at,
                     "manifest_sha256": crate::replay::manifest_sha256(self.store.root(), &m.snapshot_id).ok(),
-                    "parent": parent, "epoch": m.epoch,
+                    "parent": parent, "epoch": m.epoch, "healthy": manifest_healthy(&m),
                 }))?;
                 self.note_lineage(&m);
                 self.bound_running_chains(ctx)?;
@@ -455,7 +537,9 @@ impl VmActor {
                     })?;
             }
             let capture_ms = started.elapsed().as_millis() as u64;
+            let health = self.guest_health();
             let capture = json!({
+                "guest_health": health.as_json(),
                 "backend": self.backend.kind(), "accel": self.backend.accel(),
                 "pause_us": report.pause_us, "pause_breakdown_us": report.pause_breakdown, "downtime_ms": report.downtime_ms, "state_bytes": report.state_bytes,
                 "capture_ms": capture_ms, "vmstate_bytes": payload.total_bytes, "chunking": chunking,

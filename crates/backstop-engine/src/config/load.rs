@@ -331,6 +331,14 @@ impl Config {
                 message: "must be between heartbeat_timeout_s and 600".into(),
             });
         }
+        if let Some(h) = self.watchdog.healthy_within_s {
+            if !(1..=hb).contains(&h) {
+                return Err(ConfigError::Invalid {
+                    key: "watchdog.healthy_within_s".into(),
+                    message: "must be between 1 and heartbeat_timeout_s".into(),
+                });
+            }
+        }
         if self.rollback.revoke_timeout_ms == 0 || self.rollback.revoke_timeout_ms > 60_000 {
             return bad("rollback.revoke_timeout_ms", "must be between 1 and 60000");
         }

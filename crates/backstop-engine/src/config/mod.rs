@@ -75,13 +75,33 @@ pub struct WatchdogConfig {
     /// silence is this instead. A guest that never sends one still expires.
     #[serde(default = "default_boot_grace")]
     pub boot_grace_s: u64,
+    /// A guest whose last heartbeat is at most this old is healthy (default 3 s, at most the
+    /// timeout): a snapshot records the guest's health at capture, a scheduled snapshot of an
+    /// unhealthy guest is deferred, and a rollback prefers snapshots of a healthy guest.
+    #[serde(default)]
+    pub healthy_within_s: Option<u64>,
 }
+
+impl WatchdogConfig {
+    /// The heartbeat age up to which the guest counts as healthy.
+    pub fn healthy_within(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(
+            self.healthy_within_s
+                .unwrap_or(DEFAULT_HEALTHY_WITHIN_S)
+                .min(self.heartbeat_timeout_s),
+        )
+    }
+}
+
+/// Default of `watchdog.healthy_within_s`: three missed one-second heartbeats.
+pub const DEFAULT_HEALTHY_WITHIN_S: u64 = 3;
 
 impl Default for WatchdogConfig {
     fn default() -> Self {
         Self {
             heartbeat_timeout_s: default_hb_timeout(),
             boot_grace_s: default_boot_grace(),
+            healthy_within_s: None,
         }
     }
 }

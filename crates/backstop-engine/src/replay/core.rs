@@ -242,6 +242,8 @@ pub struct Replayer<'a> {
     parents: HashMap<String, Option<Option<String>>>,
     /// Each published snapshot's recorded creation time.
     created: HashMap<String, String>,
+    /// Published snapshots of an unhealthy guest.
+    unhealthy: std::collections::HashSet<String>,
     out: Outcome,
 }
 
@@ -277,6 +279,7 @@ impl<'a> Replayer<'a> {
             recorded_sha: HashMap::new(),
             parents: HashMap::new(),
             created: HashMap::new(),
+            unhealthy: Default::default(),
             out: Outcome {
                 code: None,
                 detail: String::new(),
@@ -551,6 +554,9 @@ impl<'a> Replayer<'a> {
                 if let Some(c) = s(f, "created_at") {
                     self.created.insert(id.to_string(), c.to_string());
                 }
+                if f.get("healthy") == Some(&Value::Bool(false)) {
+                    self.unhealthy.insert(id.to_string());
+                }
             }
             "snapshot.pruned" => {
                 if let Some(id) = s(f, "snapshot_id") {
@@ -610,6 +616,10 @@ impl<'a> Replayer<'a> {
                             });
                         }
                     }
+                }
+                // Passed over for the guest's health, not verified: not a verification result.
+                if s(f, "code") == Some(ErrorCode::SnapshotGuestUnhealthy.as_str()) {
+                    return Ok(());
                 }
                 if let Some(ep) = self.episodes.get_mut(&trace) {
                     ep.outcomes.insert(
@@ -846,9 +856,17 @@ impl<'a> Replayer<'a> {
             })
             .cloned()
             .collect();
-        for id in candidates {
-            if self.verified(ep, &id, seq)? {
-                return Ok(Some(id));
+        // Snapshots of a healthy guest first; the others only when none of those verifies.
+        for pass_unhealthy in [false, true] {
+            let pass: Vec<String> = candidates
+                .iter()
+                .filter(|c| self.unhealthy.contains(*c) == pass_unhealthy)
+                .cloned()
+                .collect();
+            for id in pass {
+                if self.verified(ep, &id, seq)? {
+                    return Ok(Some(id));
+                }
             }
         }
         Ok(None)
