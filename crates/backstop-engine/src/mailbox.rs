@@ -264,7 +264,19 @@ impl VmHandle {
             return Err(wedged_refusal(&self.name));
         }
         let (reply, rx) = mpsc::channel();
-        let urgent = matches!(request, Request::Trigger { .. });
+        // A host trigger and a console emergency rollback are never queued behind routine
+        // work (issue 15): they preempt a capture in flight and jump the queue.
+        let urgent = match &request {
+            Request::Trigger { .. } => true,
+            Request::Rollback {
+                to: None,
+                before: None,
+                emergency,
+                rollback_type,
+                ..
+            } => *emergency || *rollback_type == Some(backstop_common::RollbackType::Emergency),
+            _ => false,
+        };
         let job = Job {
             request,
             caller,
