@@ -97,6 +97,8 @@ error_codes! {
         "a snapshot in flight was abandoned because a host trigger overrides it";
     SnapshotStalled = "ERR_SNAPSHOT_STALLED", Failed,
         "the store was too slow: the capture was abandoned so the guest would not stay stalled";
+    BaselineSnapshotFailed = "ERR_BASELINE_SNAPSHOT_FAILED", Halted,
+        "the first snapshot after a cold boot failed every try: the VM is HALTED rather than run with nothing to roll back to";
     SnapshotGuestUnhealthy = "ERR_SNAPSHOT_GUEST_UNHEALTHY", Failed,
         "the guest was not healthy when this snapshot was taken: a rollback passes it over while a healthy one verifies";
     SnapshotDeferred = "ERR_SNAPSHOT_DEFERRED", Failed,

@@ -112,6 +112,11 @@ fn fields(v: Value) -> Map<String, Value> {
     }
 }
 
+/// How often a baseline snapshot is tried before the VM is halted.
+const BASELINE_TRIES: u32 = 3;
+/// Between baseline tries.
+const BASELINE_RETRY_DELAY: std::time::Duration = std::time::Duration::from_secs(2);
+
 impl VmActor {
     /// Takes over one VM and reconciles with what a previous daemon left behind:
     /// a HALTED record or an unfinished rollback → HALTED; otherwise the VM is brought back from
@@ -449,11 +454,7 @@ impl VmActor {
             trace_id: self.new_id(),
             progress: ctx.progress,
         };
-        if let Err(e) =
-            self.create_snapshot(&mut baseline_ctx, "baseline after cold boot", "baseline")
-        {
-            warn!(error = %e, "baseline snapshot failed");
-        }
+        self.baseline_or_halt(&mut baseline_ctx, "baseline after cold boot");
         Ok(())
     }
 
@@ -480,12 +481,47 @@ impl VmActor {
             trace_id: self.new_id(),
             progress: ctx.progress,
         };
-        if let Err(e) =
-            self.create_snapshot(&mut baseline_ctx, "baseline after adoption", "baseline")
-        {
-            warn!(error = %e, "baseline snapshot failed");
-        }
+        self.baseline_or_halt(&mut baseline_ctx, "baseline after adoption");
         Ok(())
+    }
+
+    /// The baseline snapshot after a boot: tried [`BASELINE_TRIES`] times; if none succeeds the
+    /// VM is HALTED (spec/000 §12: it never runs with nothing to roll back to), its guest
+    /// ended, for a person to look at. A snapshot deferred because a device is held cannot
+    /// happen here (nothing is granted at boot).
+    fn baseline_or_halt(&mut self, ctx: &mut Ctx, reason: &str) {
+        let mut last = String::new();
+        for attempt in 1..=BASELINE_TRIES {
+            let r = if self.fault == Some(crate::fault::Fault::FailBaseline) {
+                // (create_snapshot journals its own failures; the injected one is journaled here.)
+                let e = EngineError::BadRequest("fault injection: baseline.fail".into());
+                let sid = self.session_id.clone();
+                let _ = self.journal(AuditEvent::SnapshotCreateFailed, json!({
+                    "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id,
+                    "result": "failed", "code": ErrorCode::SnapshotCreateFailed, "error": e.to_string(),
+                    "trigger": "baseline",
+                }));
+                Err(e)
+            } else {
+                self.create_snapshot(ctx, reason, "baseline").map(|_| ())
+            };
+            match r {
+                Ok(()) => return,
+                Err(e) => {
+                    warn!(attempt, of = BASELINE_TRIES, error = %e, code = %e.code(), "baseline snapshot failed");
+                    last = format!("{}: {e}", e.code());
+                }
+            }
+            if attempt < BASELINE_TRIES {
+                std::thread::sleep(BASELINE_RETRY_DELAY);
+            }
+        }
+        let trace = ctx.trace_id.clone();
+        self.enter_halt(
+            &trace,
+            ErrorCode::BaselineSnapshotFailed,
+            &format!("no baseline snapshot after {BASELINE_TRIES} tries ({last}): halted rather than run unprotected"),
+        );
     }
 
     /// Writes one journal entry. Failing to journal fails the operation.

@@ -27,6 +27,10 @@ pub enum Fault {
     /// filesystem is filled to the last byte (`<state_dir>/fault-filler`, for the test to
     /// remove): a disk that fills up between the chunks and the publish.
     FillDiskBeforePublish,
+    /// The rollback's in-flight marker cannot be written (fail-closed: the VM is halted).
+    FailRollbackMarker,
+    /// Every baseline snapshot after a cold boot fails (fail-closed: the VM is halted).
+    FailBaseline,
 }
 
 /// With [`Fault::FillDiskBeforePublish`] armed, takes every free byte of the filesystem of
@@ -136,6 +140,8 @@ fn parse(v: &str) -> Option<Fault> {
         "restore.kill-qemu" => Some(Fault::KillDuringRestoreLoad),
         "verify.no-descriptors" => Some(Fault::DescriptorsExhaustedOnVerify),
         "publish.fill-disk" => Some(Fault::FillDiskBeforePublish),
+        "rollback.marker-fail" => Some(Fault::FailRollbackMarker),
+        "baseline.fail" => Some(Fault::FailBaseline),
         s => s
             .strip_prefix("capture.stall=")
             .and_then(|n| n.parse().ok())

@@ -151,13 +151,22 @@ impl VmActor {
         let mut clock = PhaseClock::start();
         // The decision's inputs, recorded (spec/003): whether the restore gate governs it,
         // whether reviewer evidence came with it, and whether it is the clean-stop resume.
-        self.journal(AuditEvent::SnapshotRestoreRequested, json!({
+        // Fail closed (spec/000 §12): a rollback that cannot be recorded does not leave the VM
+        // running unrecorded either — it is halted.
+        let requested = self.journal(AuditEvent::SnapshotRestoreRequested, json!({
             "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "pending",
             "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "requested_by": ctx.caller.label(),
             "action_ids": action_ids, "governed": gate.governed, "bounded": gate.bounded, "resume": resume,
             "before": before,
             "reviewer_evidence": gate.reviewer_token.is_some(),
-        }))?;
+        }));
+        if let Err(e) = requested {
+            return Err(self.halt_unrecorded(
+                &trace,
+                "journal the rollback request",
+                e.to_string(),
+            ));
+        }
 
         // 1. Choose and verify, touching nothing.
         let (target, skipped) = match self.choose_target(ctx, to, &gate, before.as_deref()) {
@@ -187,21 +196,33 @@ impl VmActor {
         clock.done("gate");
         self.transition(Transition::BeginRollback, &trace)?;
         self.publish();
-        self.journal(AuditEvent::RollbackInitiated, json!({
+        let initiated = self.journal(AuditEvent::RollbackInitiated, json!({
             "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "pending",
             "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
             "timestamp": now_rfc3339(), "target_healthy": crate::snapshot::manifest_healthy(&target.manifest),
-        }))?;
-        if let Err(source) = self.records.set_inflight(&InflightRecord {
-            snapshot_id: snapshot_id.clone(),
-            trace_id: trace.clone(),
-            started_at: now_rfc3339(),
-        }) {
-            self.transition(Transition::AbortRollback, &trace)?;
-            return Err(EngineError::Io {
-                step: "write rollback marker",
-                source,
-            });
+        }));
+        if let Err(e) = initiated {
+            return Err(self.halt_unrecorded(
+                &trace,
+                "journal the rollback's start",
+                e.to_string(),
+            ));
+        }
+        let marker = if self.fault == Some(Fault::FailRollbackMarker) {
+            Err(std::io::Error::other(
+                "fault injection: rollback.marker-fail",
+            ))
+        } else {
+            self.records.set_inflight(&InflightRecord {
+                snapshot_id: snapshot_id.clone(),
+                trace_id: trace.clone(),
+                started_at: now_rfc3339(),
+            })
+        };
+        if let Err(source) = marker {
+            // Without its marker a crash mid-rollback could not be told from a clean state at
+            // the next start: the rollback does not run, and neither does the VM.
+            return Err(self.halt_unrecorded(&trace, "write rollback marker", source.to_string()));
         }
 
         // 2.-5. Any failure from here on halts.
@@ -377,6 +398,18 @@ impl VmActor {
             code,
         });
         Ok(None)
+    }
+
+    /// A rollback that cannot be recorded halts the VM (fail-closed): entering HALTED ends its
+    /// QEMU, and the error names the step.
+    fn halt_unrecorded(&mut self, trace: &str, step: &'static str, detail: String) -> EngineError {
+        tracing::error!(step, detail = %detail, "a rollback could not be recorded: the VM is HALTED");
+        self.enter_halt(
+            trace,
+            ErrorCode::RollbackFailedHalted,
+            &format!("the rollback could not {step} ({detail}): halted rather than left running unrecorded"),
+        );
+        EngineError::RollbackHalted { step, detail }
     }
 
     /// Records that `id` verified and fits this VM, with the digest of its manifest: the
