@@ -920,6 +920,7 @@ mod tests {
             newest_snapshot_at: None,
             heartbeat_age_ms: None,
             backend_details: Default::default(),
+            ..Default::default()
         }
     }
 
