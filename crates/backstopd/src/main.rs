@@ -152,9 +152,23 @@ fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
             .socket_gid()
             .map_err(|e| format!("{}: {e}", e.code()))?,
     };
+    let socket_gid = access.socket_gid;
     let socket = host.socket_path();
     // Bind before starting any VM: a second daemon must fail before it touches anything.
     let server = ControlServer::bind(&socket, access).map_err(|e| format!("{}: {e}", e.code()))?;
+    // The metrics endpoint too: an address in use fails the start, not a later scrape.
+    let metrics = match host
+        .daemon
+        .metrics_endpoint()
+        .map_err(|e| format!("{}: {e}", e.code()))?
+    {
+        Some(endpoint) => Some(
+            backstopd::metrics::Listener::bind(&endpoint, socket_gid).map_err(|e| {
+                format!("ERR_IO: metrics endpoint {endpoint} (daemon.metrics): {e}")
+            })?,
+        ),
+        None => None,
+    };
     // Every VM is verified and restored (or resumed) before READY=1: on a large store that
     // outlasts TimeoutStartSec=, so the start-up is extended while the actors show progress.
     let silence_limit = std::time::Duration::from_secs(host.daemon.actor_silence_limit_secs);
@@ -162,6 +176,18 @@ fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
     let engine =
         Arc::new(Supervisor::start(&host, config_path).map_err(|e| format!("{}: {e}", e.code()))?);
     drop(starting);
+    let metrics_socket = match metrics {
+        Some(listener) => {
+            let at = listener.describe();
+            let path = listener.socket_path().map(std::path::Path::to_path_buf);
+            let source_engine = Arc::clone(&engine);
+            backstopd::metrics::serve(listener, Arc::new(move || source_engine.statuses()))
+                .map_err(|e| format!("ERR_IO: spawn metrics threads: {e}"))?;
+            tracing::info!(endpoint = %at, "metrics endpoint ready (GET /metrics)");
+            path
+        }
+        None => None,
+    };
     tracing::info!(socket = %socket.display(), vms = host.vms.len(), "control socket ready");
     backstop_engine::systemd::notify(&[NotifyState::Ready]);
 
@@ -206,6 +232,9 @@ fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
     engine.shutdown();
     drop(stopping);
     let _ = std::fs::remove_file(&socket);
+    if let Some(path) = metrics_socket {
+        let _ = std::fs::remove_file(path);
+    }
     Ok(())
 }
 
