@@ -278,6 +278,7 @@ fn status_text(s: &StatusView) -> String {
         ),
         ("session", clean(&s.session_id)),
     ];
+    rows.extend(live_rows(s));
     for (k, v) in &s.backend_details {
         let v = match v {
             serde_json::Value::String(t) => t.clone(),
@@ -291,6 +292,65 @@ fn status_text(s: &StatusView) -> String {
         rows.push(("halt reason", clean(&halt.reason)));
     }
     key_values(&rows)
+}
+
+/// The live view's rows, each only when it has something to say (a fresh daemon's VM shows
+/// none of the rollback rows).
+fn live_rows(s: &StatusView) -> Vec<(&'static str, String)> {
+    let mut rows = Vec::new();
+    if let Some(pause_us) = s.newest_snapshot_pause_us {
+        rows.push(("newest pause", human_pause(pause_us)));
+    }
+    if s.store_bytes > 0 {
+        rows.push(("stored", human_bytes(s.store_bytes)));
+    }
+    if let Some(age_ms) = s.heartbeat_age_ms {
+        rows.push(("heartbeat", format!("{:.1} s ago", age_ms as f64 / 1000.0)));
+    }
+    if let Some(r) = &s.last_rollback {
+        rows.push((
+            "last rollback",
+            format!(
+                "{} at {} ({}, {}, {} ms)",
+                clean(&r.snapshot_id),
+                clean(&r.at),
+                clean(&r.trigger),
+                clean(&r.rollback_type),
+                r.duration_ms
+            ),
+        ));
+    }
+    if !s.rollbacks_by_trigger.is_empty() {
+        let by: Vec<String> = s
+            .rollbacks_by_trigger
+            .iter()
+            .map(|(t, n)| format!("{} {n}", clean(t)))
+            .collect();
+        rows.push(("rollbacks", by.join(", ")));
+    }
+    if s.halts > 0 {
+        rows.push(("halts", s.halts.to_string()));
+    }
+    if !s.links.is_empty() {
+        let links: Vec<String> = s
+            .links
+            .iter()
+            .map(|l| {
+                let state = match l.up {
+                    Some(true) => "up",
+                    Some(false) => "down",
+                    None => "unknown",
+                };
+                format!("{} {state}", clean(&l.nic))
+            })
+            .collect();
+        rows.push(("links", links.join(", ")));
+    }
+    if !s.granted_devices.is_empty() {
+        let ids: Vec<String> = s.granted_devices.iter().map(|d| clean(d)).collect();
+        rows.push(("granted", ids.join(", ")));
+    }
+    rows
 }
 
 fn created_text(view: &SnapshotView) -> String {
@@ -939,6 +999,45 @@ mod tests {
              newest snapshot:  abcdef0123456789\n\
              session:          sess-1\n"
         );
+    }
+
+    #[test]
+    fn the_live_view_rows_show_what_is_known() {
+        let mut view = status(None);
+        view.heartbeat_age_ms = Some(1_250);
+        view.newest_snapshot_pause_us = Some(3_100);
+        view.store_bytes = 3 << 20;
+        view.last_rollback = Some(backstop_control::LastRollbackView {
+            snapshot_id: "abcdef0123456789".into(),
+            at: "2026-11-24T20:00:05.000Z".into(),
+            trigger: "force_rollback".into(),
+            rollback_type: "emergency".into(),
+            duration_ms: 812,
+        });
+        view.rollbacks_by_trigger = [("force_rollback".to_string(), 1)].into_iter().collect();
+        view.links = vec![
+            backstop_control::LinkView {
+                nic: "net0".into(),
+                up: Some(false),
+            },
+            backstop_control::LinkView {
+                nic: "net1".into(),
+                up: None,
+            },
+        ];
+        view.granted_devices = vec!["cam".into()];
+        let text = human(&Request::Status, &Response::Status(view));
+        for row in [
+            "heartbeat:        1.2 s ago\n",
+            "last rollback:    abcdef0123456789 at 2026-11-24T20:00:05.000Z (force_rollback, emergency, 812 ms)\n",
+            "rollbacks:        force_rollback 1\n",
+            "links:            net0 down, net1 unknown\n",
+            "granted:          cam\n",
+        ] {
+            assert!(text.contains(row), "{row:?} not in:\n{text}");
+        }
+        assert!(text.contains("newest pause:"), "{text}");
+        assert!(text.contains("stored:"), "{text}");
     }
 
     #[test]
