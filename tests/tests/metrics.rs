@@ -123,13 +123,24 @@ fn metrics_on_a_unix_socket_follow_the_vm_through_a_rollback() {
     assert!((0.0..30_000.0).contains(&hb_ms), "heartbeat age {hb_ms}");
     assert!(sample(&before, "backstop_store_bytes{vm=\"e2e\"}") > 0.0);
     assert_eq!(sample(&before, "backstop_halts_total{vm=\"e2e\"}"), 0.0);
-    assert!(sample(&before, "backstop_snapshot_pause_microseconds_count{vm=\"e2e\"}") >= 1.0);
-    let pause_sum = sample(&before, "backstop_snapshot_pause_microseconds_sum{vm=\"e2e\"}");
+    assert!(
+        sample(
+            &before,
+            "backstop_snapshot_pause_microseconds_count{vm=\"e2e\"}"
+        ) >= 1.0
+    );
+    let pause_sum = sample(
+        &before,
+        "backstop_snapshot_pause_microseconds_sum{vm=\"e2e\"}",
+    );
     assert!(
         pause_sum > 0.0 && pause_sum < 60e6,
         "pause sum {pause_sum} us"
     );
-    assert_eq!(sample(&before, "backstop_link_up{vm=\"e2e\",nic=\"net0\"}"), 1.0);
+    assert_eq!(
+        sample(&before, "backstop_link_up{vm=\"e2e\",nic=\"net0\"}"),
+        1.0
+    );
     let rolled_before = rollbacks(&before);
     let durations_before = before
         .get("backstop_rollback_duration_milliseconds_count{vm=\"e2e\"}")
@@ -157,8 +168,14 @@ fn metrics_on_a_unix_socket_follow_the_vm_through_a_rollback() {
         ),
         durations_before + 1.0
     );
-    let took_ms = sample(&after, "backstop_rollback_duration_milliseconds_sum{vm=\"e2e\"}");
-    assert!(took_ms > 0.0 && took_ms < 300_000.0, "rollback {took_ms} ms");
+    let took_ms = sample(
+        &after,
+        "backstop_rollback_duration_milliseconds_sum{vm=\"e2e\"}",
+    );
+    assert!(
+        took_ms > 0.0 && took_ms < 300_000.0,
+        "rollback {took_ms} ms"
+    );
     assert_eq!(
         sample(&after, "backstop_vm_epoch{vm=\"e2e\"}"),
         r["epoch"].as_f64().unwrap()
@@ -217,7 +234,9 @@ fn metrics_on_a_loopback_port() {
 fn a_metrics_address_off_this_host_is_refused_at_load() {
     let bin = backstop_e2e::bin("backstopd");
     if !bin.exists() {
-        eprintln!("SKIPPED a_metrics_address_off_this_host_is_refused_at_load: backstopd not built");
+        eprintln!(
+            "SKIPPED a_metrics_address_off_this_host_is_refused_at_load: backstopd not built"
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -252,7 +271,10 @@ fn a_metrics_address_off_this_host_is_refused_at_load() {
                 "{value}: {stderr}"
             );
         }
-        assert!(!state.exists() && !run.exists(), "{value}: something started");
+        assert!(
+            !state.exists() && !run.exists(),
+            "{value}: something started"
+        );
     }
 }
 

@@ -32,7 +32,11 @@ fn listen(sock: UnixDatagram) -> Seen {
 }
 
 fn messages(seen: &Seen) -> Vec<String> {
-    seen.lock().unwrap().iter().map(|(_, m)| m.clone()).collect()
+    seen.lock()
+        .unwrap()
+        .iter()
+        .map(|(_, m)| m.clone())
+        .collect()
 }
 
 fn position(seen: &Seen, pred: impl Fn(&str) -> bool) -> Option<usize> {
@@ -75,7 +79,9 @@ fn systemd_is_told_ready_status_watchdog_extensions_and_stopping() {
             ("WATCHDOG_USEC", watchdog.as_str()),
         ],
     );
-    let ready = wait_for(&seen, "READY=1", Duration::from_secs(30), |m| m == "READY=1");
+    let ready = wait_for(&seen, "READY=1", Duration::from_secs(30), |m| {
+        m == "READY=1"
+    });
     // Start-up was extended (by the wedge limit, 60 s by default) before READY=1.
     let extended = position(&seen, |m| m == "EXTEND_TIMEOUT_USEC=60000000");
     assert!(
@@ -91,7 +97,12 @@ fn systemd_is_told_ready_status_watchdog_extensions_and_stopping() {
     // Pings keep flowing while a rollback runs (verify, restore, resume).
     let t0 = Instant::now();
     std::thread::sleep(Duration::from_secs(3));
-    d.ok(&["trigger", "force_rollback", "--reason", "watchdog pings during a rollback"]);
+    d.ok(&[
+        "trigger",
+        "force_rollback",
+        "--reason",
+        "watchdog pings during a rollback",
+    ]);
     std::thread::sleep(Duration::from_secs(3));
     let t1 = Instant::now();
     let pings: Vec<Instant> = seen
@@ -112,7 +123,10 @@ fn systemd_is_told_ready_status_watchdog_extensions_and_stopping() {
     );
     // Not faster than half the interval either (the protocol's pace).
     let shortest = pings.windows(2).map(|w| w[1] - w[0]).min().unwrap();
-    assert!(shortest >= interval / 2 - Duration::from_millis(50), "{shortest:?}");
+    assert!(
+        shortest >= interval / 2 - Duration::from_millis(50),
+        "{shortest:?}"
+    );
 
     // SIGTERM: STOPPING=1, then the stop (a final snapshot) is extended too.
     let before_stop = messages(&seen).len();

@@ -527,6 +527,9 @@ pub struct Progress {
 }
 
 /// The successful result of a request.
+// One response per request, serialised at once: the size of the largest variant (a status
+// with its live view) costs nothing worth boxing every constructor for.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Response {

@@ -102,7 +102,9 @@ impl Histograms {
             if s.newest_snapshot.is_some() && s.newest_snapshot != mine.newest_snapshot {
                 mine.newest_snapshot = s.newest_snapshot.clone();
                 if let Some(pause_us) = s.newest_snapshot_pause_us {
-                    self.pause_us.get_or_create(&labels).observe(pause_us as f64);
+                    self.pause_us
+                        .get_or_create(&labels)
+                        .observe(pause_us as f64);
                 }
             }
             if let Some(r) = &s.last_rollback {
@@ -156,7 +158,9 @@ pub fn exposition(
             continue;
         }
         epoch.get_or_create(&vm).set(gauge_i64(s.epoch));
-        snapshots.get_or_create(&vm).set(gauge_i64(s.snapshots as u64));
+        snapshots
+            .get_or_create(&vm)
+            .set(gauge_i64(s.snapshots as u64));
         let newest = s
             .newest_snapshot_at
             .as_deref()
@@ -191,11 +195,7 @@ pub fn exposition(
         "The VM's lifecycle state: 1 for the state it is in",
         state,
     );
-    registry.register(
-        "vm_epoch",
-        "Rollback epoch the guest was last told",
-        epoch,
-    );
+    registry.register("vm_epoch", "Rollback epoch the guest was last told", epoch);
     registry.register("snapshots", "Snapshots held for the VM", snapshots);
     registry.register_with_unit(
         "newest_snapshot_age",
@@ -590,8 +590,14 @@ mod tests {
             parse_request("GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"),
             Asked::Metrics
         );
-        assert_eq!(parse_request("GET /metrics?x=1 HTTP/1.0\r\n\r\n"), Asked::Metrics);
-        assert_eq!(parse_request("HEAD /metrics HTTP/1.1\r\n\r\n"), Asked::Metrics);
+        assert_eq!(
+            parse_request("GET /metrics?x=1 HTTP/1.0\r\n\r\n"),
+            Asked::Metrics
+        );
+        assert_eq!(
+            parse_request("HEAD /metrics HTTP/1.1\r\n\r\n"),
+            Asked::Metrics
+        );
         assert_eq!(parse_request("GET / HTTP/1.1\r\n\r\n"), Asked::NotFound);
         assert_eq!(
             parse_request("POST /metrics HTTP/1.1\r\n\r\n"),

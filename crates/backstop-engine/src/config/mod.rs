@@ -234,7 +234,10 @@ impl DaemonConfig {
 
     /// The metrics endpoint, if `daemon.metrics` asks for one.
     pub fn metrics_endpoint(&self) -> Result<Option<MetricsEndpoint>, ConfigError> {
-        self.metrics.as_deref().map(parse_metrics_endpoint).transpose()
+        self.metrics
+            .as_deref()
+            .map(parse_metrics_endpoint)
+            .transpose()
     }
 
     /// The host key (`key_path`, or `<state_dir>/keys/host.key`).
