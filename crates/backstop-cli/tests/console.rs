@@ -133,6 +133,7 @@ fn list() -> Response {
             bytes_stored: 4096,
             trigger: "schedule".into(),
             rolled_back: None,
+            current: false,
         }],
     }
 }

@@ -788,6 +788,10 @@ pub struct SnapshotSummary {
     /// Set when a rollback to an older snapshot left this one off the current line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rolled_back: Option<Box<RolledBackMark>>,
+    /// The snapshot the running VM descends from: the newest one taken since the last rollback,
+    /// or that rollback's target. At most one per list; none while the VM is HALTED.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub current: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -114,6 +114,9 @@ pub(crate) struct Tally {
     pub(crate) last_rollback: Option<backstop_control::LastRollbackView>,
     pub(crate) rollbacks_by_trigger: std::collections::BTreeMap<String, u64>,
     pub(crate) halts: u64,
+    /// The snapshot the running VM descends from (its newest since the last rollback, or that
+    /// rollback's target); `None` while HALTED, or before the first snapshot or restore.
+    pub(crate) descends_from: Option<String>,
 }
 
 fn fields(v: Value) -> Map<String, Value> {

@@ -210,6 +210,7 @@ impl VmActor {
         }
         self.halt = Some(rec);
         self.tally.halts += 1;
+        self.tally.descends_from = None;
         // Halt is legal from every state (the table test proves it), so this cannot be refused;
         // a journal failure is logged and the VM is HALTED regardless.
         let before = self.state;

@@ -296,6 +296,7 @@ pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
         bytes_stored: m.bytes_stored,
         trigger: m.trigger.clone(),
         rolled_back: None,
+        current: false,
     }
 }
 

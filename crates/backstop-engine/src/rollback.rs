@@ -223,6 +223,7 @@ impl VmActor {
                     "total_ms": report.total_ms, "phases_ms": clock.as_json(),
                 }))?;
                 self.mark_rolled_back(&snapshot_id, rollback_type, &trace);
+                self.tally.descends_from = Some(snapshot_id.clone());
                 self.tally.last_rollback = Some(backstop_control::LastRollbackView {
                     snapshot_id: snapshot_id.clone(),
                     at: now_rfc3339(),

@@ -175,6 +175,7 @@ impl VmActor {
                     "created_at": m.created_at,
                     "manifest_sha256": crate::replay::manifest_sha256(self.store.root(), &m.snapshot_id).ok(),
                 }))?;
+                self.tally.descends_from = Some(m.snapshot_id.clone());
                 self.bound_running_chains(ctx)?;
                 Ok(m)
             }
