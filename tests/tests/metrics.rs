@@ -319,3 +319,50 @@ fn metrics_are_off_by_default() {
     assert!(!d.log().contains("metrics endpoint"), "{}", d.log());
     d.stop();
 }
+
+/// A metrics port already taken fails the start with one line, before any VM starts (the
+/// daemon journal is not even opened).
+#[test]
+fn a_metrics_port_in_use_fails_the_start() {
+    let bin = backstop_e2e::bin("backstopd");
+    if !bin.exists() {
+        eprintln!("SKIPPED a_metrics_port_in_use_fails_the_start: backstopd not built");
+        return;
+    }
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let vms = dir.path().join("vms.d");
+    std::fs::create_dir_all(&vms).unwrap();
+    let config = dir.path().join("backstopd.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[daemon]\nstate_dir = \"{}\"\nrun_dir = \"{}\"\nvms_dir = \"{}\"\nmetrics = \"{addr}\"\n",
+            state.display(),
+            dir.path().join("run").display(),
+            vms.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(&bin)
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let last = stderr.lines().last().unwrap_or("");
+    assert!(
+        last.starts_with(&format!(
+            "backstopd: ERR_IO: metrics endpoint {addr} (daemon.metrics): "
+        )),
+        "{stderr}"
+    );
+    assert!(
+        !state.join("daemon/journal.jsonl").exists(),
+        "the daemon started its VMs"
+    );
+    drop(taken);
+}
