@@ -108,4 +108,10 @@ fn the_list_marks_where_the_vm_is_and_show_is_a_summary_unless_full() {
     let json = d.ok(&["snapshot", "show", &c[..10]]);
     assert_eq!(json["manifest"]["snapshot_id"], Value::from(c.clone()));
     assert!(json["manifest"]["payload_refs"].is_array(), "{json}");
+    assert_eq!(json["summary"]["current"], true, "{json}");
+    assert!(brief.contains("current:   yes"), "{brief}");
+    // An older snapshot is not where the VM is.
+    assert!(d.ok(&["snapshot", "show", &b])["summary"]
+        .get("current")
+        .is_none());
 }

@@ -410,7 +410,7 @@ fn snapshot_text(view: &SnapshotView) -> String {
 
 fn snapshot_rows(view: &SnapshotView) -> String {
     let s = &view.summary;
-    key_values(&[
+    let mut rows = vec![
         ("snapshot", clean(&s.snapshot_id)),
         (
             "created",
@@ -429,7 +429,11 @@ fn snapshot_rows(view: &SnapshotView) -> String {
         ("pause", pause_with_breakdown(s.pause_us, &view.manifest)),
         ("capture", format!("{} ms", view.capture_ms)),
         ("stored", human_bytes(s.bytes_stored)),
-    ])
+    ];
+    if s.current {
+        rows.push(("current", "yes: the running VM descends from it".into()));
+    }
+    key_values(&rows)
 }
 
 fn list_text(snapshots: &[SnapshotSummary]) -> String {

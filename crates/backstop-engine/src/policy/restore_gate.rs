@@ -392,8 +392,7 @@ impl VmActor {
             .filter_map(|e| match e {
                 ListEntry::Valid(m) => {
                     let mut s = summary(&m);
-                    s.current = self.state != crate::lifecycle::VmState::Halted
-                        && self.tally.descends_from.as_deref() == Some(m.snapshot_id.as_str());
+                    s.current = self.descends_from(&m.snapshot_id);
                     s.rolled_back = self.policy.marks.get(&m.snapshot_id).map(|k| {
                         Box::new(RolledBackMark {
                             at: k.at.clone(),
