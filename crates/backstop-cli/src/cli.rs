@@ -244,11 +244,14 @@ pub enum SnapshotCommand {
     /// Show the snapshots' lineage as a tree, with the VM's current position (works while
     /// HALTED).
     Tree,
-    /// Show one snapshot's summary and manifest.
+    /// Show one snapshot's summary (`--full`: and its whole manifest; `--json` always has it).
     Show {
         /// Snapshot id or unique prefix.
         #[arg(value_parser = non_empty)]
         id: String,
+        /// Print the whole manifest after the summary.
+        #[arg(long)]
+        full: bool,
     },
     /// Verify a snapshot completely without touching the VM.
     Verify {
@@ -350,6 +353,16 @@ fn duration_s(s: &str) -> Result<u64, String> {
 }
 
 impl Command {
+    /// How much of the answer a person sees (`snapshot show --full`).
+    pub fn detail(&self) -> crate::render::Detail {
+        match self {
+            Command::Snapshot(SnapshotCommand::Show { full: false, .. }) => {
+                crate::render::Detail::Summary
+            }
+            _ => crate::render::Detail::Full,
+        }
+    }
+
     /// The request this command sends.
     pub fn request(&self) -> Request {
         match self {
@@ -370,7 +383,7 @@ impl Command {
             },
             Command::Snapshot(SnapshotCommand::List) => Request::SnapshotList,
             Command::Snapshot(SnapshotCommand::Tree) => Request::SnapshotTree,
-            Command::Snapshot(SnapshotCommand::Show { id }) => {
+            Command::Snapshot(SnapshotCommand::Show { id, .. }) => {
                 Request::SnapshotShow { id: id.clone() }
             }
             Command::Snapshot(SnapshotCommand::Verify { id }) => {
@@ -636,6 +649,23 @@ mod tests {
 
     fn request(args: &[&str]) -> Request {
         parse(args).unwrap().command.request()
+    }
+
+    #[test]
+    fn snapshot_show_is_a_summary_unless_full() {
+        use crate::render::Detail;
+        let detail = |args: &[&str]| parse(args).unwrap().command.detail();
+        assert_eq!(detail(&["snapshot", "show", "ab12"]), Detail::Summary);
+        assert_eq!(
+            detail(&["snapshot", "show", "--full", "ab12"]),
+            Detail::Full
+        );
+        assert_eq!(detail(&["snapshot", "list"]), Detail::Full);
+        // The request is the same either way: the daemon always sends the whole manifest.
+        assert_eq!(
+            request(&["snapshot", "show", "ab12", "--full"]),
+            Request::SnapshotShow { id: "ab12".into() }
+        );
     }
 
     #[test]

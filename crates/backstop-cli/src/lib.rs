@@ -31,12 +31,23 @@ pub struct Outcome {
 /// Success: the rendering (human or JSON) on stdout. Failure: one `backstop: <CODE>: <message>`
 /// line on stderr, and with `json` also `{"error":{..}}` on stdout.
 pub fn outcome(request: &Request, result: &Result<Response, ClientError>, json: bool) -> Outcome {
+    outcome_at(request, result, json, render::Detail::Full)
+}
+
+/// [`outcome`], with the human rendering at `detail` (see [`render::human_at`]); JSON output is
+/// the same at every detail.
+pub fn outcome_at(
+    request: &Request,
+    result: &Result<Response, ClientError>,
+    json: bool,
+    detail: render::Detail,
+) -> Outcome {
     match result {
         Ok(response) => Outcome {
             stdout: if json {
                 render::json(response)
             } else {
-                render::human(request, response)
+                render::human_at(request, response, detail)
             },
             stderr: String::new(),
             exit_code: exit::for_response(response),

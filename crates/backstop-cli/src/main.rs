@@ -45,7 +45,7 @@ fn main() -> ExitCode {
     });
     display.finish();
 
-    let outcome = backstop_cli::outcome(&request, &result, cli.json);
+    let outcome = backstop_cli::outcome_at(&request, &result, cli.json, cli.command.detail());
     // A closed stdout or stderr (`backstop audit tail | head -1`) changes nothing: the
     // operation is already done, and the exit status still says how it went.
     let _ = io::stdout().lock().write_all(outcome.stdout.as_bytes());

@@ -32,8 +32,27 @@ const EVENT_FIELDS: [&str; 3] = ["event", "event_type", "type"];
 /// The journal's object of per-event data (`{seq, ts, event, fields, prev, hash, mac}`).
 const NESTED_FIELDS: &str = "fields";
 
-/// The human rendering of a successful response, newline-terminated. `request` tells a
-/// created snapshot from a shown one (both come back as [`Response::Snapshot`]).
+/// How much of a long answer a person sees: `snapshot show` prints a summary unless asked for
+/// the whole manifest (`--full`). JSON output is always whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Detail {
+    Summary,
+    Full,
+}
+
+/// [`human`], with `snapshot show` cut to its summary unless `detail` is [`Detail::Full`].
+pub fn human_at(request: &Request, response: &Response, detail: Detail) -> String {
+    match (request, response, detail) {
+        (Request::SnapshotShow { .. }, Response::Snapshot(view), Detail::Summary) => {
+            snapshot_summary_text(view)
+        }
+        _ => human(request, response),
+    }
+}
+
+/// The human rendering of a successful response, newline-terminated, whole (`snapshot show`
+/// with its manifest). `request` tells a created snapshot from a shown one (both come back as
+/// [`Response::Snapshot`]).
 pub fn human(request: &Request, response: &Response) -> String {
     match response {
         Response::Status(status) => status_text(status),
@@ -279,6 +298,7 @@ fn status_text(s: &StatusView) -> String {
         ),
         ("session", clean(&s.session_id)),
     ];
+    rows.extend(live_rows(s));
     for (k, v) in &s.backend_details {
         let v = match v {
             serde_json::Value::String(t) => t.clone(),
@@ -294,6 +314,65 @@ fn status_text(s: &StatusView) -> String {
     key_values(&rows)
 }
 
+/// The live view's rows, each only when it has something to say (a fresh daemon's VM shows
+/// none of the rollback rows).
+fn live_rows(s: &StatusView) -> Vec<(&'static str, String)> {
+    let mut rows = Vec::new();
+    if let Some(pause_us) = s.newest_snapshot_pause_us {
+        rows.push(("newest pause", human_pause(pause_us)));
+    }
+    if s.store_bytes > 0 {
+        rows.push(("stored", human_bytes(s.store_bytes)));
+    }
+    if let Some(age_ms) = s.heartbeat_age_ms {
+        rows.push(("heartbeat", format!("{:.1} s ago", age_ms as f64 / 1000.0)));
+    }
+    if let Some(r) = &s.last_rollback {
+        rows.push((
+            "last rollback",
+            format!(
+                "{} at {} ({}, {}, {} ms)",
+                clean(&r.snapshot_id),
+                clean(&r.at),
+                clean(&r.trigger),
+                clean(&r.rollback_type),
+                r.duration_ms
+            ),
+        ));
+    }
+    if !s.rollbacks_by_trigger.is_empty() {
+        let by: Vec<String> = s
+            .rollbacks_by_trigger
+            .iter()
+            .map(|(t, n)| format!("{} {n}", clean(t)))
+            .collect();
+        rows.push(("rollbacks", by.join(", ")));
+    }
+    if s.halts > 0 {
+        rows.push(("halts", s.halts.to_string()));
+    }
+    if !s.links.is_empty() {
+        let links: Vec<String> = s
+            .links
+            .iter()
+            .map(|l| {
+                let state = match l.up {
+                    Some(true) => "up",
+                    Some(false) => "down",
+                    None => "unknown",
+                };
+                format!("{} {state}", clean(&l.nic))
+            })
+            .collect();
+        rows.push(("links", links.join(", ")));
+    }
+    if !s.granted_devices.is_empty() {
+        let ids: Vec<String> = s.granted_devices.iter().map(|d| clean(d)).collect();
+        rows.push(("granted", ids.join(", ")));
+    }
+    rows
+}
+
 fn created_text(view: &SnapshotView) -> String {
     let s = &view.summary;
     format!(
@@ -305,9 +384,34 @@ fn created_text(view: &SnapshotView) -> String {
     )
 }
 
+/// `snapshot show` without `--full`: the summary, and what the manifest holds in numbers.
+fn snapshot_summary_text(view: &SnapshotView) -> String {
+    let count = |key: &str| view.manifest[key].as_array().map_or(0, Vec::len);
+    let mut text = snapshot_rows(view);
+    text.push_str(&format!(
+        "manifest: {} checksums, {} payloads, epoch {} (--full prints it whole)\n",
+        count("checksums"),
+        count("payload_refs"),
+        view.manifest["epoch"]
+            .as_u64()
+            .map_or_else(|| "-".to_string(), |e| e.to_string())
+    ));
+    text
+}
+
+/// `snapshot show --full` (and [`human`]): the summary and the whole manifest.
 fn snapshot_text(view: &SnapshotView) -> String {
+    let mut text = snapshot_rows(view);
+    text.push_str("manifest:\n");
+    // Pretty JSON escapes every control character, so the manifest is safe to print as is.
+    text.push_str(&serde_json::to_string_pretty(&view.manifest).unwrap_or_default());
+    text.push('\n');
+    text
+}
+
+fn snapshot_rows(view: &SnapshotView) -> String {
     let s = &view.summary;
-    let mut text = key_values(&[
+    let mut rows = vec![
         ("snapshot", clean(&s.snapshot_id)),
         (
             "created",
@@ -326,20 +430,28 @@ fn snapshot_text(view: &SnapshotView) -> String {
         ("pause", pause_with_breakdown(s.pause_us, &view.manifest)),
         ("capture", format!("{} ms", view.capture_ms)),
         ("stored", human_bytes(s.bytes_stored)),
-    ]);
-    text.push_str("manifest:\n");
-    // Pretty JSON escapes every control character, so the manifest is safe to print as is.
-    text.push_str(&serde_json::to_string_pretty(&view.manifest).unwrap_or_default());
-    text.push('\n');
-    text
+    ];
+    if s.current {
+        rows.push(("current", "yes: the running VM descends from it".into()));
+    }
+    key_values(&rows)
 }
 
 fn list_text(snapshots: &[SnapshotSummary]) -> String {
     if snapshots.is_empty() {
         return "no snapshots\n".to_string();
     }
+    let any_current = snapshots.iter().any(|s| s.current);
     let header = [
-        "ID", "CREATED", "BY", "TRIGGER", "SCOPE", "PAUSE", "STORED", "LINE", "REASON",
+        if any_current { "  ID" } else { "ID" },
+        "CREATED",
+        "BY",
+        "TRIGGER",
+        "SCOPE",
+        "PAUSE",
+        "STORED",
+        "LINE",
+        "REASON",
     ];
     let rows: Vec<[String; 9]> = snapshots
         .iter()
@@ -350,7 +462,12 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
                 None => "current".to_string(),
             };
             [
-                short_id(&s.snapshot_id),
+                // `git branch` style: `*` before the snapshot the running VM descends from.
+                match (any_current, s.current) {
+                    (false, _) => short_id(&s.snapshot_id),
+                    (true, true) => format!("* {}", short_id(&s.snapshot_id)),
+                    (true, false) => format!("  {}", short_id(&s.snapshot_id)),
+                },
                 short_time(&s.created_at),
                 clean(&s.created_by),
                 if s.trigger.is_empty() {
@@ -974,6 +1091,7 @@ mod tests {
             bytes_stored: 1536,
             trigger: "console".into(),
             rolled_back: None,
+            current: false,
         }
     }
 
@@ -992,6 +1110,7 @@ mod tests {
             newest_snapshot_at: None,
             heartbeat_age_ms: None,
             backend_details: Default::default(),
+            ..Default::default()
         }
     }
 
@@ -1010,6 +1129,45 @@ mod tests {
              newest snapshot:  abcdef0123456789\n\
              session:          sess-1\n"
         );
+    }
+
+    #[test]
+    fn the_live_view_rows_show_what_is_known() {
+        let mut view = status(None);
+        view.heartbeat_age_ms = Some(1_250);
+        view.newest_snapshot_pause_us = Some(3_100);
+        view.store_bytes = 3 << 20;
+        view.last_rollback = Some(backstop_control::LastRollbackView {
+            snapshot_id: "abcdef0123456789".into(),
+            at: "2026-11-24T20:00:05.000Z".into(),
+            trigger: "force_rollback".into(),
+            rollback_type: "emergency".into(),
+            duration_ms: 812,
+        });
+        view.rollbacks_by_trigger = [("force_rollback".to_string(), 1)].into_iter().collect();
+        view.links = vec![
+            backstop_control::LinkView {
+                nic: "net0".into(),
+                up: Some(false),
+            },
+            backstop_control::LinkView {
+                nic: "net1".into(),
+                up: None,
+            },
+        ];
+        view.granted_devices = vec!["cam".into()];
+        let text = human(&Request::Status, &Response::Status(view));
+        for row in [
+            "heartbeat:        1.2 s ago\n",
+            "last rollback:    abcdef0123456789 at 2026-11-24T20:00:05.000Z (force_rollback, emergency, 812 ms)\n",
+            "rollbacks:        force_rollback 1\n",
+            "links:            net0 down, net1 unknown\n",
+            "granted:          cam\n",
+        ] {
+            assert!(text.contains(row), "{row:?} not in:\n{text}");
+        }
+        assert!(text.contains("newest pause:"), "{text}");
+        assert!(text.contains("stored:"), "{text}");
     }
 
     #[test]
@@ -1057,6 +1215,50 @@ mod tests {
         );
         let empty = Response::SnapshotList { snapshots: vec![] };
         assert_eq!(human(&Request::SnapshotList, &empty), "no snapshots\n");
+    }
+
+    #[test]
+    fn the_snapshot_the_vm_descends_from_is_starred() {
+        let mut now = summary("ffff0000ffff0000", "x");
+        now.current = true;
+        let list = Response::SnapshotList {
+            snapshots: vec![summary("0123456789abcdef0123", "older"), now],
+        };
+        let text = human(&Request::SnapshotList, &list);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("  ID            CREATED"), "{text}");
+        assert!(lines[1].starts_with("  0123456789ab  2026-05-01"), "{text}");
+        assert!(lines[2].starts_with("* ffff0000ffff  2026-05-01"), "{text}");
+    }
+
+    #[test]
+    fn snapshot_show_is_a_summary_unless_full() {
+        let view = SnapshotView {
+            summary: summary("abc", "r"),
+            manifest: json!({"snapshot_id": "abc", "checksums": ["x", "y"],
+                             "payload_refs": [{}], "epoch": 4}),
+            capture_ms: 2100,
+        };
+        let req = Request::SnapshotShow { id: "abc".into() };
+        let response = Response::Snapshot(view);
+        let brief = human_at(&req, &response, Detail::Summary);
+        assert!(brief.starts_with("snapshot:  abc\n"), "{brief}");
+        assert!(brief.contains("capture:   2100 ms\n"), "{brief}");
+        assert!(
+            brief
+                .ends_with("manifest: 2 checksums, 1 payloads, epoch 4 (--full prints it whole)\n"),
+            "{brief}"
+        );
+        assert!(!brief.contains("\"checksums\""), "{brief}");
+        let full = human_at(&req, &response, Detail::Full);
+        assert_eq!(full, human(&req, &response));
+        assert!(full.contains("manifest:\n{\n"), "{full}");
+        // Only `snapshot show` has a summary: every other answer is the same at any detail.
+        let list = Response::SnapshotList { snapshots: vec![] };
+        assert_eq!(
+            human_at(&Request::SnapshotList, &list, Detail::Summary),
+            human(&Request::SnapshotList, &list)
+        );
     }
 
     #[test]

@@ -115,6 +115,7 @@ fn status() -> Response {
         newest_snapshot_at: None,
         heartbeat_age_ms: None,
         backend_details: Default::default(),
+        ..Default::default()
     })
 }
 
@@ -132,6 +133,7 @@ fn list() -> Response {
             bytes_stored: 4096,
             trigger: "schedule".into(),
             rolled_back: None,
+            current: false,
         }],
     }
 }

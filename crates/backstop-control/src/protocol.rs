@@ -4,6 +4,8 @@
 //! [`Reply::Progress`] lines, then exactly one [`Reply::Done`] or [`Reply::Failed`], then closes.
 //! Every line is bounded by [`MAX_LINE_BYTES`].
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -531,6 +533,9 @@ pub struct Progress {
 }
 
 /// The successful result of a request.
+// One response per request, serialised at once: the size of the largest variant (a status
+// with its live view) costs nothing worth boxing every constructor for.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Response {
@@ -689,7 +694,7 @@ pub struct RolledBackMark {
     pub rollback_type: String,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StatusView {
     pub vm: String,
     /// `stopped`, `booting`, `running`, `snapshotting`, `rolling_back` or `halted`.
@@ -712,6 +717,44 @@ pub struct StatusView {
     /// What the backend says about itself (libvirt: `domain`, `capture_mode`, `reconnects`).
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub backend_details: serde_json::Map<String, serde_json::Value>,
+    /// The newest rollback this daemon ran for the VM (the start-up resume counts), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_rollback: Option<LastRollbackView>,
+    /// Rollbacks completed since the daemon started, by trigger (`console`, `watchdog`, …).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub rollbacks_by_trigger: BTreeMap<String, u64>,
+    /// Times the VM entered HALTED since the daemon started (a HALTED state found at start-up
+    /// is not counted again).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub halts: u64,
+    /// The guest pause of the newest snapshot, microseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub newest_snapshot_pause_us: Option<u64>,
+    /// What the held snapshots stored (the sum of their `bytes_stored`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub store_bytes: u64,
+    /// Each NIC's link as the guest reads it (read while the VM runs; empty otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<LinkView>,
+    /// Ids of the devices granted to the guest now.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub granted_devices: Vec<String>,
+}
+
+/// The newest rollback of a VM, for `status` and the metrics endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastRollbackView {
+    pub snapshot_id: String,
+    /// When it completed (RFC 3339).
+    pub at: String,
+    /// What set it off (`console`, `watchdog`, `host_trigger`, `daemon_resume`, …).
+    pub trigger: String,
+    pub rollback_type: String,
+    pub duration_ms: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// What `backstop reload` did.
@@ -779,6 +822,10 @@ pub struct SnapshotSummary {
     /// Set when a rollback to an older snapshot left this one off the current line.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rolled_back: Option<Box<RolledBackMark>>,
+    /// The snapshot the running VM descends from: the newest one taken since the last rollback,
+    /// or that rollback's target. At most one per list; none while the VM is HALTED.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub current: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

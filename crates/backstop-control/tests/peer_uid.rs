@@ -97,6 +97,7 @@ fn status() -> Response {
         newest_snapshot_at: None,
         heartbeat_age_ms: None,
         backend_details: Default::default(),
+        ..Default::default()
     })
 }
 

@@ -11,7 +11,7 @@ use tracing::{info, warn};
 
 use backstop_common::ids::IdSource;
 use backstop_common::{AuditEvent, ErrorCode, Role, TriggerKind};
-use backstop_control::{HaltView, Progress, StatusView};
+use backstop_control::{HaltView, LinkView, Progress, StatusView};
 use backstop_hypervisor::{BootMode, DiskAttachment, VmBackend};
 use backstop_integrity::HostKey;
 use backstop_journal::Journal;
@@ -103,6 +103,17 @@ pub struct VmActor {
     pub(crate) captures: Arc<CaptureSlots>,
     /// The daemon journal this VM anchors its chain head in.
     pub(crate) anchors: Option<Arc<std::sync::Mutex<Journal>>>,
+    /// Figures since this actor started, for `status` and the metrics endpoint.
+    pub(crate) tally: Tally,
+}
+
+/// What the live view counts since the actor started (in memory: a restarted daemon starts
+/// again from zero, which OpenMetrics counters read as a reset).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Tally {
+    pub(crate) last_rollback: Option<backstop_control::LastRollbackView>,
+    pub(crate) rollbacks_by_trigger: std::collections::BTreeMap<String, u64>,
+    pub(crate) halts: u64,
 }
 
 fn fields(v: Value) -> Map<String, Value> {
@@ -177,6 +188,7 @@ impl VmActor {
             emergencies: Default::default(),
             devices: Default::default(),
             adoption,
+            tally: Tally::default(),
         };
         let accel = engine.backend.accel().to_string();
         // The config in force, as far as decisions read it, recorded with its hash (spec/003:
@@ -588,7 +600,7 @@ impl VmActor {
         }
     }
 
-    pub fn status(&self) -> StatusView {
+    pub fn status(&mut self) -> StatusView {
         let snapshots: Vec<Manifest> = self
             .store
             .list()
@@ -621,13 +633,48 @@ impl VmActor {
                 .last
                 .map(|t| t.elapsed().as_millis() as u64),
             backend_details: self.backend.status_details(),
+            last_rollback: self.tally.last_rollback.clone(),
+            rollbacks_by_trigger: self.tally.rollbacks_by_trigger.clone(),
+            halts: self.tally.halts,
+            newest_snapshot_pause_us: snapshots
+                .last()
+                .and_then(|m| m.capture.get("pause_us"))
+                .and_then(Value::as_u64),
+            store_bytes: snapshots.iter().map(|m| m.bytes_stored).sum(),
+            links: self.link_views(),
+            granted_devices: self.devices.grants.keys().cloned().collect(),
+        }
+    }
+
+    /// Each NIC's link as the guest reads it. Asked of the hypervisor only while the VM runs
+    /// (a paused, capturing or restoring VM is left alone); a backend that cannot say gives
+    /// none.
+    fn link_views(&mut self) -> Vec<LinkView> {
+        if self.state != VmState::Running {
+            return Vec::new();
+        }
+        match self.backend.link_states() {
+            Ok(links) => links
+                .into_iter()
+                .map(|l| LinkView {
+                    nic: l.nic,
+                    up: l.up,
+                })
+                .collect(),
+            Err(e) => {
+                tracing::debug!(error = %e, "link states unavailable");
+                Vec::new()
+            }
         }
     }
 
     /// Publishes the current status for `status` requests served off the engine thread.
-    pub fn publish(&self) {
+    pub fn publish(&mut self) {
+        if self.status_out.is_none() {
+            return;
+        }
+        let s = self.status();
         if let Some(out) = &self.status_out {
-            let s = self.status();
             if let Ok(mut g) = out.lock() {
                 *g = s;
             }

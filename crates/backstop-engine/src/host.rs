@@ -94,6 +94,8 @@ impl HostConfig {
             d.expand()?;
             d
         };
+        // A bad metrics address is the daemon's, not a VM's: nothing starts.
+        daemon.metrics_endpoint()?;
         match &daemon.vms_dir {
             Some(dir) => vms.extend(load_vms_dir(dir, &daemon, &daemon_raw)?),
             None if !own_vm => {

@@ -209,6 +209,7 @@ impl VmActor {
             tracing::error!(error = %e, "could not remove the rollback marker");
         }
         self.halt = Some(rec);
+        self.tally.halts += 1;
         // Halt is legal from every state (the table test proves it), so this cannot be refused;
         // a journal failure is logged and the VM is HALTED regardless.
         let before = self.state;

@@ -16,6 +16,19 @@ use crate::lifecycle::{Transition, VmState};
 use crate::rollback::RollbackPlan;
 
 impl VmActor {
+    /// Whether the running VM descends from snapshot `id`: its lineage position (the newest
+    /// taken since the last rollback, or that rollback's target; never while HALTED).
+    pub(crate) fn descends_from(&self, id: &str) -> bool {
+        self.state != crate::lifecycle::VmState::Halted && self.vm.position.as_deref() == Some(id)
+    }
+
+    /// `snapshot show` / `snapshot create`: the view, marked current where it is.
+    fn view_of(&self, m: &Manifest) -> SnapshotView {
+        let mut v = snapshot_view(m);
+        v.summary.current = self.descends_from(&m.snapshot_id);
+        v
+    }
+
     /// Runs one request. HALTED refuses everything but `status`, `halt clear` and reading the
     /// audit journal (`audit tail`, `audit verify`: a person deciding whether to clear a HALT
     /// needs the record, and reading it touches neither the VM nor its snapshots).
@@ -44,7 +57,7 @@ impl VmActor {
             Request::SnapshotCreate { reason } => {
                 let reason = non_empty("reason", reason)?;
                 let m = self.create_snapshot(ctx, &reason, "console")?;
-                Ok(Response::Snapshot(snapshot_view(&m)))
+                Ok(Response::Snapshot(self.view_of(&m)))
             }
             Request::SnapshotList => self.snapshot_list(),
             Request::SnapshotTree => self.snapshot_tree(),
@@ -64,7 +77,7 @@ impl VmActor {
                             "snapshot {id} does not verify; run `snapshot verify {id}`"
                         ))
                     })?;
-                Ok(Response::Snapshot(snapshot_view(&m)))
+                Ok(Response::Snapshot(self.view_of(&m)))
             }
             Request::SnapshotVerify { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
@@ -299,6 +312,7 @@ pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
         bytes_stored: m.bytes_stored,
         trigger: m.trigger.clone(),
         rolled_back: None,
+        current: false,
     }
 }
 

@@ -251,6 +251,18 @@ impl VmActor {
                     "total_ms": report.total_ms, "phases_ms": clock.as_json(),
                 }))?;
                 self.mark_rolled_back(&snapshot_id, rollback_type, &trace);
+                self.tally.last_rollback = Some(backstop_control::LastRollbackView {
+                    snapshot_id: snapshot_id.clone(),
+                    at: now_rfc3339(),
+                    trigger: report.trigger.clone(),
+                    rollback_type: report.rollback_type.clone(),
+                    duration_ms: report.total_ms,
+                });
+                *self
+                    .tally
+                    .rollbacks_by_trigger
+                    .entry(report.trigger.clone())
+                    .or_default() += 1;
                 info!(snapshot_id = %snapshot_id, total_ms = report.total_ms, restore_ms, epoch = report.epoch, "rolled back");
                 Ok(report)
             }

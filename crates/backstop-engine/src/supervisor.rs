@@ -523,6 +523,23 @@ impl Supervisor {
             .collect()
     }
 
+    /// Every VM's published status, without waiting on any actor (for the metrics endpoint): a
+    /// VM that does not run shows its name and state (`config_invalid`, `start_failed`) alone.
+    pub fn statuses(&self) -> Vec<backstop_control::StatusView> {
+        self.members()
+            .iter()
+            .map(|(name, m)| match m {
+                Member::Running(h, _) => h.status(),
+                Member::Down { state, backend, .. } => backstop_control::StatusView {
+                    vm: name.clone(),
+                    state: (*state).into(),
+                    backend: backend.clone(),
+                    ..Default::default()
+                },
+            })
+            .collect()
+    }
+
     /// The running VMs' handles.
     pub fn handles(&self) -> Vec<Arc<VmHandle>> {
         self.members()

@@ -314,6 +314,14 @@ pub trait VmBackend: Send {
             message: format!("the {} backend cannot list devices", self.kind()),
         })
     }
+    /// Each NIC's link as the guest reads it: the links of [`VmBackend::guest_devices`] alone,
+    /// cheap enough for every published `status`. Backends that cannot tell say so.
+    fn link_states(&mut self) -> Result<Vec<LinkState>> {
+        Err(BackendError::Command {
+            step: "read links",
+            message: format!("the {} backend cannot read link states", self.kind()),
+        })
+    }
 }
 
 /// Where a VM's heartbeat comes from (`vm.heartbeat`). Exactly one source credits heartbeats;

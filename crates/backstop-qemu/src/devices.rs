@@ -581,15 +581,23 @@ impl crate::QemuBackend {
         }
     }
 
-    pub(crate) fn device_view(&mut self) -> Result<GuestDevices> {
+    pub(crate) fn link_view(&mut self) -> Result<Vec<LinkState>> {
         let t = self.cfg.qmp_timeout;
         let nics = self.cfg.nics.clone();
-        let r = self.running_mut("list devices")?;
+        let r = self.running_mut("read links")?;
         let mut links = Vec::new();
         for nic in nics {
             let up = link_up(r, t, &nic)?;
             links.push(LinkState { nic, up });
         }
+        Ok(links)
+    }
+
+    pub(crate) fn device_view(&mut self) -> Result<GuestDevices> {
+        let t = self.cfg.qmp_timeout;
+        self.running_mut("list devices")?;
+        let links = self.link_view()?;
+        let r = self.running_mut("list devices")?;
         Ok(GuestDevices {
             peripherals: peripherals(r, t)?,
             pci: query_pci(r, t)?.into_iter().map(|(f, _)| f).collect(),

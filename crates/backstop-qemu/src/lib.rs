@@ -1257,6 +1257,10 @@ impl VmBackend for QemuBackend {
     fn guest_devices(&mut self) -> Result<backstop_hypervisor::GuestDevices> {
         self.device_view()
     }
+
+    fn link_states(&mut self) -> Result<Vec<backstop_hypervisor::LinkState>> {
+        self.link_view()
+    }
 }
 
 impl Drop for QemuBackend {

@@ -1,6 +1,9 @@
 //! backstopd's command line, kept apart from `main.rs` so that `backstop-dist` renders the
-//! daemon's man page and shell completions from the very definition the daemon parses.
-//! Nothing else belongs here: the daemon's logic lives in `backstop-engine`.
+//! daemon's man page and shell completions from the very definition the daemon parses; and
+//! [`metrics`], the OpenMetrics endpoint that serves what the engine's actors publish. Nothing
+//! else belongs here: the daemon's logic lives in `backstop-engine`.
+
+pub mod metrics;
 
 use std::path::PathBuf;
 

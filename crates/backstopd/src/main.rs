@@ -13,6 +13,7 @@ use backstop_control::{
     Accepted, AccessPolicy, Connection, ControlServer, Reply, Request, Response,
 };
 use backstop_engine::supervisor::Supervisor;
+use backstop_engine::systemd::{NotifyState, TimeoutExtender};
 use backstop_engine::{Caller, HostConfig, VmSlot};
 use backstopd::Args;
 
@@ -151,13 +152,44 @@ fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
             .socket_gid()
             .map_err(|e| format!("{}: {e}", e.code()))?,
     };
+    let socket_gid = access.socket_gid;
     let socket = host.socket_path();
     // Bind before starting any VM: a second daemon must fail before it touches anything.
     let server = ControlServer::bind(&socket, access).map_err(|e| format!("{}: {e}", e.code()))?;
+    // The metrics endpoint too: an address in use fails the start, not a later scrape.
+    let metrics = match host
+        .daemon
+        .metrics_endpoint()
+        .map_err(|e| format!("{}: {e}", e.code()))?
+    {
+        Some(endpoint) => Some(
+            backstopd::metrics::Listener::bind(&endpoint, socket_gid).map_err(|e| {
+                format!("ERR_IO: metrics endpoint {endpoint} (daemon.metrics): {e}")
+            })?,
+        ),
+        None => None,
+    };
+    // Every VM is verified and restored (or resumed) before READY=1: on a large store that
+    // outlasts TimeoutStartSec=, so the start-up is extended while the actors show progress.
+    let silence_limit = std::time::Duration::from_secs(host.daemon.actor_silence_limit_secs);
+    let starting = TimeoutExtender::start(silence_limit);
     let engine =
         Arc::new(Supervisor::start(&host, config_path).map_err(|e| format!("{}: {e}", e.code()))?);
+    drop(starting);
+    let metrics_socket = match metrics {
+        Some(listener) => {
+            let at = listener.describe();
+            let path = listener.socket_path().map(std::path::Path::to_path_buf);
+            let source_engine = Arc::clone(&engine);
+            backstopd::metrics::serve(listener, Arc::new(move || source_engine.statuses()))
+                .map_err(|e| format!("ERR_IO: spawn metrics threads: {e}"))?;
+            tracing::info!(endpoint = %at, "metrics endpoint ready (GET /metrics)");
+            path
+        }
+        None => None,
+    };
     tracing::info!(socket = %socket.display(), vms = host.vms.len(), "control socket ready");
-    backstop_engine::systemd::notify("READY=1");
+    backstop_engine::systemd::notify(&[NotifyState::Ready]);
 
     let server = Arc::new(server);
     {
@@ -180,10 +212,10 @@ fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
         // `systemctl status` shows this line.
         let status = status_line(&engine.vms());
         if status != last_status {
-            backstop_engine::systemd::notify(&format!("STATUS={status}"));
+            backstop_engine::systemd::notify(&[NotifyState::Status(&status)]);
             last_status = status;
         }
-        match wait_signal(&signals, std::time::Duration::from_secs(1)) {
+        match wait_signal(&signals, backstop_engine::systemd::loop_period()) {
             Ok(Some(Signal::SIGHUP)) => reload_in_background(&engine),
             Ok(Some(sig)) => break sig,
             Ok(None) => {}
@@ -191,12 +223,18 @@ fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
         }
     };
     tracing::info!(signal = ?sig, "stopping");
-    backstop_engine::systemd::notify("STOPPING=1");
+    backstop_engine::systemd::notify(&[NotifyState::Stopping]);
     // A clean stop: each guest is paused and a final snapshot taken (the next start resumes
     // from it), then each VM ends. The accept thread may still hold the supervisor; requests
-    // get ERR_SHUTTING_DOWN from here on.
+    // get ERR_SHUTTING_DOWN from here on. The final snapshots can outlast TimeoutStopSec=:
+    // extended while the actors show progress.
+    let stopping = TimeoutExtender::start(silence_limit);
     engine.shutdown();
+    drop(stopping);
     let _ = std::fs::remove_file(&socket);
+    if let Some(path) = metrics_socket {
+        let _ = std::fs::remove_file(path);
+    }
     Ok(())
 }
 
@@ -208,7 +246,11 @@ fn reload_in_background(engine: &Arc<Supervisor>) {
     let spawned = std::thread::Builder::new()
         .name("sighup-reload".into())
         .spawn(move || {
-            backstop_engine::systemd::notify("RELOADING=1");
+            // MONOTONIC_USEC pairs with RELOADING=1 (systemd ≥ 253 wants both together).
+            match NotifyState::monotonic_usec_now() {
+                Ok(now) => backstop_engine::systemd::notify(&[NotifyState::Reloading, now]),
+                Err(_) => backstop_engine::systemd::notify(&[NotifyState::Reloading]),
+            }
             match engine.reload() {
                 Ok(r) => tracing::info!(
                     added = ?r.added, removed = ?r.removed, applied = ?r.applied,
@@ -219,7 +261,7 @@ fn reload_in_background(engine: &Arc<Supervisor>) {
                     tracing::error!(%code, %message, "SIGHUP: reload refused; nothing changed")
                 }
             }
-            backstop_engine::systemd::notify("READY=1");
+            backstop_engine::systemd::notify(&[NotifyState::Ready]);
         });
     if let Err(e) = spawned {
         tracing::error!(error = %e, "SIGHUP: could not start the reload");

@@ -164,6 +164,64 @@ pub struct DaemonConfig {
     /// every step of a long operation is a sign of life, so a healthy actor is never near it.
     #[serde(default = "default_actor_silence_limit_secs")]
     pub actor_silence_limit_secs: u64,
+    /// Where the OpenMetrics endpoint (`GET /metrics`) listens: `"unix:/path.sock"` or a
+    /// loopback `"127.0.0.1:PORT"` / `"[::1]:PORT"` / `"localhost:PORT"`. Off when absent. See
+    /// [`DaemonConfig::metrics_endpoint`]: any other address is refused at load.
+    pub metrics: Option<String>,
+}
+
+/// Where the metrics endpoint listens (`daemon.metrics`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MetricsEndpoint {
+    /// A Unix stream socket at this path.
+    Unix(PathBuf),
+    /// A loopback TCP address.
+    Tcp(std::net::SocketAddr),
+}
+
+impl std::fmt::Display for MetricsEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MetricsEndpoint::Unix(p) => write!(f, "unix:{}", p.display()),
+            MetricsEndpoint::Tcp(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// Reads `daemon.metrics`: the metrics tell every VM's state, so they are served on this host
+/// only (a Unix socket or a loopback address), never to the network.
+pub fn parse_metrics_endpoint(value: &str) -> Result<MetricsEndpoint, ConfigError> {
+    let bad = |message: String| ConfigError::Invalid {
+        key: "daemon.metrics".into(),
+        message,
+    };
+    if let Some(path) = value.strip_prefix("unix:") {
+        let path = load::expand_path("daemon.metrics", Path::new(path))?;
+        if !path.is_absolute() {
+            return Err(bad(format!(
+                "{value:?}: a Unix socket needs an absolute path (unix:/run/backstop/metrics.sock)"
+            )));
+        }
+        return Ok(MetricsEndpoint::Unix(path));
+    }
+    let addr: std::net::SocketAddr = match value.strip_prefix("localhost:") {
+        Some(port) => port
+            .parse::<u16>()
+            .map(|p| std::net::SocketAddr::from(([127, 0, 0, 1], p)))
+            .map_err(|_| bad(format!("{value:?}: the port is not a number 0-65535")))?,
+        None => value.parse().map_err(|_| {
+            bad(format!(
+                "{value:?} is neither unix:/PATH nor a loopback ADDRESS:PORT (127.0.0.1:9464)"
+            ))
+        })?,
+    };
+    if !addr.ip().is_loopback() {
+        return Err(bad(format!(
+            "{value:?} is not a loopback address: metrics are served on this host only \
+             (127.0.0.1:PORT, [::1]:PORT or unix:/PATH)"
+        )));
+    }
+    Ok(MetricsEndpoint::Tcp(addr))
 }
 
 /// A group by name or by number.
@@ -192,6 +250,14 @@ impl DaemonConfig {
                 }),
             },
         }
+    }
+
+    /// The metrics endpoint, if `daemon.metrics` asks for one.
+    pub fn metrics_endpoint(&self) -> Result<Option<MetricsEndpoint>, ConfigError> {
+        self.metrics
+            .as_deref()
+            .map(parse_metrics_endpoint)
+            .transpose()
     }
 
     /// The host key (`key_path`, or `<state_dir>/keys/host.key`).

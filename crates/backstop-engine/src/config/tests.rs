@@ -339,3 +339,53 @@ fn the_temporal_bound_defaults_to_seven_days_and_cannot_be_turned_off() {
         30
     );
 }
+
+#[test]
+fn the_metrics_endpoint_is_off_by_default_and_local_only() {
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert_eq!(cfg.daemon.metrics_endpoint().unwrap(), None);
+    for (value, want) in [
+        (
+            "unix:/run/backstop/metrics.sock",
+            MetricsEndpoint::Unix("/run/backstop/metrics.sock".into()),
+        ),
+        (
+            "127.0.0.1:9464",
+            MetricsEndpoint::Tcp("127.0.0.1:9464".parse().unwrap()),
+        ),
+        (
+            "[::1]:9464",
+            MetricsEndpoint::Tcp("[::1]:9464".parse().unwrap()),
+        ),
+        (
+            "localhost:9464",
+            MetricsEndpoint::Tcp("127.0.0.1:9464".parse().unwrap()),
+        ),
+        (
+            "127.0.0.2:1",
+            MetricsEndpoint::Tcp("127.0.0.2:1".parse().unwrap()),
+        ),
+    ] {
+        assert_eq!(parse_metrics_endpoint(value).unwrap(), want, "{value}");
+    }
+    for (value, says) in [
+        ("0.0.0.0:9464", "not a loopback address"),
+        ("192.168.1.10:9464", "not a loopback address"),
+        ("[::]:9464", "not a loopback address"),
+        ("unix:metrics.sock", "absolute path"),
+        ("localhost:http", "not a number"),
+        ("example.org:9464", "neither unix:/PATH"),
+        ("", "neither unix:/PATH"),
+    ] {
+        let e = parse_metrics_endpoint(value).unwrap_err();
+        let text = e.to_string();
+        assert_eq!(e.code(), ErrorCode::ConfigInvalid);
+        assert!(text.contains("`daemon.metrics`"), "{value}: {text}");
+        assert!(text.contains(says), "{value}: {text}");
+        assert!(!text.contains('\n'), "one line: {text}");
+    }
+    // A whole daemon file with a non-local address is refused before anything starts.
+    let text = DEFAULT_CONFIG.replace("[daemon]\n", "[daemon]\nmetrics = \"0.0.0.0:9464\"\n");
+    let e = crate::HostConfig::parse(&text).unwrap_err();
+    assert!(e.to_string().contains("daemon.metrics"), "{e}");
+}

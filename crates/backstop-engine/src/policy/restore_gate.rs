@@ -567,6 +567,7 @@ impl VmActor {
             .filter_map(|e| match e {
                 ListEntry::Valid(m) => {
                     let mut s = summary(&m);
+                    s.current = self.descends_from(&m.snapshot_id);
                     s.rolled_back = self.policy.marks.get(&m.snapshot_id).map(|k| {
                         Box::new(RolledBackMark {
                             at: k.at.clone(),
