@@ -29,7 +29,8 @@ fn marked(d: &Daemon) -> Vec<String> {
         .as_array()
         .unwrap()
         .iter()
-        .filter(|s| s.get("rolled_back").is_some())
+        // (A rollback's forensic snapshot descends from where the VM stood: left behind too.)
+        .filter(|s| s.get("rolled_back").is_some() && s["trigger"] != "forensic")
         .map(|s| s["snapshot_id"].as_str().unwrap().to_string())
         .collect()
 }

@@ -1378,6 +1378,7 @@ mod tests {
             restore_ms: 250,
             phases: Vec::new(),
             repeat_of: None,
+            forensic_snapshot_id: None,
         };
         let req = Request::Rollback {
             to: None,
@@ -1626,6 +1627,7 @@ mod tests {
             restore_ms: 200,
             phases: Vec::new(),
             repeat_of: None,
+            forensic_snapshot_id: None,
         }));
         let text = human(&req, &Response::Action(a));
         assert!(text.starts_with("action pkg-42 rolled_back: "), "{text}");

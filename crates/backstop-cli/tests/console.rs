@@ -381,6 +381,7 @@ fn progress_goes_to_stderr_as_plain_lines_and_not_with_json() {
                 restore_ms: 250,
                 phases: Vec::new(),
                 repeat_of: None,
+                forensic_snapshot_id: None,
             })),
         ]
     });

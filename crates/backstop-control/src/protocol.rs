@@ -868,6 +868,9 @@ pub struct RollbackReport {
     /// the first one, whose trace id this is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub repeat_of: Option<String>,
+    /// The forensic snapshot keeping the disks this rollback abandoned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub forensic_snapshot_id: Option<String>,
 }
 
 /// One phase of an operation and how long it took.

@@ -33,6 +33,7 @@ pub mod devices;
 pub mod error;
 pub mod fault;
 pub mod firmware;
+pub mod forensic;
 pub mod host;
 mod layers;
 pub mod lifecycle;

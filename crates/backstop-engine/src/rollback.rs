@@ -227,7 +227,7 @@ impl VmActor {
 
         // 2.-5. Any failure from here on halts.
         match self.replace_vm(ctx, &target, resume, &mut clock) {
-            Ok((revoked, restore_ms)) => {
+            Ok((revoked, restore_ms, forensic)) => {
                 let report = RollbackReport {
                     snapshot_id: snapshot_id.clone(),
                     rollback_type: rollback_type.as_str().into(),
@@ -239,6 +239,7 @@ impl VmActor {
                     restore_ms,
                     phases: clock.phases.clone(),
                     repeat_of: None,
+                    forensic_snapshot_id: forensic.clone(),
                 };
                 self.journal(AuditEvent::SnapshotRestoreCompleted, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "ok",
@@ -249,6 +250,7 @@ impl VmActor {
                     "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
                     "timestamp": now_rfc3339(), "revoked": report.revoked, "epoch": report.epoch,
                     "total_ms": report.total_ms, "phases_ms": clock.as_json(),
+                    "forensic_snapshot_id": forensic,
                 }))?;
                 self.mark_rolled_back(&snapshot_id, rollback_type, &trace);
                 self.tally.last_rollback = Some(backstop_control::LastRollbackView {
@@ -311,6 +313,11 @@ impl VmActor {
             if v.manifest.config_fingerprint != fingerprint {
                 return Err(EngineError::ShapeMismatch { snapshot_id: id });
             }
+            if crate::forensic::is_forensic(&v.manifest) {
+                return Err(EngineError::BadRequest(format!(
+                    "{id} is a forensic snapshot (the disks a rollback abandoned, no RAM state): it is kept to be examined, never restored"
+                )));
+            }
             self.journal_verify_passed(ctx, &id)?;
             return Ok((v, Vec::new()));
         }
@@ -321,6 +328,7 @@ impl VmActor {
         let entries: Vec<ListEntry> = (self.store.list().map_err(EngineError::Store)?)
             .into_iter()
             .filter(|e| !self.policy.is_rolled_back(e.snapshot_id()))
+            .filter(|e| !matches!(e, ListEntry::Valid(m) if crate::forensic::is_forensic(m)))
             .filter(|e| match (e, before) {
                 (ListEntry::Valid(m), Some(b)) => created_before(&m.created_at, b),
                 _ => true,
@@ -445,7 +453,7 @@ impl VmActor {
         target: &VerifiedSnapshot,
         resume: bool,
         clock: &mut PhaseClock,
-    ) -> Result<(Vec<String>, u64), (&'static str, String)> {
+    ) -> Result<Replaced, (&'static str, String)> {
         let bound = Duration::from_millis(self.cfg.rollback.revoke_timeout_ms);
         let mut revoked = Vec::new();
         if self.backend.pid().is_some() {
@@ -482,6 +490,12 @@ impl VmActor {
             .map_err(|e| ("release host devices", e))?;
         revoked.extend(released);
         clock.done("end");
+        // The disks the ended VM was writing are kept as they are (issue 15: forensic capture).
+        let forensic = if resume {
+            None
+        } else {
+            self.keep_forensic(ctx, &target.manifest.snapshot_id)
+        };
 
         ctx.step(
             "restore",
@@ -613,9 +627,12 @@ impl VmActor {
         }
         clock.done("resume");
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
-        Ok((revoked, restore_ms.max(rr.load_ms)))
+        Ok((revoked, restore_ms.max(rr.load_ms), forensic))
     }
 }
+
+/// What replacing the VM did: revocations, the restore time, the forensic snapshot kept.
+type Replaced = (Vec<String>, u64, Option<String>);
 
 /// Whether `created_at` is strictly before `bound` (both RFC 3339); an unreadable time is not.
 pub(crate) fn created_before(created_at: &str, bound: &str) -> bool {

@@ -258,6 +258,7 @@ impl VmActor {
                     "created_at": m.created_at,
                     "manifest_sha256": crate::replay::manifest_sha256(self.store.root(), &m.snapshot_id).ok(),
                     "parent": parent, "epoch": m.epoch, "healthy": manifest_healthy(&m),
+                    "trigger": m.trigger,
                 }))?;
                 self.note_lineage(&m);
                 self.bound_running_chains(ctx)?;

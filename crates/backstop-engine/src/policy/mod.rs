@@ -86,6 +86,14 @@ pub struct RetentionConfig {
     /// Snapshots a rollback left behind stay listed (marked) this long, then are deleted.
     #[serde(default = "default_rolled_back_hours")]
     pub keep_rolled_back_hours: u64,
+    /// Forensic snapshots (the disks a rollback abandoned) are kept this long, by this rule
+    /// alone.
+    #[serde(default = "default_forensic_hours")]
+    pub keep_forensic_hours: u64,
+}
+
+fn default_forensic_hours() -> u64 {
+    72
 }
 
 impl Default for RetentionConfig {
@@ -95,6 +103,7 @@ impl Default for RetentionConfig {
             hourly: default_hourly(),
             daily: default_daily(),
             keep_rolled_back_hours: default_rolled_back_hours(),
+            keep_forensic_hours: default_forensic_hours(),
         }
     }
 }
@@ -197,6 +206,12 @@ pub fn validate_config(cfg: &Config) -> Result<(), ConfigError> {
         if v > 10_000 {
             return bad(key, "must be at most 10000".into());
         }
+    }
+    if r.keep_forensic_hours > 8760 {
+        return bad(
+            "retention.keep_forensic_hours",
+            "must be at most 8760".into(),
+        );
     }
     if r.keep_rolled_back_hours > 8760 {
         return bad(

@@ -137,7 +137,10 @@ impl VmActor {
             .map_err(EngineError::Store)?
             .into_iter()
             .filter_map(|e| match e {
-                ListEntry::Valid(m) if !self.policy.is_rolled_back(&m.snapshot_id) => {
+                ListEntry::Valid(m)
+                    if !self.policy.is_rolled_back(&m.snapshot_id)
+                        && !crate::forensic::is_forensic(&m) =>
+                {
                     parse_time(&m.created_at).map(|t| (t, m.snapshot_id))
                 }
                 _ => None,
@@ -362,7 +365,9 @@ impl VmActor {
             return Ok(None);
         };
         for e in entries[pos + 1..].iter().rev() {
-            if self.policy.is_rolled_back(e.snapshot_id()) {
+            if self.policy.is_rolled_back(e.snapshot_id())
+                || matches!(e, ListEntry::Valid(m) if crate::forensic::is_forensic(m))
+            {
                 continue;
             }
             let m = match e {

@@ -41,7 +41,7 @@ impl VmActor {
         let entries = self.store.list().map_err(EngineError::Store)?;
         for e in entries.iter().rev() {
             let ListEntry::Valid(m) = e else { continue };
-            if self.policy.is_rolled_back(&m.snapshot_id) {
+            if self.policy.is_rolled_back(&m.snapshot_id) || crate::forensic::is_forensic(m) {
                 continue;
             }
             ctx.step("verify", format!("verifying {}", m.snapshot_id), None);
@@ -82,8 +82,25 @@ impl VmActor {
             }
         }
         let entries = self.store.list().map_err(EngineError::Store)?;
+        // Forensic snapshots follow their own rule: kept `keep_forensic_hours`, then removed.
+        let forensic_keep = time::Duration::hours(self.cfg.retention.keep_forensic_hours as i64);
+        let mut forensic_expired = Vec::new();
+        let mut forensic_kept = Vec::new();
+        for e in &entries {
+            if let ListEntry::Valid(m) = e {
+                if crate::forensic::is_forensic(m) {
+                    match parse_time(&m.created_at) {
+                        Some(t) if now - t > forensic_keep => {
+                            forensic_expired.push(m.snapshot_id.clone())
+                        }
+                        _ => forensic_kept.push(m.snapshot_id.clone()),
+                    }
+                }
+            }
+        }
         let candidates: Vec<Candidate> = entries
             .iter()
+            .filter(|e| !matches!(e, ListEntry::Valid(m) if crate::forensic::is_forensic(m)))
             .map(|e| {
                 let id = e.snapshot_id().to_string();
                 Candidate {
@@ -101,7 +118,16 @@ impl VmActor {
                 }
             })
             .collect();
-        let plan = plan_retention(&self.cfg.retention.policy(), &candidates, now);
+        let mut plan = plan_retention(&self.cfg.retention.policy(), &candidates, now);
+        let hours = self.cfg.retention.keep_forensic_hours;
+        for id in forensic_kept {
+            plan.keep
+                .push((id, vec![format!("forensic, younger than {hours} h")]));
+        }
+        for id in forensic_expired {
+            plan.remove
+                .push((id, format!("forensic, older than {hours} h")));
+        }
         let mut view = PruneView {
             removed: Vec::new(),
             kept: plan

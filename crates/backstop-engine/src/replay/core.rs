@@ -244,6 +244,8 @@ pub struct Replayer<'a> {
     created: HashMap<String, String>,
     /// Published snapshots of an unhealthy guest.
     unhealthy: std::collections::HashSet<String>,
+    /// Forensic snapshots (never rollback targets).
+    forensic: std::collections::HashSet<String>,
     out: Outcome,
 }
 
@@ -280,6 +282,7 @@ impl<'a> Replayer<'a> {
             parents: HashMap::new(),
             created: HashMap::new(),
             unhealthy: Default::default(),
+            forensic: Default::default(),
             out: Outcome {
                 code: None,
                 detail: String::new(),
@@ -556,6 +559,9 @@ impl<'a> Replayer<'a> {
                 }
                 if f.get("healthy") == Some(&Value::Bool(false)) {
                     self.unhealthy.insert(id.to_string());
+                }
+                if s(f, "trigger") == Some(crate::forensic::FORENSIC) {
+                    self.forensic.insert(id.to_string());
                 }
             }
             "snapshot.pruned" => {
@@ -849,6 +855,7 @@ impl<'a> Replayer<'a> {
             .iter()
             .rev()
             .filter(|p| !self.pruned.contains(*p) && !self.marked.contains(*p))
+            .filter(|p| !self.forensic.contains(*p))
             .filter(|p| match (&before, self.created.get(*p)) {
                 (None, _) => true,
                 (Some(b), Some(c)) => crate::rollback::created_before(c, b),
@@ -916,6 +923,7 @@ impl<'a> Replayer<'a> {
                     .iter()
                     .rev()
                     .filter(|p| !self.pruned.contains(*p) && !self.marked.contains(*p))
+                    .filter(|p| !self.forensic.contains(*p))
                     .cloned()
                     .collect(),
                 None => Vec::new(),

@@ -1,0 +1,106 @@
+//! Forensic capture (issue 15 item 3): a rollback keeps the disks it abandons as a `forensic`
+//! snapshot (frozen, not copied) that its record names, whose disk layer holds the guest's last
+//! pre-rollback write, which is never a rollback target, and which replay accounts for.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use backstop_e2e::{disk_sector0, skip_unless_ready, Daemon};
+use serde_json::Value;
+
+const BOOT: Duration = Duration::from_secs(120);
+
+#[test]
+fn a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot() {
+    if skip_unless_ready("a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot") {
+        return;
+    }
+    let d = Daemon::start("forensic");
+    d.wait_tick(0, 3, BOOT);
+    let s1 = d.ok(&["snapshot", "create", "--reason", "before the bad writes"])["summary"]
+        ["snapshot_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let at_s1 = d.last_tick().unwrap().disk;
+    d.wait_tick(0, at_s1 + 6, Duration::from_secs(60));
+    let last_written = d.last_tick().unwrap().disk;
+
+    let r = d.ok(&[
+        "trigger",
+        "force_rollback",
+        "--reason",
+        "undo the bad writes",
+    ]);
+    assert_eq!(r["snapshot_id"], s1.as_str());
+    let forensic = r["forensic_snapshot_id"]
+        .as_str()
+        .expect("the rollback names its forensic snapshot")
+        .to_string();
+    let done = d
+        .journal()
+        .into_iter()
+        .rev()
+        .find(|e| e["event"] == "rollback.completed")
+        .unwrap();
+    assert_eq!(done["fields"]["forensic_snapshot_id"], forensic.as_str());
+
+    // The forensic snapshot: trigger forensic, no RAM, the data disk's abandoned chain.
+    let m = d.ok(&["snapshot", "show", &forensic])["manifest"].clone();
+    assert_eq!(m["trigger"], "forensic");
+    let payloads = m["payload_refs"].as_array().unwrap();
+    assert!(
+        payloads.iter().all(|p| p["kind"] == "disk-layer-chain"),
+        "{m}"
+    );
+    let data = payloads.iter().find(|p| p["name"] == "disk:data").unwrap();
+    let top = data["layers"].as_array().unwrap().last().unwrap()["path"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let on_disk = disk_sector0(std::path::Path::new(&top));
+    assert!(
+        on_disk >= last_written && on_disk <= last_written + 4,
+        "the forensic layer holds {on_disk}; the guest's last write seen was {last_written}"
+    );
+    // Frozen where it was, not copied: read-only, outside the store, verified by the store.
+    let mode = std::fs::metadata(&top).unwrap().permissions();
+    assert!(mode.readonly(), "{top} is writable");
+    assert_eq!(
+        d.ok(&["snapshot", "verify", &forensic])["snapshot_id"],
+        forensic.as_str()
+    );
+    // The lineage says where it came from: the VM's position before the rollback.
+    assert_eq!(m["lineage"]["parent"], s1.as_str());
+
+    // Never a rollback target: by name it is refused, and an emergency goes elsewhere.
+    let out = d.cli(&[
+        "rollback",
+        "--to",
+        &forensic,
+        "--reason",
+        "restore the forensic one",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("forensic"),
+        "{err}"
+    );
+    let r = d.ok(&["rollback", "--emergency", "--reason", "again"]);
+    assert_ne!(r["snapshot_id"], forensic.as_str());
+    // Retention keeps it by its own rule.
+    let pruned = d.ok(&["snapshot", "prune"]);
+    let kept = pruned["kept"].as_array().unwrap();
+    assert!(
+        kept.iter().any(|k| k["snapshot_id"] == forensic.as_str()
+            && k["reasons"][0].as_str().unwrap().starts_with("forensic")),
+        "{pruned}"
+    );
+    // Replay accounts for it.
+    let replay = d.ok(&["audit", "replay", "--mode", "production"]);
+    assert_eq!(replay["code"], Value::Null, "{replay}");
+}
