@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use backstop_e2e::{disk_sector0, skip_unless_ready, Daemon};
+use backstop_e2e::{disk_sector0, skip_unless_ready, Daemon, Options};
 use serde_json::Value;
 
 const BOOT: Duration = Duration::from_secs(120);
@@ -15,7 +15,14 @@ fn a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot() {
     if skip_unless_ready("a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot") {
         return;
     }
-    let d = Daemon::start("forensic");
+    // Kept three days here (the default, 0, keeps them until the next retention pass).
+    let d = Daemon::start_opts(
+        "forensic",
+        &Options {
+            extra_toml: "[retention]\nkeep_forensic_hours = 72\n",
+            ..Options::default()
+        },
+    );
     d.wait_tick(0, 3, BOOT);
     let s1 = d.ok(&["snapshot", "create", "--reason", "before the bad writes"])["summary"]
         ["snapshot_id"]

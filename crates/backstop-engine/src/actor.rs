@@ -519,6 +519,13 @@ impl VmActor {
             };
             match r {
                 Ok(()) => return,
+                // Refused for want of space (`min_free_mib`): nothing was tried, nothing is
+                // wrong with the VM. It runs on, as it always did on a full disk, and the next
+                // scheduled slot tries again (journaled; `status` shows no snapshot).
+                Err(e @ EngineError::NoSpace { .. }) => {
+                    warn!(error = %e, "baseline snapshot refused for want of space; the VM runs on");
+                    return;
+                }
                 Err(e) => {
                     warn!(attempt, of = BASELINE_TRIES, error = %e, code = %e.code(), "baseline snapshot failed");
                     last = format!("{}: {e}", e.code());
@@ -547,13 +554,26 @@ impl VmActor {
             event.fields(),
             f.keys().collect::<Vec<_>>()
         );
-        let entry = match self.journal.append(event.as_str(), f.clone()) {
+        let (seq, hash) = match self.journal.append(event.as_str(), f.clone()) {
+            Ok(e) => (e.seq, e.hash),
             // Out of space (the failed write was cut back): the space reserve is given up so
             // that the record is not lost; the HALT path retries the same way.
             Err(backstop_journal::JournalError::Write { .. }) if self.records.release_reserve() => {
-                self.journal.append(event.as_str(), f)?
+                let e = self.journal.append(event.as_str(), f)?;
+                (e.seq, e.hash)
             }
-            r => r?,
+            // The entry is durable, its sealed head was not written for want of space: the
+            // reserve goes, and the head is sealed again.
+            Err(backstop_journal::JournalError::WriteHead { .. })
+                if self.records.release_reserve() =>
+            {
+                self.journal.reseal_head()?;
+                (
+                    self.journal.last_seq(),
+                    self.journal.last_hash().to_string(),
+                )
+            }
+            Err(e) => return Err(e.into()),
         };
         if matches!(
             event,
@@ -563,7 +583,7 @@ impl VmActor {
                 | AuditEvent::VmResumed
                 | AuditEvent::DaemonStopped
         ) {
-            self.anchor(event, &entry);
+            self.anchor(event, seq, &hash);
         }
         Ok(())
     }
@@ -571,7 +591,7 @@ impl VmActor {
     /// Records this VM's chain head in the daemon journal, so that cutting entries off this
     /// VM's journal is caught by the daemon's `audit verify`. Best effort: the operation that
     /// was journaled already happened.
-    fn anchor(&self, event: AuditEvent, head: &backstop_journal::Entry) {
+    fn anchor(&self, event: AuditEvent, seq: u64, hash: &str) {
         let Some(daemon) = &self.anchors else { return };
         let mut f = Map::new();
         for (k, v) in [
@@ -580,8 +600,8 @@ impl VmActor {
             ("snapshot_id", Value::Null),
             ("result", "ok".into()),
             ("vm", self.cfg.vm.name.clone().into()),
-            ("seq", head.seq.into()),
-            ("hash", head.hash.clone().into()),
+            ("seq", seq.into()),
+            ("hash", hash.to_string().into()),
             ("anchored_event", event.as_str().into()),
         ] {
             f.insert(k.into(), v);

@@ -261,6 +261,12 @@ impl Journal {
         Ok(entry)
     }
 
+    /// Seals the head again for the last entry: after a [`JournalError::WriteHead`] (the entry
+    /// is durable, only its head lagged), once space is back.
+    pub fn reseal_head(&self) -> Result<(), JournalError> {
+        write_head(&self.head_path, &self.key, self.last_seq, &self.last_hash)
+    }
+
     /// Seq of the last entry, 0 for an empty journal.
     pub fn last_seq(&self) -> u64 {
         self.last_seq

@@ -87,13 +87,15 @@ pub struct RetentionConfig {
     #[serde(default = "default_rolled_back_hours")]
     pub keep_rolled_back_hours: u64,
     /// Forensic snapshots (the disks a rollback abandoned) are kept this long, by this rule
-    /// alone.
+    /// alone (default 0: until the next retention pass).
     #[serde(default = "default_forensic_hours")]
     pub keep_forensic_hours: u64,
 }
 
+/// 0: until the next retention pass (then their layers are collected, as every abandoned
+/// overlay's are); an operator who wants them kept longer says how long.
 fn default_forensic_hours() -> u64 {
-    72
+    0
 }
 
 impl Default for RetentionConfig {
