@@ -27,6 +27,9 @@ pub enum Fault {
     /// filesystem is filled to the last byte (`<state_dir>/fault-filler`, for the test to
     /// remove): a disk that fills up between the chunks and the publish.
     FillDiskBeforePublish,
+    /// QEMU gets a second monitor (`test-qmp.sock` in the run directory) through which a test
+    /// changes the VM behind backstop's back (drift detection's end-to-end test).
+    SecondQmpMonitor,
 }
 
 /// With [`Fault::FillDiskBeforePublish`] armed, takes every free byte of the filesystem of
@@ -136,6 +139,7 @@ fn parse(v: &str) -> Option<Fault> {
         "restore.kill-qemu" => Some(Fault::KillDuringRestoreLoad),
         "verify.no-descriptors" => Some(Fault::DescriptorsExhaustedOnVerify),
         "publish.fill-disk" => Some(Fault::FillDiskBeforePublish),
+        "qmp.second-monitor" => Some(Fault::SecondQmpMonitor),
         s => s
             .strip_prefix("capture.stall=")
             .and_then(|n| n.parse().ok())

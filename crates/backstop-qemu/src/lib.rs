@@ -1257,6 +1257,9 @@ impl VmBackend for QemuBackend {
     fn guest_devices(&mut self) -> Result<backstop_hypervisor::GuestDevices> {
         self.device_view()
     }
+    fn block_graph(&mut self) -> Result<Option<Vec<backstop_hypervisor::ActiveLayer>>> {
+        self.block_view().map(Some)
+    }
 }
 
 impl Drop for QemuBackend {
