@@ -67,6 +67,9 @@ pub enum Command {
     /// Re-read the VM files (daemon.vms_dir): start new VMs, stop removed ones cleanly; the
     /// other VMs are not disturbed.
     Reload,
+    /// Drift detection (spec/002): the open and recently resolved drift of the VM (--vm NAME),
+    /// and which invariants its backend checks (docs/drift.md).
+    Drift,
     /// Create, list, show and verify snapshots.
     #[command(subcommand)]
     Snapshot(SnapshotCommand),
@@ -274,6 +277,7 @@ impl Command {
             Command::Status => Request::Status,
             Command::Vms { .. } => Request::Vms,
             Command::Reload => Request::Reload,
+            Command::Drift => Request::DriftList,
             Command::Snapshot(SnapshotCommand::Create { reason }) => Request::SnapshotCreate {
                 reason: reason.clone(),
             },
@@ -676,6 +680,8 @@ mod tests {
             }
         );
         assert_eq!(request(&["action", "list"]), Request::ActionList);
+        assert_eq!(request(&["drift"]), Request::DriftList);
+        assert_eq!(request(&["--vm", "web1", "drift"]), Request::DriftList);
         assert_eq!(request(&["snapshot", "prune"]), Request::SnapshotPrune);
         assert_eq!(
             request(&[

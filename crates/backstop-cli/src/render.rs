@@ -3,9 +3,9 @@
 use std::fmt::Write as _;
 
 use backstop_control::{
-    ActionView, AuditVerifyReport, DevicesView, HypervisorDevicesView, Progress, PruneView,
-    ReloadReport, Request, Response, RollbackReport, SnapshotSummary, SnapshotView, StatusView,
-    VerifyReport, VmSummary,
+    ActionView, AuditVerifyReport, DevicesView, DriftReport, DriftView, HypervisorDevicesView,
+    Progress, PruneView, ReloadReport, Request, Response, RollbackReport, SnapshotSummary,
+    SnapshotView, StatusView, VerifyReport, VmSummary,
 };
 use serde_json::{json, Value};
 use time::format_description::well_known::Rfc3339;
@@ -58,6 +58,7 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::Actions { actions } => actions_text(actions),
         Response::Pruned(view) => pruned_text(view),
         Response::Vms { vms } => vms_text(vms),
+        Response::Drift(report) => drift_text(report),
         Response::Reloaded(r) => reloaded_text(r),
     }
 }
@@ -274,7 +275,90 @@ fn status_text(s: &StatusView) -> String {
         rows.push(("halt code", clean(&halt.code)));
         rows.push(("halt reason", clean(&halt.reason)));
     }
-    key_values(&rows)
+    if s.drift_open > 0 {
+        rows.push(("drift open", s.drift_open.to_string()));
+    }
+    let mut text = key_values(&rows);
+    if !s.drift.is_empty() {
+        text.push_str(&drift_table(&s.drift, false));
+    }
+    text
+}
+
+/// Drift rows: invariant, node, severity, how found, when, and (resolved) how it ended.
+fn drift_table(drifts: &[DriftView], resolved: bool) -> String {
+    let mut header = vec!["INVARIANT", "NODE", "SEVERITY", "FOUND BY", "DETECTED"];
+    if resolved {
+        header.extend(["RESOLVED", "RESOLUTION"]);
+    } else {
+        header.push("DETAILS");
+    }
+    let rows: Vec<Vec<String>> = drifts
+        .iter()
+        .map(|d| {
+            let mut row = vec![
+                clean(&d.invariant_id),
+                clean(&d.node_id),
+                clean(&d.severity),
+                clean(&d.drift_type),
+                short_time(&d.detected_at),
+            ];
+            if resolved {
+                row.push(
+                    d.resolved_at
+                        .as_deref()
+                        .map_or_else(|| "-".into(), short_time),
+                );
+                row.push(d.resolution.as_deref().map_or_else(|| "-".into(), clean));
+            } else {
+                row.push(clean(&d.details));
+            }
+            row
+        })
+        .collect();
+    table(&header, &rows)
+}
+
+fn drift_text(r: &DriftReport) -> String {
+    let mut text = format!("vm {}: ", clean(&r.vm));
+    if r.open.is_empty() {
+        text.push_str("no open drift\n");
+    } else {
+        let _ = writeln!(text, "{} open drift", r.open.len());
+        text.push_str(&drift_table(&r.open, false));
+    }
+    if !r.resolved.is_empty() {
+        text.push_str("\nrecently resolved:\n");
+        text.push_str(&drift_table(&r.resolved, true));
+    }
+    if !r.unusable_snapshots.is_empty() {
+        let ids: Vec<String> = r.unusable_snapshots.iter().map(|i| short_id(i)).collect();
+        let _ = writeln!(text, "\nsnapshots marked unusable: {}", ids.join(", "));
+    }
+    let _ = writeln!(
+        text,
+        "\nlast reconciliation pass: {}\ninvariants:",
+        r.last_reconcile_at
+            .as_deref()
+            .map_or_else(|| "not yet".into(), short_time)
+    );
+    let rows: Vec<Vec<String>> = r
+        .invariants
+        .iter()
+        .map(|i| {
+            vec![
+                clean(&i.invariant_id),
+                clean(&i.severity),
+                clean(&i.coverage),
+                clean(&i.action),
+            ]
+        })
+        .collect();
+    text.push_str(&table(
+        &["INVARIANT", "SEVERITY", "COVERAGE", "ON DRIFT"],
+        &rows,
+    ));
+    text
 }
 
 fn created_text(view: &SnapshotView) -> String {
@@ -327,10 +411,12 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
     let rows: Vec<[String; 9]> = snapshots
         .iter()
         .map(|s| {
-            let line = match &s.rolled_back {
+            let line = match (&s.unusable, &s.rolled_back) {
+                // Drift detection found it failing: listed, never a rollback target.
+                (Some(_), _) => "UNUSABLE".to_string(),
                 // spec/004 soft rollback: still listed, marked, with where the VM went.
-                Some(m) => format!("rolled back → {}", short_id(&m.rollback_to)),
-                None => "current".to_string(),
+                (None, Some(m)) => format!("rolled back → {}", short_id(&m.rollback_to)),
+                (None, None) => "current".to_string(),
             };
             [
                 short_id(&s.snapshot_id),
@@ -784,6 +870,7 @@ mod tests {
             bytes_stored: 1536,
             trigger: "console".into(),
             rolled_back: None,
+            unusable: None,
         }
     }
 
@@ -802,6 +889,8 @@ mod tests {
             newest_snapshot_at: None,
             heartbeat_age_ms: None,
             backend_details: Default::default(),
+            drift_open: 0,
+            drift: Vec::new(),
         }
     }
 

@@ -115,6 +115,8 @@ fn status() -> Response {
         newest_snapshot_at: None,
         heartbeat_age_ms: None,
         backend_details: Default::default(),
+        drift_open: 0,
+        drift: Vec::new(),
     })
 }
 
@@ -132,6 +134,7 @@ fn list() -> Response {
             bytes_stored: 4096,
             trigger: "schedule".into(),
             rolled_back: None,
+            unusable: None,
         }],
     }
 }

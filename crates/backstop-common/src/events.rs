@@ -182,7 +182,13 @@ mod tests {
         assert_eq!(AuditEvent::DriftDetected.as_str(), "DriftDetectedEvent");
         assert_eq!(AuditEvent::DriftResolved.as_str(), "DriftResolvedEvent");
         for e in [AuditEvent::DriftDetected, AuditEvent::DriftResolved] {
-            for f in ["drift_type", "invariant_id", "node_id", "severity", "details"] {
+            for f in [
+                "drift_type",
+                "invariant_id",
+                "node_id",
+                "severity",
+                "details",
+            ] {
                 assert!(e.fields().contains(&f), "{e} lacks {f}");
             }
         }

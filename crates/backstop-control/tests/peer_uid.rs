@@ -97,6 +97,8 @@ fn status() -> Response {
         newest_snapshot_at: None,
         heartbeat_age_ms: None,
         backend_details: Default::default(),
+        drift_open: 0,
+        drift: Vec::new(),
     })
 }
 

@@ -103,6 +103,8 @@ pub struct VmActor {
     pub(crate) captures: Arc<CaptureSlots>,
     /// The daemon journal this VM anchors its chain head in.
     pub(crate) anchors: Option<Arc<std::sync::Mutex<Journal>>>,
+    /// Drift detection: open and resolved drift, the launched shape, unusable snapshots.
+    pub(crate) drift: crate::drift::shell::DriftState,
 }
 
 fn fields(v: Value) -> Map<String, Value> {
@@ -172,6 +174,7 @@ impl VmActor {
             emergencies: Default::default(),
             devices: Default::default(),
             adoption,
+            drift: crate::drift::shell::DriftState::load(&state_dir),
         };
         let accel = engine.backend.accel().to_string();
         engine.journal(AuditEvent::DaemonStarted, json!({
@@ -467,6 +470,19 @@ impl VmActor {
             }
             r => r?,
         };
+        // A state change of the VM: its cheap invariants are checked once the job is over
+        // (drift detection's invariant-based strategy).
+        if matches!(
+            event,
+            AuditEvent::SnapshotCreateCompleted
+                | AuditEvent::RollbackCompleted
+                | AuditEvent::DeviceGranted
+                | AuditEvent::DeviceRevoked
+                | AuditEvent::VmResumed
+                | AuditEvent::VmStarted
+        ) {
+            self.drift.check_due = true;
+        }
         if matches!(
             event,
             AuditEvent::SnapshotCreateCompleted
@@ -545,6 +561,8 @@ impl VmActor {
                 .last
                 .map(|t| t.elapsed().as_millis() as u64),
             backend_details: self.backend.status_details(),
+            drift_open: self.drift.book.open().count(),
+            drift: self.drift.open_views(),
         }
     }
 
@@ -568,6 +586,7 @@ impl VmActor {
             return;
         }
         self.watch();
+        self.drift_tick();
     }
 
     pub fn note_refused(&mut self, uid: u32, pid: i32) {

@@ -45,6 +45,7 @@ impl VmActor {
                 Ok(Response::Snapshot(snapshot_view(&m)))
             }
             Request::SnapshotList => self.snapshot_list(),
+            Request::DriftList => self.drift_list(),
             Request::SnapshotShow { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
                 let m = self
@@ -66,13 +67,17 @@ impl VmActor {
             Request::SnapshotVerify { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
                 ctx.step("verify", format!("verifying {id}"), None);
-                let v = self
-                    .store
-                    .verify(&id, &VerifyOptions::default())
-                    .map_err(|source| EngineError::Verify {
-                        snapshot_id: id.clone(),
-                        source,
-                    })?;
+                let v = match self.store.verify(&id, &VerifyOptions::default()) {
+                    Ok(v) => v,
+                    Err(source) => {
+                        // Passive drift detection: a read that fails verification.
+                        self.drift_snapshot_read_failed(&id, &source);
+                        return Err(EngineError::Verify {
+                            snapshot_id: id,
+                            source,
+                        });
+                    }
+                };
                 Ok(Response::Verified(VerifyReport {
                     snapshot_id: id,
                     chunks_checked: v.report.chunks_checked,
@@ -291,6 +296,7 @@ pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
         bytes_stored: m.bytes_stored,
         trigger: m.trigger.clone(),
         rolled_back: None,
+        unusable: None,
     }
 }
 

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 
 use backstop_hypervisor::{
-    ActiveLayer, BackendError, DeviceAccess, DisplayState, GrantKind, GrantOutcome, GrantSpec, GuestDevices,
-    LinkState, PciFunction, Peripheral, PropValue, Release, Result, UsbDevice,
+    ActiveLayer, BackendError, DeviceAccess, DisplayState, GrantKind, GrantOutcome, GrantSpec,
+    GuestDevices, LinkState, PciFunction, Peripheral, PropValue, Release, Result, UsbDevice,
 };
 
 use crate::{cmdline, is_grantable, QemuConfig, Running};
@@ -658,8 +658,14 @@ mod tests {
         assert_eq!(
             parse_query_block(&reply),
             vec![
-                ActiveLayer { disk: "data".into(), active: "/l/data/3.qcow2".into() },
-                ActiveLayer { disk: "scratch".into(), active: "/s/scratch.qcow2".into() },
+                ActiveLayer {
+                    disk: "data".into(),
+                    active: "/l/data/3.qcow2".into()
+                },
+                ActiveLayer {
+                    disk: "scratch".into(),
+                    active: "/s/scratch.qcow2".into()
+                },
             ]
         );
         assert!(parse_query_block(&json!({})).is_empty());

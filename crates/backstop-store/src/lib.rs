@@ -365,7 +365,12 @@ impl Store {
     /// are not read). For re-verifying a snapshot a few chunks at a time with
     /// [`Store::check_chunk`], instead of all at once with [`Store::verify`].
     pub fn snapshot_chunks(&self, id: &str) -> Result<Vec<ChunkRef>, StoreError> {
-        let manifest = self.load_manifest(id, &VerifyOptions { allow_newer_minor: true })?;
+        let manifest = self.load_manifest(
+            id,
+            &VerifyOptions {
+                allow_newer_minor: true,
+            },
+        )?;
         let dir = self.paths.snapshots.join(id);
         let checksums: BTreeMap<&str, &Checksum> = manifest
             .checksums

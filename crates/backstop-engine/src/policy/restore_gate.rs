@@ -359,15 +359,25 @@ impl VmActor {
     }
 
     /// `snapshot list`: every valid snapshot with its trigger and soft-rollback mark.
-    pub(crate) fn snapshot_list(&self) -> Result<Response, EngineError> {
-        let snapshots = self
-            .store
-            .list()
-            .map_err(EngineError::Store)?
+    pub(crate) fn snapshot_list(&mut self) -> Result<Response, EngineError> {
+        let entries = self.store.list().map_err(EngineError::Store)?;
+        // Passive drift detection: a manifest that no longer checks out is drift.
+        for e in &entries {
+            if let ListEntry::Corrupt {
+                snapshot_id,
+                message,
+                ..
+            } = e
+            {
+                self.drift_snapshot_failed(snapshot_id, message);
+            }
+        }
+        let snapshots = entries
             .into_iter()
             .filter_map(|e| match e {
                 ListEntry::Valid(m) => {
                     let mut s = summary(&m);
+                    s.unusable = self.drift.unusable_reason(&m.snapshot_id);
                     s.rolled_back = self.policy.marks.get(&m.snapshot_id).map(|k| {
                         Box::new(RolledBackMark {
                             at: k.at.clone(),
