@@ -48,14 +48,20 @@ impl VmActor {
             Request::DriftList => self.drift_list(),
             Request::SnapshotShow { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
-                let m = self
+                let entry = self
                     .store
                     .list()
                     .map_err(EngineError::Store)?
                     .into_iter()
-                    .find_map(|e| match e {
-                        ListEntry::Valid(m) if m.snapshot_id == id => Some(m),
-                        _ => None,
+                    .find(|e| e.snapshot_id() == id);
+                // Passive drift detection: a manifest that no longer checks out when read.
+                if let Some(ListEntry::Corrupt { message, .. }) = &entry {
+                    self.drift_snapshot_failed(&id, message);
+                }
+                let m = entry
+                    .and_then(|e| match e {
+                        ListEntry::Valid(m) => Some(m),
+                        ListEntry::Corrupt { .. } => None,
                     })
                     .ok_or_else(|| {
                         EngineError::BadRequest(format!(
