@@ -55,7 +55,12 @@ impl VmActor {
                     .into_iter()
                     .find(|e| e.snapshot_id() == id);
                 // Passive drift detection: a manifest that no longer checks out when read.
-                if let Some(ListEntry::Corrupt { message, .. }) = &entry {
+                if let Some(ListEntry::Corrupt {
+                    message,
+                    code: backstop_common::ErrorCode::SnapshotIntegrityCheckFailed,
+                    ..
+                }) = &entry
+                {
                     self.drift_snapshot_failed(&id, message);
                 }
                 let m = entry

@@ -147,10 +147,13 @@ fn free_mib(dir: &Path) -> Option<u64> {
     Some(st.blocks_available() as u64 * st.fragment_size() as u64 / (1024 * 1024))
 }
 
-/// A verification failure that says something about the snapshot (not about the host: out of
-/// descriptors or memory is no drift).
+/// A verification failure that says the snapshot's bytes changed (a checksum, a signature, a
+/// file gone): `ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED`. A version this build does not read
+/// (`--compat` may read it) or a manifest it refuses is no drift, and neither is a host out of
+/// descriptors or memory.
 fn is_integrity_failure(e: &StoreError) -> bool {
-    backstop_common::resources::exhaustion(e).is_none()
+    e.code() == ErrorCode::SnapshotIntegrityCheckFailed
+        && backstop_common::resources::exhaustion(e).is_none()
 }
 
 /// Lowers the calling thread's IO priority to the idle class while it lives (and the threads
@@ -372,11 +375,12 @@ impl VmActor {
                 ListEntry::Corrupt {
                     snapshot_id,
                     message,
-                    ..
-                } => seen.push(SnapshotSeen {
+                    code,
+                } if code == ErrorCode::SnapshotIntegrityCheckFailed => seen.push(SnapshotSeen {
                     snapshot_id,
                     failure: Some(message),
                 }),
+                ListEntry::Corrupt { .. } => {}
             }
         }
         // The newest usable snapshot is the next rollback's target: verified whole each pass.
@@ -552,6 +556,27 @@ impl VmActor {
             trace_id: self.new_id(),
             progress: &mut sink,
         };
+        // The watchdog's storm guard, shared: a device re-added after every rollback must end
+        // in HALTED for a person, not in rollbacks forever.
+        let now = Instant::now();
+        while self
+            .emergencies
+            .front()
+            .is_some_and(|t| now.duration_since(*t) > crate::watchdog::STORM_WINDOW)
+        {
+            self.emergencies.pop_front();
+        }
+        if self.emergencies.len() >= crate::watchdog::STORM_LIMIT {
+            let trace = ctx.trace_id.clone();
+            let why = format!(
+                "{} emergency rollbacks within {} s and drift came back: {reason}",
+                self.emergencies.len(),
+                crate::watchdog::STORM_WINDOW.as_secs()
+            );
+            self.enter_halt(&trace, ErrorCode::RollbackStorm, &why);
+            return;
+        }
+        self.emergencies.push_back(now);
         let plan = RollbackPlan::emergency(TriggerKind::DriftDetected, reason.clone());
         match self.rollback(&mut ctx, plan) {
             Ok(r) => {

@@ -366,7 +366,7 @@ impl VmActor {
             if let ListEntry::Corrupt {
                 snapshot_id,
                 message,
-                ..
+                code: backstop_common::ErrorCode::SnapshotIntegrityCheckFailed,
             } = e
             {
                 self.drift_snapshot_failed(snapshot_id, message);
