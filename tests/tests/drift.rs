@@ -10,7 +10,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use backstop_e2e::{flip_byte, skip_for, skip_unless_ready, Daemon, Options};
+use backstop_e2e::{flip_byte, review, skip_for, skip_unless_ready, Daemon, Options};
 use serde_json::{json, Value};
 
 const BOOT: Duration = Duration::from_secs(90);
@@ -59,10 +59,15 @@ fn a_snapshot_damaged_in_the_store_is_found_marked_unusable_and_replaced() {
     if skip_unless_ready("a_snapshot_damaged_in_the_store_is_found_marked_unusable_and_replaced") {
         return;
     }
+    // A reviewer key: the test rolls back to an older snapshot than the newest (a governed
+    // session rollback).
+    let files = tempfile::tempdir().unwrap();
+    let key = review::reviewer_key(files.path());
+    let toml = format!("{DRIFT_TOML}\n{}", review::restore_gate_toml(&key));
     let d = Daemon::start_opts(
         "drift-chunk",
         &Options {
-            extra_toml: DRIFT_TOML,
+            extra_toml: &toml,
             ..Options::default()
         },
     );
@@ -191,11 +196,42 @@ fn a_snapshot_damaged_in_the_store_is_found_marked_unusable_and_replaced() {
             .contains("unusable"),
         "{err}"
     );
-    // A rollback to the newest usable snapshot picks another one.
-    let r = d.ok(&["rollback", "--reason", "after drift"]);
+    // An emergency rollback (the newest usable snapshot) does not pick it (first: a session
+    // rollback to an older one leaves the newer ones off the current line).
+    let r = d.ok(&["rollback", "--emergency", "--reason", "after drift"]);
     let target = r["snapshot_id"].as_str().unwrap();
     assert_ne!(target, newest, "the unusable snapshot was chosen: {r}");
     assert_eq!(target, fresh_id, "{r}");
+    // "The newest at or before the damaged snapshot's time" is an older one now.
+    let damaged_at_time = damaged_row["created_at"].as_str().unwrap().to_string();
+    let older_id = list
+        .iter()
+        .filter(|s| s["snapshot_id"] != newest.as_str() && s["trigger"] != "drift")
+        .map(|s| s["snapshot_id"].as_str().unwrap().to_string())
+        .next_back()
+        .unwrap();
+    let token = review::token(&key, &older_id);
+    let r = d.ok(&[
+        "rollback",
+        "--before",
+        &damaged_at_time,
+        "--reviewer-token",
+        token.to_str().unwrap(),
+        "--reason",
+        "back before the damaged snapshot",
+    ]);
+    let target = r["snapshot_id"].as_str().unwrap();
+    assert_eq!(target, older_id, "{r}");
+    let created = |id: &str| {
+        list.iter()
+            .find(|s| s["snapshot_id"] == id)
+            .map(|s| s["created_at"].as_str().unwrap().to_string())
+            .unwrap()
+    };
+    assert!(created(target) < damaged_at_time, "{r}");
+    // The chain with spec/002's exact event names still verifies.
+    let audit = d.ok(&["audit", "verify"]);
+    assert!(audit["first_bad"].is_null(), "{audit}");
 }
 
 /// A minimal QMP client on the test-only second monitor.
@@ -313,6 +349,8 @@ fn a_device_added_behind_backstops_back_is_found_and_rolled_back() {
     assert_eq!(st["drift_open"], 0, "{st}");
     let ids = peripheral_ids(&d);
     assert!(!ids.iter().any(|p| p == "rogue-kbd"), "{ids:?}");
+    let audit = d.ok(&["audit", "verify"]);
+    assert!(audit["first_bad"].is_null(), "{audit}");
     let report = d.ok(&["drift"]);
     let coverage: Vec<&Value> = report["invariants"].as_array().unwrap().iter().collect();
     assert!(

@@ -894,6 +894,68 @@ mod tests {
         }
     }
 
+    fn drift(node: &str, resolved: bool) -> DriftView {
+        DriftView {
+            invariant_id: "device.set".into(),
+            node_id: node.into(),
+            severity: "CRITICAL".into(),
+            drift_type: "active_reconciliation".into(),
+            details: "the hypervisor holds device rogue".into(),
+            detected_at: "2026-11-24T20:59:06.621Z".into(),
+            resolved_at: resolved.then(|| "2026-11-24T20:59:07.070Z".into()),
+            resolution: resolved.then(|| "emergency rollback to abc".into()),
+        }
+    }
+
+    #[test]
+    fn status_counts_and_lists_open_drift_only_when_there_is_some() {
+        let mut s = status(None);
+        let quiet = human(&Request::Status, &Response::Status(s.clone()));
+        assert!(!quiet.contains("drift"), "{quiet}");
+        s.drift_open = 1;
+        s.drift = vec![drift("rogue-kbd", false)];
+        let text = human(&Request::Status, &Response::Status(s));
+        assert!(text.contains("drift open:"), "{text}");
+        assert!(text.contains("INVARIANT"), "{text}");
+        assert!(
+            text.lines().any(|l| l.starts_with("device.set")
+                && l.contains("rogue-kbd")
+                && l.contains("CRITICAL")),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn drift_lists_open_resolved_unusable_and_coverage() {
+        let report = DriftReport {
+            vm: "web1".into(),
+            open: vec![],
+            resolved: vec![drift("rogue-kbd", true)],
+            invariants: vec![backstop_control::InvariantView {
+                invariant_id: "disk.active_layer".into(),
+                severity: "HIGH".into(),
+                what: "w".into(),
+                action: "record".into(),
+                coverage: "not checked: libvirt owns the block graph".into(),
+            }],
+            last_reconcile_at: None,
+            unusable_snapshots: vec!["0123456789abcdef0123456789abcdef".into()],
+        };
+        let text = human(&Request::DriftList, &Response::Drift(report));
+        assert!(text.starts_with("vm web1: no open drift\n"), "{text}");
+        assert!(text.contains("recently resolved:"), "{text}");
+        assert!(text.contains("emergency rollback to abc"), "{text}");
+        assert!(
+            text.contains("snapshots marked unusable: 0123456789ab"),
+            "{text}"
+        );
+        assert!(text.contains("last reconciliation pass: not yet"), "{text}");
+        assert!(
+            text.contains("not checked: libvirt owns the block graph"),
+            "{text}"
+        );
+    }
+
     #[test]
     fn status_is_aligned_key_values() {
         let text = human(&Request::Status, &Response::Status(status(None)));

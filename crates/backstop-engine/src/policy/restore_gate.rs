@@ -123,7 +123,8 @@ impl VmActor {
         self.rollback(ctx, plan)
     }
 
-    /// The newest snapshot of the current line created at or before `before`; without a time,
+    /// The newest snapshot of the current line (not one drift detection marked unusable)
+    /// created at or before `before`; without a time,
     /// the one this daemon session started from (the newest at or before its start, else the
     /// first one taken after it: the baseline of a cold boot).
     fn session_target(&self, before: Option<OffsetDateTime>) -> Result<String, EngineError> {
@@ -133,7 +134,10 @@ impl VmActor {
             .map_err(EngineError::Store)?
             .into_iter()
             .filter_map(|e| match e {
-                ListEntry::Valid(m) if !self.policy.is_rolled_back(&m.snapshot_id) => {
+                ListEntry::Valid(m)
+                    if !self.policy.is_rolled_back(&m.snapshot_id)
+                        && !self.drift.is_unusable(&m.snapshot_id) =>
+                {
                     parse_time(&m.created_at).map(|t| (t, m.snapshot_id))
                 }
                 _ => None,
