@@ -375,8 +375,8 @@ impl VmActor {
                 ListEntry::Corrupt {
                     snapshot_id,
                     message,
-                    code,
-                } if code == ErrorCode::SnapshotIntegrityCheckFailed => seen.push(SnapshotSeen {
+                    code: ErrorCode::SnapshotIntegrityCheckFailed,
+                } => seen.push(SnapshotSeen {
                     snapshot_id,
                     failure: Some(message),
                 }),
