@@ -483,6 +483,14 @@ impl VmActor {
         ) {
             self.drift.check_due = true;
         }
+        // backstop itself started a hypervisor instance: drift takes its next observation as
+        // the instance's baseline (a pid that changes otherwise is drift).
+        if matches!(
+            event,
+            AuditEvent::VmStarted | AuditEvent::RollbackCompleted | AuditEvent::VmResumed
+        ) {
+            self.drift.launched_by_engine();
+        }
         if matches!(
             event,
             AuditEvent::SnapshotCreateCompleted

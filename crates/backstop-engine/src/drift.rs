@@ -257,6 +257,9 @@ impl Violation {
 pub struct Launched {
     pub pid: Option<u32>,
     pub fingerprint: String,
+    /// sha256 of the process's command line at launch: a pid reused by another program after
+    /// the hypervisor ended reads differently.
+    pub cmdline: Option<String>,
     /// Devices (by id) the instance had before anything was granted: its configured shape.
     pub devices: BTreeSet<String>,
     /// Each NIC's link as first read on this instance.
@@ -284,6 +287,8 @@ pub struct ProcessSeen {
     /// `/proc/<pid>` exists and is not a zombie.
     pub alive: bool,
     pub fingerprint: String,
+    /// sha256 of `/proc/<pid>/cmdline` now.
+    pub cmdline: Option<String>,
 }
 
 /// One snapshot's verification result (only snapshots actually checked are listed).
@@ -420,6 +425,12 @@ pub fn check(expected: &Expected, observed: &Observed) -> Report {
                 InvariantId::ProcessIdentity,
                 &node,
                 "the launched process is gone or a zombie".into(),
+            );
+        } else if l.cmdline.is_some() && p.cmdline != l.cmdline {
+            bad(
+                InvariantId::ProcessIdentity,
+                &node,
+                "the launched pid now runs another command line".into(),
             );
         } else if p.fingerprint != l.fingerprint {
             bad(

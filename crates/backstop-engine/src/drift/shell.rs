@@ -81,6 +81,11 @@ impl DriftState {
         }
     }
 
+    /// backstop launched a new hypervisor instance: the next observation is its baseline.
+    pub(crate) fn launched_by_engine(&mut self) {
+        self.launched = None;
+    }
+
     pub(crate) fn is_unusable(&self, snapshot_id: &str) -> bool {
         self.unusable.contains_key(snapshot_id)
     }
@@ -139,6 +144,13 @@ fn process_alive(pid: u32) -> bool {
             .is_some_and(|state| state != "Z" && state != "X"),
         Err(_) => false,
     }
+}
+
+/// sha256 of the process's command line, if it can be read.
+fn cmdline_digest(pid: u32) -> Option<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .ok()
+        .map(|b| backstop_integrity::sha256_hex(&b))
 }
 
 /// Free space of the filesystem holding `dir`, MiB.
@@ -256,6 +268,7 @@ impl VmActor {
                 pid,
                 alive: pid.is_some_and(process_alive),
                 fingerprint: self.backend.config_fingerprint(),
+                cmdline: pid.and_then(cmdline_digest),
             });
         }
         o.journal_head = match self.journal.check_sealed_head() {
@@ -270,12 +283,14 @@ impl VmActor {
         o
     }
 
-    /// Records the launched instance at the first observation of a new hypervisor process
-    /// (after a boot, a rollback or a daemon start): its devices minus the ledger's grants are
-    /// its configured shape. A NIC whose link could not be read yet is recorded when it can.
+    /// Records the launched instance at the first observation after backstop launched a
+    /// hypervisor process (a boot, a rollback, a resume, a daemon start: see
+    /// [`DriftState::launched_by_engine`]): its devices minus the ledger's grants are its
+    /// configured shape. A NIC whose link could not be read yet is recorded when it can. A pid
+    /// that changes without such a launch is drift, not a new baseline.
     fn drift_note_launch(&mut self, o: &Observed) {
         let pid = self.backend.pid();
-        let fresh = self.drift.launched.as_ref().is_none_or(|l| l.pid != pid);
+        let fresh = self.drift.launched.is_none();
         let grants: Vec<String> = self.devices.grants.keys().cloned().collect();
         let granted_links: BTreeSet<String> = self
             .devices
@@ -290,6 +305,7 @@ impl VmActor {
             self.drift.launched = Some(Launched {
                 pid,
                 fingerprint: self.backend.config_fingerprint(),
+                cmdline: pid.and_then(cmdline_digest),
                 devices: o
                     .devices
                     .iter()

@@ -10,6 +10,7 @@ fn launched() -> Launched {
     Launched {
         pid: Some(42),
         fingerprint: "fp".into(),
+        cmdline: Some("c1".into()),
         devices: ["dev-data", "nic-net0", "watchdog0"]
             .into_iter()
             .map(String::from)
@@ -48,6 +49,7 @@ fn healthy() -> Observed {
             pid: Some(42),
             alive: true,
             fingerprint: "fp".into(),
+            cmdline: Some("c1".into()),
         }),
         snapshots: Some(vec![SnapshotSeen {
             snapshot_id: "s1".into(),
@@ -178,16 +180,18 @@ fn a_link_up_that_was_down_at_launch_needs_a_grant() {
 
 #[test]
 fn a_swapped_dead_or_reshaped_process_is_drift() {
-    for (pid, alive, fp, why) in [
-        (Some(43), true, "fp", "pid"),
-        (Some(42), false, "fp", "gone"),
-        (Some(42), true, "other", "fingerprint"),
+    for (pid, alive, fp, cmdline, why) in [
+        (Some(43), true, "fp", "c1", "pid"),
+        (Some(42), false, "fp", "c1", "gone"),
+        (Some(42), true, "fp", "c2", "command line"),
+        (Some(42), true, "other", "c1", "fingerprint"),
     ] {
         let mut o = healthy();
         o.process = Some(ProcessSeen {
             pid,
             alive,
             fingerprint: fp.into(),
+            cmdline: Some(cmdline.into()),
         });
         let r = check(&expected(), &o);
         assert_eq!(ids(&r), vec![("process.identity", "pid:42".to_string())]);
