@@ -260,8 +260,9 @@ pub struct Launched {
     /// sha256 of the process's command line at launch: a pid reused by another program after
     /// the hypervisor ended reads differently.
     pub cmdline: Option<String>,
-    /// Devices (by id) the instance had before anything was granted: its configured shape.
-    pub devices: BTreeSet<String>,
+    /// Devices (by id) the instance had besides the ledger's grants: its configured shape.
+    /// `None` until the devices could be read once (a failed read is no empty shape).
+    pub devices: Option<BTreeSet<String>>,
     /// Each NIC's link as first read on this instance.
     pub links: BTreeMap<String, bool>,
 }
@@ -365,11 +366,12 @@ pub fn check(expected: &Expected, observed: &Observed) -> Report {
 
     let launched = expected.launched.as_ref();
     let mut bad_low = Vec::new();
-    if let (Some(seen), Some(l)) = (&observed.devices, launched) {
+    let shape = launched.and_then(|l| l.devices.as_ref());
+    if let (Some(seen), Some(shape)) = (&observed.devices, shape) {
         checked.insert(InvariantId::DeviceSet, Scope::All);
         for id in seen {
             let granted = expected.granted_devices.iter().any(|g| grant_owns(g, id));
-            if !l.devices.contains(id) && !granted {
+            if !shape.contains(id) && !granted {
                 bad(
                     InvariantId::DeviceSet,
                     id,

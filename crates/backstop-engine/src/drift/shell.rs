@@ -306,15 +306,20 @@ impl VmActor {
                 pid,
                 fingerprint: self.backend.config_fingerprint(),
                 cmdline: pid.and_then(cmdline_digest),
-                devices: o
-                    .devices
-                    .iter()
-                    .flatten()
-                    .filter(|id| !grants.iter().any(|g| super::grant_owns(g, id)))
-                    .cloned()
-                    .collect(),
+                devices: None,
                 links: BTreeMap::new(),
             });
+        }
+        // The shape at the first read that worked: a failed read is not an empty shape.
+        if let (Some(l), Some(seen)) = (self.drift.launched.as_mut(), &o.devices) {
+            if l.devices.is_none() {
+                l.devices = Some(
+                    seen.iter()
+                        .filter(|id| !grants.iter().any(|g| super::grant_owns(g, id)))
+                        .cloned()
+                        .collect(),
+                );
+            }
         }
         if let (Some(l), Some(links)) = (self.drift.launched.as_mut(), &o.links) {
             for link in links {
@@ -542,11 +547,36 @@ impl VmActor {
         if let (Some(r), Some(m)) = (resolution, f.as_object_mut()) {
             m.insert("resolution".into(), r.into());
         }
+        let Value::Object(fields) = f else { return };
+        debug_assert!(event.fields().iter().all(|k| fields.contains_key(*k)));
+        // While the VM journal is not the one this writer left, a drift record appended to it
+        // would seal a new head over the tampered file and hide the evidence: the record goes
+        // to the daemon journal instead (or only to the log).
+        let vm_journal_drifted = d.invariant == InvariantId::JournalHead
+            || self
+                .drift
+                .book
+                .open()
+                .any(|o| o.invariant == InvariantId::JournalHead);
+        if vm_journal_drifted {
+            match &self.anchors {
+                Some(daemon) => {
+                    let mut j = daemon.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Err(e) = j.append(event.as_str(), fields) {
+                        warn!(error = %e, "drift: could not journal {event} in the daemon journal");
+                    }
+                }
+                None => warn!(
+                    event = event.as_str(),
+                    invariant = d.invariant.as_str(),
+                    "drift: not journaled (the VM journal drifted)"
+                ),
+            }
+            return;
+        }
         // Straight to the journal, not through `VmActor::journal`: on a full disk that one
         // gives up the space reserve kept for a HALT record, and a drift record (the free-space
         // invariant's, say) must not take it.
-        let Value::Object(fields) = f else { return };
-        debug_assert!(event.fields().iter().all(|k| fields.contains_key(*k)));
         if let Err(e) = self.journal.append(event.as_str(), fields) {
             warn!(error = %e, "drift: could not journal {event}");
         }
