@@ -358,3 +358,73 @@ fn a_device_added_behind_backstops_back_is_found_and_rolled_back() {
         "QEMU observes every invariant: {report}"
     );
 }
+
+#[test]
+fn a_journal_head_changed_behind_the_daemon_is_reported_in_the_daemon_journal_only() {
+    const NAME: &str =
+        "a_journal_head_changed_behind_the_daemon_is_reported_in_the_daemon_journal_only";
+    if skip_unless_ready(NAME) {
+        return;
+    }
+    let d = Daemon::start_opts(
+        "drift-head",
+        &Options {
+            extra_toml: DRIFT_TOML,
+            ..Options::default()
+        },
+    );
+    d.wait_tick(0, 2, BOOT);
+    let head = d.state_dir().join("audit/journal.jsonl.head");
+    let saved = std::fs::read(&head).unwrap();
+    let vm_entries = d.journal().len();
+    std::fs::remove_file(&head).unwrap();
+    // Found by the next pass, and recorded where it cannot reseal the evidence.
+    let deadline = Instant::now() + WITHIN;
+    let detected = loop {
+        if let Some(e) = d.daemon_journal().into_iter().find(|e| {
+            is_drift(
+                e,
+                "DriftDetectedEvent",
+                "journal.head",
+                "audit/journal.jsonl",
+            )
+        }) {
+            break e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "journal.head drift not journaled"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(detected["fields"]["vm"], "e2e", "{detected}");
+    assert_eq!(detected["fields"]["details"], "head file is missing");
+    assert_eq!(
+        d.journal().len(),
+        vm_entries,
+        "a drift record was appended to the tampered VM journal"
+    );
+    assert_eq!(d.status()["drift_open"], 1);
+    // Put back: the VM journal verifies again, and the drift resolves.
+    std::fs::write(&head, &saved).unwrap();
+    let deadline = Instant::now() + WITHIN;
+    while !d.daemon_journal().iter().any(|e| {
+        is_drift(
+            e,
+            "DriftResolvedEvent",
+            "journal.head",
+            "audit/journal.jsonl",
+        )
+    }) {
+        assert!(
+            Instant::now() < deadline,
+            "journal.head drift never resolved"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let audit = d.ok(&["audit", "verify"]);
+    assert!(audit["first_bad"].is_null(), "{audit}");
+    let daemon_audit = d.ok(&["audit", "verify", "--daemon"]);
+    assert!(daemon_audit["first_bad"].is_null(), "{daemon_audit}");
+    assert_eq!(d.status()["drift_open"], 0);
+}
