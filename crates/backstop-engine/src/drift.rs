@@ -185,7 +185,7 @@ impl InvariantId {
                 "the hypervisor process is the one launched, alive, with its config fingerprint"
             }
             InvariantId::SnapshotVerifies => {
-                "snapshots verify (signature, fields, every chunk and layer checksum)"
+                "snapshots pass their integrity checks (signature, every chunk and layer checksum)"
             }
             InvariantId::JournalHead => "the journal ends where its sealed head file says",
             InvariantId::StateDirSpace => {
