@@ -82,6 +82,9 @@ pub enum Command {
         #[arg(long)]
         follow: bool,
     },
+    /// Drift detection (spec/002): the open and recently resolved drift of the VM (--vm NAME),
+    /// and which invariants its backend checks (docs/drift.md).
+    Drift,
     /// Create, list, show and verify snapshots.
     #[command(subcommand)]
     Snapshot(SnapshotCommand),
@@ -378,6 +381,7 @@ impl Command {
                 types: types.clone(),
                 follow: *follow,
             },
+            Command::Drift => Request::DriftList,
             Command::Snapshot(SnapshotCommand::Create { reason }) => Request::SnapshotCreate {
                 reason: reason.clone(),
             },
@@ -834,6 +838,8 @@ mod tests {
             }
         );
         assert_eq!(request(&["action", "list"]), Request::ActionList);
+        assert_eq!(request(&["drift"]), Request::DriftList);
+        assert_eq!(request(&["--vm", "web1", "drift"]), Request::DriftList);
         assert_eq!(request(&["snapshot", "prune"]), Request::SnapshotPrune);
         assert_eq!(
             request(&[

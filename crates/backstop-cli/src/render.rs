@@ -3,9 +3,9 @@
 use std::fmt::Write as _;
 
 use backstop_control::{
-    ActionView, AuditVerifyReport, DevicesView, HypervisorDevicesView, Progress, PruneView,
-    ReloadReport, ReplayReport, Request, Response, RollbackReport, SnapshotSummary, SnapshotView,
-    StatusView, VerifyReport, VmSummary,
+    ActionView, AuditVerifyReport, DevicesView, DriftReport, DriftView, HypervisorDevicesView,
+    Progress, PruneView, ReloadReport, ReplayReport, Request, Response, RollbackReport,
+    SnapshotSummary, SnapshotView, StatusView, VerifyReport, VmSummary,
 };
 use serde_json::{json, Value};
 use time::format_description::well_known::Rfc3339;
@@ -89,6 +89,7 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::Actions { actions } => actions_text(actions),
         Response::Pruned(view) => pruned_text(view),
         Response::Vms { vms } => vms_text(vms),
+        Response::Drift(report) => drift_text(report),
         Response::Reloaded(r) => reloaded_text(r),
     }
 }
@@ -311,7 +312,90 @@ fn status_text(s: &StatusView) -> String {
         rows.push(("halt code", clean(&halt.code)));
         rows.push(("halt reason", clean(&halt.reason)));
     }
-    key_values(&rows)
+    if s.drift_open > 0 {
+        rows.push(("drift open", s.drift_open.to_string()));
+    }
+    let mut text = key_values(&rows);
+    if !s.drift.is_empty() {
+        text.push_str(&drift_table(&s.drift, false));
+    }
+    text
+}
+
+/// Drift rows: invariant, node, severity, how found, when, and (resolved) how it ended.
+fn drift_table(drifts: &[DriftView], resolved: bool) -> String {
+    let mut header = vec!["INVARIANT", "NODE", "SEVERITY", "FOUND BY", "DETECTED"];
+    if resolved {
+        header.extend(["RESOLVED", "RESOLUTION"]);
+    } else {
+        header.push("DETAILS");
+    }
+    let rows: Vec<Vec<String>> = drifts
+        .iter()
+        .map(|d| {
+            let mut row = vec![
+                clean(&d.invariant_id),
+                clean(&d.node_id),
+                clean(&d.severity),
+                clean(&d.drift_type),
+                short_time(&d.detected_at),
+            ];
+            if resolved {
+                row.push(
+                    d.resolved_at
+                        .as_deref()
+                        .map_or_else(|| "-".into(), short_time),
+                );
+                row.push(d.resolution.as_deref().map_or_else(|| "-".into(), clean));
+            } else {
+                row.push(clean(&d.details));
+            }
+            row
+        })
+        .collect();
+    table(&header, &rows)
+}
+
+fn drift_text(r: &DriftReport) -> String {
+    let mut text = format!("vm {}: ", clean(&r.vm));
+    if r.open.is_empty() {
+        text.push_str("no open drift\n");
+    } else {
+        let _ = writeln!(text, "{} open drift", r.open.len());
+        text.push_str(&drift_table(&r.open, false));
+    }
+    if !r.resolved.is_empty() {
+        text.push_str("\nrecently resolved:\n");
+        text.push_str(&drift_table(&r.resolved, true));
+    }
+    if !r.unusable_snapshots.is_empty() {
+        let ids: Vec<String> = r.unusable_snapshots.iter().map(|i| short_id(i)).collect();
+        let _ = writeln!(text, "\nsnapshots marked unusable: {}", ids.join(", "));
+    }
+    let _ = writeln!(
+        text,
+        "\nlast reconciliation pass: {}\ninvariants:",
+        r.last_reconcile_at
+            .as_deref()
+            .map_or_else(|| "not yet".into(), short_time)
+    );
+    let rows: Vec<Vec<String>> = r
+        .invariants
+        .iter()
+        .map(|i| {
+            vec![
+                clean(&i.invariant_id),
+                clean(&i.severity),
+                clean(&i.coverage),
+                clean(&i.action),
+            ]
+        })
+        .collect();
+    text.push_str(&table(
+        &["INVARIANT", "SEVERITY", "COVERAGE", "ON DRIFT"],
+        &rows,
+    ));
+    text
 }
 
 /// The live view's rows, each only when it has something to say (a fresh daemon's VM shows
@@ -456,10 +540,12 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
     let rows: Vec<[String; 9]> = snapshots
         .iter()
         .map(|s| {
-            let line = match &s.rolled_back {
+            let line = match (&s.unusable, &s.rolled_back) {
+                // Drift detection found it failing: listed, never a rollback target.
+                (Some(_), _) => "UNUSABLE".to_string(),
                 // spec/004 soft rollback: still listed, marked, with where the VM went.
-                Some(m) => format!("rolled back → {}", short_id(&m.rollback_to)),
-                None => "current".to_string(),
+                (None, Some(m)) => format!("rolled back → {}", short_id(&m.rollback_to)),
+                (None, None) => "current".to_string(),
             };
             [
                 // `git branch` style: `*` before the snapshot the running VM descends from.
@@ -1092,6 +1178,7 @@ mod tests {
             trigger: "console".into(),
             rolled_back: None,
             current: false,
+            unusable: None,
         }
     }
 
@@ -1112,6 +1199,68 @@ mod tests {
             backend_details: Default::default(),
             ..Default::default()
         }
+    }
+
+    fn drift(node: &str, resolved: bool) -> DriftView {
+        DriftView {
+            invariant_id: "device.set".into(),
+            node_id: node.into(),
+            severity: "CRITICAL".into(),
+            drift_type: "active_reconciliation".into(),
+            details: "the hypervisor holds device rogue".into(),
+            detected_at: "2026-11-24T20:59:06.621Z".into(),
+            resolved_at: resolved.then(|| "2026-11-24T20:59:07.070Z".into()),
+            resolution: resolved.then(|| "emergency rollback to abc".into()),
+        }
+    }
+
+    #[test]
+    fn status_counts_and_lists_open_drift_only_when_there_is_some() {
+        let mut s = status(None);
+        let quiet = human(&Request::Status, &Response::Status(s.clone()));
+        assert!(!quiet.contains("drift"), "{quiet}");
+        s.drift_open = 1;
+        s.drift = vec![drift("rogue-kbd", false)];
+        let text = human(&Request::Status, &Response::Status(s));
+        assert!(text.contains("drift open:"), "{text}");
+        assert!(text.contains("INVARIANT"), "{text}");
+        assert!(
+            text.lines().any(|l| l.starts_with("device.set")
+                && l.contains("rogue-kbd")
+                && l.contains("CRITICAL")),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn drift_lists_open_resolved_unusable_and_coverage() {
+        let report = DriftReport {
+            vm: "web1".into(),
+            open: vec![],
+            resolved: vec![drift("rogue-kbd", true)],
+            invariants: vec![backstop_control::InvariantView {
+                invariant_id: "disk.active_layer".into(),
+                severity: "HIGH".into(),
+                what: "w".into(),
+                action: "record".into(),
+                coverage: "not checked: libvirt owns the block graph".into(),
+            }],
+            last_reconcile_at: None,
+            unusable_snapshots: vec!["0123456789abcdef0123456789abcdef".into()],
+        };
+        let text = human(&Request::DriftList, &Response::Drift(report));
+        assert!(text.starts_with("vm web1: no open drift\n"), "{text}");
+        assert!(text.contains("recently resolved:"), "{text}");
+        assert!(text.contains("emergency rollback to abc"), "{text}");
+        assert!(
+            text.contains("snapshots marked unusable: 0123456789ab"),
+            "{text}"
+        );
+        assert!(text.contains("last reconciliation pass: not yet"), "{text}");
+        assert!(
+            text.contains("not checked: libvirt owns the block graph"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -134,6 +134,7 @@ fn list() -> Response {
             trigger: "schedule".into(),
             rolled_back: None,
             current: false,
+            unusable: None,
         }],
     }
 }

@@ -36,6 +36,18 @@ macro_rules! audit_events {
     };
 }
 
+/// Events whose journal name is the spec's exact name (spec/002's CamelCase drift events,
+/// spec/003's upper-case replay records) rather than backstop's dotted lower-case style.
+pub const SPEC_EXACT_NAMES: &[&str] = &[
+    "DriftDetectedEvent",
+    "DriftResolvedEvent",
+    "REPLAY_REQUEST",
+    "INTEGRITY_FAILURE",
+    "REPLAY_DIVERGENCE",
+    "REPLAY_TIMEOUT",
+    "REPLAY_RESULT",
+];
+
 /// The fields every entry carries (spec/000 §11).
 pub const COMMON_FIELDS: [&str; 4] = ["session_id", "trace_id", "snapshot_id", "result"];
 
@@ -132,6 +144,13 @@ audit_events! {
     /// A VM's audit chain head at a snapshot, rollback, halt or stop (daemon journal), so a
     /// truncated VM journal is detected by the daemon's `audit verify`.
     VmChainAnchored = "vm.chain_anchored" ["vm", "seq", "hash", "anchored_event"];
+    /// spec/002 §3.3 `DriftDetectedEvent` (its exact name): an invariant of the running VM
+    /// does not hold (see the engine's `drift` module). Journaled once per (invariant, node)
+    /// while it persists.
+    DriftDetected = "DriftDetectedEvent" ["drift_type", "invariant_id", "node_id", "severity", "details"];
+    /// spec/002 §3.3 `DriftResolvedEvent` (its exact name): a drift journaled before no longer
+    /// holds; `resolution` says how it ended (an action taken, or the condition cleared).
+    DriftResolved = "DriftResolvedEvent" ["drift_type", "invariant_id", "node_id", "severity", "details", "resolution"];
     /// The daemon started.
     DaemonStarted = "daemon.started" [];
     /// The daemon stopped cleanly.
@@ -170,18 +189,39 @@ mod tests {
         for e in AuditEvent::ALL {
             assert!(seen.insert(e.as_str()), "{e} twice");
             assert_eq!(AuditEvent::parse(e.as_str()), Some(*e));
-            // backstop's own names are lower case; the specs' names are journaled verbatim.
-            let spec_name = e.as_str().starts_with("REPLAY_") || e.as_str() == "INTEGRITY_FAILURE";
+            // spec/002's drift events keep the spec's exact names (checked below).
             assert!(
-                spec_name
+                SPEC_EXACT_NAMES.contains(&e.as_str())
                     || e.as_str()
                         .bytes()
-                        .all(|b| b.is_ascii_lowercase() || b == b'.' || b == b'_'),
-                "{e}"
+                        .all(|b| b.is_ascii_lowercase() || b == b'.' || b == b'_')
             );
             for f in e.fields() {
                 assert!(!COMMON_FIELDS.contains(f), "{e}: {f} is common");
             }
+        }
+    }
+
+    #[test]
+    fn spec_002_drift_names_are_exact() {
+        assert_eq!(AuditEvent::DriftDetected.as_str(), "DriftDetectedEvent");
+        assert_eq!(AuditEvent::DriftResolved.as_str(), "DriftResolvedEvent");
+        for e in [AuditEvent::DriftDetected, AuditEvent::DriftResolved] {
+            for f in [
+                "drift_type",
+                "invariant_id",
+                "node_id",
+                "severity",
+                "details",
+            ] {
+                assert!(e.fields().contains(&f), "{e} lacks {f}");
+            }
+        }
+        // The spec names and nothing else keep their capitals: two drift events (spec/002)
+        // and five replay records (spec/003), each an event backstop writes.
+        assert_eq!(SPEC_EXACT_NAMES.len(), 7);
+        for n in SPEC_EXACT_NAMES {
+            assert!(AuditEvent::parse(n).is_some(), "{n} is not an event");
         }
     }
 

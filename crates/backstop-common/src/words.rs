@@ -129,6 +129,9 @@ vocabulary! {
         HaltClear = "halt_clear",
         /// backstopd started after a clean stop and resumes from the stop's final snapshot.
         DaemonResume = "daemon_resume",
+        /// Drift detection found the VM holding something the ledger does not allow (a device
+        /// added behind backstop's back): the rollback restarts it with its configured shape.
+        DriftDetected = "drift_detected",
     }
 }
 

@@ -121,6 +121,9 @@ pub enum Request {
     /// Verify the daemon journal, and that every VM journal still holds the entries the daemon
     /// journal anchored (answered by the daemon).
     DaemonAuditVerify,
+    /// Drift detection (spec/002 §3): the open and recently resolved drift, and which
+    /// invariants this VM's backend can check.
+    DriftList,
     /// spec/003 replay of this VM's journal: every signature first, then every recorded
     /// decision recomputed from the recorded inputs and compared. Read-only but for the
     /// `REPLAY_*` entries it appends.
@@ -382,6 +385,7 @@ enum StrictRequest {
         #[serde(default)]
         follow: bool,
     },
+    DriftList {},
 }
 
 impl From<StrictRequest> for Request {
@@ -469,6 +473,7 @@ impl From<StrictRequest> for Request {
                 types,
                 follow,
             },
+            StrictRequest::DriftList {} => Request::DriftList,
         }
     }
 }
@@ -500,6 +505,7 @@ impl Request {
             Request::DaemonAuditVerify => "audit verify --daemon",
             Request::AuditReplay(_) => "audit replay",
             Request::Events { .. } => "events",
+            Request::DriftList => "drift",
         }
     }
 }
@@ -586,6 +592,56 @@ pub enum Response {
         delivered: u64,
         last_seq: std::collections::BTreeMap<String, u64>,
     },
+    /// Open and recently resolved drift.
+    Drift(DriftReport),
+}
+
+/// One drift (spec/002 §3): an invariant that does not hold (or no longer fails) for a node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriftView {
+    /// `disk.active_layer`, `device.set`, `snapshot.verifies`, ... (docs/drift.md).
+    pub invariant_id: String,
+    /// What it concerns: a disk, device, NIC, snapshot id, file.
+    pub node_id: String,
+    /// `LOW`, `MEDIUM`, `HIGH` or `CRITICAL`.
+    pub severity: String,
+    /// The strategy that found it: `invariant_violation`, `active_reconciliation`,
+    /// `passive_read`.
+    pub drift_type: String,
+    pub details: String,
+    pub detected_at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolved_at: Option<String>,
+    /// How it ended (an action taken, or the condition cleared).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resolution: Option<String>,
+}
+
+/// One invariant as this VM's backend covers it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InvariantView {
+    pub invariant_id: String,
+    pub severity: String,
+    pub what: String,
+    pub action: String,
+    /// `checked`, or `not checked: <why>` (never shown as a pass).
+    pub coverage: String,
+}
+
+/// The answer to `drift`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriftReport {
+    pub vm: String,
+    pub open: Vec<DriftView>,
+    /// Recently resolved, oldest first.
+    pub resolved: Vec<DriftView>,
+    pub invariants: Vec<InvariantView>,
+    /// When the last active reconciliation pass ran (RFC 3339), if one has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_reconcile_at: Option<String>,
+    /// Snapshots marked unusable (never a rollback target), by id.
+    #[serde(default)]
+    pub unusable_snapshots: Vec<String>,
 }
 
 /// One snapshot in the lineage tree.
@@ -717,6 +773,12 @@ pub struct StatusView {
     /// What the backend says about itself (libvirt: `domain`, `capture_mode`, `reconnects`).
     #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
     pub backend_details: serde_json::Map<String, serde_json::Value>,
+    /// How many drifts are open now (spec/002 §3; `backstop drift` has the history).
+    #[serde(default)]
+    pub drift_open: usize,
+    /// The open drifts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drift: Vec<DriftView>,
     /// The newest rollback this daemon ran for the VM (the start-up resume counts), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_rollback: Option<LastRollbackView>,
@@ -826,6 +888,9 @@ pub struct SnapshotSummary {
     /// or that rollback's target. At most one per list; none while the VM is HALTED.
     #[serde(default, skip_serializing_if = "is_false")]
     pub current: bool,
+    /// Set when drift detection found it no longer verifies: never a rollback target again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unusable: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -1147,6 +1212,7 @@ mod tests {
             Request::SnapshotPrune,
             Request::AuditTail { count: 20 },
             Request::AuditVerify,
+            Request::DriftList,
         ];
         for r in all {
             let line = serde_json::to_string(&r).unwrap();
@@ -1191,6 +1257,11 @@ mod tests {
         assert_eq!(RollbackType::parse("micro"), Ok(RollbackType::Micro));
         assert!(RollbackType::parse("full").is_err());
         assert_eq!(Request::SnapshotPrune.name(), "snapshot prune");
+        assert_eq!(
+            serde_json::to_string(&Request::DriftList).unwrap(),
+            r#"{"op":"drift_list"}"#
+        );
+        assert!(serde_json::from_str::<Request>(r#"{"op":"drift_list","vm":1}"#).is_err());
         // Replies are tagged `kind` and responses `type`: an action view must survive both.
         let view = ActionView {
             action_id: "a".into(),

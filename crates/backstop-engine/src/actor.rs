@@ -103,6 +103,8 @@ pub struct VmActor {
     pub(crate) captures: Arc<CaptureSlots>,
     /// The daemon journal this VM anchors its chain head in.
     pub(crate) anchors: Option<Arc<std::sync::Mutex<Journal>>>,
+    /// Drift detection: open and resolved drift, the launched shape, unusable snapshots.
+    pub(crate) drift: crate::drift::shell::DriftState,
     /// Figures since this actor started, for `status` and the metrics endpoint.
     pub(crate) tally: Tally,
 }
@@ -189,6 +191,7 @@ impl VmActor {
             devices: Default::default(),
             adoption,
             tally: Tally::default(),
+            drift: crate::drift::shell::DriftState::load(&state_dir),
         };
         let accel = engine.backend.accel().to_string();
         // The config in force, as far as decisions read it, recorded with its hash (spec/003:
@@ -575,6 +578,27 @@ impl VmActor {
             }
             Err(e) => return Err(e.into()),
         };
+        // A state change of the VM: its cheap invariants are checked once the job is over
+        // (drift detection's invariant-based strategy).
+        if matches!(
+            event,
+            AuditEvent::SnapshotCreateCompleted
+                | AuditEvent::RollbackCompleted
+                | AuditEvent::DeviceGranted
+                | AuditEvent::DeviceRevoked
+                | AuditEvent::VmResumed
+                | AuditEvent::VmStarted
+        ) {
+            self.drift.check_due = true;
+        }
+        // backstop itself started a hypervisor instance: drift takes its next observation as
+        // the instance's baseline (a pid that changes otherwise is drift).
+        if matches!(
+            event,
+            AuditEvent::VmStarted | AuditEvent::RollbackCompleted | AuditEvent::VmResumed
+        ) {
+            self.drift.launched_by_engine();
+        }
         if matches!(
             event,
             AuditEvent::SnapshotCreateCompleted
@@ -661,6 +685,8 @@ impl VmActor {
                 .and_then(|m| m.capture.get("pause_us"))
                 .and_then(Value::as_u64),
             store_bytes: snapshots.iter().map(|m| m.bytes_stored).sum(),
+            drift_open: self.drift.book.open().count(),
+            drift: self.drift.open_views(),
             links: self.link_views(),
             granted_devices: self.devices.grants.keys().cloned().collect(),
         }
@@ -711,6 +737,7 @@ impl VmActor {
             return;
         }
         self.watch();
+        self.drift_tick();
     }
 
     pub fn note_refused(&mut self, uid: u32, pid: i32) {

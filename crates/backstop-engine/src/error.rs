@@ -36,6 +36,9 @@ pub enum EngineError {
         "snapshot {snapshot_id} was taken of a VM of another shape (config fingerprint differs)"
     )]
     ShapeMismatch { snapshot_id: String },
+    /// Drift detection found it failing verification once (see `drift.rs`).
+    #[error("snapshot {snapshot_id} is marked unusable by drift detection ({reason}): never a rollback target")]
+    SnapshotUnusable { snapshot_id: String, reason: String },
     #[error("rollback failed at {step}: {detail}; the VM is HALTED")]
     RollbackHalted { step: &'static str, detail: String },
     #[error("no verified snapshot to roll back to; the VM is HALTED")]
@@ -95,6 +98,7 @@ impl EngineError {
             EngineError::SnapshotBackend { .. } => ErrorCode::SnapshotCreateFailed,
             EngineError::Verify { source, .. } | EngineError::Store(source) => source.code(),
             EngineError::ShapeMismatch { .. } => ErrorCode::SnapshotCompatibilityBlocked,
+            EngineError::SnapshotUnusable { .. } => ErrorCode::SnapshotIntegrityCheckFailed,
             EngineError::RollbackHalted { .. } => ErrorCode::RollbackFailedHalted,
             EngineError::NoVerifiedSnapshot => ErrorCode::MissingSnapshot,
             EngineError::ResourceExhausted { .. } => ErrorCode::HostResourceExhausted,

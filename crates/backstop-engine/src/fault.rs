@@ -31,6 +31,9 @@ pub enum Fault {
     FailRollbackMarker,
     /// Every baseline snapshot after a cold boot fails (fail-closed: the VM is halted).
     FailBaseline,
+    /// QEMU gets a second monitor (`test-qmp.sock` in the run directory) through which a test
+    /// changes the VM behind backstop's back (drift detection's end-to-end test).
+    SecondQmpMonitor,
 }
 
 /// With [`Fault::FillDiskBeforePublish`] armed, takes every free byte of the filesystem of
@@ -142,6 +145,7 @@ fn parse(v: &str) -> Option<Fault> {
         "publish.fill-disk" => Some(Fault::FillDiskBeforePublish),
         "rollback.marker-fail" => Some(Fault::FailRollbackMarker),
         "baseline.fail" => Some(Fault::FailBaseline),
+        "qmp.second-monitor" => Some(Fault::SecondQmpMonitor),
         s => s
             .strip_prefix("capture.stall=")
             .and_then(|n| n.parse().ok())

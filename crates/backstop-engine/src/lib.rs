@@ -19,6 +19,7 @@
 //! | [`rollback`] | the rollback executor: atomic, or HALTED |
 //! | [`watchdog`] | heartbeat, hardware watchdog and crash detection, the storm guard |
 //! | [`devices`] | passthrough device grants, leases and revocation |
+//! | [`drift`] | drift detection: invariants (pure core), reconciliation, acting on drift |
 //! | [`policy`] | schedule, retention, Action Descriptors, the restore gate |
 //! | [`replay`] | `audit replay` (spec/003): every recorded decision recomputed and compared |
 //! | [`records`], [`layers`], [`config`] | durable records, qcow2 layers, the config file |
@@ -30,6 +31,7 @@ pub mod actor;
 mod capture_buffer;
 pub mod config;
 pub mod devices;
+pub mod drift;
 pub mod error;
 pub mod fault;
 pub mod firmware;

@@ -514,4 +514,7 @@ fn serve(engine: &mut VmActor, mut job: Job) {
     });
     engine.publish();
     let _ = job.reply.send(result);
+    // After the answer, so the asker does not wait for it: the cheap invariants after a state
+    // change the job made (drift detection).
+    engine.drift_after_change();
 }

@@ -61,16 +61,28 @@ impl VmActor {
             }
             Request::SnapshotList => self.snapshot_list(),
             Request::SnapshotTree => self.snapshot_tree(),
+            Request::DriftList => self.drift_list(),
             Request::SnapshotShow { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
-                let m = self
+                let entry = self
                     .store
                     .list()
                     .map_err(EngineError::Store)?
                     .into_iter()
-                    .find_map(|e| match e {
-                        ListEntry::Valid(m) if m.snapshot_id == id => Some(m),
-                        _ => None,
+                    .find(|e| e.snapshot_id() == id);
+                // Passive drift detection: a manifest that no longer checks out when read.
+                if let Some(ListEntry::Corrupt {
+                    message,
+                    code: backstop_common::ErrorCode::SnapshotIntegrityCheckFailed,
+                    ..
+                }) = &entry
+                {
+                    self.drift_snapshot_failed(&id, message);
+                }
+                let m = entry
+                    .and_then(|e| match e {
+                        ListEntry::Valid(m) => Some(m),
+                        ListEntry::Corrupt { .. } => None,
                     })
                     .ok_or_else(|| {
                         EngineError::BadRequest(format!(
@@ -82,13 +94,17 @@ impl VmActor {
             Request::SnapshotVerify { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
                 ctx.step("verify", format!("verifying {id}"), None);
-                let v = self
-                    .store
-                    .verify(&id, &VerifyOptions::default())
-                    .map_err(|source| EngineError::Verify {
-                        snapshot_id: id.clone(),
-                        source,
-                    })?;
+                let v = match self.store.verify(&id, &VerifyOptions::default()) {
+                    Ok(v) => v,
+                    Err(source) => {
+                        // Passive drift detection: a read that fails verification.
+                        self.drift_snapshot_read_failed(&id, &source);
+                        return Err(EngineError::Verify {
+                            snapshot_id: id,
+                            source,
+                        });
+                    }
+                };
                 Ok(Response::Verified(VerifyReport {
                     snapshot_id: id,
                     chunks_checked: v.report.chunks_checked,
@@ -313,6 +329,7 @@ pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
         trigger: m.trigger.clone(),
         rolled_back: None,
         current: false,
+        unusable: None,
     }
 }
 

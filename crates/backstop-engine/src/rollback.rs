@@ -302,14 +302,25 @@ impl VmActor {
         let fingerprint = self.backend.config_fingerprint();
         if let Some(to) = to {
             let id = self.store.resolve(to).map_err(EngineError::Store)?;
+            // Drift detection found it failing once: never a target again, even if its bytes
+            // were put back (nothing says which other bytes changed meanwhile).
+            if let Some(why) = self.drift.unusable_reason(&id) {
+                return Err(EngineError::SnapshotUnusable {
+                    snapshot_id: id,
+                    reason: why,
+                });
+            }
             ctx.step("verify", format!("verifying {id}"), None);
-            let v = self
-                .store
-                .verify(&id, &opts)
-                .map_err(|source| EngineError::Verify {
-                    snapshot_id: id.clone(),
-                    source,
-                })?;
+            let v = match self.store.verify(&id, &opts) {
+                Ok(v) => v,
+                Err(source) => {
+                    self.drift_snapshot_read_failed(&id, &source);
+                    return Err(EngineError::Verify {
+                        snapshot_id: id,
+                        source,
+                    });
+                }
+            };
             if v.manifest.config_fingerprint != fingerprint {
                 return Err(EngineError::ShapeMismatch { snapshot_id: id });
             }
@@ -323,11 +334,12 @@ impl VmActor {
         }
         let mut skipped = Vec::new();
         // Snapshots a rollback left off the current line (soft rollback) are not candidates,
-        // nor (for a trigger naming actions) those taken at or after the offence began
+        // nor those drift detection marked unusable, nor (for a trigger naming actions) those taken at or after the offence began
         // (nothing journaled: replay applies the same filter to the recorded creation times).
         let entries: Vec<ListEntry> = (self.store.list().map_err(EngineError::Store)?)
             .into_iter()
             .filter(|e| !self.policy.is_rolled_back(e.snapshot_id()))
+            .filter(|e| !self.drift.is_unusable(e.snapshot_id()))
             .filter(|e| !matches!(e, ListEntry::Valid(m) if crate::forensic::is_forensic(m)))
             .filter(|e| match (e, before) {
                 (ListEntry::Valid(m), Some(b)) => created_before(&m.created_at, b),
@@ -394,6 +406,10 @@ impl VmActor {
                         step: "verify",
                         detail: format!("{}: {io}", m.snapshot_id),
                     });
+                }
+                if let Err(e) = &r {
+                    // Passive drift detection: a rollback candidate that fails.
+                    self.drift_snapshot_read_failed(&m.snapshot_id, e);
                 }
                 (m.snapshot_id.clone(), r.map_err(|e| e.code().to_string()))
             }

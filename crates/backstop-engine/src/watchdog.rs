@@ -165,14 +165,13 @@ impl VmActor {
         })
     }
 
-    /// An emergency rollback nobody asked for (watchdog, crash), with the storm guard. The
-    /// guard's inputs (the wall-clock times of this session's earlier unattended rollbacks) and
-    /// its decision are journaled (`rollback.triggered`), so `audit replay` recomputes it.
-    fn unattended_emergency(&mut self, trigger: TriggerKind, reason: &str) {
+    /// The storm guard of an unattended rollback (watchdogs, crashes, drift): its inputs and
+    /// decision are journaled (`rollback.triggered`); `false` when the VM was halted instead
+    /// (a storm, or a rollback that could not be recorded).
+    pub(crate) fn storm_guard(&mut self, trigger: TriggerKind, reason: &str, trace: &str) -> bool {
         let now_ms = wall_ms();
         let decision = storm_decision(self.emergencies.make_contiguous(), now_ms);
         self.emergencies = decision.recent.iter().copied().collect();
-        let trace = self.new_id();
         let sid = self.session_id.clone();
         let journaled = self.journal(
             AuditEvent::RollbackTriggered,
@@ -191,20 +190,31 @@ impl VmActor {
                 decision.recent.len(),
                 STORM_WINDOW.as_secs()
             );
-            self.enter_halt(&trace, backstop_common::ErrorCode::RollbackStorm, &why);
-            return;
+            self.enter_halt(trace, backstop_common::ErrorCode::RollbackStorm, &why);
+            return false;
         }
         if let Err(e) = journaled {
             // Fail closed: a rollback that cannot be recorded is not run (spec/000 §12).
             let why = format!("cannot journal the emergency rollback ({trigger}: {reason}): {e}");
             self.enter_halt(
-                &trace,
+                trace,
                 backstop_common::ErrorCode::RollbackFailedHalted,
                 &why,
             );
-            return;
+            return false;
         }
         self.emergencies.push_back(now_ms);
+        true
+    }
+
+    /// An emergency rollback nobody asked for (watchdog, crash), with the storm guard. The
+    /// guard's inputs (the wall-clock times of this session's earlier unattended rollbacks) and
+    /// its decision are journaled (`rollback.triggered`), so `audit replay` recomputes it.
+    fn unattended_emergency(&mut self, trigger: TriggerKind, reason: &str) {
+        let trace = self.new_id();
+        if !self.storm_guard(trigger, reason, &trace) {
+            return;
+        }
         warn!(trigger = trigger.as_str(), reason, "emergency rollback");
         let mut sink = |_p: Progress| {};
         let mut ctx = Ctx {

@@ -306,6 +306,12 @@ pub trait VmBackend: Send {
         let _ = spec;
         Ok(Release::Released("nothing was granted".into()))
     }
+    /// Each disk's writable top layer as the running hypervisor reports it (QEMU's
+    /// `query-block`), for drift checks against the layers the engine set. `None`: this
+    /// backend cannot observe it (drift shows the check as not checked, never as passed).
+    fn block_graph(&mut self) -> Result<Option<Vec<ActiveLayer>>> {
+        Ok(None)
+    }
     /// The running VM's devices and accesses as the hypervisor itself reports them (not the
     /// engine's bookkeeping): what a test or a person checks a revocation against.
     fn guest_devices(&mut self) -> Result<GuestDevices> {
@@ -434,6 +440,15 @@ pub enum Release {
     Released(String),
     /// Asked for, but the guest still holds it.
     Pending(String),
+}
+
+/// One disk's writable top layer, as the running hypervisor reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActiveLayer {
+    /// The disk's config id.
+    pub disk: String,
+    /// The file the hypervisor writes the disk's guest writes into.
+    pub active: PathBuf,
 }
 
 /// The running VM's devices, as the hypervisor reports them.

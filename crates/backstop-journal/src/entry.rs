@@ -150,9 +150,12 @@ pub(crate) fn check_event_name(event: &str) -> Result<(), &'static str> {
     if event.len() > 128 {
         return Err("longer than 128 bytes");
     }
-    if !event
-        .bytes()
-        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    // spec/002 names its drift events exactly (`DriftDetectedEvent`): those, and only those,
+    // keep their capitals.
+    if !backstop_common::events::SPEC_EXACT_NAMES.contains(&event)
+        && !event.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+        })
     {
         // Upper case for the specs' own names (spec/003 `REPLAY_RESULT`, spec/002
         // `DriftDetectedEvent`), which are journaled verbatim.
@@ -310,8 +313,9 @@ mod tests {
         assert!(check_event_name("snapshot.create.requested").is_ok());
         assert!(check_event_name("").is_err());
         assert!(check_event_name("Bad Name").is_err());
-        assert!(check_event_name("REPLAY_RESULT").is_ok());
         assert!(check_event_name("DriftDetectedEvent").is_ok());
+        assert!(check_event_name("REPLAY_RESULT").is_ok());
+        assert!(check_event_name("DriftDetectedEvent2").is_err());
         assert!(check_event_name("a/b").is_err());
         assert!(check_event_name(&"a".repeat(129)).is_err());
     }

@@ -281,6 +281,38 @@ impl Journal {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Whether the journal on disk is still the one this writer left: its sealed head file
+    /// names the last entry written (seq and hash, mac checked) and the file has the length
+    /// the last append left. `Ok(None)`: it is; `Ok(Some(why))`: it is not (a head file
+    /// replaced or removed, entries cut off or added behind this writer). The next append
+    /// rewrites the head, so a mismatch is seen only until then.
+    pub fn check_sealed_head(&self) -> Result<Option<String>, JournalError> {
+        let on_disk = std::fs::metadata(&self.path)
+            .map_err(|source| JournalError::Read {
+                path: self.path.clone(),
+                source,
+            })?
+            .len();
+        if on_disk != self.len {
+            return Ok(Some(format!(
+                "journal is {on_disk} bytes on disk, {} after the last append",
+                self.len
+            )));
+        }
+        Ok(match read_head(&self.head_path, &self.key)? {
+            HeadState::Sealed { seq, hash } if seq == self.last_seq && hash == self.last_hash => {
+                None
+            }
+            HeadState::Sealed { seq, .. } => Some(format!(
+                "head file names entry {seq}, the last entry written is {}",
+                self.last_seq
+            )),
+            HeadState::Missing if self.last_seq == 0 => None,
+            HeadState::Missing => Some("head file is missing".into()),
+            HeadState::Bad(why) => Some(why),
+        })
+    }
 }
 
 fn next_segment(rev: &mut RevLines<'_>, path: &Path) -> Result<Option<Segment>, JournalError> {

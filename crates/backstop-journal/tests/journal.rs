@@ -538,3 +538,34 @@ fn tail_reports_over_long_and_garbage_lines() {
         JournalError::Malformed { .. }
     ));
 }
+
+#[test]
+fn a_writer_sees_its_head_file_or_journal_changed_behind_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("audit/journal.jsonl");
+    let mut j = Journal::open(&path, key()).unwrap();
+    // An empty journal has no head yet, and that is as it should be.
+    assert_eq!(j.check_sealed_head().unwrap(), None);
+    for i in 0..3 {
+        j.append(AuditEvent::VmStarted.as_str(), fields(json!({ "i": i })))
+            .unwrap();
+    }
+    assert_eq!(j.check_sealed_head().unwrap(), None);
+    let head = head_path(&path);
+    let saved = fs::read(&head).unwrap();
+    fs::remove_file(&head).unwrap();
+    assert_eq!(
+        j.check_sealed_head().unwrap().as_deref(),
+        Some("head file is missing")
+    );
+    fs::write(&head, b"{}").unwrap();
+    assert!(j.check_sealed_head().unwrap().is_some());
+    fs::write(&head, &saved).unwrap();
+    assert_eq!(j.check_sealed_head().unwrap(), None);
+    // An entry cut off the end behind the writer.
+    let mut l = lines(&path);
+    l.truncate(2);
+    write_lines(&path, &l);
+    let why = j.check_sealed_head().unwrap().unwrap();
+    assert!(why.contains("bytes on disk"), "{why}");
+}

@@ -17,6 +17,10 @@ pub fn fresh_node_name(disk_id: &str, path: &std::path::Path) -> String {
     format!("disk-{disk_id}-{}", hex::encode(&h[..6]))
 }
 
+/// The fault-injection setting that gives QEMU a second monitor for tests.
+#[cfg(feature = "fault-injection")]
+pub const SECOND_MONITOR_FAULT: &str = "qmp.second-monitor";
+
 /// qdev id of a disk's virtio-blk device.
 pub fn device_id(disk_id: &str) -> String {
     format!("dev-{disk_id}")
@@ -170,6 +174,20 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
         "-qmp",
         &format!("unix:{},server=on,wait=off", run.join("qmp.sock").display()),
     ]);
+    // Test-only (feature `fault-injection`, armed by `BACKSTOP_FAULT_INJECT=qmp.second-monitor`):
+    // a second monitor, `test-qmp.sock` in the run directory, through which an end-to-end test
+    // changes the VM behind backstop's back (a `device_add` drift must catch). QEMU serves one
+    // client per monitor, and backstop holds the first. A release build has no such monitor.
+    #[cfg(feature = "fault-injection")]
+    if std::env::var("BACKSTOP_FAULT_INJECT").as_deref() == Ok(SECOND_MONITOR_FAULT) {
+        push(&[
+            "-qmp",
+            &format!(
+                "unix:{},server=on,wait=off",
+                run.join("test-qmp.sock").display()
+            ),
+        ]);
+    }
     push(&["-pidfile", &run.join("qemu.pid").to_string_lossy()]);
     if mode == BootMode::Incoming {
         push(&["-incoming", "defer", "-S"]);

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Map, Value};
 
 use backstop_hypervisor::{
-    BackendError, DeviceAccess, DisplayState, GrantKind, GrantOutcome, GrantSpec, GuestDevices,
-    LinkState, PciFunction, Peripheral, PropValue, Release, Result, UsbDevice,
+    ActiveLayer, BackendError, DeviceAccess, DisplayState, GrantKind, GrantOutcome, GrantSpec,
+    GuestDevices, LinkState, PciFunction, Peripheral, PropValue, Release, Result, UsbDevice,
 };
 
 use crate::{cmdline, is_grantable, QemuConfig, Running};
@@ -607,6 +607,41 @@ impl crate::QemuBackend {
             migration_blockers: migration_blockers(r, t)?,
         })
     }
+
+    /// Each virtio disk's top layer as QEMU reports it (`query-block`): the device's qdev path
+    /// names the disk (`dev-<id>`), `inserted.file` the file it writes. Disks QEMU does not
+    /// show under a `dev-<id>` device (the UEFI variables' flash) are left out.
+    pub(crate) fn block_view(&mut self) -> Result<Vec<ActiveLayer>> {
+        let t = self.cfg.qmp_timeout;
+        let r = self.running_mut("query block graph")?;
+        let reply = r.qmp.execute("query-block", None, t)?;
+        Ok(parse_query_block(&reply))
+    }
+}
+
+/// The disks of a `query-block` reply, by the `dev-<id>` device each is attached to.
+pub(crate) fn parse_query_block(reply: &Value) -> Vec<ActiveLayer> {
+    let mut out = Vec::new();
+    for b in reply.as_array().map(Vec::as_slice).unwrap_or(&[]) {
+        let qdev = b.get("qdev").and_then(Value::as_str).unwrap_or("");
+        let name = qdev
+            .strip_prefix("/machine/peripheral/")
+            .unwrap_or(qdev)
+            .split('/')
+            .next()
+            .unwrap_or("");
+        let Some(disk) = name.strip_prefix("dev-") else {
+            continue;
+        };
+        let Some(file) = b.pointer("/inserted/file").and_then(Value::as_str) else {
+            continue;
+        };
+        out.push(ActiveLayer {
+            disk: disk.to_string(),
+            active: PathBuf::from(file),
+        });
+    }
+    out
 }
 
 #[cfg(test)]
@@ -617,6 +652,31 @@ mod tests {
         let mut c = crate::cmdline::tests_support::cfg();
         c.devices = shape;
         c
+    }
+
+    #[test]
+    fn query_block_names_each_virtio_disk_by_its_device() {
+        let reply = json!([
+            {"device": "", "qdev": "/machine/peripheral/dev-data/virtio-backend",
+             "inserted": {"file": "/l/data/3.qcow2", "node-name": "disk-data-0a"}},
+            {"device": "", "qdev": "dev-scratch", "inserted": {"file": "/s/scratch.qcow2"}},
+            {"device": "", "qdev": "/machine/system.flash1", "inserted": {"file": "/v.qcow2"}},
+            {"device": "", "qdev": "/machine/peripheral/dev-empty/virtio-backend"}
+        ]);
+        assert_eq!(
+            parse_query_block(&reply),
+            vec![
+                ActiveLayer {
+                    disk: "data".into(),
+                    active: "/l/data/3.qcow2".into()
+                },
+                ActiveLayer {
+                    disk: "scratch".into(),
+                    active: "/s/scratch.qcow2".into()
+                },
+            ]
+        );
+        assert!(parse_query_block(&json!({})).is_empty());
     }
 
     #[test]

@@ -1261,6 +1261,10 @@ impl VmBackend for QemuBackend {
     fn link_states(&mut self) -> Result<Vec<backstop_hypervisor::LinkState>> {
         self.link_view()
     }
+
+    fn block_graph(&mut self) -> Result<Option<Vec<backstop_hypervisor::ActiveLayer>>> {
+        self.block_view().map(Some)
+    }
 }
 
 impl Drop for QemuBackend {

@@ -360,6 +360,72 @@ impl Store {
         ))
     }
 
+    /// The distinct chunks of snapshot `id`, in first-use order, from its indexes after the
+    /// manifest's signature and each index file's checksums were checked (the chunks themselves
+    /// are not read). For re-verifying a snapshot a few chunks at a time with
+    /// [`Store::check_chunk`], instead of all at once with [`Store::verify`].
+    pub fn snapshot_chunks(&self, id: &str) -> Result<Vec<ChunkRef>, StoreError> {
+        let manifest = self.load_manifest(
+            id,
+            &VerifyOptions {
+                allow_newer_minor: true,
+            },
+        )?;
+        let dir = self.paths.snapshots.join(id);
+        let checksums: BTreeMap<&str, &Checksum> = manifest
+            .checksums
+            .iter()
+            .map(|c| (c.reference.as_str(), c))
+            .collect();
+        let mut seen: HashSet<String> = HashSet::new();
+        let mut out = Vec::new();
+        for payload in &manifest.payload_refs {
+            let Some(file) = &payload.index else { continue };
+            let index = self.verify_index(id, &dir, file, checksums.get(file.as_str()).copied())?;
+            out.extend(
+                index
+                    .chunks
+                    .into_iter()
+                    .filter(|c| seen.insert(c.sha256.clone())),
+            );
+        }
+        Ok(out)
+    }
+
+    /// Checks one chunk of snapshot `id` (presence, length, sha256, crc32), as [`Store::verify`]
+    /// does for each.
+    pub fn check_chunk(&self, id: &str, chunk: &ChunkRef) -> Result<(), StoreError> {
+        self.verify_chunk(id, chunk)
+    }
+
+    /// Moves a chunk that failed its check out of `chunks/` into `quarantine/` (kept for a
+    /// person to look at, never swept). Without this a damaged chunk would poison every later
+    /// snapshot: the builders dedup by the chunk's name and length, so a fresh capture of the
+    /// same bytes would refer to the damaged file instead of writing a good one. Snapshots that
+    /// name it then fail with `ChunkMissing` rather than a mismatch: they were unusable anyway.
+    pub fn quarantine_chunk(&self, sha256: &str) -> Result<PathBuf, StoreError> {
+        if !fsutil::is_lower_hex(sha256, 64) {
+            return Err(StoreError::Chunker {
+                name: sha256.into(),
+                message: "not a chunk name".into(),
+            });
+        }
+        let dir = self.paths.root.join("quarantine");
+        create_private_dir(&dir)?;
+        let from = chunk_path(&self.paths.chunks, sha256);
+        let to = dir.join(sha256);
+        fs::rename(&from, &to).map_err(|source| StoreError::Rename {
+            from: from.clone(),
+            to: to.clone(),
+            source,
+        })?;
+        if let Some(parent) = from.parent() {
+            fsync_dir(parent)?;
+        }
+        fsync_dir(&dir)?;
+        Ok(to)
+    }
+
     // --- internals ---
 
     /// Reads, authenticates and decodes `snapshots/<id>/manifest.json`.

@@ -1236,3 +1236,30 @@ fn long_work_calls_the_keepalive_per_mib_hashed_and_per_chunk_checked() {
         .unwrap();
     assert_eq!(calls.load(Ordering::Relaxed), verified);
 }
+
+// ---------------------------------------------------------------- drift: per-chunk re-verification
+
+#[test]
+fn a_snapshot_rechecked_chunk_by_chunk_finds_the_damaged_one_and_quarantines_it() {
+    let fx = Fixture::new();
+    let id = fx.small_snapshot().snapshot_id;
+    let chunks = fx.store.snapshot_chunks(&id).unwrap();
+    assert!(!chunks.is_empty());
+    for c in &chunks {
+        fx.store.check_chunk(&id, c).unwrap();
+    }
+    let bad = chunks[0].clone();
+    flip_byte(&fx.chunk_file(&bad.sha256), 7);
+    let err = fx.store.check_chunk(&id, &bad).unwrap_err();
+    assert!(matches!(err, StoreError::ChecksumMismatch { .. }), "{err}");
+    let to = fx.store.quarantine_chunk(&bad.sha256).unwrap();
+    assert!(to.starts_with(fx.store.root().join("quarantine")));
+    assert!(!fx.chunk_file(&bad.sha256).exists());
+    let err = fx.store.check_chunk(&id, &bad).unwrap_err();
+    assert!(matches!(err, StoreError::ChunkMissing { .. }), "{err}");
+    // Not a chunk name: refused, nothing moved.
+    assert!(fx.store.quarantine_chunk("../../etc").is_err());
+    // A damaged index is refused before any chunk is named.
+    flip_byte(&fx.snap_dir(&id).join("vmstate.index"), 3);
+    assert_code(&fx.store.snapshot_chunks(&id).unwrap_err(), INTEGRITY);
+}

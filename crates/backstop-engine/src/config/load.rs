@@ -401,6 +401,26 @@ impl Config {
                 "at least one uid must be allowed on the console",
             );
         }
+        if !RECONCILE_MINUTES.contains(&self.drift.reconcile_minutes) {
+            return Err(ConfigError::Invalid {
+                key: "drift.reconcile_minutes".into(),
+                message: format!(
+                    "must be between {} and {} minutes",
+                    RECONCILE_MINUTES.start(),
+                    RECONCILE_MINUTES.end()
+                ),
+            });
+        }
+        if !REVERIFY_DAYS.contains(&self.drift.reverify_days) {
+            return Err(ConfigError::Invalid {
+                key: "drift.reverify_days".into(),
+                message: format!(
+                    "must be between {} and {} days",
+                    REVERIFY_DAYS.start(),
+                    REVERIFY_DAYS.end()
+                ),
+            });
+        }
         crate::policy::validate_config(self)?;
         crate::devices::validate(&self.devices, &self.vm)?;
         Ok(())

@@ -47,6 +47,10 @@ pub struct Config {
     /// Reviewer evidence for console restores (`[restore_gate]`).
     #[serde(default)]
     pub restore_gate: crate::policy::RestoreGateConfig,
+    /// Drift detection (`[drift]`): the reconciliation period and the re-verification window.
+    /// Detection itself is always on.
+    #[serde(default)]
+    pub drift: DriftConfig,
     /// What may be granted to the guest (`[[devices]]`); nothing else can be.
     #[serde(default)]
     pub devices: Vec<crate::devices::DeviceConfig>,
@@ -63,6 +67,49 @@ pub struct Config {
     #[serde(skip)]
     pub pinned_layers_dir: Option<PathBuf>,
 }
+
+/// Drift detection (spec/002 §3, docs/drift.md). Always on; only its pace is configurable.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DriftConfig {
+    /// Minutes between two active reconciliation passes (a fraction is allowed: tests use a
+    /// few seconds).
+    #[serde(default = "default_reconcile_minutes")]
+    pub reconcile_minutes: f64,
+    /// Every chunk of every usable snapshot is re-read at least once within this many days,
+    /// the work spread over the passes.
+    #[serde(default = "default_reverify_days")]
+    pub reverify_days: u64,
+}
+
+impl Default for DriftConfig {
+    fn default() -> Self {
+        Self {
+            reconcile_minutes: default_reconcile_minutes(),
+            reverify_days: default_reverify_days(),
+        }
+    }
+}
+
+impl DriftConfig {
+    /// The pass period (validated at load to lie within [`RECONCILE_MINUTES`]).
+    pub fn period(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.reconcile_minutes.max(0.0) * 60.0)
+    }
+}
+
+fn default_reconcile_minutes() -> f64 {
+    5.0
+}
+
+fn default_reverify_days() -> u64 {
+    7
+}
+
+/// Bounds of `drift.reconcile_minutes`: from 3 s (tests) to a day.
+pub const RECONCILE_MINUTES: std::ops::RangeInclusive<f64> = 0.05..=1440.0;
+/// Bounds of `drift.reverify_days`.
+pub const REVERIFY_DAYS: std::ops::RangeInclusive<u64> = 1..=365;
 
 /// The heartbeat watchdog. It is always on; only its timeout is configurable, within bounds.
 #[derive(Debug, Clone, Deserialize)]

@@ -389,3 +389,37 @@ fn the_metrics_endpoint_is_off_by_default_and_local_only() {
     let e = crate::HostConfig::parse(&text).unwrap_err();
     assert!(e.to_string().contains("daemon.metrics"), "{e}");
 }
+
+#[test]
+fn the_drift_table_has_defaults_bounds_and_no_stranger_keys() {
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert_eq!(cfg.drift.reconcile_minutes, 5.0);
+    assert_eq!(cfg.drift.reverify_days, 7);
+    assert_eq!(cfg.drift.period(), std::time::Duration::from_secs(300));
+    let with = |table: &str| DEFAULT_CONFIG.replace("[drift]", &format!("[drift]\n{table}\n"));
+    let cfg = Config::parse(&with("reconcile_minutes = 0.1\nreverify_days = 2")).unwrap();
+    assert_eq!(cfg.drift.period(), std::time::Duration::from_secs(6));
+    assert_eq!(cfg.drift.reverify_days, 2);
+    let cfg = Config::parse(&with("reconcile_minutes = 10")).unwrap();
+    assert_eq!(cfg.drift.period(), std::time::Duration::from_secs(600));
+    for (table, key) in [
+        ("reconcile_minutes = 0", "drift.reconcile_minutes"),
+        ("reconcile_minutes = 0.01", "drift.reconcile_minutes"),
+        ("reconcile_minutes = 5000", "drift.reconcile_minutes"),
+        ("reverify_days = 0", "drift.reverify_days"),
+        ("reverify_days = 1000", "drift.reverify_days"),
+    ] {
+        let err = Config::parse(&with(table)).unwrap_err();
+        assert!(
+            err.to_string().starts_with(&format!("config: `{key}`:")),
+            "{table}: {err}"
+        );
+    }
+    let err = Config::parse(&with("colour = 1")).unwrap_err();
+    assert!(err.to_string().contains("colour"), "{err}");
+    let err = Config::parse(&with("reconcile_minutes = \"soon\"")).unwrap_err();
+    assert!(err.to_string().starts_with("config:"), "{err}");
+    // Detection cannot be turned off.
+    let err = Config::parse(&with("enabled = false")).unwrap_err();
+    assert!(err.to_string().contains("drift.enabled"), "{err}");
+}

@@ -127,7 +127,8 @@ impl VmActor {
         self.rollback(ctx, plan)
     }
 
-    /// The newest snapshot of the current line created at or before `before`; without a time,
+    /// The newest snapshot of the current line (not one drift detection marked unusable)
+    /// created at or before `before`; without a time,
     /// the one this daemon session started from (the newest at or before its start, else the
     /// first one taken after it: the baseline of a cold boot).
     fn session_target(&self, before: Option<OffsetDateTime>) -> Result<String, EngineError> {
@@ -139,7 +140,8 @@ impl VmActor {
             .filter_map(|e| match e {
                 ListEntry::Valid(m)
                     if !self.policy.is_rolled_back(&m.snapshot_id)
-                        && !crate::forensic::is_forensic(&m) =>
+                        && !crate::forensic::is_forensic(&m)
+                        && !self.drift.is_unusable(&m.snapshot_id) =>
                 {
                     parse_time(&m.created_at).map(|t| (t, m.snapshot_id))
                 }
@@ -366,6 +368,7 @@ impl VmActor {
         };
         for e in entries[pos + 1..].iter().rev() {
             if self.policy.is_rolled_back(e.snapshot_id())
+                || self.drift.is_unusable(e.snapshot_id())
                 || matches!(e, ListEntry::Valid(m) if crate::forensic::is_forensic(m))
             {
                 continue;
@@ -563,16 +566,26 @@ impl VmActor {
         })
     }
 
-    pub(crate) fn snapshot_list(&self) -> Result<Response, EngineError> {
-        let snapshots = self
-            .store
-            .list()
-            .map_err(EngineError::Store)?
+    pub(crate) fn snapshot_list(&mut self) -> Result<Response, EngineError> {
+        let entries = self.store.list().map_err(EngineError::Store)?;
+        // Passive drift detection: a manifest that no longer checks out is drift.
+        for e in &entries {
+            if let ListEntry::Corrupt {
+                snapshot_id,
+                message,
+                code: backstop_common::ErrorCode::SnapshotIntegrityCheckFailed,
+            } = e
+            {
+                self.drift_snapshot_failed(snapshot_id, message);
+            }
+        }
+        let snapshots = entries
             .into_iter()
             .filter_map(|e| match e {
                 ListEntry::Valid(m) => {
                     let mut s = summary(&m);
                     s.current = self.descends_from(&m.snapshot_id);
+                    s.unusable = self.drift.unusable_reason(&m.snapshot_id);
                     s.rolled_back = self.policy.marks.get(&m.snapshot_id).map(|k| {
                         Box::new(RolledBackMark {
                             at: k.at.clone(),

@@ -246,6 +246,8 @@ pub struct Replayer<'a> {
     unhealthy: std::collections::HashSet<String>,
     /// Forensic snapshots (never rollback targets).
     forensic: std::collections::HashSet<String>,
+    /// Snapshots drift detection found failing (never rollback targets again).
+    unusable: std::collections::HashSet<String>,
     out: Outcome,
 }
 
@@ -283,6 +285,7 @@ impl<'a> Replayer<'a> {
             created: HashMap::new(),
             unhealthy: Default::default(),
             forensic: Default::default(),
+            unusable: Default::default(),
             out: Outcome {
                 code: None,
                 detail: String::new(),
@@ -801,6 +804,12 @@ impl<'a> Replayer<'a> {
                     self.epoch = Some(ep);
                 }
             }
+            // Drift detection marks a snapshot that no longer verifies unusable for good.
+            "DriftDetectedEvent" if s(f, "invariant_id") == Some("snapshot.verifies") => {
+                if let Some(id) = s(f, "node_id") {
+                    self.unusable.insert(id.to_string());
+                }
+            }
             "vm.halted" => self.halted = true,
             "vm.halt_cleared" => self.halted = false,
             _ => {}
@@ -855,7 +864,7 @@ impl<'a> Replayer<'a> {
             .iter()
             .rev()
             .filter(|p| !self.pruned.contains(*p) && !self.marked.contains(*p))
-            .filter(|p| !self.forensic.contains(*p))
+            .filter(|p| !self.forensic.contains(*p) && !self.unusable.contains(*p))
             .filter(|p| match (&before, self.created.get(*p)) {
                 (None, _) => true,
                 (Some(b), Some(c)) => crate::rollback::created_before(c, b),
@@ -923,7 +932,7 @@ impl<'a> Replayer<'a> {
                     .iter()
                     .rev()
                     .filter(|p| !self.pruned.contains(*p) && !self.marked.contains(*p))
-                    .filter(|p| !self.forensic.contains(*p))
+                    .filter(|p| !self.forensic.contains(*p) && !self.unusable.contains(*p))
                     .cloned()
                     .collect(),
                 None => Vec::new(),

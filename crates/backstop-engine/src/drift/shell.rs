@@ -1,0 +1,728 @@
+//! Drift detection's shell: observes the VM (the backend's own reports, the store, the journal,
+//! the state filesystem), feeds the pure check in [`crate::drift`], journals
+//! `DriftDetectedEvent` / `DriftResolvedEvent`, and acts — an emergency rollback for a device
+//! the ledger does not allow (HALT if it fails), a snapshot that no longer verifies marked
+//! unusable (persisted) with its damaged chunks quarantined and a fresh snapshot taken.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tracing::{info, warn};
+
+use backstop_common::time::now_rfc3339;
+use backstop_common::{AuditEvent, ErrorCode, TriggerKind};
+use backstop_control::{DriftReport, DriftView, InvariantView, Progress, Response};
+use backstop_hypervisor::GrantKind;
+use backstop_store::{ChunkRef, ListEntry, StoreError, VerifyOptions};
+
+use super::{
+    check, chunks_per_pass, next_window, Coverage, DriftAction, DriftBook, Expected, InvariantId,
+    Launched, Observed, OpenDrift, ProcessSeen, ResolvedDrift, SnapshotSeen, Strategy, Violation,
+};
+use crate::actor::{Caller, Ctx, VmActor};
+use crate::error::EngineError;
+use crate::lifecycle::VmState;
+use crate::rollback::RollbackPlan;
+
+/// The persisted list of unusable snapshots: `<state_dir>/drift/unusable.json`.
+const UNUSABLE_FILE: &str = "unusable.json";
+
+/// Why a snapshot was marked unusable.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnusableMark {
+    pub at: String,
+    pub reason: String,
+}
+
+/// An actor's drift state.
+#[derive(Debug)]
+pub(crate) struct DriftState {
+    pub(crate) book: DriftBook,
+    /// The hypervisor instance the device, link and process invariants compare against.
+    launched: Option<Launched>,
+    unusable: BTreeMap<String, UnusableMark>,
+    dir: PathBuf,
+    /// When the last active pass ran (monotonic, and as text for `drift`).
+    last_pass: Instant,
+    last_pass_at: Option<String>,
+    /// Where the incremental re-verification continues.
+    cursor: u64,
+    /// A state change happened: the cheap invariants are checked when the job is over.
+    pub(crate) check_due: bool,
+    /// Snapshot drifts waiting for a fresh snapshot to resolve them.
+    fresh_due: Vec<OpenDrift>,
+}
+
+impl DriftState {
+    pub(crate) fn load(state_dir: &Path) -> DriftState {
+        let dir = state_dir.join("drift");
+        let unusable = match std::fs::read(dir.join(UNUSABLE_FILE)) {
+            Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+                // Fail closed would be "every snapshot unusable"; the file is ours and only
+                // narrows choices, so an unreadable one is reported and read as empty.
+                warn!(error = %e, "drift/unusable.json unreadable; no snapshot marked unusable");
+                BTreeMap::new()
+            }),
+            Err(_) => BTreeMap::new(),
+        };
+        DriftState {
+            book: DriftBook::default(),
+            launched: None,
+            unusable,
+            dir,
+            last_pass: Instant::now(),
+            last_pass_at: None,
+            cursor: 0,
+            check_due: false,
+            fresh_due: Vec::new(),
+        }
+    }
+
+    /// backstop launched a new hypervisor instance: the next observation is its baseline.
+    pub(crate) fn launched_by_engine(&mut self) {
+        self.launched = None;
+    }
+
+    pub(crate) fn is_unusable(&self, snapshot_id: &str) -> bool {
+        self.unusable.contains_key(snapshot_id)
+    }
+
+    pub(crate) fn unusable_reason(&self, snapshot_id: &str) -> Option<String> {
+        self.unusable.get(snapshot_id).map(|m| m.reason.clone())
+    }
+
+    fn mark_unusable(&mut self, snapshot_id: &str, reason: &str) -> std::io::Result<()> {
+        self.unusable.insert(
+            snapshot_id.to_string(),
+            UnusableMark {
+                at: now_rfc3339(),
+                reason: reason.to_string(),
+            },
+        );
+        std::fs::create_dir_all(&self.dir)?;
+        let bytes = serde_json::to_vec_pretty(&self.unusable).map_err(std::io::Error::other)?;
+        backstop_common::durable::write_atomic(&self.dir.join(UNUSABLE_FILE), &bytes)
+    }
+
+    /// The open drifts, for `status`.
+    pub(crate) fn open_views(&self) -> Vec<DriftView> {
+        self.book.open().map(view).collect()
+    }
+}
+
+fn view(d: &OpenDrift) -> DriftView {
+    DriftView {
+        invariant_id: d.invariant.as_str().into(),
+        node_id: d.node_id.clone(),
+        severity: d.severity.as_str().into(),
+        drift_type: d.strategy.as_str().into(),
+        details: d.details.clone(),
+        detected_at: d.detected_at.clone(),
+        resolved_at: None,
+        resolution: None,
+    }
+}
+
+fn resolved_view(r: &ResolvedDrift) -> DriftView {
+    DriftView {
+        resolved_at: Some(r.resolved_at.clone()),
+        resolution: Some(r.resolution.clone()),
+        ..view(&r.drift)
+    }
+}
+
+/// `/proc/<pid>` exists and its state is not zombie.
+fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses and may hold spaces.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
+/// sha256 of the process's command line, if it can be read.
+fn cmdline_digest(pid: u32) -> Option<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .ok()
+        .map(|b| backstop_integrity::sha256_hex(&b))
+}
+
+/// Free space of the filesystem holding `dir`, MiB.
+fn free_mib(dir: &Path) -> Option<u64> {
+    let st = nix::sys::statvfs::statvfs(dir).ok()?;
+    Some(st.blocks_available() as u64 * st.fragment_size() as u64 / (1024 * 1024))
+}
+
+/// A verification failure that says the snapshot's bytes changed (a checksum, a signature, a
+/// file gone): `ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED`. A version this build does not read
+/// (`--compat` may read it) or a manifest it refuses is no drift, and neither is a host out of
+/// descriptors or memory.
+fn is_integrity_failure(e: &StoreError) -> bool {
+    e.code() == ErrorCode::SnapshotIntegrityCheckFailed
+        && backstop_common::resources::exhaustion(e).is_none()
+}
+
+/// Lowers the calling thread's IO priority to the idle class while it lives (and the threads
+/// it starts, which inherit it), restoring the previous one on drop: re-verification reads
+/// every chunk, and must not slow the guest's own disk IO or a rollback's reads.
+struct IdleIo {
+    previous: Option<i64>,
+}
+
+const IOPRIO_WHO_PROCESS: libc::c_long = 1;
+const IOPRIO_CLASS_IDLE: libc::c_long = 3;
+const IOPRIO_CLASS_SHIFT: libc::c_long = 13;
+
+impl IdleIo {
+    fn enter() -> IdleIo {
+        // SAFETY: ioprio_get/ioprio_set take integers only; `who` 0 is the calling thread.
+        let previous = unsafe { libc::syscall(libc::SYS_ioprio_get, IOPRIO_WHO_PROCESS, 0) };
+        // SAFETY: as above.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_ioprio_set,
+                IOPRIO_WHO_PROCESS,
+                0,
+                IOPRIO_CLASS_IDLE << IOPRIO_CLASS_SHIFT,
+            )
+        };
+        IdleIo {
+            previous: (previous >= 0 && rc == 0).then_some(previous),
+        }
+    }
+}
+
+impl Drop for IdleIo {
+    fn drop(&mut self) {
+        if let Some(p) = self.previous {
+            // SAFETY: integers only; restores the priority read in `enter`.
+            unsafe { libc::syscall(libc::SYS_ioprio_set, IOPRIO_WHO_PROCESS, 0, p) };
+        }
+    }
+}
+
+impl VmActor {
+    /// What the engine expects now.
+    fn drift_expected(&self) -> Expected {
+        let grants = self.devices.grants.values();
+        let mut granted_devices = Vec::new();
+        let mut granted_links = BTreeSet::new();
+        for g in grants {
+            match &g.spec.kind {
+                GrantKind::Device { .. } => granted_devices.push(g.spec.id.clone()),
+                GrantKind::NicLink { nic } => {
+                    granted_links.insert(nic.clone());
+                }
+                GrantKind::Display => {}
+            }
+        }
+        Expected {
+            disks: self
+                .attachments()
+                .into_iter()
+                .map(|d| (d.id, d.active))
+                .collect(),
+            granted_devices,
+            granted_links,
+            launched: self.drift.launched.clone(),
+            min_free_mib: self.cfg.daemon.min_free_mib,
+        }
+    }
+
+    /// Observes the cheap facets the backend can see; snapshots are left to the caller.
+    fn drift_observe(&mut self) -> Observed {
+        let kind = self.backend.kind();
+        let covered = |inv: InvariantId| inv.coverage(kind) == Coverage::Checked;
+        let mut o = Observed::default();
+        if covered(InvariantId::DiskActiveLayer) {
+            o.disks = match self.backend.block_graph() {
+                Ok(g) => g,
+                Err(e) => {
+                    warn!(error = %e, "drift: block graph not observed this time");
+                    None
+                }
+            };
+        }
+        if covered(InvariantId::DeviceSet) || covered(InvariantId::LinkState) {
+            match self.backend.guest_devices() {
+                Ok(g) => {
+                    if covered(InvariantId::DeviceSet) {
+                        o.devices = Some(g.peripherals.iter().map(|p| p.id.clone()).collect());
+                    }
+                    if covered(InvariantId::LinkState) {
+                        o.links = Some(g.links);
+                    }
+                }
+                Err(e) => warn!(error = %e, "drift: devices not observed this time"),
+            }
+        }
+        let pid = self.backend.pid();
+        if covered(InvariantId::ProcessIdentity) {
+            o.process = Some(ProcessSeen {
+                pid,
+                alive: pid.is_some_and(process_alive),
+                fingerprint: self.backend.config_fingerprint(),
+                cmdline: pid.and_then(cmdline_digest),
+            });
+        }
+        o.journal_head = match self.journal.check_sealed_head() {
+            Ok(h) => Some(h),
+            Err(e) => {
+                warn!(error = %e, "drift: journal head not observed this time");
+                None
+            }
+        };
+        o.free_mib = free_mib(&self.cfg.daemon.state_dir);
+        self.drift_note_launch(&o);
+        o
+    }
+
+    /// Records the launched instance at the first observation after backstop launched a
+    /// hypervisor process (a boot, a rollback, a resume, a daemon start: see
+    /// [`DriftState::launched_by_engine`]): its devices minus the ledger's grants are its
+    /// configured shape. A NIC whose link could not be read yet is recorded when it can. A pid
+    /// that changes without such a launch is drift, not a new baseline.
+    fn drift_note_launch(&mut self, o: &Observed) {
+        let pid = self.backend.pid();
+        let fresh = self.drift.launched.is_none();
+        let grants: Vec<String> = self.devices.grants.keys().cloned().collect();
+        let granted_links: BTreeSet<String> = self
+            .devices
+            .grants
+            .values()
+            .filter_map(|g| match &g.spec.kind {
+                GrantKind::NicLink { nic } => Some(nic.clone()),
+                _ => None,
+            })
+            .collect();
+        if fresh {
+            self.drift.launched = Some(Launched {
+                pid,
+                fingerprint: self.backend.config_fingerprint(),
+                cmdline: pid.and_then(cmdline_digest),
+                devices: None,
+                links: BTreeMap::new(),
+            });
+        }
+        // The shape at the first read that worked: a failed read is not an empty shape.
+        if let (Some(l), Some(seen)) = (self.drift.launched.as_mut(), &o.devices) {
+            if l.devices.is_none() {
+                l.devices = Some(
+                    seen.iter()
+                        .filter(|id| !grants.iter().any(|g| super::grant_owns(g, id)))
+                        .cloned()
+                        .collect(),
+                );
+            }
+        }
+        if let (Some(l), Some(links)) = (self.drift.launched.as_mut(), &o.links) {
+            for link in links {
+                if let (Some(up), false) = (link.up, granted_links.contains(&link.nic)) {
+                    l.links.entry(link.nic.clone()).or_insert(up);
+                }
+            }
+        }
+    }
+
+    /// The invariant-based strategy: after a state change of the VM, the cheap invariants.
+    pub(crate) fn drift_after_change(&mut self) {
+        if !std::mem::take(&mut self.drift.check_due) || self.state != VmState::Running {
+            return;
+        }
+        let o = self.drift_observe();
+        let report = check(&self.drift_expected(), &o);
+        self.drift_apply(report, Strategy::InvariantViolation);
+    }
+
+    /// From the actor's tick: a check after a state change the tick made, a fresh snapshot a
+    /// drift is waiting for, and the active reconciliation pass when its period is up.
+    pub(crate) fn drift_tick(&mut self) {
+        if self.state != VmState::Running {
+            return;
+        }
+        self.drift_after_change();
+        self.drift_take_fresh_snapshot();
+        if self.drift.last_pass.elapsed() >= self.cfg.drift.period() {
+            self.drift_reconcile();
+        }
+    }
+
+    /// The active strategy: every invariant, the newest usable snapshot verified whole, and a
+    /// slice of every other usable snapshot's chunks (all of them within `reverify_days`), at
+    /// idle IO priority.
+    pub(crate) fn drift_reconcile(&mut self) {
+        let started = Instant::now();
+        self.drift.last_pass = started;
+        self.drift.last_pass_at = Some(now_rfc3339());
+        let mut o = self.drift_observe();
+        let snapshots = {
+            let _idle = IdleIo::enter();
+            self.drift_observe_snapshots()
+        };
+        o.snapshots = Some(snapshots);
+        let report = check(&self.drift_expected(), &o);
+        info!(
+            ms = started.elapsed().as_millis() as u64,
+            violations = report.violations.len(),
+            "drift: reconciliation pass"
+        );
+        self.drift_apply(report, Strategy::ActiveReconciliation);
+        // The pass itself must not eat its own period on a slow store.
+        self.drift.last_pass = Instant::now();
+    }
+
+    fn drift_observe_snapshots(&mut self) -> Vec<SnapshotSeen> {
+        let entries = match self.store.list() {
+            Ok(e) => e,
+            Err(e) => {
+                warn!(error = %e, "drift: store not listed this time");
+                return Vec::new();
+            }
+        };
+        let mut seen = Vec::new();
+        let mut usable = Vec::new();
+        for e in entries {
+            if self.drift.is_unusable(e.snapshot_id()) {
+                continue;
+            }
+            match e {
+                ListEntry::Valid(m) => usable.push(m.snapshot_id),
+                ListEntry::Corrupt {
+                    snapshot_id,
+                    message,
+                    code: ErrorCode::SnapshotIntegrityCheckFailed,
+                } => seen.push(SnapshotSeen {
+                    snapshot_id,
+                    failure: Some(message),
+                }),
+                ListEntry::Corrupt { .. } => {}
+            }
+        }
+        // The newest usable snapshot is the next rollback's target: verified whole each pass.
+        let Some(newest) = usable.pop() else {
+            return seen;
+        };
+        match self.store.verify(&newest, &VerifyOptions::default()) {
+            Ok(_) => seen.push(SnapshotSeen {
+                snapshot_id: newest.clone(),
+                failure: None,
+            }),
+            Err(e) if is_integrity_failure(&e) => seen.push(SnapshotSeen {
+                snapshot_id: newest.clone(),
+                failure: Some(e.to_string()),
+            }),
+            Err(e) => warn!(error = %e, "drift: newest snapshot not verified this time"),
+        }
+        // The others a slice at a time: each distinct chunk once, whoever shares it.
+        let mut owners: BTreeMap<String, (ChunkRef, Vec<String>)> = BTreeMap::new();
+        for id in &usable {
+            match self.store.snapshot_chunks(id) {
+                Ok(chunks) => {
+                    for c in chunks {
+                        owners
+                            .entry(c.sha256.clone())
+                            .or_insert_with(|| (c, Vec::new()))
+                            .1
+                            .push(id.clone());
+                    }
+                }
+                Err(e) if is_integrity_failure(&e) => seen.push(SnapshotSeen {
+                    snapshot_id: id.clone(),
+                    failure: Some(e.to_string()),
+                }),
+                Err(e) => warn!(error = %e, snapshot_id = %id, "drift: indexes not read"),
+            }
+        }
+        let all: Vec<&(ChunkRef, Vec<String>)> = owners.values().collect();
+        let budget = chunks_per_pass(
+            all.len() as u64,
+            (self.cfg.drift.reconcile_minutes.ceil() as u64).max(1),
+            self.cfg.drift.reverify_days,
+        );
+        let (window, next) = next_window(self.drift.cursor, all.len() as u64, budget);
+        self.drift.cursor = next;
+        let mut failed: BTreeSet<String> = BTreeSet::new();
+        for i in window {
+            let Some((chunk, ids)) = all.get(i as usize) else {
+                continue;
+            };
+            let Some(first) = ids.first() else { continue };
+            if let Err(e) = self.store.check_chunk(first, chunk) {
+                if !is_integrity_failure(&e) {
+                    continue;
+                }
+                for id in ids {
+                    if failed.insert(id.clone()) && *id != newest {
+                        seen.push(SnapshotSeen {
+                            snapshot_id: id.clone(),
+                            failure: Some(format!("chunk {}: {e}", chunk.sha256)),
+                        });
+                    }
+                }
+            }
+        }
+        seen
+    }
+
+    /// The passive strategy: a snapshot read (list, show, verify, a rollback's candidate) found
+    /// it failing verification. A snapshot already marked unusable is known: not journaled again.
+    pub(crate) fn drift_snapshot_read_failed(&mut self, snapshot_id: &str, e: &StoreError) {
+        if is_integrity_failure(e) {
+            self.drift_snapshot_failed(snapshot_id, &e.to_string());
+        }
+    }
+
+    /// [`VmActor::drift_snapshot_read_failed`] with the failure as text (a listing's reason).
+    pub(crate) fn drift_snapshot_failed(&mut self, snapshot_id: &str, details: &str) {
+        if self.drift.is_unusable(snapshot_id) {
+            return;
+        }
+        let report = super::Report {
+            violations: vec![Violation {
+                invariant: InvariantId::SnapshotVerifies,
+                node_id: snapshot_id.to_string(),
+                severity: InvariantId::SnapshotVerifies.severity(),
+                details: details.to_string(),
+            }],
+            checked: BTreeMap::new(),
+        };
+        self.drift_apply(report, Strategy::PassiveRead);
+    }
+
+    /// Journals what the check changed and carries out the actions of new violations.
+    fn drift_apply(&mut self, report: super::Report, strategy: Strategy) {
+        let now = now_rfc3339();
+        let actions: BTreeMap<(InvariantId, String), DriftAction> = report
+            .violations
+            .iter()
+            .map(|v| ((v.invariant, v.node_id.clone()), v.action()))
+            .collect();
+        let changes = self.drift.book.apply(&report, strategy, &now);
+        for d in &changes.detected {
+            self.drift_journal(AuditEvent::DriftDetected, d, None);
+            warn!(invariant = d.invariant.as_str(), node = %d.node_id, severity = d.severity.as_str(), details = %d.details, "drift detected");
+        }
+        for d in changes.cleared {
+            let how = format!("condition cleared ({} check passed)", strategy.as_str());
+            self.drift_resolve(d, &how);
+        }
+        let mut rollback_for = Vec::new();
+        for d in changes.detected {
+            match actions.get(&(d.invariant, d.node_id.clone())) {
+                Some(DriftAction::Rollback) => rollback_for.push(d),
+                Some(DriftAction::MarkUnusable) => self.drift_mark_unusable(d),
+                _ => {}
+            }
+        }
+        if !rollback_for.is_empty() {
+            self.drift_rollback(rollback_for);
+        }
+        // A read inside another operation (a rollback choosing its target) leaves the fresh
+        // snapshot to the next tick; the other strategies take it now.
+        if strategy != Strategy::PassiveRead {
+            self.drift_take_fresh_snapshot();
+        }
+        self.publish();
+    }
+
+    fn drift_journal(&mut self, event: AuditEvent, d: &OpenDrift, resolution: Option<&str>) {
+        let sid = self.session_id.clone();
+        let snapshot_id = match d.invariant {
+            InvariantId::SnapshotVerifies => Value::from(d.node_id.clone()),
+            _ => Value::Null,
+        };
+        let mut f = json!({
+            "session_id": sid, "trace_id": Value::Null, "snapshot_id": snapshot_id,
+            "result": if resolution.is_some() { "resolved" } else { "detected" },
+            "drift_type": d.strategy.as_str(), "invariant_id": d.invariant.as_str(),
+            "node_id": d.node_id, "severity": d.severity.as_str(), "details": d.details,
+            "vm": self.cfg.vm.name, "detected_at": d.detected_at,
+        });
+        if let (Some(r), Some(m)) = (resolution, f.as_object_mut()) {
+            m.insert("resolution".into(), r.into());
+        }
+        let Value::Object(fields) = f else { return };
+        debug_assert!(event.fields().iter().all(|k| fields.contains_key(*k)));
+        // While the VM journal is not the one this writer left, a drift record appended to it
+        // would seal a new head over the tampered file and hide the evidence: the record goes
+        // to the daemon journal instead (or only to the log).
+        let vm_journal_drifted = d.invariant == InvariantId::JournalHead
+            || self
+                .drift
+                .book
+                .open()
+                .any(|o| o.invariant == InvariantId::JournalHead);
+        if vm_journal_drifted {
+            match &self.anchors {
+                Some(daemon) => {
+                    let mut j = daemon.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Err(e) = j.append(event.as_str(), fields) {
+                        warn!(error = %e, "drift: could not journal {event} in the daemon journal");
+                    }
+                }
+                None => warn!(
+                    event = event.as_str(),
+                    invariant = d.invariant.as_str(),
+                    "drift: not journaled (the VM journal drifted)"
+                ),
+            }
+            return;
+        }
+        // Straight to the journal, not through `VmActor::journal`: on a full disk that one
+        // gives up the space reserve kept for a HALT record, and a drift record (the free-space
+        // invariant's, say) must not take it.
+        if let Err(e) = self.journal.append(event.as_str(), fields) {
+            warn!(error = %e, "drift: could not journal {event}");
+        }
+    }
+
+    fn drift_resolve(&mut self, d: OpenDrift, resolution: &str) {
+        self.drift_journal(AuditEvent::DriftResolved, &d, Some(resolution));
+        info!(invariant = d.invariant.as_str(), node = %d.node_id, resolution, "drift resolved");
+        self.drift.book.resolve(d, resolution, &now_rfc3339());
+    }
+
+    /// A device the ledger does not allow: an emergency rollback (a fresh hypervisor with the
+    /// configured devices only), or HALT when it fails.
+    fn drift_rollback(&mut self, drifts: Vec<OpenDrift>) {
+        let nodes: Vec<&str> = drifts.iter().map(|d| d.node_id.as_str()).collect();
+        let reason = format!(
+            "drift: the VM holds {} beyond the device ledger",
+            nodes.join(", ")
+        );
+        let mut sink = |_p: Progress| {};
+        let mut ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: self.new_id(),
+            progress: &mut sink,
+        };
+        // The watchdog's storm guard, shared: a device re-added after every rollback must end
+        // in HALTED for a person, not in rollbacks forever.
+        let trace = ctx.trace_id.clone();
+        if !self.storm_guard(TriggerKind::DriftDetected, &reason, &trace) {
+            return;
+        }
+        let plan = RollbackPlan::emergency(TriggerKind::DriftDetected, reason.clone());
+        match self.rollback(&mut ctx, plan) {
+            Ok(r) => {
+                let how = format!(
+                    "emergency rollback to {} (epoch {}): a fresh hypervisor with the configured devices only",
+                    r.snapshot_id, r.epoch
+                );
+                for d in drifts {
+                    self.drift_resolve(d, &how);
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "drift: emergency rollback failed");
+                if self.state != VmState::Halted {
+                    let trace = ctx.trace_id.clone();
+                    self.enter_halt(
+                        &trace,
+                        ErrorCode::RollbackFailedHalted,
+                        &format!("{reason}; the emergency rollback failed: {e}"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// A snapshot that no longer verifies: marked unusable (persisted before anything else),
+    /// its damaged chunks quarantined so a fresh capture writes them anew, and a fresh snapshot
+    /// due at once.
+    fn drift_mark_unusable(&mut self, d: OpenDrift) {
+        let id = d.node_id.clone();
+        if let Err(e) = self.drift.mark_unusable(&id, &d.details) {
+            warn!(error = %e, snapshot_id = %id, "drift: could not persist the unusable mark");
+        }
+        let quarantined = self.drift_quarantine_chunks(&id);
+        info!(snapshot_id = %id, quarantined, "drift: snapshot marked unusable");
+        self.drift.fresh_due.push(d);
+    }
+
+    /// Re-reads a snapshot's chunks and moves the damaged ones aside; returns how many.
+    fn drift_quarantine_chunks(&mut self, snapshot_id: &str) -> usize {
+        let Ok(chunks) = self.store.snapshot_chunks(snapshot_id) else {
+            return 0;
+        };
+        let mut moved = 0;
+        for c in chunks {
+            if let Err(StoreError::ChecksumMismatch { .. } | StoreError::ChunkSizeMismatch { .. }) =
+                self.store.check_chunk(snapshot_id, &c)
+            {
+                match self.store.quarantine_chunk(&c.sha256) {
+                    Ok(to) => {
+                        moved += 1;
+                        info!(chunk = %c.sha256, to = %to.display(), "drift: damaged chunk quarantined");
+                    }
+                    Err(e) => warn!(error = %e, chunk = %c.sha256, "drift: chunk not quarantined"),
+                }
+            }
+        }
+        moved
+    }
+
+    /// Takes the fresh snapshot the unusable ones wait for, and resolves them with it.
+    fn drift_take_fresh_snapshot(&mut self) {
+        if self.drift.fresh_due.is_empty() || self.state != VmState::Running {
+            return;
+        }
+        let ids: Vec<String> = self
+            .drift
+            .fresh_due
+            .iter()
+            .map(|d| d.node_id.clone())
+            .collect();
+        let mut sink = |_p: Progress| {};
+        let mut ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: self.new_id(),
+            progress: &mut sink,
+        };
+        let reason = format!("drift: snapshot {} no longer verifies", ids.join(", "));
+        match self.create_snapshot(&mut ctx, &reason, "drift") {
+            Ok(m) => {
+                let how = format!(
+                    "marked unusable (never a rollback target); fresh snapshot {} taken",
+                    m.snapshot_id
+                );
+                for d in std::mem::take(&mut self.drift.fresh_due) {
+                    self.drift_resolve(d, &how);
+                }
+            }
+            // Deferred (a device is granted) or failed: the next tick tries again.
+            Err(e) => warn!(error = %e, code = %e.code(), "drift: fresh snapshot not taken yet"),
+        }
+    }
+
+    /// `backstop drift`.
+    pub(crate) fn drift_list(&self) -> Result<Response, EngineError> {
+        let kind = self.backend.kind();
+        Ok(Response::Drift(DriftReport {
+            vm: self.cfg.vm.name.clone(),
+            open: self.drift.open_views(),
+            resolved: self.drift.book.resolved().map(resolved_view).collect(),
+            invariants: InvariantId::ALL
+                .into_iter()
+                .map(|i| InvariantView {
+                    invariant_id: i.as_str().into(),
+                    severity: i.severity().as_str().into(),
+                    what: i.what().into(),
+                    action: i.action().as_str().into(),
+                    coverage: match i.coverage(kind) {
+                        Coverage::Checked => "checked".into(),
+                        Coverage::NotChecked(why) => format!("not checked: {why}"),
+                    },
+                })
+                .collect(),
+            last_reconcile_at: self.drift.last_pass_at.clone(),
+            unusable_snapshots: self.drift.unusable.keys().cloned().collect(),
+        }))
+    }
+}
