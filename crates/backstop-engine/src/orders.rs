@@ -94,17 +94,7 @@ impl VmActor {
             Request::SnapshotVerify { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
                 ctx.step("verify", format!("verifying {id}"), None);
-                let v = match self.store.verify(&id, &VerifyOptions::default()) {
-                    Ok(v) => v,
-                    Err(source) => {
-                        // Passive drift detection: a read that fails verification.
-                        self.drift_snapshot_read_failed(&id, &source);
-                        return Err(EngineError::Verify {
-                            snapshot_id: id,
-                            source,
-                        });
-                    }
-                };
+                let v = self.verify_noting_drift(&id, &VerifyOptions::default())?;
                 Ok(Response::Verified(VerifyReport {
                     snapshot_id: id,
                     chunks_checked: v.report.chunks_checked,

@@ -311,16 +311,7 @@ impl VmActor {
                 });
             }
             ctx.step("verify", format!("verifying {id}"), None);
-            let v = match self.store.verify(&id, &opts) {
-                Ok(v) => v,
-                Err(source) => {
-                    self.drift_snapshot_read_failed(&id, &source);
-                    return Err(EngineError::Verify {
-                        snapshot_id: id,
-                        source,
-                    });
-                }
-            };
+            let v = self.verify_noting_drift(&id, &opts)?;
             if v.manifest.config_fingerprint != fingerprint {
                 return Err(EngineError::ShapeMismatch { snapshot_id: id });
             }
@@ -446,6 +437,21 @@ impl VmActor {
             &format!("the rollback could not {step} ({detail}): halted rather than left running unrecorded"),
         );
         EngineError::RollbackHalted { step, detail }
+    }
+
+    /// Verifies `id`; a failure is also passive drift (spec/002: detected on read).
+    pub(crate) fn verify_noting_drift(
+        &mut self,
+        id: &str,
+        opts: &VerifyOptions,
+    ) -> Result<VerifiedSnapshot, EngineError> {
+        self.store.verify(id, opts).map_err(|source| {
+            self.drift_snapshot_read_failed(id, &source);
+            EngineError::Verify {
+                snapshot_id: id.to_string(),
+                source,
+            }
+        })
     }
 
     /// Records that `id` verified and fits this VM, with the digest of its manifest: the

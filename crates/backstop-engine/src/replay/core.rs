@@ -1117,6 +1117,16 @@ mod tests {
         Replayer::new(mode, 1, view, &mut approve).run(entries, &last(), Caps::default())
     }
 
+    /// A production replay of `j` over a store holding a, b and c.
+    fn prod(j: &[ReplayEntry]) -> Outcome {
+        run(
+            j,
+            &mut store(&["a", "b", "c"]),
+            ReplayMode::Production,
+            None,
+        )
+    }
+
     fn set(entries: &mut [ReplayEntry], seq: u64, key: &str, v: Value) {
         entries[(seq - 1) as usize].fields.insert(key.into(), v);
     }
@@ -1139,12 +1149,7 @@ mod tests {
     fn a_changed_target_diverges_with_a_canonical_diff() {
         let mut j = journal();
         set(&mut j, 10, "snapshot_id", json!("a"));
-        let o = run(
-            &j,
-            &mut store(&["a", "b", "c"]),
-            ReplayMode::Production,
-            None,
-        );
+        let o = prod(&j);
         assert_eq!(o.code, Some("REPLAY_DIVERGENCE"));
         assert_eq!(
             o.divergences[0].diff,
@@ -1157,12 +1162,7 @@ mod tests {
     fn force_continue_needs_the_divergence_named_and_is_non_authoritative() {
         let mut j = journal();
         set(&mut j, 13, "epoch", json!(7));
-        let first = run(
-            &j,
-            &mut store(&["a", "b", "c"]),
-            ReplayMode::Production,
-            None,
-        );
+        let first = prod(&j);
         assert_eq!(first.code, Some("REPLAY_DIVERGENCE"));
         let digest = first.divergences[0].digest.clone();
         let wrong = run(
@@ -1247,22 +1247,12 @@ mod tests {
     fn the_storm_guard_and_transitions_and_ids_are_checked() {
         let mut j = journal();
         set(&mut j, 6, "decision", json!("halt"));
-        let o = run(
-            &j,
-            &mut store(&["a", "b", "c"]),
-            ReplayMode::Production,
-            None,
-        );
+        let o = prod(&j);
         assert_eq!(o.divergences[0].decision, "storm_guard");
         let mut j = journal();
         set(&mut j, 11, "from", json!("running"));
         set(&mut j, 11, "to", json!("halted"));
-        let o = run(
-            &j,
-            &mut store(&["a", "b", "c"]),
-            ReplayMode::Production,
-            None,
-        );
+        let o = prod(&j);
         assert_eq!(o.divergences[0].decision, "state_transition");
         let mut j = journal();
         set(
@@ -1271,12 +1261,7 @@ mod tests {
             "trace_id",
             json!("0123456789abcdef0123456789abcdef"),
         );
-        let o = run(
-            &j,
-            &mut store(&["a", "b", "c"]),
-            ReplayMode::Production,
-            None,
-        );
+        let o = prod(&j);
         assert_eq!(o.divergences[0].decision, "id_provenance");
     }
 
