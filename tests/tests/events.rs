@@ -135,6 +135,12 @@ fn a_subscriber_disconnected_across_two_rollbacks_receives_both_once_in_order() 
         .map(|e| e["details"]["epoch"].as_u64().unwrap())
         .collect();
     assert_eq!(epochs, [1, 2]);
+    // Each rollback names the forensic snapshot of the disks it abandoned (not itself a
+    // `snapshot_published`: it is never a rollback target).
+    assert!(events
+        .iter()
+        .filter(|e| e["event"] == "rollback_completed")
+        .all(|e| e["details"]["forensic_snapshot_id"].is_string()));
     assert_eq!(summary["delivered"], 4);
     let caught_up = summary["last_seq"]["e2e"].as_u64().unwrap();
     assert!(caught_up >= *seqs.last().unwrap());

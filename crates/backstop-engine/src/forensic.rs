@@ -1,5 +1,6 @@
-//! Forensic capture (issue 15, spec/004): a rollback keeps the state it abandons. Once the VM
-//! is ended and before it is restored, the disks it was writing — its active overlays, frozen
+//! Forensic capture (issue 15, spec/004): a rollback keeps the state it abandons. Once a
+//! running VM is ended and before it is restored (a VM already gone — a crash, a stop — has
+//! no state to abandon), the disks it was writing — its active overlays, frozen
 //! where they are, not copied — are published as a snapshot with trigger `forensic`, whose
 //! parent is where the VM stood. The rollback's record names it, so the state before and after
 //! the rollback can both be rebuilt.

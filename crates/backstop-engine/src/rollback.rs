@@ -478,7 +478,9 @@ impl VmActor {
     ) -> Result<Replaced, (&'static str, String)> {
         let bound = Duration::from_millis(self.cfg.rollback.revoke_timeout_ms);
         let mut revoked = Vec::new();
-        if self.backend.pid().is_some() {
+        // Only a VM that runs has state to abandon (after a crash or a stop there is none).
+        let was_running = self.backend.pid().is_some();
+        if was_running {
             ctx.step("revoke", "pausing the guest and revoking its devices", None);
             // A QEMU that no longer answers cannot be paused or asked to release anything:
             // ending its process below is the revocation that always works.
@@ -513,7 +515,7 @@ impl VmActor {
         revoked.extend(released);
         clock.done("end");
         // The disks the ended VM was writing are kept as they are (issue 15: forensic capture).
-        let forensic = if resume {
+        let forensic = if resume || !was_running {
             None
         } else {
             self.keep_forensic(ctx, &target.manifest.snapshot_id)

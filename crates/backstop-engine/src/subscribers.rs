@@ -32,10 +32,17 @@ pub fn notification_of(vm: &str, entry: &Value) -> Option<Notification> {
         Value::Object(m)
     };
     let (event, details) = match entry.get("event")?.as_str()? {
-        "snapshot.create.completed" if f.get("result") == Some(&json!("ok")) => (
-            "snapshot_published",
-            pick(&["created_at", "bytes_stored", "trace_id"]),
-        ),
+        // A forensic snapshot (the disks a rollback abandoned) is no rollback target: the
+        // rollback's own notification names it.
+        "snapshot.create.completed"
+            if f.get("result") == Some(&json!("ok"))
+                && f.get("trigger") != Some(&json!(crate::forensic::FORENSIC)) =>
+        {
+            (
+                "snapshot_published",
+                pick(&["created_at", "bytes_stored", "trace_id"]),
+            )
+        }
         "rollback.initiated" => (
             "rollback_started",
             pick(&["rollback_type", "trigger", "action_ids", "trace_id"]),
@@ -49,6 +56,7 @@ pub fn notification_of(vm: &str, entry: &Value) -> Option<Notification> {
                 "epoch",
                 "total_ms",
                 "trace_id",
+                "forensic_snapshot_id",
             ]),
         ),
         "rollback.failed" => (
