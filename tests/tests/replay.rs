@@ -35,6 +35,19 @@ fn fixture() -> &'static Fixture {
 }
 
 fn build_fixture() -> Fixture {
+    // The fixture lives as long as this test process (a static is never dropped): a run's
+    // fixture is removed by the next run, here.
+    if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().to_string();
+            let ours = format!("bs-replay-keys-{}", std::process::id());
+            if (name.starts_with("bs-replay-fixture-") || name.starts_with("bs-replay-keys-"))
+                && name != ours
+            {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
     // The reviewer key must outlive every copy's config that names it.
     let keys = std::env::temp_dir().join(format!("bs-replay-keys-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&keys);
