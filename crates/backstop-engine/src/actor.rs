@@ -651,7 +651,9 @@ impl VmActor {
             .unwrap_or_default()
             .into_iter()
             .filter_map(|e| match e {
-                ListEntry::Valid(m) => Some(m),
+                // Forensic snapshots are records to examine, not rollback targets: counted by
+                // `snapshot tree`, not here.
+                ListEntry::Valid(m) if !crate::forensic::is_forensic(&m) => Some(m),
                 _ => None,
             })
             .collect();

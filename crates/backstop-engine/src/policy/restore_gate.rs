@@ -582,7 +582,7 @@ impl VmActor {
         let snapshots = entries
             .into_iter()
             .filter_map(|e| match e {
-                ListEntry::Valid(m) => {
+                ListEntry::Valid(m) if !crate::forensic::is_forensic(&m) => {
                     let mut s = summary(&m);
                     s.current = self.descends_from(&m.snapshot_id);
                     s.unusable = self.drift.unusable_reason(&m.snapshot_id);
