@@ -128,6 +128,23 @@ pub struct Outcome {
     pub stopped_at_seq: Option<u64>,
 }
 
+impl Outcome {
+    /// Nothing read or decided yet; authoritative only in production mode.
+    pub fn empty(mode: ReplayMode) -> Outcome {
+        Outcome {
+            code: None,
+            detail: String::new(),
+            authoritative: mode == ReplayMode::Production,
+            decisions_checked: 0,
+            entries_read: 0,
+            divergences: Vec::new(),
+            live_calls: Vec::new(),
+            non_authoritative_because: Vec::new(),
+            stopped_at_seq: None,
+        }
+    }
+}
+
 /// Limits (spec/003 §12).
 #[derive(Debug, Clone, Copy)]
 pub struct Caps {
@@ -237,7 +254,6 @@ pub struct Replayer<'a> {
     storm: Vec<i64>,
     session: Session,
     episodes: HashMap<String, Episode>,
-    recorded_sha: HashMap<String, String>,
     /// Each published snapshot's recorded parent (`None`: not recorded, before lineage).
     parents: HashMap<String, Option<Option<String>>>,
     /// Each published snapshot's recorded creation time.
@@ -253,6 +269,26 @@ pub struct Replayer<'a> {
 
 fn s<'v>(f: &'v Map<String, Value>, k: &str) -> Option<&'v str> {
     f.get(k).and_then(Value::as_str)
+}
+
+/// A recorded manifest digest against the store's manifest (`RESULT_MISMATCH` if they differ;
+/// a manifest not in the store is the missing-snapshot check's business).
+fn digest_matches(
+    looks: &HashMap<String, ManifestLook>,
+    id: &str,
+    rec: &str,
+    seq: u64,
+) -> Result<(), Stop> {
+    match looks.get(id) {
+        Some(ManifestLook::Present { sha256 }) if sha256 != rec => Err(Stop {
+            code: ErrorCode::ResultMismatch,
+            detail: format!(
+                "snapshot {id}: the journal recorded manifest sha256 {rec} at seq {seq}; the store holds {sha256}"
+            ),
+            seq,
+        }),
+        _ => Ok(()),
+    }
 }
 
 fn canonical(v: &Value) -> String {
@@ -280,23 +316,12 @@ impl<'a> Replayer<'a> {
             storm: Vec::new(),
             session: Session::new(None),
             episodes: HashMap::new(),
-            recorded_sha: HashMap::new(),
             parents: HashMap::new(),
             created: HashMap::new(),
             unhealthy: Default::default(),
             forensic: Default::default(),
             unusable: Default::default(),
-            out: Outcome {
-                code: None,
-                detail: String::new(),
-                authoritative: mode == ReplayMode::Production,
-                decisions_checked: 0,
-                entries_read: 0,
-                divergences: Vec::new(),
-                live_calls: Vec::new(),
-                non_authoritative_because: Vec::new(),
-                stopped_at_seq: None,
-            },
+            out: Outcome::empty(mode),
         }
     }
 
@@ -538,19 +563,8 @@ impl<'a> Replayer<'a> {
                 let Some(id) = s(f, "snapshot_id") else {
                     return Ok(());
                 };
-                if let (Some(rec), Some(ManifestLook::Present { sha256 })) =
-                    (s(f, "manifest_sha256"), looks.get(id))
-                {
-                    if rec != sha256 {
-                        return Err(Stop {
-                            code: ErrorCode::ResultMismatch,
-                            detail: format!(
-                                "snapshot {id}: the journal recorded manifest sha256 {rec}, the store holds {sha256}"
-                            ),
-                            seq: e.seq,
-                        });
-                    }
-                    self.recorded_sha.insert(id.to_string(), rec.to_string());
+                if let Some(rec) = s(f, "manifest_sha256") {
+                    digest_matches(looks, id, rec, e.seq)?;
                 }
                 if !self.published.iter().any(|p| p == id) {
                     self.published.push(id.to_string());
@@ -610,21 +624,8 @@ impl<'a> Replayer<'a> {
                     return Ok(());
                 };
                 let passed = e.event == "snapshot.verify.passed";
-                if passed {
-                    if let (Some(rec), Some(ManifestLook::Present { sha256 })) =
-                        (s(f, "manifest_sha256"), looks.get(id))
-                    {
-                        if rec != sha256 {
-                            return Err(Stop {
-                                code: ErrorCode::ResultMismatch,
-                                detail: format!(
-                                    "snapshot {id} verified at seq {} with manifest sha256 {rec}; the store holds {sha256}",
-                                    e.seq
-                                ),
-                                seq: e.seq,
-                            });
-                        }
-                    }
+                if let (true, Some(rec)) = (passed, s(f, "manifest_sha256")) {
+                    digest_matches(looks, id, rec, e.seq)?;
                 }
                 // Passed over for the guest's health, not verified: not a verification result.
                 if s(f, "code") == Some(ErrorCode::SnapshotGuestUnhealthy.as_str()) {

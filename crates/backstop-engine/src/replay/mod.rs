@@ -165,13 +165,8 @@ impl VmActor {
                     "journal line {} (seq {:?}): {}",
                     bad.line, bad.seq, bad.reason
                 ),
-                authoritative: mode == ReplayMode::Production,
-                decisions_checked: 0,
-                entries_read: 0,
-                divergences: Vec::new(),
-                live_calls: Vec::new(),
-                non_authoritative_because: Vec::new(),
                 stopped_at_seq: bad.seq,
+                ..Outcome::empty(mode)
             }
         } else {
             let entries = read_entries(&self.journal_path, through)?;

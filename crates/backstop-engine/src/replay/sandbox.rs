@@ -80,7 +80,6 @@ impl VmActor {
     ) -> Result<Value, (&'static str, String)> {
         let mut cfg = self.cfg.clone();
         cfg.daemon.state_dir = dir.to_path_buf();
-        cfg.daemon.run_dir = self.cfg.daemon.run_dir.clone();
         cfg.vm.name = format!("{}-sandbox", self.cfg.vm.name);
         cfg.vm.tap_nics.clear();
         cfg.devices.clear();
