@@ -273,6 +273,9 @@ run_dir = "{self.run_dir}"
             "cmd_ms": (t1 - t0) * 1e3,
             "reported_total_ms": r.get("total_ms"),
             "reported_restore_ms": r.get("restore_ms"),
+            # Where backstop's own time went (choose, gate, revoke, end, overlays, launch,
+            # load, check, resume), as the engine journals it.
+            "phases_ms": {p["phase"]: p["ms"] for p in r.get("phases") or []},
         }
 
     def notes(self):

@@ -548,6 +548,14 @@ def headline(raw, per):
                 for name, us in snap.get("pause_breakdown_us") or []:
                     phases.setdefault(name, []).append(us / 1e3)
         out["pause_breakdown_ms"] = {k: stats(v) for k, v in phases.items()}
+        # Where the rollback went, phase by phase (the engine's report, every repetition).
+        rphases = {}
+        for r in raw["records"]:
+            if r["contender"] != "backstop" or (lab != "None" and r.get("qemu") != lab):
+                continue
+            for name, ms in (_g(r, "rollback", "phases_ms") or {}).items():
+                rphases.setdefault(name, []).append(ms)
+        out["rollback_breakdown_ms"] = {k: stats(v) for k, v in rphases.items()}
         rb = _g(f, "rb_guest", "values", "backstop")
         sc = _g(f, "rb_guest", "values", "stopcopy")
         rb_vals = [_g(r, "rollback", "guest", "guest_running_ms") for r in raw["records"]
@@ -613,6 +621,10 @@ def headline_table(summary):
         if pb:
             lines.append("  pause breakdown (ms, median [min..max]): "
                          + ", ".join(f"{k} {_cell(st)}" for k, st in pb.items()))
+        rb = v.get("rollback_breakdown_ms") or {}
+        if rb:
+            lines.append("  rollback breakdown (ms, median [min..max]): "
+                         + ", ".join(f"{k} {_cell(st)}" for k, st in rb.items()))
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ use std::process::Command;
 
 use crate::error::EngineError;
 
+#[derive(Debug, Clone)]
 pub struct Layers {
     pub dir: PathBuf,
     pub qemu_img: PathBuf,

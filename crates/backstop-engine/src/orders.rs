@@ -94,7 +94,11 @@ impl VmActor {
             Request::SnapshotVerify { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
                 ctx.step("verify", format!("verifying {id}"), None);
-                let v = self.verify_noting_drift(&id, &VerifyOptions::default())?;
+                let v = self.verify_noting_drift(
+                    &id,
+                    &VerifyOptions::default(),
+                    crate::rollback::Verify::Full,
+                )?;
                 Ok(Response::Verified(VerifyReport {
                     snapshot_id: id,
                     chunks_checked: v.report.chunks_checked,

@@ -311,7 +311,7 @@ impl VmActor {
                 });
             }
             ctx.step("verify", format!("verifying {id}"), None);
-            let v = self.verify_noting_drift(&id, &opts)?;
+            let v = self.verify_noting_drift(&id, &opts, Verify::ForRollback)?;
             if v.manifest.config_fingerprint != fingerprint {
                 return Err(EngineError::ShapeMismatch { snapshot_id: id });
             }
@@ -320,7 +320,7 @@ impl VmActor {
                     "{id} is a forensic snapshot (the disks a rollback abandoned, no RAM state): it is kept to be examined, never restored"
                 )));
             }
-            self.journal_verify_passed(ctx, &id)?;
+            self.journal_verify_passed(ctx, &id, &v.report)?;
             return Ok((v, Vec::new()));
         }
         let mut skipped = Vec::new();
@@ -383,7 +383,9 @@ impl VmActor {
                 ctx.step("verify", format!("verifying {}", m.snapshot_id), None);
                 let r = {
                     let _squeeze = crate::fault::squeeze_descriptors(self.fault);
-                    self.store.verify(&m.snapshot_id, opts)
+                    // Files checked before and unchanged since are not hashed again: the
+                    // chunks are re-checked as they stream into QEMU (store's checked.rs).
+                    self.store.verify_trusting_checked(&m.snapshot_id, opts)
                 };
                 // Out of descriptors or memory says nothing about the snapshot: skipping it
                 // (and then HALTing for want of one) would turn a busy host into a halted VM.
@@ -410,7 +412,7 @@ impl VmActor {
         };
         let code = match result {
             Ok(v) if v.manifest.config_fingerprint == fingerprint => {
-                self.journal_verify_passed(ctx, &id)?;
+                self.journal_verify_passed(ctx, &id, &v.report)?;
                 return Ok(Some(v));
             }
             Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
@@ -444,8 +446,13 @@ impl VmActor {
         &mut self,
         id: &str,
         opts: &VerifyOptions,
+        how: Verify,
     ) -> Result<VerifiedSnapshot, EngineError> {
-        self.store.verify(id, opts).map_err(|source| {
+        let result = match how {
+            Verify::Full => self.store.verify(id, opts),
+            Verify::ForRollback => self.store.verify_trusting_checked(id, opts),
+        };
+        result.map_err(|source| {
             self.drift_snapshot_read_failed(id, &source);
             EngineError::Verify {
                 snapshot_id: id.to_string(),
@@ -455,8 +462,14 @@ impl VmActor {
     }
 
     /// Records that `id` verified and fits this VM, with the digest of its manifest: the
-    /// backend result a target or gate decision used (replayed by `audit replay`).
-    pub(crate) fn journal_verify_passed(&mut self, ctx: &Ctx, id: &str) -> Result<(), EngineError> {
+    /// backend result a target or gate decision used (replayed by `audit replay`); and how much
+    /// was read to verify it and how much was trusted as checked before and unchanged.
+    pub(crate) fn journal_verify_passed(
+        &mut self,
+        ctx: &Ctx,
+        id: &str,
+        report: &backstop_store::VerifyReport,
+    ) -> Result<(), EngineError> {
         let digest = crate::replay::manifest_sha256(self.store.root(), id).ok();
         let sid = self.session_id.clone();
         self.journal(
@@ -464,6 +477,7 @@ impl VmActor {
             json!({
                 "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
                 "manifest_sha256": digest,
+                "bytes_read": report.bytes_checked, "bytes_trusted": report.bytes_trusted,
             }),
         )
     }
@@ -478,42 +492,45 @@ impl VmActor {
     ) -> Result<Replaced, (&'static str, String)> {
         let bound = Duration::from_millis(self.cfg.rollback.revoke_timeout_ms);
         let mut revoked = Vec::new();
+        // The fresh overlays on the target's layers do not depend on the old VM: they are made
+        // on another thread while it is revoked and ended (issue 21: `qemu-img create` costs
+        // ~40 ms per disk), and waited for before anything uses them or anything fails.
+        let mut planned = Vec::new();
+        for (id, chain) in manifest_chains(target) {
+            let Some(top) = chain.last().cloned() else {
+                return Err(("disk layers", format!("disk {id} has an empty chain")));
+            };
+            let fmt = if chain.len() == 1 {
+                self.base_format(&id)
+            } else {
+                "qcow2".to_string()
+            };
+            let new_top = self.next_layer(&id);
+            planned.push((id, chain, top, new_top, fmt));
+        }
+        let overlays = {
+            let layers = self.layers.clone();
+            let jobs: Vec<(PathBuf, PathBuf, String)> = planned
+                .iter()
+                .map(|(_, _, top, new_top, fmt)| (new_top.clone(), top.clone(), fmt.clone()))
+                .collect();
+            std::thread::spawn(move || -> Result<(), String> {
+                for (new_top, top, fmt) in jobs {
+                    layers
+                        .create_overlay(&new_top, &top, &fmt)
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            })
+        };
         // Only a VM that runs has state to abandon (after a crash or a stop there is none).
         let was_running = self.backend.pid().is_some();
-        if was_running {
-            ctx.step("revoke", "pausing the guest and revoking its devices", None);
-            // A QEMU that no longer answers cannot be paused or asked to release anything:
-            // ending its process below is the revocation that always works.
-            match self.backend.pause() {
-                Ok(()) => revoked.push("guest paused".to_string()),
-                Err(e) => revoked.push(format!("pause failed ({e}); process ended instead")),
-            }
-            match self.backend.revoke_devices(bound) {
-                Ok(r) => {
-                    revoked.extend(r.revoked);
-                    revoked.extend(
-                        r.not_released
-                            .into_iter()
-                            .map(|d| format!("{d}: not released, ended with the process")),
-                    );
-                }
-                Err(e) => revoked.push(format!(
-                    "device revocation failed ({e}); process ended instead"
-                )),
-            }
-        }
-        clock.done("revoke");
-        self.backend
-            .terminate()
-            .map_err(|e| ("end qemu", e.to_string()))?;
-        revoked.push("hypervisor process ended".into());
-        // Every grant ended with the process; passthrough devices go back to their host
-        // drivers (reset + rebind). A failure halts: never a VM resumed with one still bound.
-        let released = self
-            .release_host_devices(&ctx.trace_id)
-            .map_err(|e| ("release host devices", e))?;
-        revoked.extend(released);
-        clock.done("end");
+        let ended = self.end_old_vm(ctx, was_running, bound, &mut revoked, clock);
+        let made = overlays
+            .join()
+            .unwrap_or_else(|_| Err("the overlay thread panicked".into()));
+        ended?;
+        made.map_err(|e| ("disk overlays", e))?;
         // The disks the ended VM was writing are kept as they are (issue 15: forensic capture).
         let forensic = if resume || !was_running {
             None
@@ -526,27 +543,10 @@ impl VmActor {
             "preparing disk overlays on the snapshot's layers",
             None,
         );
-        let mut new_chains = Vec::new();
-        for (id, chain) in manifest_chains(target) {
-            let Some(top) = chain.last() else {
-                return Err(("disk layers", format!("disk {id} has an empty chain")));
-            };
-            let fmt = if chain.len() == 1 {
-                self.base_format(&id)
-            } else {
-                "qcow2".to_string()
-            };
-            let new_top = self.next_layer(&id);
-            self.layers
-                .create_overlay(&new_top, top, &fmt)
-                .map_err(|e| ("disk overlays", e.to_string()))?;
-            let mut c = chain.clone();
-            c.push(new_top);
-            new_chains.push((id, c));
-        }
         let mut vm = self.vm.clone();
-        for (id, c) in new_chains {
-            vm.chains.insert(id, c);
+        for (id, mut chain, _, new_top, _) in planned {
+            chain.push(new_top);
+            vm.chains.insert(id, chain);
         }
         let disks: Vec<DiskAttachment> = {
             let saved = std::mem::replace(&mut self.vm, vm.clone());
@@ -584,18 +584,25 @@ impl VmActor {
             .map_err(|e| ("open state", e.to_string()))?;
         // One thread reads (and re-checks) chunks while this one feeds QEMU, so reading the
         // store and QEMU's loading overlap instead of taking turns.
+        // The buffers go round between the two (allocated once: a fresh zeroed MiB per step
+        // cost a page fault per 4 KiB of the stream).
         std::thread::scope(|scope| -> Result<(), (&'static str, String)> {
-            let (tx, rx) = std::sync::mpsc::sync_channel::<std::io::Result<Vec<u8>>>(8);
+            const BUFFERS: usize = 8;
+            let (tx, rx) = std::sync::mpsc::sync_channel::<std::io::Result<Vec<u8>>>(BUFFERS);
+            let (give_back, take_back) = std::sync::mpsc::channel::<Vec<u8>>();
+            for _ in 0..BUFFERS {
+                let _ = give_back.send(vec![0u8; 1 << 20]);
+            }
             scope.spawn(move || {
                 let mut payload = payload;
-                loop {
-                    let mut buf = vec![0u8; 1 << 20];
+                // The receiver hung up (the load failed): no buffer comes back; stop reading.
+                while let Ok(mut buf) = take_back.recv() {
+                    buf.resize(1 << 20, 0);
                     let item = read_full(&mut payload, &mut buf).map(|n| {
                         buf.truncate(n);
                         buf
                     });
                     let end = matches!(&item, Ok(b) if b.is_empty()) || item.is_err();
-                    // The receiver hung up (the load failed): stop reading.
                     if tx.send(item).is_err() || end {
                         return;
                     }
@@ -613,6 +620,7 @@ impl VmActor {
                 if done % (64 << 20) < buf.len() as u64 {
                     ctx.step("restore", "loading RAM and device state", Some(done));
                 }
+                let _ = give_back.send(buf);
             }
             Ok(())
         })?;
@@ -653,6 +661,65 @@ impl VmActor {
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
         Ok((revoked, restore_ms.max(rr.load_ms), forensic))
     }
+}
+
+impl VmActor {
+    /// Steps 3-4: pauses the old VM, revokes its devices (bounded), ends its process and gives
+    /// passthrough devices back to the host. Errors are (step, detail); the caller halts.
+    fn end_old_vm(
+        &mut self,
+        ctx: &mut Ctx,
+        was_running: bool,
+        bound: Duration,
+        revoked: &mut Vec<String>,
+        clock: &mut PhaseClock,
+    ) -> Result<(), (&'static str, String)> {
+        if was_running {
+            ctx.step("revoke", "pausing the guest and revoking its devices", None);
+            // A QEMU that no longer answers cannot be paused or asked to release anything:
+            // ending its process below is the revocation that always works.
+            match self.backend.pause() {
+                Ok(()) => revoked.push("guest paused".to_string()),
+                Err(e) => revoked.push(format!("pause failed ({e}); process ended instead")),
+            }
+            match self.backend.revoke_devices(bound) {
+                Ok(r) => {
+                    revoked.extend(r.revoked);
+                    revoked.extend(
+                        r.not_released
+                            .into_iter()
+                            .map(|d| format!("{d}: not released, ended with the process")),
+                    );
+                }
+                Err(e) => revoked.push(format!(
+                    "device revocation failed ({e}); process ended instead"
+                )),
+            }
+        }
+        clock.done("revoke");
+        self.backend
+            .terminate()
+            .map_err(|e| ("end qemu", e.to_string()))?;
+        revoked.push("hypervisor process ended".into());
+        // Every grant ended with the process; passthrough devices go back to their host
+        // drivers (reset + rebind). A failure halts: never a VM resumed with one still bound.
+        let released = self
+            .release_host_devices(&ctx.trace_id)
+            .map_err(|e| ("release host devices", e))?;
+        revoked.extend(released);
+        clock.done("end");
+        Ok(())
+    }
+}
+
+/// How much of a snapshot a verification reads again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Verify {
+    /// Every byte (`snapshot verify`): never trusts what was checked before.
+    Full,
+    /// Choosing a rollback target: files checked before and unchanged since are trusted, as
+    /// the chunks are re-checked while they stream into QEMU (the store's `checked.rs`).
+    ForRollback,
 }
 
 /// What replacing the VM did: revocations, the restore time, the forensic snapshot kept.

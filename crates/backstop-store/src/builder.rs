@@ -1,6 +1,6 @@
 //! Building a snapshot in `tmp/<random>/` and publishing it with one rename.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -34,7 +34,7 @@ pub struct SnapshotBuilder {
     /// the build directory, moved into `chunks/` by [`publish`](SnapshotBuilder::publish) after
     /// one `syncfs`. A file under its final name in `chunks/` is therefore always complete and
     /// durable, which is what makes a length check enough for a dedup hit.
-    pending: BTreeSet<String>,
+    pending: BTreeMap<String, String>,
     published: bool,
     keepalive: crate::Keepalive,
 }
@@ -55,7 +55,7 @@ impl SnapshotBuilder {
             dir,
             payloads: Vec::new(),
             checksums: Vec::new(),
-            pending: BTreeSet::new(),
+            pending: BTreeMap::new(),
             published: false,
             keepalive,
         }
@@ -155,7 +155,7 @@ impl SnapshotBuilder {
         for data in chunks {
             let data = data?;
             let digests = digests_of(&data);
-            if self.store_chunk(&digests.sha256, &data)? {
+            if self.store_chunk(&digests.sha256, &digests.crc32, &data)? {
                 new_bytes += digests.len;
             }
             total_bytes += digests.len;
@@ -255,7 +255,12 @@ impl SnapshotBuilder {
                 source,
             };
             let mut file = File::open(path).map_err(read_err)?;
+            // Taken before the bytes are read: a change while they are read moves ctime past it.
+            let meta = file.metadata().map_err(read_err)?;
             let digests = digests_of_reader(&mut file, &*self.keepalive).map_err(read_err)?;
+            self.paths
+                .checked
+                .record(path, &meta, &digests.sha256, &digests.crc32);
             total_bytes += digests.len;
             entries.push((
                 reference,
@@ -383,8 +388,8 @@ impl SnapshotBuilder {
     /// `syncfs`. Returns whether bytes were written.
     ///
     /// [`publish`]: SnapshotBuilder::publish
-    fn store_chunk(&mut self, sha256: &str, data: &[u8]) -> Result<bool, StoreError> {
-        if self.pending.contains(sha256) {
+    fn store_chunk(&mut self, sha256: &str, crc32: &str, data: &[u8]) -> Result<bool, StoreError> {
+        if self.pending.contains_key(sha256) {
             return Ok(false);
         }
         let path = chunk_path(&self.paths.chunks, sha256);
@@ -410,7 +415,7 @@ impl SnapshotBuilder {
             .open(pending_dir.join(sha256))
             .map_err(err)?;
         file.write_all(data).map_err(err)?;
-        self.pending.insert(sha256.to_string());
+        self.pending.insert(sha256.to_string(), crc32.to_string());
         Ok(true)
     }
 
@@ -423,14 +428,21 @@ impl SnapshotBuilder {
         let pending_dir = self.dir.join(PENDING_DIR);
         syncfs(&pending_dir)?;
         let mut dirty_dirs = BTreeSet::new();
-        for sha256 in std::mem::take(&mut self.pending) {
+        for (sha256, crc32) in std::mem::take(&mut self.pending) {
             let from = pending_dir.join(&sha256);
             let to = chunk_path(&self.paths.chunks, &sha256);
             let dir = to.parent().map(Path::to_path_buf).unwrap_or_default();
             if create_private_subdir(&dir)? {
                 dirty_dirs.insert(self.paths.chunks.clone());
             }
-            fs::rename(&from, &to).map_err(|source| StoreError::Rename { from, to, source })?;
+            fs::rename(&from, &to).map_err(|source| StoreError::Rename {
+                from,
+                to: to.clone(),
+                source,
+            })?;
+            // Written from bytes hashed in memory, made durable by the syncfs above: checked
+            // (recorded after the rename, which moves ctime).
+            self.paths.checked.record_path(&to, &sha256, &crc32);
             dirty_dirs.insert(dir);
         }
         fs::remove_dir(&pending_dir).map_err(|source| StoreError::Write {

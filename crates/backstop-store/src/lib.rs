@@ -23,6 +23,7 @@
 //! chunks, which would break a build running in another process.
 
 mod builder;
+mod checked;
 mod error;
 mod fsutil;
 mod index;
@@ -66,6 +67,24 @@ pub const SIGNATURE_FILE: &str = "manifest.sig";
 pub const INDEX_MAX_BYTES: u64 = 256 * 1024 * 1024;
 const SIGNATURE_MAX_BYTES: u64 = 256;
 
+/// Whether a verification may rely on what this process already checked (`checked.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Trust {
+    /// Hash every byte (and refresh the record).
+    Nothing,
+    /// Skip files unchanged since they were checked against the same digests.
+    Checked,
+}
+
+/// How one file's check went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Checked {
+    /// Its bytes were read and matched.
+    Read,
+    /// Unchanged since this process checked it: not read again.
+    Trusted,
+}
+
 /// The store's directories and key, shared with its builders.
 pub(crate) struct Paths {
     root: PathBuf,
@@ -73,6 +92,8 @@ pub(crate) struct Paths {
     tmp: PathBuf,
     snapshots: PathBuf,
     key: HostKey,
+    /// Files this process checked byte for byte (chunks, disk layers): see `checked.rs`.
+    checked: checked::CheckedFiles,
 }
 
 /// What [`Store::open`] cleaned up.
@@ -116,6 +137,9 @@ pub struct VerifyReport {
     /// Bytes read and checked: chunks and disk layers.
     pub bytes_checked: u64,
     pub disk_layers_checked: u64,
+    /// Bytes not read again because this process checked them before and their files are
+    /// unchanged since ([`Store::verify_trusting_checked`] only; 0 for [`Store::verify`]).
+    pub bytes_trusted: u64,
 }
 
 /// A snapshot that passed [`Store::verify`]. Only `verify` makes one; it carries the checked
@@ -158,6 +182,7 @@ impl Store {
             tmp: root.join("tmp"),
             snapshots: root.join("snapshots"),
             key,
+            checked: checked::CheckedFiles::default(),
         };
         for dir in [&paths.root, &paths.chunks, &paths.tmp, &paths.snapshots] {
             create_private_dir(dir)?;
@@ -287,6 +312,29 @@ impl Store {
     /// consistency → every index file's sha256 and crc32 → every chunk (presence, length,
     /// sha256, crc32) → every disk layer (size, sha256, crc32).
     pub fn verify(&self, id: &str, opts: &VerifyOptions) -> Result<VerifiedSnapshot, StoreError> {
+        self.verify_with(id, opts, Trust::Nothing)
+    }
+
+    /// [`Store::verify`] for choosing a rollback target: the manifest's signature and every
+    /// index are checked as always, and every chunk and disk layer is present with its length,
+    /// but a file this process already checked against the same digests and that is unchanged
+    /// since (same inode, length, mtime and ctime; `checked.rs`) is not hashed again. The chunks
+    /// are re-checked as they stream out ([`Store::open_payload`]), so a changed chunk still
+    /// stops the load before the guest resumes.
+    pub fn verify_trusting_checked(
+        &self,
+        id: &str,
+        opts: &VerifyOptions,
+    ) -> Result<VerifiedSnapshot, StoreError> {
+        self.verify_with(id, opts, Trust::Checked)
+    }
+
+    fn verify_with(
+        &self,
+        id: &str,
+        opts: &VerifyOptions,
+        trust: Trust,
+    ) -> Result<VerifiedSnapshot, StoreError> {
         let manifest = self.load_manifest(id, opts)?;
         let dir = self.paths.snapshots.join(id);
         let checksums: BTreeMap<&str, &Checksum> = manifest
@@ -315,16 +363,19 @@ impl Store {
                 .iter()
                 .filter(|c| seen_chunks.insert(c.sha256.clone()))
                 .collect();
-            self.verify_chunks(id, &unique)?;
+            let trusted = self.verify_chunks(id, &unique, trust)?;
             report.chunks_checked += unique.len() as u64;
-            report.bytes_checked += unique.iter().map(|c| c.len).sum::<u64>();
+            report.bytes_checked += unique.iter().map(|c| c.len).sum::<u64>() - trusted;
+            report.bytes_trusted += trusted;
             indexes.insert(payload.name.clone(), index);
         }
         for payload in &manifest.payload_refs {
             for layer in &payload.layers {
-                verify_layer(id, layer, &*self.keepalive)?;
                 report.disk_layers_checked += 1;
-                report.bytes_checked += layer.bytes;
+                match self.verify_layer(id, layer, trust)? {
+                    Checked::Read => report.bytes_checked += layer.bytes,
+                    Checked::Trusted => report.bytes_trusted += layer.bytes,
+                }
             }
         }
         Ok(VerifiedSnapshot {
@@ -395,7 +446,7 @@ impl Store {
     /// Checks one chunk of snapshot `id` (presence, length, sha256, crc32), as [`Store::verify`]
     /// does for each.
     pub fn check_chunk(&self, id: &str, chunk: &ChunkRef) -> Result<(), StoreError> {
-        self.verify_chunk(id, chunk)
+        self.verify_chunk(id, chunk, Trust::Nothing).map(|_| ())
     }
 
     /// Moves a chunk that failed its check out of `chunks/` into `quarantine/` (kept for a
@@ -524,15 +575,28 @@ impl Store {
 
     /// Checks `chunks` on up to 4 threads (hashing dominates; a QEMU stream is ~8,000 chunks per
     /// GiB). On failure, the error of the first failing chunk in index order is returned, so the
-    /// result does not depend on scheduling.
-    fn verify_chunks(&self, id: &str, chunks: &[&ChunkRef]) -> Result<(), StoreError> {
-        use std::sync::atomic::{AtomicUsize, Ordering};
+    /// result does not depend on scheduling. On success, the bytes trusted rather than read.
+    fn verify_chunks(
+        &self,
+        id: &str,
+        chunks: &[&ChunkRef],
+        trust: Trust,
+    ) -> Result<u64, StoreError> {
+        use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+        let trusted = AtomicU64::new(0);
+        let one = |c: &ChunkRef| -> Result<(), StoreError> {
+            if self.verify_chunk(id, c, trust)? == Checked::Trusted {
+                trusted.fetch_add(c.len, Ordering::Relaxed);
+            }
+            Ok(())
+        };
         let workers = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .clamp(1, 4)
             .min(chunks.len().max(1));
         if workers == 1 {
-            return chunks.iter().try_for_each(|c| self.verify_chunk(id, c));
+            chunks.iter().try_for_each(|c| one(c))?;
+            return Ok(trusted.into_inner());
         }
         let next = AtomicUsize::new(0);
         // Index of the first failure found so far: workers skip chunks after it.
@@ -545,7 +609,7 @@ impl Store {
                     if i >= chunks.len() || i > first_bad.load(Ordering::Relaxed) {
                         return;
                     }
-                    if let Err(e) = self.verify_chunk(id, chunks[i]) {
+                    if let Err(e) = one(chunks[i]) {
                         first_bad.fetch_min(i, Ordering::Relaxed);
                         if let Ok(mut f) = failures.lock() {
                             f.push((i, e));
@@ -558,23 +622,43 @@ impl Store {
         failures.sort_by_key(|(i, _)| *i);
         match failures.into_iter().next() {
             Some((_, e)) => Err(e),
-            None => Ok(()),
+            None => Ok(trusted.into_inner()),
         }
     }
 
-    fn verify_chunk(&self, id: &str, chunk: &ChunkRef) -> Result<(), StoreError> {
+    fn verify_chunk(
+        &self,
+        id: &str,
+        chunk: &ChunkRef,
+        trust: Trust,
+    ) -> Result<Checked, StoreError> {
         (self.keepalive)();
         let path = chunk_path(&self.paths.chunks, &chunk.sha256);
         let file = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                self.paths.checked.forget(&path);
                 return Err(StoreError::ChunkMissing {
                     id: id.into(),
                     sha256: chunk.sha256.clone(),
-                })
+                });
             }
             Err(source) => return Err(StoreError::ReadChunk { path, source }),
         };
+        let meta = file.metadata().map_err(|source| StoreError::ReadChunk {
+            path: path.clone(),
+            source,
+        })?;
+        if trust == Trust::Checked
+            && meta.len() == chunk.len
+            && self
+                .paths
+                .checked
+                .unchanged(&path, &meta, &chunk.sha256, &chunk.crc32)
+        {
+            return Ok(Checked::Trusted);
+        }
+        self.paths.checked.forget(&path);
         let size_err = |found: u64| StoreError::ChunkSizeMismatch {
             id: id.into(),
             sha256: chunk.sha256.clone(),
@@ -599,7 +683,34 @@ impl Store {
                 what: format!("chunk {}", chunk.sha256),
             });
         }
-        Ok(())
+        self.paths
+            .checked
+            .record(&path, &meta, &chunk.sha256, &chunk.crc32);
+        Ok(Checked::Read)
+    }
+
+    /// Checks one disk layer (presence, length, sha256, crc32); with [`Trust::Checked`] a layer
+    /// unchanged since this process last checked it against the same digests is not re-read.
+    fn verify_layer(
+        &self,
+        id: &str,
+        layer: &DiskLayer,
+        trust: Trust,
+    ) -> Result<Checked, StoreError> {
+        let checked = &self.paths.checked;
+        if trust == Trust::Checked {
+            if let Ok(meta) = fs::metadata(&layer.path) {
+                if meta.len() == layer.bytes
+                    && checked.unchanged(&layer.path, &meta, &layer.sha256, &layer.crc32)
+                {
+                    return Ok(Checked::Trusted);
+                }
+            }
+        }
+        checked.forget(&layer.path);
+        let meta = verify_layer(id, layer, &*self.keepalive)?;
+        checked.record(&layer.path, &meta, &layer.sha256, &layer.crc32);
+        Ok(Checked::Read)
     }
 
     /// Names of the entries of `snapshots/` that are directories.
@@ -723,7 +834,12 @@ pub(crate) fn chunk_path(chunks: &Path, sha256: &str) -> PathBuf {
     chunks.join(sha256.get(..2).unwrap_or("xx")).join(sha256)
 }
 
-fn verify_layer(id: &str, layer: &DiskLayer, keepalive: &dyn Fn()) -> Result<(), StoreError> {
+/// Checks a disk layer's length and digests; the file's metadata as it was when it was read.
+fn verify_layer(
+    id: &str,
+    layer: &DiskLayer,
+    keepalive: &dyn Fn(),
+) -> Result<fs::Metadata, StoreError> {
     let path = &layer.path;
     let mut file = match File::open(path) {
         Ok(f) => f,
@@ -746,13 +862,12 @@ fn verify_layer(id: &str, layer: &DiskLayer, keepalive: &dyn Fn()) -> Result<(),
         expected: layer.bytes,
         found,
     };
-    let len = file
-        .metadata()
-        .map_err(|source| StoreError::ReadLayer {
-            path: path.clone(),
-            source,
-        })?
-        .len();
+    // Taken before the bytes are read: a change while they are read moves ctime past it.
+    let meta = file.metadata().map_err(|source| StoreError::ReadLayer {
+        path: path.clone(),
+        source,
+    })?;
+    let len = meta.len();
     if len != layer.bytes {
         return Err(size_err(len));
     }
@@ -770,7 +885,7 @@ fn verify_layer(id: &str, layer: &DiskLayer, keepalive: &dyn Fn()) -> Result<(),
             what: format!("disk layer {}", path.display()),
         });
     }
-    Ok(())
+    Ok(meta)
 }
 
 #[cfg(test)]

@@ -1263,3 +1263,89 @@ fn a_snapshot_rechecked_chunk_by_chunk_finds_the_damaged_one_and_quarantines_it(
     flip_byte(&fx.snap_dir(&id).join("vmstate.index"), 3);
     assert_code(&fx.store.snapshot_chunks(&id).unwrap_err(), INTEGRITY);
 }
+
+// ---------------------------------------------------------------- checked once (issue 21)
+
+fn verify_trusting(fx: &Fixture, id: &str) -> Result<VerifiedSnapshot, StoreError> {
+    fx.store
+        .verify_trusting_checked(id, &VerifyOptions::default())
+}
+
+#[test]
+fn what_the_builder_wrote_is_trusted_until_a_file_changes() {
+    let fx = Fixture::new();
+    let m = fx.small_snapshot();
+    let id = &m.snapshot_id;
+    // Every chunk and both layers were hashed in memory as they were written: nothing is read.
+    let v = verify_trusting(&fx, id).unwrap();
+    assert_eq!(v.report.bytes_checked, 0, "{:?}", v.report);
+    let total: u64 = m.payload_refs.iter().map(|p| p.total_bytes).sum();
+    assert_eq!(v.report.bytes_trusted, total);
+    // A full verification never trusts the record.
+    let full = fx.store.verify(id, &VerifyOptions::default()).unwrap();
+    assert_eq!(full.report.bytes_trusted, 0);
+    assert_eq!(full.report.bytes_checked, total);
+
+    // A chunk changed behind the store's back (same length): read again, and it fails.
+    let chunk = fx.first_chunk(id);
+    flip_byte(&fx.chunk_file(&chunk.sha256), 7);
+    let err = verify_trusting(&fx, id).unwrap_err();
+    assert_code(&err, INTEGRITY);
+    assert!(
+        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunk.sha256)),
+        "{err}"
+    );
+    // Put back byte for byte, it verifies again (read, not trusted: its ctime moved).
+    flip_byte(&fx.chunk_file(&chunk.sha256), 7);
+    let v = verify_trusting(&fx, id).unwrap();
+    assert_eq!(v.report.bytes_checked, chunk.len, "{:?}", v.report);
+    // ...and from then on it is trusted again.
+    assert_eq!(verify_trusting(&fx, id).unwrap().report.bytes_checked, 0);
+}
+
+#[test]
+fn a_layer_rewritten_in_place_is_read_again_and_fails() {
+    let fx = Fixture::new();
+    let m = fx.small_snapshot();
+    let id = &m.snapshot_id;
+    let layer = m
+        .payload_refs
+        .iter()
+        .flat_map(|p| p.layers.iter())
+        .next()
+        .unwrap()
+        .path
+        .clone();
+    flip_byte(&layer, 1_000);
+    let err = verify_trusting(&fx, id).unwrap_err();
+    assert_code(&err, INTEGRITY);
+    assert!(
+        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains("disk layer")),
+        "{err}"
+    );
+    // Removed: missing, not trusted from memory.
+    fs::remove_file(&layer).unwrap();
+    let err = verify_trusting(&fx, id).unwrap_err();
+    assert!(matches!(err, StoreError::LayerMissing { .. }), "{err}");
+}
+
+#[test]
+fn a_reopened_store_trusts_nothing_and_a_deleted_chunk_is_missing() {
+    let mut fx = Fixture::new();
+    let m = fx.small_snapshot();
+    let id = m.snapshot_id.clone();
+    // The record is this process's memory of one store: a fresh open starts empty.
+    fx.reopen();
+    let v = verify_trusting(&fx, &id).unwrap();
+    assert_eq!(v.report.bytes_trusted, 0);
+    assert!(v.report.bytes_checked > 0);
+    assert_eq!(
+        verify_trusting(&fx, &id).unwrap().report.bytes_checked,
+        0,
+        "checked once, trusted after"
+    );
+    let chunk = fx.first_chunk(&id);
+    fs::remove_file(fx.chunk_file(&chunk.sha256)).unwrap();
+    let err = verify_trusting(&fx, &id).unwrap_err();
+    assert!(matches!(&err, StoreError::ChunkMissing { sha256, .. } if *sha256 == chunk.sha256));
+}

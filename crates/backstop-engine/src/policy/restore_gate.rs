@@ -392,9 +392,12 @@ impl VmActor {
                 None,
             );
             // Both outcomes are recorded: the gate's decision rests on them (spec/003).
-            let code = match self.store.verify(&m.snapshot_id, &VerifyOptions::default()) {
+            let code = match self
+                .store
+                .verify_trusting_checked(&m.snapshot_id, &VerifyOptions::default())
+            {
                 Ok(v) if v.manifest.config_fingerprint == fingerprint => {
-                    self.journal_verify_passed(ctx, &m.snapshot_id)?;
+                    self.journal_verify_passed(ctx, &m.snapshot_id, &v.report)?;
                     return Ok(Some(m.snapshot_id.clone()));
                 }
                 Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
