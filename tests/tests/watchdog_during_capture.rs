@@ -123,7 +123,9 @@ fn a_guest_that_hangs_during_a_slow_capture_is_rolled_back_within_the_heartbeat_
     let requested = journal
         .iter()
         .rev()
-        .find(|e| e["event"] == "snapshot.create.requested" && e["fields"]["reason"] == "slow capture")
+        .find(|e| {
+            e["event"] == "snapshot.create.requested" && e["fields"]["reason"] == "slow capture"
+        })
         .unwrap();
     let failed = journal
         .iter()
@@ -148,13 +150,18 @@ fn a_guest_that_hangs_during_a_slow_capture_is_rolled_back_within_the_heartbeat_
         began_after < Duration::from_secs(TIMEOUT_S + 5),
         "the watchdog rollback began {began_after:?} after the hang (timeout {TIMEOUT_S} s)"
     );
-    assert!(gap_ms < 2000, "the rollback waited {gap_ms} ms after the capture");
+    assert!(
+        gap_ms < 2000,
+        "the rollback waited {gap_ms} ms after the capture"
+    );
     assert!(capture_ran_ms < (STALL_S as i64 - 10) * 1000);
 
     // The rollback completes: the watchdog's, to the baseline, a new epoch the guest is told.
-    let done = d.wait_journal(Duration::from_secs(60), "watchdog rollback completed", |e| {
-        e["event"] == "rollback.completed" && e["fields"]["trigger"] == "watchdog_timeout"
-    });
+    let done = d.wait_journal(
+        Duration::from_secs(60),
+        "watchdog rollback completed",
+        |e| e["event"] == "rollback.completed" && e["fields"]["trigger"] == "watchdog_timeout",
+    );
     assert_eq!(done["fields"]["trace_id"], started["fields"]["trace_id"]);
     assert_eq!(done["fields"]["snapshot_id"], baseline.as_str());
     d.wait_serial(from, "BACKSTOP epoch=1", Duration::from_secs(30));

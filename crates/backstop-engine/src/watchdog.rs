@@ -150,7 +150,10 @@ impl CaptureWatch {
                     else {
                         continue;
                     };
-                    warn!(reason, "heartbeat watchdog expired during a capture: abandoning it");
+                    warn!(
+                        reason,
+                        "heartbeat watchdog expired during a capture: abandoning it"
+                    );
                     *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
                     preempt.store(true, Ordering::SeqCst);
                     return;
@@ -531,15 +534,27 @@ mod verdict_tests {
         let s = Duration::from_secs;
         let w = rule(10, 60);
         // A heartbeat 10 s ago is on the bound, not past it.
-        assert_eq!(heartbeat_verdict(&hb(3, Some(t0)), Some(t0), t0 + s(10), &w), None);
+        assert_eq!(
+            heartbeat_verdict(&hb(3, Some(t0)), Some(t0), t0 + s(10), &w),
+            None
+        );
         let r = heartbeat_verdict(&hb(3, Some(t0)), Some(t0), t0 + s(11), &w).unwrap();
-        assert!(r.starts_with("no valid heartbeat for 11000 ms (timeout 10 s; 3 credited, 2 rejected)"), "{r}");
+        assert!(
+            r.starts_with("no valid heartbeat for 11000 ms (timeout 10 s; 3 credited, 2 rejected)"),
+            "{r}"
+        );
         // A heartbeat older than the instance (before a rollback) counts from the start.
         let started = t0 + s(30);
-        assert_eq!(heartbeat_verdict(&hb(3, Some(t0)), Some(started), t0 + s(35), &w), None);
+        assert_eq!(
+            heartbeat_verdict(&hb(3, Some(t0)), Some(started), t0 + s(35), &w),
+            None
+        );
         assert!(heartbeat_verdict(&hb(3, Some(t0)), Some(started), t0 + s(41), &w).is_some());
         // A clock that reads before the heartbeat (a late probe) is no silence.
-        assert_eq!(heartbeat_verdict(&hb(1, Some(t0 + s(5))), Some(t0), t0, &w), None);
+        assert_eq!(
+            heartbeat_verdict(&hb(1, Some(t0 + s(5))), Some(t0), t0, &w),
+            None
+        );
     }
 
     #[test]
@@ -547,11 +562,17 @@ mod verdict_tests {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let w = rule(10, 60);
-        assert_eq!(heartbeat_verdict(&hb(0, None), Some(t0), t0 + s(59), &w), None);
+        assert_eq!(
+            heartbeat_verdict(&hb(0, None), Some(t0), t0 + s(59), &w),
+            None
+        );
         let r = heartbeat_verdict(&hb(0, None), Some(t0), t0 + s(61), &w).unwrap();
         assert!(r.contains("(timeout 60 s; 0 credited"), "{r}");
         // Not running and never heard from: nothing to count from.
-        assert_eq!(heartbeat_verdict(&hb(0, None), None, t0 + s(3600), &w), None);
+        assert_eq!(
+            heartbeat_verdict(&hb(0, None), None, t0 + s(3600), &w),
+            None
+        );
         // Heard from, not running (between instances): the heartbeat alone counts.
         assert!(heartbeat_verdict(&hb(1, Some(t0)), None, t0 + s(11), &w).is_some());
     }
@@ -562,17 +583,21 @@ mod verdict_tests {
         // A guest heard from just now: the watch never fires and leaves the flag alone.
         let preempt = Arc::new(AtomicBool::new(false));
         let fresh: HeartbeatProbe = Arc::new(|| hb(5, Some(Instant::now())));
-        let watch =
-            CaptureWatch::start("t", fresh, Some(Instant::now()), w.clone(), Arc::clone(&preempt))
-                .unwrap();
+        let watch = CaptureWatch::start(
+            "t",
+            fresh,
+            Some(Instant::now()),
+            w.clone(),
+            Arc::clone(&preempt),
+        )
+        .unwrap();
         std::thread::sleep(Duration::from_millis(350));
         assert_eq!(watch.finish(), None);
         assert!(!preempt.load(Ordering::SeqCst));
         // Silent for 3 s already: it fires within one period, with the idle path's reason.
         let last = Instant::now() - Duration::from_secs(3);
         let silent: HeartbeatProbe = Arc::new(move || hb(5, Some(last)));
-        let watch =
-            CaptureWatch::start("t", silent, Some(last), w, Arc::clone(&preempt)).unwrap();
+        let watch = CaptureWatch::start("t", silent, Some(last), w, Arc::clone(&preempt)).unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
         while !preempt.load(Ordering::SeqCst) {
             assert!(Instant::now() < deadline, "the watch never fired");
@@ -580,6 +605,9 @@ mod verdict_tests {
         }
         let reason = watch.finish().unwrap();
         assert!(reason.starts_with("no valid heartbeat for 3"), "{reason}");
-        assert!(reason.contains("(timeout 2 s; 5 credited, 2 rejected)"), "{reason}");
+        assert!(
+            reason.contains("(timeout 2 s; 5 credited, 2 rejected)"),
+            "{reason}"
+        );
     }
 }
