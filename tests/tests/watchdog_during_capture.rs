@@ -197,6 +197,102 @@ fn a_guest_that_hangs_during_a_slow_capture_is_rolled_back_within_the_heartbeat_
     assert_eq!(rollbacks, 1);
     let v = d.ok(&["audit", "verify"]);
     assert_eq!(v["first_bad"], Value::Null, "{v}");
+    // And replay reproduces the watchdog's decisions from the journal.
+    let replay = d.ok(&["audit", "replay", "--mode", "production"]);
+    assert_eq!(replay["code"], Value::Null, "{replay}");
     // (A clean stop would take a final snapshot, which this fault stalls for a minute.)
+    d.kill9();
+}
+
+/// The emulated i6300esb (action `pause`) fires during a slow capture. Its `WATCHDOG` event
+/// waits on the QMP connection the capture holds, but the paused guest's heartbeats stop, so the
+/// heartbeat watchdog preempts the capture within its timeout; the rollback that follows finds
+/// the event in the same turn and names the hardware watchdog.
+#[test]
+fn an_i6300esb_that_fires_during_a_slow_capture_is_rolled_back_without_waiting_for_it() {
+    if skip_unless_ready(
+        "an_i6300esb_that_fires_during_a_slow_capture_is_rolled_back_without_waiting_for_it",
+    ) {
+        return;
+    }
+    const WD_TIMEOUT_S: u64 = 3;
+    let stall = format!("capture.stall={STALL_S}");
+    let flags = format!(
+        "backstop.watchdog=1 backstop.wd_timeout={WD_TIMEOUT_S} backstop.wd_stop_at={HANG_AT_UPTIME_S}"
+    );
+    let wd = format!("[watchdog]\nheartbeat_timeout_s = {TIMEOUT_S}\nboot_grace_s = 60\n");
+    let mut d = Daemon::start_opts(
+        "wdcapesb",
+        &Options {
+            guest_flags: &flags,
+            extra_toml: &wd,
+            env: &[("BACKSTOP_FAULT_INJECT", stall.as_str())],
+            ..Options::default()
+        },
+    );
+    d.wait_tick(0, 1, Duration::from_secs(90));
+    d.wait_journal(Duration::from_secs(90), "baseline", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    assert!(d.serial().contains("BACKSTOP watchdog armed"));
+    let create = std::process::Command::new(bin("backstop"))
+        .arg("--socket")
+        .arg(d.socket())
+        .args(["--json", "snapshot", "create", "--reason", "slow capture"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let tmp = d.state_dir().join("store/tmp");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_dir(&tmp).map(|r| r.count()).unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "capture never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !d.serial().contains("BACKSTOP watchdog stopped"),
+        "the kicker stopped before the capture began (raise HANG_AT_UPTIME_S)"
+    );
+    let from = d.serial_len();
+    d.wait_serial(
+        from,
+        "BACKSTOP watchdog stopped",
+        Duration::from_secs(HANG_AT_UPTIME_S + 30),
+    );
+    let stopped_seen = Instant::now();
+    let started = d.wait_journal(
+        Duration::from_secs(STALL_S),
+        "hardware watchdog rollback triggered",
+        |e| e["event"] == "rollback.triggered" && e["fields"]["trigger"] == "watchdog_device",
+    );
+    let began_after = stopped_seen.elapsed();
+    let journal = d.journal();
+    let failed = journal
+        .iter()
+        .find(|e| e["event"] == "snapshot.create.failed")
+        .expect("the capture ended as failed");
+    assert_eq!(failed["fields"]["code"], "ERR_SNAPSHOT_ABANDONED");
+    assert_eq!(failed["fields"]["preempted_by"], "watchdog_timeout");
+    assert!(failed["seq"].as_u64() < started["seq"].as_u64());
+    println!(
+        "hardware watchdog rollback began {} ms after the guest's kicker stopped (i6300esb \
+         timeout {WD_TIMEOUT_S} s, then the paused guest's heartbeat timeout {TIMEOUT_S} s)",
+        began_after.as_millis()
+    );
+    // Two i6300esb stages, the heartbeat timeout, and a little; far from the 60 s stall.
+    assert!(
+        began_after < Duration::from_secs(2 * WD_TIMEOUT_S + TIMEOUT_S + 5),
+        "the rollback began {began_after:?} after the kicker stopped"
+    );
+    let done = d.wait_journal(Duration::from_secs(60), "rollback completed", |e| {
+        e["event"] == "rollback.completed" && e["fields"]["trigger"] == "watchdog_device"
+    });
+    assert_eq!(done["fields"]["trace_id"], started["fields"]["trace_id"]);
+    d.wait_serial(from, "BACKSTOP epoch=1", Duration::from_secs(30));
+    assert_eq!(d.status()["epoch"], 1);
+    let out = create.wait_with_output().unwrap();
+    let err: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(err["error"]["code"], "ERR_SNAPSHOT_ABANDONED");
+    let v = d.ok(&["audit", "verify"]);
+    assert_eq!(v["first_bad"], Value::Null, "{v}");
     d.kill9();
 }
