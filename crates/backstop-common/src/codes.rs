@@ -94,7 +94,7 @@ error_codes! {
     SnapshotCaptureFailed = "ERR_SNAPSHOT_CAPTURE_FAILED", Failed,
         "the hypervisor could not capture the VM's state";
     SnapshotAbandoned = "ERR_SNAPSHOT_ABANDONED", Failed,
-        "a snapshot in flight was abandoned because a host trigger overrides it";
+        "a snapshot in flight was abandoned because a rollback overrides it (host trigger, emergency, watchdog)";
     SnapshotStalled = "ERR_SNAPSHOT_STALLED", Failed,
         "the store was too slow: the capture was abandoned so the guest would not stay stalled";
     BaselineSnapshotFailed = "ERR_BASELINE_SNAPSHOT_FAILED", Halted,

@@ -87,6 +87,9 @@ pub struct VmActor {
     pub(crate) preempt: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// When the current VM instance started running (the heartbeat grace starts there).
     pub(crate) running_since: Option<std::time::Instant>,
+    /// A heartbeat expiry found while a capture ran (which was abandoned for it): its rollback
+    /// runs as soon as the job ends (see `watchdog.rs`).
+    pub(crate) watchdog_fired: Option<String>,
     /// Recent unattended emergency rollbacks, for the storm guard.
     pub(crate) emergencies: std::collections::VecDeque<i64>,
     /// Where [`VmActor::publish`] puts the status for readers on other threads.
@@ -187,6 +190,7 @@ impl VmActor {
             status_out: None,
             preempt: Default::default(),
             running_since: None,
+            watchdog_fired: None,
             emergencies: Default::default(),
             devices: Default::default(),
             adoption,
@@ -736,6 +740,8 @@ impl VmActor {
         crate::systemd::beat();
         self.policy_tick();
         if self.state != VmState::Running {
+            // (An expiry found during a capture of an instance that is gone is moot.)
+            self.watchdog_fired = None;
             return;
         }
         self.watch();

@@ -72,7 +72,7 @@ pub enum EngineError {
     },
     #[error("only {free_mib} MiB free in the VM's state directory (min_free_mib = {min_free_mib}): snapshot refused, the VM runs on")]
     NoSpace { free_mib: u64, min_free_mib: u64 },
-    #[error("snapshot abandoned: a host trigger overrides it; nothing was published")]
+    #[error("snapshot abandoned: a rollback overrides it (a host trigger, an emergency rollback or the watchdog); nothing was published")]
     Abandoned,
     #[error("snapshot abandoned: the store took no state for {waited_ms} ms (max_capture_stall_ms = {bound_ms}), so the guest would have stayed stalled; nothing was published, the guest runs on")]
     CaptureStalled { waited_ms: u64, bound_ms: u64 },

@@ -514,6 +514,9 @@ fn serve(engine: &mut VmActor, mut job: Job) {
     });
     engine.publish();
     let _ = job.reply.send(result);
+    // A heartbeat expiry that abandoned the job's capture: its rollback now, before anything
+    // else queued.
+    engine.watchdog_after_job();
     // After the answer, so the asker does not wait for it: the cheap invariants after a state
     // change the job made (drift detection).
     engine.drift_after_change();

@@ -229,9 +229,18 @@ impl VmActor {
             }
             _ => {}
         }
+        // The heartbeat watchdog keeps running meanwhile: an expiry preempts the capture as a
+        // trigger does (not for the baseline, taken within the boot grace, whose failure halts
+        // the VM, nor for a clean stop's final snapshot).
+        let watch = if matches!(trigger, "baseline" | "shutdown") {
+            None
+        } else {
+            self.watch_during_capture()
+        };
         // One of the daemon's capture slots (a trigger waiting makes this give up).
         let captures = Arc::clone(&self.captures);
         let Some(_slot) = captures.acquire(&self.preempt) else {
+            self.note_watchdog_preemption(watch);
             return Err(EngineError::Abandoned);
         };
         self.transition(Transition::BeginSnapshot, &ctx.trace_id.clone())?;
@@ -248,6 +257,9 @@ impl VmActor {
                 e
             }
         });
+        let preempted_by = self
+            .note_watchdog_preemption(watch)
+            .then_some(backstop_common::TriggerKind::WatchdogTimeout);
         self.transition(Transition::EndSnapshot, &ctx.trace_id.clone())?;
         match outcome {
             Ok(m) => {
@@ -265,13 +277,29 @@ impl VmActor {
                 Ok(m)
             }
             Err(e) => {
-                self.journal(AuditEvent::SnapshotCreateFailed, json!({
+                let mut fields = json!({
                     "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "failed",
                     "code": e.code(), "error": e.to_string(),
-                }))?;
+                });
+                if let Some(by) = preempted_by {
+                    fields["preempted_by"] = json!(by);
+                }
+                self.journal(AuditEvent::SnapshotCreateFailed, fields)?;
                 Err(e)
             }
         }
+    }
+
+    /// Ends the watch kept during a capture. `true` when it found the heartbeat expired (and
+    /// preempted the capture): the rollback is then due right after the job, and the flag it
+    /// set must not outlive this capture (a trigger's own job clears it as it starts).
+    fn note_watchdog_preemption(&mut self, watch: Option<crate::watchdog::CaptureWatch>) -> bool {
+        let Some(reason) = watch.and_then(crate::watchdog::CaptureWatch::finish) else {
+            return false;
+        };
+        self.preempt.store(false, Ordering::SeqCst);
+        self.watchdog_fired = Some(reason);
+        true
     }
 
     /// Every snapshot adds a layer to each captured disk's running chain; past

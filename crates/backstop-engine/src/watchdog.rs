@@ -12,23 +12,30 @@
 //!   the VM for a person to look at instead.
 //! * Host triggers jump the job queue and preempt an in-flight capture (see `mailbox.rs` and
 //!   the capture's preemption check in `snapshot.rs`).
+//! * The heartbeat watchdog keeps running while a capture runs: a [`CaptureWatch`] thread reads
+//!   the heartbeat counters the backend's channel reader keeps and decides with the idle tick's
+//!   [`heartbeat_verdict`]; on expiry it preempts the capture as a trigger does, and the actor
+//!   runs the watchdog rollback as soon as the capture has been abandoned.
 //!
 //! The guest can send nothing here but heartbeats, and a heartbeat can only *delay nothing*:
 //! it resets the silence timer and is otherwise ignored. It cannot ask for, scope, delay or
 //! learn the reason of a rollback.
 
 use backstop_common::AuditEvent;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tracing::warn;
 
 use backstop_control::{Progress, RollbackReport};
-use backstop_hypervisor::VmEvent;
+use backstop_hypervisor::{HeartbeatProbe, HeartbeatStatus, VmEvent};
 
 use backstop_common::{RollbackType, TriggerKind};
 
 use crate::actor::{Caller, Ctx, VmActor};
+use crate::config::WatchdogConfig;
 use crate::error::EngineError;
 use crate::policy::{TriggerOutcome, TriggerRecord};
 use crate::rollback::RollbackPlan;
@@ -69,6 +76,115 @@ pub fn storm_decision(earlier_ms: &[i64], now_ms: i64) -> StormDecision {
         .collect();
     let halt = recent.len() >= STORM_LIMIT;
     StormDecision { recent, halt }
+}
+
+/// The heartbeat watchdog's rule, pure: `Some(reason)` when at `now` the guest agent has been
+/// silent longer than allowed. Silence counts from the last valid heartbeat or from when this
+/// VM instance started running, whichever is later; the allowed silence is
+/// `heartbeat_timeout_s`, or `boot_grace_s` before the instance's first heartbeat. `None` also
+/// when there is nothing to count from (no heartbeat, not running). The idle tick and the watch
+/// kept during a capture ([`CaptureWatch`]) both decide with this.
+pub fn heartbeat_verdict(
+    hb: &HeartbeatStatus,
+    running_since: Option<Instant>,
+    now: Instant,
+    watchdog: &WatchdogConfig,
+) -> Option<String> {
+    let timeout = Duration::from_secs(if hb.count == 0 {
+        watchdog.boot_grace_s
+    } else {
+        watchdog.heartbeat_timeout_s
+    });
+    let since = match (hb.last, running_since) {
+        (Some(h), Some(r)) => h.max(r),
+        (h, r) => h.or(r)?,
+    };
+    let silent = now.saturating_duration_since(since);
+    (silent > timeout).then(|| {
+        format!(
+            "no valid heartbeat for {} ms (timeout {} s; {} credited, {} rejected)",
+            silent.as_millis(),
+            timeout.as_secs(),
+            hb.count,
+            hb.rejected
+        )
+    })
+}
+
+/// How often the watch kept during a capture evaluates the heartbeat (the idle tick's period
+/// is 250 ms; a capture's preemption check runs every read, or every 20 ms while stalled).
+const CAPTURE_WATCH_EVERY: Duration = Duration::from_millis(100);
+
+/// The heartbeat watchdog while the actor is busy with a capture: a thread that evaluates
+/// [`heartbeat_verdict`] over the backend's [`HeartbeatProbe`] (counted by the channel's reader
+/// thread, so no help from the busy actor is needed). On expiry it records the reason and sets
+/// the actor's preemption flag, exactly as an urgent trigger does: the capture abandons, and
+/// the actor runs the watchdog rollback right after it (`VmActor::watchdog_after_job`). Ends
+/// (and is joined) when finished or dropped.
+pub(crate) struct CaptureWatch {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    fired: Arc<Mutex<Option<String>>>,
+}
+
+impl CaptureWatch {
+    fn start(
+        vm: &str,
+        probe: HeartbeatProbe,
+        running_since: Option<Instant>,
+        watchdog: WatchdogConfig,
+        preempt: Arc<AtomicBool>,
+    ) -> std::io::Result<CaptureWatch> {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let fired = Arc::new(Mutex::new(None));
+        let out = Arc::clone(&fired);
+        let thread = std::thread::Builder::new()
+            .name(format!("wd-{vm}"))
+            .spawn(move || {
+                // Until told to stop (a message, or the sender dropped).
+                while let Err(mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(CAPTURE_WATCH_EVERY)
+                {
+                    let Some(reason) =
+                        heartbeat_verdict(&probe(), running_since, Instant::now(), &watchdog)
+                    else {
+                        continue;
+                    };
+                    warn!(
+                        reason,
+                        "heartbeat watchdog expired during a capture: abandoning it"
+                    );
+                    *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason);
+                    preempt.store(true, Ordering::SeqCst);
+                    return;
+                }
+            })?;
+        Ok(CaptureWatch {
+            stop: Some(stop),
+            thread: Some(thread),
+            fired,
+        })
+    }
+
+    /// Stops watching; the reason of the expiry it found, if it did (the capture was then
+    /// preempted for it).
+    pub(crate) fn finish(mut self) -> Option<String> {
+        self.end();
+        self.fired.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    fn end(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for CaptureWatch {
+    fn drop(&mut self) {
+        self.end();
+    }
 }
 
 /// Longest trigger id accepted.
@@ -132,8 +248,15 @@ impl VmActor {
             return;
         }
         let from_events = events.first().map(emergency_of);
+        // An expiry the watch kept during a capture found (and abandoned the capture for) is
+        // carried out as decided then.
+        let during_capture = self
+            .watchdog_fired
+            .take()
+            .map(|r| format!("{r}; found during a capture, which was abandoned"));
         let trigger = from_events.or_else(|| {
-            self.heartbeat_expired()
+            during_capture
+                .or_else(|| self.heartbeat_expired())
                 .map(|r| (TriggerKind::WatchdogTimeout, r))
         });
         if let Some((trigger, reason)) = trigger {
@@ -141,28 +264,46 @@ impl VmActor {
         }
     }
 
+    /// After a job (from the mailbox): a watchdog expiry found while it ran is rolled back at
+    /// once, not at the next idle tick. [`VmActor::watch`] looks at the hypervisor's events in
+    /// the same turn, so a hardware watchdog that fired meanwhile is named instead.
+    pub(crate) fn watchdog_after_job(&mut self) {
+        if self.watchdog_fired.is_none() {
+            return;
+        }
+        if self.state == crate::lifecycle::VmState::Running {
+            self.watch();
+            self.publish();
+        } else {
+            // Halted or rolled back by the job itself: nothing is left to do for it.
+            self.watchdog_fired = None;
+        }
+    }
+
     /// `Some(reason)` when the guest agent has been silent longer than the timeout.
     pub(crate) fn heartbeat_expired(&self) -> Option<String> {
-        let hb = self.backend.heartbeats();
-        let timeout = Duration::from_secs(if hb.count == 0 {
-            self.cfg.watchdog.boot_grace_s
-        } else {
-            self.cfg.watchdog.heartbeat_timeout_s
-        });
-        let since = match (hb.last, self.running_since) {
-            (Some(h), Some(r)) => h.max(r),
-            (h, r) => h.or(r)?,
-        };
-        let silent = since.elapsed();
-        (silent > timeout).then(|| {
-            format!(
-                "no valid heartbeat for {} ms (timeout {} s; {} credited, {} rejected)",
-                silent.as_millis(),
-                timeout.as_secs(),
-                hb.count,
-                hb.rejected
-            )
-        })
+        heartbeat_verdict(
+            &self.backend.heartbeats(),
+            self.running_since,
+            Instant::now(),
+            &self.cfg.watchdog,
+        )
+    }
+
+    /// Keeps the heartbeat watchdog running while a capture runs (see [`CaptureWatch`]).
+    /// `None` when the backend shares no heartbeat counters, or the watch thread cannot be
+    /// started: the watchdog is then evaluated right after the capture, as before.
+    pub(crate) fn watch_during_capture(&self) -> Option<CaptureWatch> {
+        let probe = self.backend.heartbeat_probe()?;
+        CaptureWatch::start(
+            &self.cfg.vm.name,
+            probe,
+            self.running_since,
+            self.cfg.watchdog.clone(),
+            Arc::clone(&self.preempt),
+        )
+        .map_err(|e| warn!(error = %e, "cannot watch the heartbeat during the capture"))
+        .ok()
     }
 
     /// The storm guard of an unattended rollback (watchdogs, crashes, drift): its inputs and
@@ -364,5 +505,109 @@ mod identity_tests {
         let d = storm_decision(&[0, 10, 20], 30);
         assert!(d.halt);
         assert_eq!(d.recent.len(), STORM_LIMIT);
+    }
+}
+
+#[cfg(test)]
+mod verdict_tests {
+    use super::*;
+
+    fn rule(timeout_s: u64, grace_s: u64) -> WatchdogConfig {
+        WatchdogConfig {
+            heartbeat_timeout_s: timeout_s,
+            boot_grace_s: grace_s,
+            healthy_within_s: None,
+        }
+    }
+
+    fn hb(count: u64, last: Option<Instant>) -> HeartbeatStatus {
+        HeartbeatStatus {
+            count,
+            last,
+            rejected: 2,
+        }
+    }
+
+    #[test]
+    fn silence_counts_from_the_later_of_the_last_heartbeat_and_the_start() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let w = rule(10, 60);
+        // A heartbeat 10 s ago is on the bound, not past it.
+        assert_eq!(
+            heartbeat_verdict(&hb(3, Some(t0)), Some(t0), t0 + s(10), &w),
+            None
+        );
+        let r = heartbeat_verdict(&hb(3, Some(t0)), Some(t0), t0 + s(11), &w).unwrap();
+        assert!(
+            r.starts_with("no valid heartbeat for 11000 ms (timeout 10 s; 3 credited, 2 rejected)"),
+            "{r}"
+        );
+        // A heartbeat older than the instance (before a rollback) counts from the start.
+        let started = t0 + s(30);
+        assert_eq!(
+            heartbeat_verdict(&hb(3, Some(t0)), Some(started), t0 + s(35), &w),
+            None
+        );
+        assert!(heartbeat_verdict(&hb(3, Some(t0)), Some(started), t0 + s(41), &w).is_some());
+        // A clock that reads before the heartbeat (a late probe) is no silence.
+        assert_eq!(
+            heartbeat_verdict(&hb(1, Some(t0 + s(5))), Some(t0), t0, &w),
+            None
+        );
+    }
+
+    #[test]
+    fn before_the_first_heartbeat_the_boot_grace_applies_and_nothing_counts_from_nothing() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let w = rule(10, 60);
+        assert_eq!(
+            heartbeat_verdict(&hb(0, None), Some(t0), t0 + s(59), &w),
+            None
+        );
+        let r = heartbeat_verdict(&hb(0, None), Some(t0), t0 + s(61), &w).unwrap();
+        assert!(r.contains("(timeout 60 s; 0 credited"), "{r}");
+        // Not running and never heard from: nothing to count from.
+        assert_eq!(
+            heartbeat_verdict(&hb(0, None), None, t0 + s(3600), &w),
+            None
+        );
+        // Heard from, not running (between instances): the heartbeat alone counts.
+        assert!(heartbeat_verdict(&hb(1, Some(t0)), None, t0 + s(11), &w).is_some());
+    }
+
+    #[test]
+    fn the_capture_watch_preempts_on_expiry_only() {
+        let w = rule(2, 2);
+        // A guest heard from just now: the watch never fires and leaves the flag alone.
+        let preempt = Arc::new(AtomicBool::new(false));
+        let fresh: HeartbeatProbe = Arc::new(|| hb(5, Some(Instant::now())));
+        let watch = CaptureWatch::start(
+            "t",
+            fresh,
+            Some(Instant::now()),
+            w.clone(),
+            Arc::clone(&preempt),
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(350));
+        assert_eq!(watch.finish(), None);
+        assert!(!preempt.load(Ordering::SeqCst));
+        // Silent for 3 s already: it fires within one period, with the idle path's reason.
+        let last = Instant::now() - Duration::from_secs(3);
+        let silent: HeartbeatProbe = Arc::new(move || hb(5, Some(last)));
+        let watch = CaptureWatch::start("t", silent, Some(last), w, Arc::clone(&preempt)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !preempt.load(Ordering::SeqCst) {
+            assert!(Instant::now() < deadline, "the watch never fired");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let reason = watch.finish().unwrap();
+        assert!(reason.starts_with("no valid heartbeat for 3"), "{reason}");
+        assert!(
+            reason.contains("(timeout 2 s; 5 credited, 2 rejected)"),
+            "{reason}"
+        );
     }
 }

@@ -269,6 +269,15 @@ pub trait VmBackend: Send {
     /// What the guest agent channel has delivered: credited heartbeats and rejected input.
     fn heartbeats(&self) -> HeartbeatStatus;
 
+    /// The counters of [`VmBackend::heartbeats`] for another thread: heartbeats are counted by
+    /// the channel's own reader thread, so the watchdog can keep reading them while the actor
+    /// is busy with a long job (a capture). Of the VM instance running now (a rollback starts
+    /// a new one: ask again). `None`: this backend has none to share, and its watchdog is
+    /// evaluated between jobs only.
+    fn heartbeat_probe(&self) -> Option<HeartbeatProbe> {
+        None
+    }
+
     /// Merges every layer between `base` and the running disk `disk_id`'s writable top layer
     /// into that top layer, live (QEMU's `block-stream`), so the running chain becomes `base`
     /// plus the top layer. The merged layers' files are not touched (snapshots still name
@@ -351,6 +360,10 @@ impl HeartbeatSource {
         }
     }
 }
+
+/// A reader of one VM instance's heartbeat counters that any thread may call (see
+/// [`VmBackend::heartbeat_probe`]).
+pub type HeartbeatProbe = std::sync::Arc<dyn Fn() -> HeartbeatStatus + Send + Sync>;
 
 /// Heartbeat counters of the guest agent channel (untrusted input, strictly parsed).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

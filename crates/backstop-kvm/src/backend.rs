@@ -610,6 +610,20 @@ impl VmBackend for KvmBackend {
         }
     }
 
+    /// The heartbeat port's counters are the device model's, shared with the vCPU thread.
+    fn heartbeat_probe(&self) -> Option<backstop_hypervisor::HeartbeatProbe> {
+        let devices = Arc::clone(&self.vm.as_ref()?.devices);
+        Some(Arc::new(move || {
+            let d = lock(&devices);
+            let (count, rejected) = d.heartbeat_counts();
+            HeartbeatStatus {
+                count,
+                last: d.last_heartbeat_at(),
+                rejected,
+            }
+        }))
+    }
+
     fn guest_devices(&mut self) -> Result<GuestDevices> {
         self.running_vm("list devices")?;
         Ok(GuestDevices {

@@ -1247,15 +1247,15 @@ impl VmBackend for LibvirtBackend {
     }
 
     fn heartbeats(&self) -> HeartbeatStatus {
-        let s = self
-            .agent
+        self.agent
             .as_ref()
             .map(AgentChannel::stats)
-            .unwrap_or_default();
-        HeartbeatStatus {
-            count: s.heartbeats,
-            last: s.last_heartbeat,
-            rejected: s.rejected + s.dropped_rate,
-        }
+            .unwrap_or_default()
+            .into()
+    }
+
+    fn heartbeat_probe(&self) -> Option<backstop_hypervisor::HeartbeatProbe> {
+        let read = self.agent.as_ref()?.stats_reader();
+        Some(Arc::new(move || read().into()))
     }
 }

@@ -27,6 +27,17 @@ pub struct AgentStats {
     pub dropped_rate: u64,
 }
 
+/// The counters as the watchdog reads them (the rate-limited lines count as rejected).
+impl From<AgentStats> for backstop_hypervisor::HeartbeatStatus {
+    fn from(s: AgentStats) -> Self {
+        backstop_hypervisor::HeartbeatStatus {
+            count: s.heartbeats,
+            last: s.last_heartbeat,
+            rejected: s.rejected + s.dropped_rate,
+        }
+    }
+}
+
 /// What a single guest line means.
 #[derive(Debug, PartialEq, Eq)]
 pub enum GuestLine {
@@ -131,6 +142,12 @@ impl AgentChannel {
 
     pub fn stats(&self) -> AgentStats {
         self.stats.lock().map(|s| *s).unwrap_or_default()
+    }
+
+    /// [`AgentChannel::stats`] for another thread (the reader thread keeps them).
+    pub fn stats_reader(&self) -> impl Fn() -> AgentStats + Send + Sync + 'static {
+        let stats = Arc::clone(&self.stats);
+        move || stats.lock().map(|s| *s).unwrap_or_default()
     }
 
     /// Tells the guest the new epoch. Best effort: a guest that does not read cannot block us.

@@ -1224,12 +1224,22 @@ impl VmBackend for QemuBackend {
     }
 
     fn heartbeats(&self) -> backstop_hypervisor::HeartbeatStatus {
-        let s = self.agent_stats();
-        backstop_hypervisor::HeartbeatStatus {
-            count: s.heartbeats,
-            last: s.last_heartbeat,
-            rejected: s.rejected + s.dropped_rate,
-        }
+        self.agent_stats().into()
+    }
+
+    /// The configured source's counters, as [`QemuBackend::agent_stats`] reads them.
+    fn heartbeat_probe(&self) -> Option<backstop_hypervisor::HeartbeatProbe> {
+        let r = self.running.as_ref()?;
+        Some(match &r.qga {
+            Some(q) => {
+                let read = q.stats_reader();
+                std::sync::Arc::new(move || read().into())
+            }
+            None => {
+                let read = r.agent.stats_reader();
+                std::sync::Arc::new(move || read().into())
+            }
+        })
     }
 
     fn grant_device(

@@ -148,6 +148,12 @@ impl QgaChannel {
         self.shared.lock().map(|s| s.stats).unwrap_or_default()
     }
 
+    /// [`QgaChannel::stats`] for another thread (the reader thread keeps them).
+    pub fn stats_reader(&self) -> impl Fn() -> AgentStats + Send + Sync + 'static {
+        let shared = Arc::clone(&self.shared);
+        move || shared.lock().map(|s| s.stats).unwrap_or_default()
+    }
+
     /// Whether the guest's clock was set after a restore (qemu-ga answered `guest-set-time`).
     pub fn clock_resynced(&self) -> bool {
         self.shared
