@@ -64,6 +64,8 @@ audit_events! {
     SnapshotScheduleMissed = "snapshot.schedule.missed" [];
     /// A snapshot was removed by retention.
     SnapshotPruned = "snapshot.pruned" [];
+    /// A person deleted a snapshot (`snapshot delete`): removed as retention removes one.
+    SnapshotDeleted = "snapshot.deleted" ["reason", "requested_by", "chain"];
     /// A retention pass finished.
     SnapshotPruneCompleted = "snapshot.prune.completed" [];
     /// A soft rollback left these snapshots off the current line.
