@@ -18,6 +18,14 @@ pub fn command() -> clap::Command {
     <cli::Cli as clap::CommandFactory>::command()
 }
 
+/// `id` is a whole snapshot id (32 lower-case hex digits), not a name or a prefix.
+pub fn is_full_snapshot_id(id: &str) -> bool {
+    id.len() == 32
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 /// Everything a finished call prints, and how the process ends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {

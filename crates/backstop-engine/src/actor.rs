@@ -666,6 +666,7 @@ impl VmActor {
             pid: self.backend.pid(),
             snapshots: snapshots.len(),
             newest_snapshot: snapshots.last().map(|m| m.snapshot_id.clone()),
+            newest_snapshot_name: snapshots.last().and_then(|m| m.name.clone()),
             halted: self.halt.as_ref().map(|h| HaltView {
                 reason: h.reason.clone(),
                 code: h.code.clone(),

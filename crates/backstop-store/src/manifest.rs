@@ -591,7 +591,10 @@ mod tests {
         let mut named = sample();
         named.name = Some("before-upgrade".into());
         let (n, bytes) = seal(&named).unwrap();
-        assert_ne!(n.snapshot_id, m.snapshot_id, "the name is part of the content id");
+        assert_ne!(
+            n.snapshot_id, m.snapshot_id,
+            "the name is part of the content id"
+        );
         let back = decode_manifest(&n.snapshot_id, &bytes, &VerifyOptions::default()).unwrap();
         assert_eq!(back.name.as_deref(), Some("before-upgrade"));
         // A name breaking the rule is refused even under a good id (only a key holder could

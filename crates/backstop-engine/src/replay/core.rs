@@ -375,7 +375,8 @@ impl<'a> Replayer<'a> {
                         referenced.entry(id.to_string()).or_insert(e.seq);
                     }
                 }
-                "snapshot.pruned" => {
+                // Removed by retention or by a person (`snapshot delete`): gone on purpose.
+                "snapshot.pruned" | "snapshot.deleted" => {
                     if let Some(id) = s(&e.fields, "snapshot_id") {
                         referenced.remove(id);
                     }
@@ -581,7 +582,7 @@ impl<'a> Replayer<'a> {
                     self.forensic.insert(id.to_string());
                 }
             }
-            "snapshot.pruned" => {
+            "snapshot.pruned" | "snapshot.deleted" => {
                 if let Some(id) = s(f, "snapshot_id") {
                     self.pruned.insert(id.to_string());
                     self.marked.remove(id);
