@@ -245,7 +245,7 @@ pub enum SnapshotCommand {
         /// A name for it, usable wherever a snapshot id is: 1-63 letters, digits, '.', '_'
         /// or '-', starting with a letter or digit, not made of hex digits (0-9, a-f) alone
         /// (it would read as an id); unique among the VM's snapshots.
-        #[arg(long, value_name = "NAME", value_parser = snapshot_name)]
+        #[arg(long, value_name = "NAME", allow_hyphen_values = true)]
         name: Option<String>,
     },
     /// List published snapshots, oldest first.
@@ -675,13 +675,6 @@ fn notification_type(value: &str) -> Result<String, String> {
     }
 }
 
-/// `--name`: the naming rule (`backstop_common::names`), checked here so a bad name is a usage
-/// error before anything is sent; the daemon checks it again, and that it is not taken.
-fn snapshot_name(value: &str) -> Result<String, String> {
-    backstop_common::names::check_snapshot_name(value)?;
-    Ok(value.to_string())
-}
-
 /// Refuses an empty or blank value (a reason must say something).
 fn non_empty(value: &str) -> Result<String, String> {
     if value.trim().is_empty() {
@@ -1084,17 +1077,31 @@ mod tests {
                 reason: "done".into(),
             }
         );
-        // A bad name is a usage error here (exit 2), before anything is sent.
+        // A bad name is a one-line usage error (exit 2) before anything is sent: see
+        // `crate::precheck`. Missing arguments are clap's.
         for bad in [
-            &["snapshot", "create", "--reason", "r", "--name", "cafe"][..],
-            &["snapshot", "create", "--reason", "r", "--name", "-x"],
-            &["snapshot", "create", "--reason", "r", "--name", "a b"],
-            &["snapshot", "create", "--reason", "r", "--name", ""],
-            &["snapshot", "delete", "v1"],
+            &["snapshot", "delete", "v1"][..],
             &["snapshot", "delete", "--reason", "r"],
         ] {
             assert_eq!(parse(bad).unwrap_err().exit_code(), 2, "{bad:?}");
         }
+        for bad in ["cafe", "-x", "a b", "", "naïve"] {
+            let req = request(&["snapshot", "create", "--reason", "r", "--name", bad]);
+            let out = crate::precheck(&req, false).unwrap();
+            assert_eq!(out.exit_code, 2, "{bad:?}");
+            assert!(
+                out.stderr.starts_with("backstop: ERR_SNAPSHOT_NAME_INVALID: "),
+                "{}",
+                out.stderr
+            );
+            assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+            let json = crate::precheck(&req, true).unwrap();
+            let doc: Value = serde_json::from_str(&json.stdout).unwrap();
+            assert_eq!(doc["error"]["code"], "ERR_SNAPSHOT_NAME_INVALID");
+        }
+        let good = request(&["snapshot", "create", "--reason", "r", "--name", "v1"]);
+        assert!(crate::precheck(&good, false).is_none());
+        assert!(crate::precheck(&Request::SnapshotList, false).is_none());
         assert!(crate::is_full_snapshot_id(
             "0123456789abcdef0123456789abcdef"
         ));

@@ -40,6 +40,11 @@ fn main() -> ExitCode {
         return ExitCode::from(code);
     }
     let request = cli.command.request();
+    if let Some(refused) = backstop_cli::precheck(&request, cli.json) {
+        let _ = io::stdout().lock().write_all(refused.stdout.as_bytes());
+        let _ = io::stderr().lock().write_all(refused.stderr.as_bytes());
+        return ExitCode::from(refused.exit_code);
+    }
     if let backstop_cli::cli::Command::Vms { watch: Some(secs) } = cli.command {
         watch(&cli, &request, secs);
     }
