@@ -1090,7 +1090,8 @@ mod tests {
             let out = crate::precheck(&req, false).unwrap();
             assert_eq!(out.exit_code, 2, "{bad:?}");
             assert!(
-                out.stderr.starts_with("backstop: ERR_SNAPSHOT_NAME_INVALID: "),
+                out.stderr
+                    .starts_with("backstop: ERR_SNAPSHOT_NAME_INVALID: "),
                 "{}",
                 out.stderr
             );

@@ -258,6 +258,8 @@ pub struct Replayer<'a> {
     parents: HashMap<String, Option<Option<String>>>,
     /// Each published snapshot's recorded creation time.
     created: HashMap<String, String>,
+    /// Each named snapshot's recorded name (`snapshot create --name`).
+    names: HashMap<String, String>,
     /// Published snapshots of an unhealthy guest.
     unhealthy: std::collections::HashSet<String>,
     /// Forensic snapshots (never rollback targets).
@@ -308,6 +310,7 @@ impl<'a> Replayer<'a> {
             view,
             approve,
             published: Vec::new(),
+            names: HashMap::new(),
             pruned: BTreeSet::new(),
             marked: BTreeSet::new(),
             epoch: None,
@@ -574,6 +577,9 @@ impl<'a> Replayer<'a> {
                 self.parents.insert(id.to_string(), parent);
                 if let Some(c) = s(f, "created_at") {
                     self.created.insert(id.to_string(), c.to_string());
+                }
+                if let Some(n) = s(f, "name") {
+                    self.names.insert(id.to_string(), n.to_string());
                 }
                 if f.get("healthy") == Some(&Value::Bool(false)) {
                     self.unhealthy.insert(id.to_string());
@@ -853,7 +859,19 @@ impl<'a> Replayer<'a> {
                 .iter()
                 .filter(|p| !self.pruned.contains(*p))
                 .collect();
-            let hits: Vec<&&String> = live.iter().filter(|p| p.starts_with(to.as_str())).collect();
+            // As `Store::resolve`: the exact id, then the exact name, then a unique prefix.
+            let exact: Vec<&&String> = live.iter().filter(|p| ***p == to).collect();
+            let named: Vec<&&String> = live
+                .iter()
+                .filter(|p| self.names.get(**p) == Some(&to))
+                .collect();
+            let hits: Vec<&&String> = if !exact.is_empty() {
+                exact
+            } else if !named.is_empty() {
+                named
+            } else {
+                live.iter().filter(|p| p.starts_with(to.as_str())).collect()
+            };
             let [id] = hits.as_slice() else {
                 return Ok(None);
             };
