@@ -26,6 +26,10 @@ use backstop_common::AuditEvent;
 
 use crate::policy::parse_time;
 
+/// The journal entry of one removed snapshot, from its id, the reason, whether it was marked
+/// rolled back, and the disk layers its manifest listed.
+pub(crate) type RemovalEntry<'a> = dyn Fn(&str, &str, bool, &[PathBuf]) -> (AuditEvent, Value) + 'a;
+
 /// What [`VmActor::remove_snapshots`] removed.
 #[derive(Debug, Default)]
 pub(crate) struct Removed {
@@ -223,7 +227,7 @@ impl VmActor {
     pub(crate) fn remove_snapshots(
         &mut self,
         remove: &[(String, String)],
-        entry: &dyn Fn(&str, &str, bool, &[PathBuf]) -> (AuditEvent, Value),
+        entry: &RemovalEntry<'_>,
     ) -> Result<Removed, EngineError> {
         let ids: Vec<String> = remove.iter().map(|(id, _)| id.clone()).collect();
         let report = self
