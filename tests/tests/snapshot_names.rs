@@ -354,3 +354,33 @@ fn review_keygen_honours_json() {
     let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(doc["error"]["code"], "ERR_REVIEWER_EVIDENCE", "{doc}");
 }
+
+/// `halt clear --to NAME` restores the named snapshot; while HALTED a delete is refused as every
+/// changing verb is (exit 4), and nothing changes.
+#[test]
+fn halt_clear_to_a_name_and_no_delete_while_halted() {
+    if skip_unless_ready("halt_clear_to_a_name_and_no_delete_while_halted") {
+        return;
+    }
+    let mut d = Daemon::start("namehalt");
+    d.wait_tick(0, 1, Duration::from_secs(90));
+    let last = id_of(&d.ok(&["snapshot", "create", "--reason", "s", "--name", "last-good"]));
+    d.kill9();
+    // As if the daemon died in the middle of a rollback: HALTED at start.
+    std::fs::write(
+        d.state_dir().join("rollback-inflight.json"),
+        br#"{"snapshot_id":"x","trace_id":"t","started_at":"s"}"#,
+    )
+    .unwrap();
+    d.launch();
+    assert_eq!(d.status()["halted"]["code"], "ERR_ROLLBACK_INTERRUPTED");
+    let store = stored(&d);
+    let out = d.cli(&["snapshot", "delete", "last-good", "--reason", "e2e"]);
+    assert_eq!(out.status.code(), Some(4), "{out:?}");
+    assert_eq!(stored(&d), store);
+    assert_eq!(count(&d, "snapshot.deleted"), 0);
+    let cleared = d.ok(&["halt", "clear", "--reason", "by name", "--to", "last-good"]);
+    assert_eq!(cleared["restored_from"], last.as_str(), "{cleared}");
+    assert_eq!(d.status()["state"], "running");
+    d.ok(&["audit", "verify"]);
+}

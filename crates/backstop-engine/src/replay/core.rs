@@ -1152,6 +1152,20 @@ mod tests {
     }
 
     #[test]
+    fn a_named_target_resolves_as_the_store_does() {
+        // b was named `vb` when taken, and the rollback asked for it by that name.
+        let mut j = journal();
+        set(&mut j, 4, "name", json!("vb"));
+        set(&mut j, 7, "snapshot_id", json!("vb"));
+        let o = prod(&j);
+        assert_eq!(o.code, None, "{o:?}");
+        // Unrecorded, the name names nothing: the recorded target is not reproduced.
+        let mut j = journal();
+        set(&mut j, 7, "snapshot_id", json!("vb"));
+        assert_eq!(prod(&j).code, Some("REPLAY_DIVERGENCE"));
+    }
+
+    #[test]
     fn a_faithful_journal_reproduces() {
         let o = run(
             &journal(),
