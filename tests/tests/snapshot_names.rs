@@ -355,15 +355,23 @@ fn review_keygen_honours_json() {
     assert_eq!(doc["error"]["code"], "ERR_REVIEWER_EVIDENCE", "{doc}");
 }
 
-/// `halt clear --to NAME` restores the named snapshot; while HALTED a delete is refused as every
+/// `halt clear --to NAME --paused` restores the named snapshot and leaves the guest stopped:
+/// `status` says so, no guest code runs, the heartbeat watchdog waits (past its boot grace), no
+/// snapshot is taken; `backstop resume` continues it. While HALTED a delete is refused as every
 /// changing verb is (exit 4), and nothing changes.
 #[test]
-fn halt_clear_to_a_name_and_no_delete_while_halted() {
-    if skip_unless_ready("halt_clear_to_a_name_and_no_delete_while_halted") {
+fn halt_clear_to_a_name_paused_until_resume_and_no_delete_while_halted() {
+    if skip_unless_ready("halt_clear_to_a_name_paused_until_resume_and_no_delete_while_halted") {
         return;
     }
-    let mut d = Daemon::start("namehalt");
-    d.wait_tick(0, 1, Duration::from_secs(90));
+    let mut d = Daemon::start_opts(
+        "namehalt",
+        &Options {
+            extra_toml: "[watchdog]\nheartbeat_timeout_s = 5\nboot_grace_s = 12\n",
+            ..Options::default()
+        },
+    );
+    d.wait_tick(0, 2, Duration::from_secs(90));
     let last = id_of(&d.ok(&["snapshot", "create", "--reason", "s", "--name", "last-good"]));
     d.kill9();
     // As if the daemon died in the middle of a rollback: HALTED at start.
@@ -379,8 +387,83 @@ fn halt_clear_to_a_name_and_no_delete_while_halted() {
     assert_eq!(out.status.code(), Some(4), "{out:?}");
     assert_eq!(stored(&d), store);
     assert_eq!(count(&d, "snapshot.deleted"), 0);
-    let cleared = d.ok(&["halt", "clear", "--reason", "by name", "--to", "last-good"]);
+    // Not paused: nothing to continue.
+    let out = d.cli(&["resume", "--reason", "e2e"]);
+    assert_eq!(out.status.code(), Some(4), "HALTED first: {out:?}");
+
+    let cleared = d.ok(&[
+        "halt",
+        "clear",
+        "--reason",
+        "by name, paused",
+        "--to",
+        "last-good",
+        "--paused",
+    ]);
     assert_eq!(cleared["restored_from"], last.as_str(), "{cleared}");
-    assert_eq!(d.status()["state"], "running");
+    let st = d.status();
+    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(st["guest_paused"], true, "{st}");
+    let human = Command::new(backstop_e2e::bin("backstop"))
+        .arg("--socket")
+        .arg(d.socket())
+        .arg("status")
+        .output()
+        .unwrap();
+    let text = String::from_utf8(human.stdout).unwrap();
+    assert!(text.contains("guest:") && text.contains("paused"), "{text}");
+    // Stopped: no tick for longer than the heartbeat timeout and the boot grace together, no
+    // watchdog rollback, no snapshot (refused, nothing changed).
+    let from = d.serial_len();
+    let rollbacks = count(&d, "rollback.triggered");
+    std::thread::sleep(Duration::from_secs(18));
+    assert!(
+        backstop_e2e::parse_ticks(&d.serial_since(from)).is_empty(),
+        "the paused guest ran: {}",
+        d.serial_since(from)
+    );
+    assert_eq!(
+        count(&d, "rollback.triggered"),
+        rollbacks,
+        "the watchdog fired"
+    );
+    assert_eq!(d.status()["guest_paused"], true);
+    let msg = refused(
+        &d,
+        &["snapshot", "create", "--reason", "while paused"],
+        1,
+        "ERR_VM_BUSY",
+    );
+    assert!(msg.contains("paused"), "{msg}");
+
+    // Continued: it runs on from the named snapshot, journaled; the watchdog is fed again.
+    let st = d.ok(&["resume", "--reason", "examined, go on"]);
+    assert_eq!(st["guest_paused"], Value::Null, "{st}");
+    d.wait_ticks_until(
+        from,
+        Duration::from_secs(60),
+        "guest runs after resume",
+        |t| t.len() >= 2,
+    );
+    let continued = d
+        .journal()
+        .into_iter()
+        .find(|e| e["event"] == "vm.continued")
+        .unwrap();
+    assert_eq!(
+        continued["fields"]["reason"], "examined, go on",
+        "{continued}"
+    );
+    assert_eq!(continued["fields"]["continued_by"], "console:uid=0");
+    std::thread::sleep(Duration::from_secs(8));
+    assert_eq!(
+        count(&d, "rollback.triggered"),
+        rollbacks,
+        "the watchdog fired after resume"
+    );
+    let out = d.cli(&["resume", "--reason", "again"]);
+    assert_eq!(out.status.code(), Some(1), "nothing paused now: {out:?}");
     d.ok(&["audit", "verify"]);
+    let replay = d.ok(&["audit", "replay", "--mode", "production"]);
+    assert!(replay["code"].is_null(), "{replay}");
 }

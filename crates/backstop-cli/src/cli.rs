@@ -121,6 +121,12 @@ pub enum Command {
     /// Clear a HALTED VM (restores the newest verified snapshot).
     #[command(subcommand)]
     Halt(HaltCommand),
+    /// Continue a guest that `halt clear --to ID --paused` left paused.
+    Resume {
+        /// Why; recorded in the audit journal.
+        #[arg(long, value_parser = non_empty)]
+        reason: String,
+    },
     /// Read and verify the audit journal.
     #[command(subcommand)]
     Audit(AuditCommand),
@@ -300,6 +306,10 @@ pub enum HaltCommand {
         /// Reviewer evidence for --to: a token file made with `backstop review sign`.
         #[arg(long = "reviewer-token", value_name = "FILE", value_parser = json_file, requires = "to")]
         reviewer_token: Option<Value>,
+        /// Leave the restored guest paused (never continued): `status` shows it; no heartbeat
+        /// watchdog and no snapshot until `backstop resume --reason R` continues it.
+        #[arg(long, requires = "to")]
+        paused: bool,
     },
 }
 
@@ -446,10 +456,15 @@ impl Command {
                 reason,
                 to: Some(to),
                 reviewer_token,
+                paused,
             }) => Request::HaltClearTo {
                 reason: reason.clone(),
                 to: to.clone(),
                 reviewer_token: reviewer_token.clone(),
+                paused: *paused,
+            },
+            Command::Resume { reason } => Request::Resume {
+                reason: reason.clone(),
             },
             Command::Audit(AuditCommand::Tail { count }) => Request::AuditTail { count: *count },
             Command::Audit(AuditCommand::Verify { daemon: false }) => Request::AuditVerify,
@@ -800,6 +815,7 @@ mod tests {
                 reason: "ok".into(),
                 to: "ab12".into(),
                 reviewer_token: None,
+                paused: false,
             }
         );
         // Evidence only goes with a chosen snapshot.
@@ -1103,6 +1119,28 @@ mod tests {
         let good = request(&["snapshot", "create", "--reason", "r", "--name", "v1"]);
         assert!(crate::precheck(&good, false).is_none());
         assert!(crate::precheck(&Request::SnapshotList, false).is_none());
+        // halt clear --to ID --paused, and the verb that continues the guest.
+        assert_eq!(
+            request(&["halt", "clear", "--reason", "ok", "--to", "v1", "--paused"]),
+            Request::HaltClearTo {
+                reason: "ok".into(),
+                to: "v1".into(),
+                reviewer_token: None,
+                paused: true,
+            }
+        );
+        assert_eq!(
+            request(&["resume", "--reason", "go"]),
+            Request::Resume {
+                reason: "go".into()
+            }
+        );
+        for bad in [
+            &["halt", "clear", "--reason", "ok", "--paused"][..],
+            &["resume"],
+        ] {
+            assert_eq!(parse(bad).unwrap_err().exit_code(), 2, "{bad:?}");
+        }
         assert!(crate::is_full_snapshot_id(
             "0123456789abcdef0123456789abcdef"
         ));

@@ -312,6 +312,12 @@ fn status_text(s: &StatusView) -> String {
         ),
         ("session", clean(&s.session_id)),
     ];
+    if s.guest_paused {
+        rows.push((
+            "guest",
+            "paused (halt clear --paused): `backstop resume --reason R` continues it".into(),
+        ));
+    }
     rows.extend(live_rows(s));
     for (k, v) in &s.backend_details {
         let v = match v {

@@ -74,7 +74,13 @@ pub enum Request {
         to: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         reviewer_token: Option<Value>,
+        /// Leave the restored guest stopped (never `cont`ed): the heartbeat watchdog and
+        /// snapshots wait until a person continues it with [`Request::Resume`].
+        #[serde(default, skip_serializing_if = "is_false")]
+        paused: bool,
     },
+    /// Continue a guest that `halt clear --paused` left stopped (journaled `vm.continued`).
+    Resume { reason: String },
     /// The last `count` audit entries.
     AuditTail { count: usize },
     /// Walk the whole audit chain.
@@ -354,6 +360,11 @@ enum StrictRequest {
         to: String,
         #[serde(default)]
         reviewer_token: Option<Value>,
+        #[serde(default)]
+        paused: bool,
+    },
+    Resume {
+        reason: String,
     },
     AuditTail {
         count: usize,
@@ -438,11 +449,14 @@ impl From<StrictRequest> for Request {
                 reason,
                 to,
                 reviewer_token,
+                paused,
             } => Request::HaltClearTo {
                 reason,
                 to,
                 reviewer_token,
+                paused,
             },
+            StrictRequest::Resume { reason } => Request::Resume { reason },
             StrictRequest::AuditTail { count } => Request::AuditTail { count },
             StrictRequest::AuditVerify {} => Request::AuditVerify,
             StrictRequest::Trigger {
@@ -510,6 +524,7 @@ impl Request {
             Request::SnapshotVerify { .. } => "snapshot verify",
             Request::Rollback { .. } => "rollback",
             Request::HaltClear { .. } | Request::HaltClearTo { .. } => "halt clear",
+            Request::Resume { .. } => "resume",
             Request::AuditTail { .. } => "audit tail",
             Request::AuditVerify => "audit verify",
             Request::Trigger { .. } => "trigger",
@@ -844,6 +859,10 @@ pub struct StatusView {
     /// Ids of the devices granted to the guest now.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub granted_devices: Vec<String>,
+    /// The guest is stopped since `halt clear --paused` (the VM is restored and its state
+    /// `running`, but no guest code runs until `backstop resume`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub guest_paused: bool,
 }
 
 /// The newest rollback of a VM, for `status` and the metrics endpoint.

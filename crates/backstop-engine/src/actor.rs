@@ -87,6 +87,12 @@ pub struct VmActor {
     pub(crate) preempt: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// When the current VM instance started running (the heartbeat grace starts there).
     pub(crate) running_since: Option<std::time::Instant>,
+    /// The guest is stopped since `halt clear --paused` (not durable: a restarted daemon
+    /// resumes the VM from its final snapshot, running). No heartbeat watchdog, no snapshot
+    /// (a capture would resume it) until `backstop resume`.
+    pub(crate) guest_paused: bool,
+    /// Set by `halt clear --paused` for the one restore it runs: skip the `cont`.
+    pub(crate) restore_paused: bool,
     /// Recent unattended emergency rollbacks, for the storm guard.
     pub(crate) emergencies: std::collections::VecDeque<i64>,
     /// Where [`VmActor::publish`] puts the status for readers on other threads.
@@ -187,6 +193,8 @@ impl VmActor {
             status_out: None,
             preempt: Default::default(),
             running_since: None,
+            guest_paused: false,
+            restore_paused: false,
             emergencies: Default::default(),
             devices: Default::default(),
             adoption,
@@ -692,6 +700,7 @@ impl VmActor {
             drift: self.drift.open_views(),
             links: self.link_views(),
             granted_devices: self.devices.grants.keys().cloned().collect(),
+            guest_paused: self.guest_paused,
         }
     }
 

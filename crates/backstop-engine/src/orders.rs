@@ -137,10 +137,18 @@ impl VmActor {
                 reason,
                 to,
                 reviewer_token,
+                paused,
             } => {
                 let reason = non_empty("reason", reason)?;
                 let to = non_empty("to", to)?;
-                self.clear_halt(ctx, &reason, Some((to, reviewer_token)))
+                self.restore_paused = paused;
+                let cleared = self.clear_halt(ctx, &reason, Some((to, reviewer_token)));
+                self.restore_paused = false;
+                cleared
+            }
+            Request::Resume { reason } => {
+                let reason = non_empty("reason", reason)?;
+                self.continue_guest(ctx, &reason)
             }
             Request::AuditTail { count } => {
                 let entries = backstop_journal::tail(&self.journal_path, count.min(10_000))?;
@@ -319,6 +327,38 @@ impl VmActor {
             }),
             None => Ok(()),
         }
+    }
+}
+
+impl VmActor {
+    /// `resume`: `cont` a guest that `halt clear --paused` left stopped; the heartbeat grace
+    /// starts again now. Console only; refused when no guest is paused.
+    fn continue_guest(&mut self, ctx: &mut Ctx, reason: &str) -> Result<Response, EngineError> {
+        if ctx.caller.role != Role::Console {
+            return Err(EngineError::NotPermitted(
+                "only a person at the console can continue a paused guest".into(),
+            ));
+        }
+        if !self.guest_paused || self.state != VmState::Running {
+            return Err(EngineError::Refused {
+                code: backstop_common::ErrorCode::VmBusy,
+                message: "the guest is not paused (only `halt clear --paused` leaves it so)".into(),
+            });
+        }
+        self.backend
+            .resume()
+            .map_err(|source| EngineError::Backend {
+                step: "resume",
+                source,
+            })?;
+        self.guest_paused = false;
+        self.running_since = Some(std::time::Instant::now());
+        let sid = self.session_id.clone();
+        self.journal(AuditEvent::VmContinued, json!({
+            "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": self.vm.position, "result": "ok",
+            "continued_by": ctx.caller.label(), "reason": reason,
+        }))?;
+        Ok(Response::Status(self.status()))
     }
 }
 

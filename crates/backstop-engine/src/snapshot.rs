@@ -204,6 +204,15 @@ impl VmActor {
         trigger: &str,
         name: Option<&str>,
     ) -> Result<Manifest, EngineError> {
+        // A guest left stopped by `halt clear --paused` stays stopped: a capture would resume it
+        // (QEMU 7.2 restarts a background snapshot's guest). The final snapshot of a stop is
+        // taken all the same (the VM is ending).
+        if self.guest_paused && trigger != "shutdown" {
+            return Err(EngineError::Refused {
+                code: ErrorCode::VmBusy,
+                message: "the guest is paused (halt clear --paused): no snapshot until `backstop resume` continues it".into(),
+            });
+        }
         // A VM holding a granted device cannot be snapshotted (see devices.rs): deferred.
         self.defer_snapshot_while_granted(ctx, reason, trigger)?;
         // A scheduled snapshot of a guest that is not healthy (its agent silent) would be a

@@ -132,8 +132,11 @@ impl VmActor {
             return;
         }
         let from_events = events.first().map(emergency_of);
+        // A guest left stopped by `halt clear --paused` sends no heartbeats: not a hang.
         let trigger = from_events.or_else(|| {
-            self.heartbeat_expired()
+            (!self.guest_paused)
+                .then(|| self.heartbeat_expired())
+                .flatten()
                 .map(|r| (TriggerKind::WatchdogTimeout, r))
         });
         if let Some((trigger, reason)) = trigger {
