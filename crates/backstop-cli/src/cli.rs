@@ -95,7 +95,7 @@ pub enum Command {
     /// [restore_gate] max_target_age_hours (7 days) needs --reviewer-token, even an emergency.
     /// (Micro: `action end ID --result failed`.)
     Rollback {
-        /// Snapshot id (or unique prefix) of a session rollback.
+        /// Snapshot id, name or unique prefix of a session rollback.
         #[arg(long, value_name = "ID", value_parser = non_empty)]
         to: Option<String>,
         /// Why; recorded in the audit journal.
@@ -121,6 +121,12 @@ pub enum Command {
     /// Clear a HALTED VM (restores the newest verified snapshot).
     #[command(subcommand)]
     Halt(HaltCommand),
+    /// Continue a guest that `halt clear --to ID --paused` left paused.
+    Resume {
+        /// Why; recorded in the audit journal.
+        #[arg(long, value_parser = non_empty)]
+        reason: String,
+    },
     /// Read and verify the audit journal.
     #[command(subcommand)]
     Audit(AuditCommand),
@@ -189,7 +195,8 @@ pub enum ReviewCommand {
         /// The reviewer key (the daemon's `[restore_gate] reviewer_key`).
         #[arg(long, value_name = "FILE")]
         key: PathBuf,
-        /// The full snapshot id the restore may go to.
+        /// The snapshot the restore may go to: its full id, or a name or unique prefix that
+        /// backstopd resolves to the full id (the token names the full id).
         #[arg(long, value_name = "ID", value_parser = non_empty, required_unless_present = "divergence", conflicts_with = "divergence")]
         snapshot: Option<String>,
         /// Or: the digest of a replay divergence `audit replay --force-continue` may continue
@@ -241,6 +248,11 @@ pub enum SnapshotCommand {
         /// Why; recorded in the manifest and the audit journal.
         #[arg(long, value_parser = non_empty)]
         reason: String,
+        /// A name for it, usable wherever a snapshot id is: 1-63 letters, digits, '.', '_'
+        /// or '-', starting with a letter or digit, not made of hex digits (0-9, a-f) alone
+        /// (it would read as an id); unique among the VM's snapshots.
+        #[arg(long, value_name = "NAME", allow_hyphen_values = true)]
+        name: Option<String>,
     },
     /// List published snapshots, oldest first.
     List,
@@ -249,7 +261,7 @@ pub enum SnapshotCommand {
     Tree,
     /// Show one snapshot's summary (`--full`: and its whole manifest; `--json` always has it).
     Show {
-        /// Snapshot id or unique prefix.
+        /// Snapshot id, name or unique prefix.
         #[arg(value_parser = non_empty)]
         id: String,
         /// Print the whole manifest after the summary.
@@ -258,12 +270,25 @@ pub enum SnapshotCommand {
     },
     /// Verify a snapshot completely without touching the VM.
     Verify {
-        /// Snapshot id or unique prefix.
+        /// Snapshot id, name or unique prefix.
         #[arg(value_parser = non_empty)]
         id: String,
     },
     /// Apply the retention policy now (it also runs after every scheduled snapshot).
     Prune,
+    /// Delete one snapshot as retention would (journaled with the reason and who asked).
+    /// Refused, with nothing changed, when the VM stands on it, another snapshot or the running
+    /// VM needs its disk layers, or retention keeps it (one of the last N, hourly, daily, rolled
+    /// back within the grace, the newest verified, an open action's, a forensic snapshot within
+    /// keep_forensic_hours); the error names the reason.
+    Delete {
+        /// Snapshot id, name or unique prefix.
+        #[arg(value_name = "ID|NAME", value_parser = non_empty)]
+        id: String,
+        /// Why; recorded in the audit journal.
+        #[arg(long, value_parser = non_empty)]
+        reason: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -273,7 +298,7 @@ pub enum HaltCommand {
         /// Why; recorded in the audit journal.
         #[arg(long, value_parser = non_empty)]
         reason: String,
-        /// Restore this snapshot (an id or unique prefix) instead of the newest verified one;
+        /// Restore this snapshot (an id, name or unique prefix) instead of the newest verified one;
         /// anything but the newest verified snapshot needs --reviewer-token. Refused: the VM
         /// stays HALTED.
         #[arg(long, value_name = "ID", value_parser = non_empty)]
@@ -281,6 +306,10 @@ pub enum HaltCommand {
         /// Reviewer evidence for --to: a token file made with `backstop review sign`.
         #[arg(long = "reviewer-token", value_name = "FILE", value_parser = json_file, requires = "to")]
         reviewer_token: Option<Value>,
+        /// Leave the restored guest paused (never continued): `status` shows it; no heartbeat
+        /// watchdog and no snapshot until `backstop resume --reason R` continues it.
+        #[arg(long, requires = "to")]
+        paused: bool,
     },
 }
 
@@ -382,7 +411,14 @@ impl Command {
                 follow: *follow,
             },
             Command::Drift => Request::DriftList,
-            Command::Snapshot(SnapshotCommand::Create { reason }) => Request::SnapshotCreate {
+            Command::Snapshot(SnapshotCommand::Create { reason, name }) => {
+                Request::SnapshotCreate {
+                    reason: reason.clone(),
+                    name: name.clone(),
+                }
+            }
+            Command::Snapshot(SnapshotCommand::Delete { id, reason }) => Request::SnapshotDelete {
+                id: id.clone(),
                 reason: reason.clone(),
             },
             Command::Snapshot(SnapshotCommand::List) => Request::SnapshotList,
@@ -420,10 +456,15 @@ impl Command {
                 reason,
                 to: Some(to),
                 reviewer_token,
+                paused,
             }) => Request::HaltClearTo {
                 reason: reason.clone(),
                 to: to.clone(),
                 reviewer_token: reviewer_token.clone(),
+                paused: *paused,
+            },
+            Command::Resume { reason } => Request::Resume {
+                reason: reason.clone(),
             },
             Command::Audit(AuditCommand::Tail { count }) => Request::AuditTail { count: *count },
             Command::Audit(AuditCommand::Verify { daemon: false }) => Request::AuditVerify,
@@ -486,12 +527,26 @@ impl Command {
 
     /// Commands that run here without the daemon: `Some((exit code, stdout, stderr))`.
     pub fn local(&self) -> Option<(u8, String, String)> {
+        self.local_as(false)
+    }
+
+    /// [`Self::local`], with `--json` honoured: the result as one JSON document on stdout, a
+    /// failure as `{"error":{..}}` too (the stderr line is the same).
+    pub fn local_as(&self, json: bool) -> Option<(u8, String, String)> {
         let Command::Review(review) = self else {
             return None;
         };
         let done = match review {
-            ReviewCommand::Keygen { key } => backstop_control::evidence::create_key(key)
-                .map(|()| format!("reviewer key written to {}\n", key.display())),
+            ReviewCommand::Keygen { key } => {
+                backstop_control::evidence::create_key(key).map(|()| {
+                    if json {
+                        let doc = serde_json::json!({"reviewer_key": key.display().to_string()});
+                        serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n"
+                    } else {
+                        format!("reviewer key written to {}\n", key.display())
+                    }
+                })
+            }
             ReviewCommand::Sign {
                 key,
                 snapshot,
@@ -516,7 +571,11 @@ impl Command {
             Ok(out) => (crate::exit::OK, out, String::new()),
             Err(e) => (
                 crate::exit::FAILED,
-                String::new(),
+                if json {
+                    crate::render::error_json("ERR_REVIEWER_EVIDENCE", &e.to_string())
+                } else {
+                    String::new()
+                },
                 format!("backstop: ERR_REVIEWER_EVIDENCE: {e}\n"),
             ),
         })
@@ -707,7 +766,8 @@ mod tests {
         assert_eq!(
             request(&["snapshot", "create", "--reason", "before update"]),
             Request::SnapshotCreate {
-                reason: "before update".into()
+                reason: "before update".into(),
+                name: None,
             }
         );
         assert_eq!(request(&["snapshot", "list"]), Request::SnapshotList);
@@ -755,6 +815,7 @@ mod tests {
                 reason: "ok".into(),
                 to: "ab12".into(),
                 reviewer_token: None,
+                paused: false,
             }
         );
         // Evidence only goes with a chosen snapshot.
@@ -1014,5 +1075,105 @@ mod tests {
             let err = parse(args).unwrap_err();
             assert_eq!(err.exit_code(), 2, "{args:?}");
         }
+    }
+
+    #[test]
+    fn names_and_delete_on_the_command_line() {
+        assert_eq!(
+            request(&["snapshot", "create", "--reason", "r", "--name", "v1.2_rc-1"]),
+            Request::SnapshotCreate {
+                reason: "r".into(),
+                name: Some("v1.2_rc-1".into()),
+            }
+        );
+        assert_eq!(
+            request(&["snapshot", "delete", "v1", "--reason", "done"]),
+            Request::SnapshotDelete {
+                id: "v1".into(),
+                reason: "done".into(),
+            }
+        );
+        // A bad name is a one-line usage error (exit 2) before anything is sent: see
+        // `crate::precheck`. Missing arguments are clap's.
+        for bad in [
+            &["snapshot", "delete", "v1"][..],
+            &["snapshot", "delete", "--reason", "r"],
+        ] {
+            assert_eq!(parse(bad).unwrap_err().exit_code(), 2, "{bad:?}");
+        }
+        for bad in ["cafe", "-x", "a b", "", "naïve"] {
+            let req = request(&["snapshot", "create", "--reason", "r", "--name", bad]);
+            let out = crate::precheck(&req, false).unwrap();
+            assert_eq!(out.exit_code, 2, "{bad:?}");
+            assert!(
+                out.stderr
+                    .starts_with("backstop: ERR_SNAPSHOT_NAME_INVALID: "),
+                "{}",
+                out.stderr
+            );
+            assert_eq!(out.stderr.lines().count(), 1, "{}", out.stderr);
+            let json = crate::precheck(&req, true).unwrap();
+            let doc: Value = serde_json::from_str(&json.stdout).unwrap();
+            assert_eq!(doc["error"]["code"], "ERR_SNAPSHOT_NAME_INVALID");
+        }
+        let good = request(&["snapshot", "create", "--reason", "r", "--name", "v1"]);
+        assert!(crate::precheck(&good, false).is_none());
+        assert!(crate::precheck(&Request::SnapshotList, false).is_none());
+        // halt clear --to ID --paused, and the verb that continues the guest.
+        assert_eq!(
+            request(&["halt", "clear", "--reason", "ok", "--to", "v1", "--paused"]),
+            Request::HaltClearTo {
+                reason: "ok".into(),
+                to: "v1".into(),
+                reviewer_token: None,
+                paused: true,
+            }
+        );
+        assert_eq!(
+            request(&["resume", "--reason", "go"]),
+            Request::Resume {
+                reason: "go".into()
+            }
+        );
+        for bad in [
+            &["halt", "clear", "--reason", "ok", "--paused"][..],
+            &["resume"],
+        ] {
+            assert_eq!(parse(bad).unwrap_err().exit_code(), 2, "{bad:?}");
+        }
+        assert!(crate::is_full_snapshot_id(
+            "0123456789abcdef0123456789abcdef"
+        ));
+        for short in ["0123", "v1", "0123456789ABCDEF0123456789ABCDEF"] {
+            assert!(!crate::is_full_snapshot_id(short), "{short}");
+        }
+    }
+
+    #[test]
+    fn review_keygen_honours_json() {
+        let d = tempfile::tempdir().unwrap();
+        let key = d.path().join("reviewer.key");
+        let key_s = key.to_str().unwrap();
+        let (code, out, err) = parse(&["review", "keygen", key_s, "--json"])
+            .unwrap()
+            .command
+            .local_as(true)
+            .unwrap();
+        assert_eq!(code, 0, "{err}");
+        let doc: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(doc["reviewer_key"], key_s);
+        // A second keygen fails, as JSON too.
+        let (code, out, err) = parse(&["review", "keygen", key_s])
+            .unwrap()
+            .command
+            .local_as(true)
+            .unwrap();
+        assert_eq!(code, 1);
+        let doc: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(doc["error"]["code"], "ERR_REVIEWER_EVIDENCE");
+        assert!(
+            err.starts_with("backstop: ERR_REVIEWER_EVIDENCE: "),
+            "{err}"
+        );
     }
 }

@@ -18,6 +18,37 @@ pub fn command() -> clap::Command {
     <cli::Cli as clap::CommandFactory>::command()
 }
 
+/// What the console refuses itself before sending `request`, as the daemon would refuse it (the
+/// same code, one line, exit 2): a `--name` that breaks the naming rule. `None`: send it.
+pub fn precheck(request: &Request, json: bool) -> Option<Outcome> {
+    let Request::SnapshotCreate {
+        name: Some(name), ..
+    } = request
+    else {
+        return None;
+    };
+    let why = backstop_common::names::check_snapshot_name(name).err()?;
+    let code = backstop_common::ErrorCode::SnapshotNameInvalid;
+    let message = format!("--name {name:?}: {why}");
+    Some(Outcome {
+        stdout: if json {
+            render::error_json(code.as_str(), &message)
+        } else {
+            String::new()
+        },
+        stderr: render::error_line(code.as_str(), &message),
+        exit_code: code.exit_status().code(),
+    })
+}
+
+/// `id` is a whole snapshot id (32 lower-case hex digits), not a name or a prefix.
+pub fn is_full_snapshot_id(id: &str) -> bool {
+    id.len() == 32
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 /// Everything a finished call prints, and how the process ends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {

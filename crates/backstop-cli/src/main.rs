@@ -9,13 +9,42 @@ use backstop_control::ControlClient;
 use clap::Parser;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse(); // a usage error exits 2 here (exit::USAGE)
-    if let Some((code, stdout, stderr)) = cli.command.local() {
+    let mut cli = Cli::parse(); // a usage error exits 2 here (exit::USAGE)
+                                // `review sign --snapshot` takes a name or a prefix as every verb does: backstopd resolves
+                                // it to the full id the token names (a full id needs no daemon).
+    if let backstop_cli::cli::Command::Review(backstop_cli::cli::ReviewCommand::Sign {
+        snapshot: Some(given),
+        ..
+    }) = &mut cli.command
+    {
+        if !backstop_cli::is_full_snapshot_id(given) {
+            let ask = backstop_control::Request::SnapshotShow { id: given.clone() };
+            let result = ControlClient::connect(&cli.socket)
+                .and_then(|mut client| client.call_vm(cli.vm.as_deref(), &ask, &mut |_| {}));
+            match result {
+                Ok(backstop_control::Response::Snapshot(view)) => {
+                    *given = view.summary.snapshot_id;
+                }
+                other => {
+                    let outcome = backstop_cli::outcome(&ask, &other, cli.json);
+                    let _ = io::stdout().lock().write_all(outcome.stdout.as_bytes());
+                    let _ = io::stderr().lock().write_all(outcome.stderr.as_bytes());
+                    return ExitCode::from(outcome.exit_code.max(1));
+                }
+            }
+        }
+    }
+    if let Some((code, stdout, stderr)) = cli.command.local_as(cli.json) {
         let _ = io::stdout().lock().write_all(stdout.as_bytes());
         let _ = io::stderr().lock().write_all(stderr.as_bytes());
         return ExitCode::from(code);
     }
     let request = cli.command.request();
+    if let Some(refused) = backstop_cli::precheck(&request, cli.json) {
+        let _ = io::stdout().lock().write_all(refused.stdout.as_bytes());
+        let _ = io::stderr().lock().write_all(refused.stderr.as_bytes());
+        return ExitCode::from(refused.exit_code);
+    }
     if let backstop_cli::cli::Command::Vms { watch: Some(secs) } = cli.command {
         watch(&cli, &request, secs);
     }

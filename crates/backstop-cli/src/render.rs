@@ -91,7 +91,19 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::Vms { vms } => vms_text(vms),
         Response::Drift(report) => drift_text(report),
         Response::Reloaded(r) => reloaded_text(r),
+        Response::SnapshotDeleted(d) => format!(
+            "snapshot {}{} deleted: {} chunk(s) and {} disk layer(s) freed\n",
+            clean(&d.snapshot_id),
+            named(d.name.as_deref()),
+            d.chunks_removed,
+            d.layers_removed
+        ),
     }
+}
+
+/// ` (NAME)` after an id, for a named snapshot; nothing for an unnamed one.
+fn named(name: Option<&str>) -> String {
+    name.map_or_else(String::new, |n| format!(" ({})", clean(n)))
 }
 
 /// `action begin` / `action end`: one line, plus the rollback line of a failed action.
@@ -293,12 +305,19 @@ fn status_text(s: &StatusView) -> String {
         ("snapshots", s.snapshots.to_string()),
         (
             "newest snapshot",
-            s.newest_snapshot
-                .as_deref()
-                .map_or_else(|| "-".into(), clean),
+            s.newest_snapshot.as_deref().map_or_else(
+                || "-".into(),
+                |id| format!("{}{}", clean(id), named(s.newest_snapshot_name.as_deref())),
+            ),
         ),
         ("session", clean(&s.session_id)),
     ];
+    if s.guest_paused {
+        rows.push((
+            "guest",
+            "paused (halt clear --paused): `backstop resume --reason R` continues it".into(),
+        ));
+    }
     rows.extend(live_rows(s));
     for (k, v) in &s.backend_details {
         let v = match v {
@@ -460,8 +479,9 @@ fn live_rows(s: &StatusView) -> Vec<(&'static str, String)> {
 fn created_text(view: &SnapshotView) -> String {
     let s = &view.summary;
     format!(
-        "snapshot {} created: guest paused {}, capture {} ms, stored {}\n",
+        "snapshot {}{} created: guest paused {}, capture {} ms, stored {}\n",
         clean(&s.snapshot_id),
+        named(s.name.as_deref()),
         human_pause(s.pause_us),
         view.capture_ms,
         human_bytes(s.bytes_stored)
@@ -495,8 +515,11 @@ fn snapshot_text(view: &SnapshotView) -> String {
 
 fn snapshot_rows(view: &SnapshotView) -> String {
     let s = &view.summary;
-    let mut rows = vec![
-        ("snapshot", clean(&s.snapshot_id)),
+    let mut rows = vec![("snapshot", clean(&s.snapshot_id))];
+    if let Some(name) = &s.name {
+        rows.push(("name", clean(name)));
+    }
+    rows.extend([
         (
             "created",
             format!("{} by {}", clean(&s.created_at), clean(&s.created_by)),
@@ -514,7 +537,7 @@ fn snapshot_rows(view: &SnapshotView) -> String {
         ("pause", pause_with_breakdown(s.pause_us, &view.manifest)),
         ("capture", format!("{} ms", view.capture_ms)),
         ("stored", human_bytes(s.bytes_stored)),
-    ];
+    ]);
     if s.current {
         rows.push(("current", "yes: the running VM descends from it".into()));
     }
@@ -526,7 +549,9 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
         return "no snapshots\n".to_string();
     }
     let any_current = snapshots.iter().any(|s| s.current);
-    let header = [
+    // A NAME column only when some snapshot has a name (unnamed lists look as they did).
+    let any_named = snapshots.iter().any(|s| s.name.is_some());
+    let mut header = vec![
         if any_current { "  ID" } else { "ID" },
         "CREATED",
         "BY",
@@ -537,7 +562,12 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
         "LINE",
         "REASON",
     ];
-    let rows: Vec<[String; 9]> = snapshots
+    let mut right_aligned = vec![false, false, false, false, false, true, true, false, false];
+    if any_named {
+        header.insert(1, "NAME");
+        right_aligned.insert(1, false);
+    }
+    let rows: Vec<Vec<String>> = snapshots
         .iter()
         .map(|s| {
             let line = match (&s.unusable, &s.rolled_back) {
@@ -547,7 +577,7 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
                 (None, Some(m)) => format!("rolled back → {}", short_id(&m.rollback_to)),
                 (None, None) => "current".to_string(),
             };
-            [
+            let mut row = vec![
                 // `git branch` style: `*` before the snapshot the running VM descends from.
                 match (any_current, s.current) {
                     (false, _) => short_id(&s.snapshot_id),
@@ -566,18 +596,21 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
                 human_bytes(s.bytes_stored),
                 line,
                 clean(&s.reason),
-            ]
+            ];
+            if any_named {
+                row.insert(1, s.name.as_deref().map_or_else(|| "-".into(), clean));
+            }
+            row
         })
         .collect();
-    let right_aligned = [false, false, false, false, false, true, true, false, false];
-    let mut widths = header.map(str::len);
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for row in &rows {
         for (width, cell) in widths.iter_mut().zip(row) {
             *width = (*width).max(cell.chars().count());
         }
     }
     let mut text = String::new();
-    let header = header.map(String::from);
+    let header: Vec<String> = header.into_iter().map(String::from).collect();
     for row in std::iter::once(&header).chain(&rows) {
         let mut line = String::new();
         for (i, cell) in row.iter().enumerate() {
@@ -931,8 +964,9 @@ fn tree_text(nodes: &[backstop_control::TreeNode], current: Option<&str>) -> Str
         }
         let _ = writeln!(
             out,
-            "{prefix}{branch}{}  epoch {}  {}  {}{}",
+            "{prefix}{branch}{}{}  epoch {}  {}  {}{}",
             clean(&n.snapshot_id),
+            named(n.name.as_deref()),
             n.epoch,
             clean(&n.created_at),
             clean(&n.reason),
@@ -1167,6 +1201,7 @@ mod tests {
     fn summary(id: &str, reason: &str) -> SnapshotSummary {
         SnapshotSummary {
             snapshot_id: id.into(),
+            name: None,
             created_at: "2026-05-01T12:00:03.5Z".into(),
             created_by: "console".into(),
             schema_version: "1.0".into(),
@@ -1490,7 +1525,10 @@ mod tests {
             manifest: json!({}),
             capture_ms: 2100,
         };
-        let req = Request::SnapshotCreate { reason: "r".into() };
+        let req = Request::SnapshotCreate {
+            reason: "r".into(),
+            name: None,
+        };
         assert_eq!(
             human(&req, &Response::Snapshot(view)),
             "snapshot abc created: guest paused 3.2ms, capture 2100 ms, stored 1.5 KiB\n"
@@ -1910,6 +1948,85 @@ mod tests {
         assert_eq!(
             human(&Request::Reload, &Response::Reloaded(r)),
             "added: d\nremoved: -\nchanged, not applied: a\nrefused x: bad file\n"
+        );
+    }
+
+    #[test]
+    fn names_show_where_snapshots_are_named_and_nowhere_else() {
+        let mut named = summary("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "r1");
+        named.name = Some("before-upgrade".into());
+        named.current = true;
+        let plain = summary("bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb", "r2");
+        // Unnamed lists keep their columns; a named one gains NAME after ID.
+        let without = human(
+            &Request::SnapshotList,
+            &Response::SnapshotList {
+                snapshots: vec![plain.clone()],
+            },
+        );
+        assert!(!without.contains("NAME"), "{without}");
+        let with = human(
+            &Request::SnapshotList,
+            &Response::SnapshotList {
+                snapshots: vec![named.clone(), plain.clone()],
+            },
+        );
+        let lines: Vec<&str> = with.lines().collect();
+        assert!(lines[0].starts_with("  ID            NAME"), "{with}");
+        assert!(
+            lines[1].starts_with("* aaaaaaaaaaaa  before-upgrade"),
+            "{with}"
+        );
+        assert!(lines[2].starts_with("  bbbbbbbbbbbb  -"), "{with}");
+        let view = SnapshotView {
+            summary: named.clone(),
+            manifest: json!({}),
+            capture_ms: 1,
+        };
+        let shown = human_at(
+            &Request::SnapshotShow { id: "x".into() },
+            &Response::Snapshot(view.clone()),
+            Detail::Summary,
+        );
+        assert!(shown.contains("\nname:      before-upgrade\n"), "{shown}");
+        let created = human(
+            &Request::SnapshotCreate {
+                reason: "r".into(),
+                name: Some("before-upgrade".into()),
+            },
+            &Response::Snapshot(view),
+        );
+        assert!(
+            created
+                .starts_with("snapshot aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa (before-upgrade) created"),
+            "{created}"
+        );
+        let deleted = human(
+            &Request::SnapshotDelete {
+                id: "v1".into(),
+                reason: "r".into(),
+            },
+            &Response::SnapshotDeleted(backstop_control::DeleteView {
+                snapshot_id: "cc".into(),
+                name: Some("v1".into()),
+                reason: "r".into(),
+                chunks_removed: 4,
+                layers_removed: 1,
+            }),
+        );
+        assert_eq!(
+            deleted,
+            "snapshot cc (v1) deleted: 4 chunk(s) and 1 disk layer(s) freed\n"
+        );
+        let status = StatusView {
+            newest_snapshot: Some("cc".into()),
+            newest_snapshot_name: Some("v1".into()),
+            ..StatusView::default()
+        };
+        assert!(
+            status_text(&status).contains("cc (v1)\n"),
+            "{}",
+            status_text(&status)
         );
     }
 }

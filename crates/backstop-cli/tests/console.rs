@@ -123,6 +123,7 @@ fn list() -> Response {
     Response::SnapshotList {
         snapshots: vec![SnapshotSummary {
             snapshot_id: "0123456789abcdef".into(),
+            name: None,
             created_at: "2026-05-01T12:00:00Z".into(),
             created_by: "schedule".into(),
             schema_version: "1".into(),
@@ -207,6 +208,7 @@ fn commands_send_the_right_requests() {
             &["snapshot", "create", "--reason", "pre"],
             Request::SnapshotCreate {
                 reason: "pre".into(),
+                name: None,
             },
         ),
     ];

@@ -9,6 +9,9 @@ use std::fmt;
 pub enum ExitStatus {
     /// 1: the operation failed, for any reason not listed below.
     Failed,
+    /// 2: usage error: the request's arguments are wrong (found by the daemon, as clap finds
+    /// the console's own); nothing changed.
+    Usage,
     /// 3: backstopd cannot be reached, or this user may not use it.
     Unreachable,
     /// 4: the VM is HALTED; a person must clear it.
@@ -21,6 +24,7 @@ impl ExitStatus {
     pub fn code(self) -> u8 {
         match self {
             ExitStatus::Failed => 1,
+            ExitStatus::Usage => 2,
             ExitStatus::Unreachable => 3,
             ExitStatus::Halted => 4,
             ExitStatus::Integrity => 5,
@@ -134,6 +138,12 @@ error_codes! {
         "this daemon guards more than one VM: name one with --vm";
     VmNotRunning = "ERR_VM_NOT_RUNNING", Failed,
         "the VM does not run: its config was refused or it could not start";
+    SnapshotNameInvalid = "ERR_SNAPSHOT_NAME_INVALID", Usage,
+        "the snapshot name breaks the naming rule (letters, digits, '.', '_', '-'; not only hex digits); nothing changed";
+    SnapshotNameTaken = "ERR_SNAPSHOT_NAME_TAKEN", Usage,
+        "another live snapshot of the VM has this name already; nothing changed";
+    SnapshotDeleteRefused = "ERR_SNAPSHOT_DELETE_REFUSED", Failed,
+        "the snapshot cannot be deleted (the message names why: current, retention, only verified, a chain needs its layers, forensic hold); nothing changed";
     SnapshotNoSpace = "ERR_SNAPSHOT_NO_SPACE", Failed,
         "the VM's state directory has less free space than min_free_mib: the snapshot is refused";
     // Host actions and devices.
@@ -346,5 +356,9 @@ mod tests {
         );
         assert_eq!(exit_status_of("ERR_SOMETHING_NEW"), ExitStatus::Failed);
         assert_eq!(ExitStatus::Integrity.code(), 5);
+        // Usage errors the daemon finds exit as clap's do.
+        assert_eq!(exit_status_of("ERR_SNAPSHOT_NAME_INVALID").code(), 2);
+        assert_eq!(exit_status_of("ERR_SNAPSHOT_NAME_TAKEN").code(), 2);
+        assert_eq!(exit_status_of("ERR_SNAPSHOT_DELETE_REFUSED").code(), 1);
     }
 }

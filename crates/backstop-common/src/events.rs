@@ -64,6 +64,8 @@ audit_events! {
     SnapshotScheduleMissed = "snapshot.schedule.missed" [];
     /// A snapshot was removed by retention.
     SnapshotPruned = "snapshot.pruned" [];
+    /// A person deleted a snapshot (`snapshot delete`): removed as retention removes one.
+    SnapshotDeleted = "snapshot.deleted" ["reason", "requested_by", "chain"];
     /// A retention pass finished.
     SnapshotPruneCompleted = "snapshot.prune.completed" [];
     /// A soft rollback left these snapshots off the current line.
@@ -105,6 +107,8 @@ audit_events! {
     VmStateChanged = "vm.state_changed" ["from", "to", "transition"];
     /// A VM entered HALTED.
     VmHalted = "vm.halted" ["code", "reason"];
+    /// A person continued a guest that `halt clear --paused` left stopped.
+    VmContinued = "vm.continued" ["continued_by", "reason"];
     /// A person cleared a VM's HALTED state.
     VmHaltCleared = "vm.halt_cleared" ["cleared_by", "reason"];
     /// A passthrough device was given to the guest.

@@ -13,6 +13,7 @@ pub mod events;
 #[doc(hidden)]
 pub mod fuzz_corpus;
 pub mod ids;
+pub mod names;
 pub mod resources;
 pub mod time;
 pub mod words;

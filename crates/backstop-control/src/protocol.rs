@@ -21,8 +21,18 @@ pub const PROTOCOL_VERSION: u32 = 1;
 pub enum Request {
     /// State of the guarded VM. Always answered, even when HALTED.
     Status,
-    /// Take a snapshot now (spec/001 `snapshot create`, `scope=full`).
-    SnapshotCreate { reason: String },
+    /// Take a snapshot now (spec/001 `snapshot create`, `scope=full`), optionally named
+    /// (`backstop_common::names`; unique among the VM's live snapshots).
+    SnapshotCreate {
+        reason: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        name: Option<String>,
+    },
+    /// Delete one snapshot (`id`: an id, a name or a unique prefix), as retention removes one;
+    /// refused, with nothing changed, when the VM stands on it, a retention rule keeps it, it is
+    /// the only verified one, another snapshot or the running VM needs its disk layers, or it
+    /// is a forensic snapshot within its keep period. Console only.
+    SnapshotDelete { id: String, reason: String },
     /// Every published snapshot, oldest first (spec/001 `snapshot list`).
     SnapshotList,
     /// The snapshots' lineage as a tree (spec/004), with the VM's current position. Read-only:
@@ -64,7 +74,13 @@ pub enum Request {
         to: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         reviewer_token: Option<Value>,
+        /// Leave the restored guest stopped (never `cont`ed): the heartbeat watchdog and
+        /// snapshots wait until a person continues it with [`Request::Resume`].
+        #[serde(default, skip_serializing_if = "is_false")]
+        paused: bool,
     },
+    /// Continue a guest that `halt clear --paused` left stopped (journaled `vm.continued`).
+    Resume { reason: String },
     /// The last `count` audit entries.
     AuditTail { count: usize },
     /// Walk the whole audit chain.
@@ -307,6 +323,12 @@ enum StrictRequest {
     Status {},
     SnapshotCreate {
         reason: String,
+        #[serde(default)]
+        name: Option<String>,
+    },
+    SnapshotDelete {
+        id: String,
+        reason: String,
     },
     SnapshotList {},
     SnapshotTree {},
@@ -338,6 +360,11 @@ enum StrictRequest {
         to: String,
         #[serde(default)]
         reviewer_token: Option<Value>,
+        #[serde(default)]
+        paused: bool,
+    },
+    Resume {
+        reason: String,
     },
     AuditTail {
         count: usize,
@@ -392,7 +419,10 @@ impl From<StrictRequest> for Request {
     fn from(wire: StrictRequest) -> Request {
         match wire {
             StrictRequest::Status {} => Request::Status,
-            StrictRequest::SnapshotCreate { reason } => Request::SnapshotCreate { reason },
+            StrictRequest::SnapshotCreate { reason, name } => {
+                Request::SnapshotCreate { reason, name }
+            }
+            StrictRequest::SnapshotDelete { id, reason } => Request::SnapshotDelete { id, reason },
             StrictRequest::SnapshotList {} => Request::SnapshotList,
             StrictRequest::SnapshotTree {} => Request::SnapshotTree,
             StrictRequest::SnapshotShow { id } => Request::SnapshotShow { id },
@@ -419,11 +449,14 @@ impl From<StrictRequest> for Request {
                 reason,
                 to,
                 reviewer_token,
+                paused,
             } => Request::HaltClearTo {
                 reason,
                 to,
                 reviewer_token,
+                paused,
             },
+            StrictRequest::Resume { reason } => Request::Resume { reason },
             StrictRequest::AuditTail { count } => Request::AuditTail { count },
             StrictRequest::AuditVerify {} => Request::AuditVerify,
             StrictRequest::Trigger {
@@ -484,12 +517,14 @@ impl Request {
         match self {
             Request::Status => "status",
             Request::SnapshotCreate { .. } => "snapshot create",
+            Request::SnapshotDelete { .. } => "snapshot delete",
             Request::SnapshotList => "snapshot list",
             Request::SnapshotTree => "snapshot tree",
             Request::SnapshotShow { .. } => "snapshot show",
             Request::SnapshotVerify { .. } => "snapshot verify",
             Request::Rollback { .. } => "rollback",
             Request::HaltClear { .. } | Request::HaltClearTo { .. } => "halt clear",
+            Request::Resume { .. } => "resume",
             Request::AuditTail { .. } => "audit tail",
             Request::AuditVerify => "audit verify",
             Request::Trigger { .. } => "trigger",
@@ -594,6 +629,22 @@ pub enum Response {
     },
     /// Open and recently resolved drift.
     Drift(DriftReport),
+    /// What `snapshot delete` removed.
+    SnapshotDeleted(DeleteView),
+}
+
+/// What `snapshot delete` did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeleteView {
+    pub snapshot_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The reason given (journaled with who asked).
+    pub reason: String,
+    /// Chunk files no remaining snapshot referred to.
+    pub chunks_removed: u64,
+    /// Disk layer files no remaining snapshot nor the running VM used.
+    pub layers_removed: u64,
 }
 
 /// One drift (spec/002 §3): an invariant that does not hold (or no longer fails) for a node.
@@ -654,7 +705,11 @@ pub struct TreeNode {
     pub parent_known: bool,
     pub epoch: u64,
     pub created_at: String,
-    /// `present`: in the store; `pruned`: removed by retention (kept in the book);
+    /// The snapshot's name, if it has one (read from its manifest: present snapshots only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// `present`: in the store; `pruned`: removed by retention or `snapshot delete` (kept in
+    /// the book);
     /// `corrupt`: in the store but its manifest does not check out.
     pub state: String,
     pub rolled_back: bool,
@@ -762,6 +817,9 @@ pub struct StatusView {
     pub pid: Option<u32>,
     pub snapshots: usize,
     pub newest_snapshot: Option<String>,
+    /// The newest snapshot's name, if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub newest_snapshot_name: Option<String>,
     pub halted: Option<HaltView>,
     pub session_id: String,
     /// When the newest snapshot was taken (RFC 3339).
@@ -801,6 +859,10 @@ pub struct StatusView {
     /// Ids of the devices granted to the guest now.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub granted_devices: Vec<String>,
+    /// The guest is stopped since `halt clear --paused` (the VM is restored and its state
+    /// `running`, but no guest code runs until `backstop resume`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub guest_paused: bool,
 }
 
 /// The newest rollback of a VM, for `status` and the metrics endpoint.
@@ -868,6 +930,9 @@ pub struct HaltView {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SnapshotSummary {
     pub snapshot_id: String,
+    /// What a person called it (`snapshot create --name`), if anything.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
     pub created_at: String,
     pub created_by: String,
     pub schema_version: String,
@@ -1186,7 +1251,18 @@ mod tests {
     fn every_request_round_trips_and_optional_fields_may_be_omitted() {
         let all = [
             Request::Status,
-            Request::SnapshotCreate { reason: "r".into() },
+            Request::SnapshotCreate {
+                reason: "r".into(),
+                name: None,
+            },
+            Request::SnapshotCreate {
+                reason: "r".into(),
+                name: Some("v1".into()),
+            },
+            Request::SnapshotDelete {
+                id: "v1".into(),
+                reason: "r".into(),
+            },
             Request::SnapshotList,
             Request::SnapshotShow { id: "a".into() },
             Request::SnapshotVerify { id: "a".into() },
@@ -1294,5 +1370,54 @@ mod tests {
                 "{line}"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::*;
+
+    #[test]
+    fn names_and_delete_on_the_wire() {
+        // A request from an older console (no name) still decodes; an unnamed one sends none.
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"snapshot_create","reason":"r"}"#).unwrap(),
+            Request::SnapshotCreate {
+                reason: "r".into(),
+                name: None
+            }
+        );
+        let unnamed = Request::SnapshotCreate {
+            reason: "r".into(),
+            name: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&unnamed).unwrap(),
+            r#"{"op":"snapshot_create","reason":"r"}"#
+        );
+        for bad in [
+            r#"{"op":"snapshot_delete","id":"a"}"#,
+            r#"{"op":"snapshot_delete","id":"a","reason":"r","force":true}"#,
+            r#"{"op":"snapshot_create","reason":"r","name":1}"#,
+        ] {
+            assert!(serde_json::from_str::<Request>(bad).is_err(), "{bad}");
+        }
+        assert_eq!(
+            Request::SnapshotDelete {
+                id: "a".into(),
+                reason: "r".into()
+            }
+            .name(),
+            "snapshot delete"
+        );
+        let r = Response::SnapshotDeleted(DeleteView {
+            snapshot_id: "a".into(),
+            name: Some("v1".into()),
+            reason: "r".into(),
+            chunks_removed: 3,
+            layers_removed: 1,
+        });
+        let line = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<Response>(&line).unwrap(), r);
     }
 }

@@ -90,6 +90,12 @@ pub struct VmActor {
     /// A heartbeat expiry found while a capture ran (which was abandoned for it): its rollback
     /// runs as soon as the job ends (see `watchdog.rs`).
     pub(crate) watchdog_fired: Option<String>,
+    /// The guest is stopped since `halt clear --paused` (not durable: a restarted daemon
+    /// resumes the VM from its final snapshot, running). No heartbeat watchdog, no snapshot
+    /// (a capture would resume it) until `backstop resume`.
+    pub(crate) guest_paused: bool,
+    /// Set by `halt clear --paused` for the one restore it runs: skip the `cont`.
+    pub(crate) restore_paused: bool,
     /// Recent unattended emergency rollbacks, for the storm guard.
     pub(crate) emergencies: std::collections::VecDeque<i64>,
     /// Where [`VmActor::publish`] puts the status for readers on other threads.
@@ -191,6 +197,8 @@ impl VmActor {
             preempt: Default::default(),
             running_since: None,
             watchdog_fired: None,
+            guest_paused: false,
+            restore_paused: false,
             emergencies: Default::default(),
             devices: Default::default(),
             adoption,
@@ -670,6 +678,7 @@ impl VmActor {
             pid: self.backend.pid(),
             snapshots: snapshots.len(),
             newest_snapshot: snapshots.last().map(|m| m.snapshot_id.clone()),
+            newest_snapshot_name: snapshots.last().and_then(|m| m.name.clone()),
             halted: self.halt.as_ref().map(|h| HaltView {
                 reason: h.reason.clone(),
                 code: h.code.clone(),
@@ -695,6 +704,7 @@ impl VmActor {
             drift: self.drift.open_views(),
             links: self.link_views(),
             granted_devices: self.devices.grants.keys().cloned().collect(),
+            guest_paused: self.guest_paused,
         }
     }
 

@@ -15,6 +15,10 @@ pub enum EngineError {
     BadRequest(String),
     #[error("{0}")]
     NotPermitted(String),
+    /// A request refused before anything changed, with its own code (a bad or taken snapshot
+    /// name, a snapshot delete a rule forbids).
+    #[error("{message}")]
+    Refused { code: ErrorCode, message: String },
     #[error(transparent)]
     Transition(#[from] InvalidTransition),
     #[error("snapshot {step}: {source}")]
@@ -90,6 +94,7 @@ impl EngineError {
             EngineError::Halted { .. } => ErrorCode::VmHalted,
             EngineError::BadRequest(_) => ErrorCode::BadRequest,
             EngineError::NotPermitted(_) => ErrorCode::ControlPermissionDenied,
+            EngineError::Refused { code, .. } => *code,
             EngineError::Transition(_) => ErrorCode::VmBusy,
             EngineError::SnapshotStore { source, .. } => match source.code() {
                 ErrorCode::StoreIo => ErrorCode::SnapshotCreateFailed,

@@ -101,6 +101,7 @@ impl VmActor {
                 lineage: Some(Lineage {
                     parent: self.vm.position.clone(),
                 }),
+                name: None,
             })
             .map_err(store_err("publish"))?;
         let parent = m.lineage.as_ref().and_then(|l| l.parent.clone());

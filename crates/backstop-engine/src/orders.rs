@@ -54,10 +54,17 @@ impl VmActor {
         }
         match req {
             Request::Status => Ok(Response::Status(self.status())),
-            Request::SnapshotCreate { reason } => {
+            Request::SnapshotCreate { reason, name } => {
                 let reason = non_empty("reason", reason)?;
-                let m = self.create_snapshot(ctx, &reason, "console")?;
+                if let Some(name) = &name {
+                    self.check_new_name(name)?;
+                }
+                let m = self.create_named_snapshot(ctx, &reason, "console", name.as_deref())?;
                 Ok(Response::Snapshot(self.view_of(&m)))
+            }
+            Request::SnapshotDelete { id, reason } => {
+                let reason = non_empty("reason", reason)?;
+                self.delete_request(ctx, &id, &reason)
             }
             Request::SnapshotList => self.snapshot_list(),
             Request::SnapshotTree => self.snapshot_tree(),
@@ -134,10 +141,18 @@ impl VmActor {
                 reason,
                 to,
                 reviewer_token,
+                paused,
             } => {
                 let reason = non_empty("reason", reason)?;
                 let to = non_empty("to", to)?;
-                self.clear_halt(ctx, &reason, Some((to, reviewer_token)))
+                self.restore_paused = paused;
+                let cleared = self.clear_halt(ctx, &reason, Some((to, reviewer_token)));
+                self.restore_paused = false;
+                cleared
+            }
+            Request::Resume { reason } => {
+                let reason = non_empty("reason", reason)?;
+                self.continue_guest(ctx, &reason)
             }
             Request::AuditTail { count } => {
                 let entries = backstop_journal::tail(&self.journal_path, count.min(10_000))?;
@@ -290,6 +305,67 @@ impl VmActor {
     }
 }
 
+impl VmActor {
+    /// A name for a new snapshot: the rule (`backstop_common::names`), and no live snapshot of
+    /// this VM (pruned and deleted ones free theirs) holds it already. Refused before anything
+    /// is captured or journaled.
+    pub(crate) fn check_new_name(&self, name: &str) -> Result<(), EngineError> {
+        use backstop_common::ErrorCode;
+        backstop_common::names::check_snapshot_name(name).map_err(|why| EngineError::Refused {
+            code: ErrorCode::SnapshotNameInvalid,
+            message: format!("--name {name:?}: {why}"),
+        })?;
+        let holder = self
+            .store
+            .list()
+            .map_err(EngineError::Store)?
+            .into_iter()
+            .find_map(|e| match e {
+                ListEntry::Valid(m) if m.name.as_deref() == Some(name) => Some(m.snapshot_id),
+                _ => None,
+            });
+        match holder {
+            Some(id) => Err(EngineError::Refused {
+                code: ErrorCode::SnapshotNameTaken,
+                message: format!("snapshot {id} is named {name:?} already: names are unique among the VM's snapshots"),
+            }),
+            None => Ok(()),
+        }
+    }
+}
+
+impl VmActor {
+    /// `resume`: `cont` a guest that `halt clear --paused` left stopped; the heartbeat grace
+    /// starts again now. Console only; refused when no guest is paused.
+    fn continue_guest(&mut self, ctx: &mut Ctx, reason: &str) -> Result<Response, EngineError> {
+        if ctx.caller.role != Role::Console {
+            return Err(EngineError::NotPermitted(
+                "only a person at the console can continue a paused guest".into(),
+            ));
+        }
+        if !self.guest_paused || self.state != VmState::Running {
+            return Err(EngineError::Refused {
+                code: backstop_common::ErrorCode::VmBusy,
+                message: "the guest is not paused (only `halt clear --paused` leaves it so)".into(),
+            });
+        }
+        self.backend
+            .resume()
+            .map_err(|source| EngineError::Backend {
+                step: "resume",
+                source,
+            })?;
+        self.guest_paused = false;
+        self.running_since = Some(std::time::Instant::now());
+        let sid = self.session_id.clone();
+        self.journal(AuditEvent::VmContinued, json!({
+            "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": self.vm.position, "result": "ok",
+            "continued_by": ctx.caller.label(), "reason": reason,
+        }))?;
+        Ok(Response::Status(self.status()))
+    }
+}
+
 fn non_empty(name: &str, v: String) -> Result<String, EngineError> {
     let v = v.trim().to_string();
     if v.is_empty() {
@@ -308,6 +384,7 @@ fn non_empty(name: &str, v: String) -> Result<String, EngineError> {
 pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
     SnapshotSummary {
         snapshot_id: m.snapshot_id.clone(),
+        name: m.name.clone(),
         created_at: m.created_at.clone(),
         created_by: m.created_by.clone(),
         schema_version: m.schema_version.clone(),

@@ -645,9 +645,15 @@ impl VmActor {
         self.vm = vm;
         self.save_vm()
             .map_err(|e| ("record new epoch", e.to_string()))?;
-        self.backend
-            .resume()
-            .map_err(|e| ("resume", e.to_string()))?;
+        if self.restore_paused {
+            // `halt clear --paused`: restored, checked, and left stopped for a person.
+            self.guest_paused = true;
+        } else {
+            self.backend
+                .resume()
+                .map_err(|e| ("resume", e.to_string()))?;
+            self.guest_paused = false;
+        }
         self.records
             .clear_inflight()
             .map_err(|e| ("remove rollback marker", e.to_string()))?;

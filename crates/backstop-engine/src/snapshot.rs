@@ -192,6 +192,27 @@ impl VmActor {
         reason: &str,
         trigger: &str,
     ) -> Result<Manifest, EngineError> {
+        self.create_named_snapshot(ctx, reason, trigger, None)
+    }
+
+    /// [`Self::create_snapshot`] with a person's name for it (already checked by the caller
+    /// against the rule and the VM's other names; it is sealed into the manifest).
+    pub(crate) fn create_named_snapshot(
+        &mut self,
+        ctx: &mut Ctx,
+        reason: &str,
+        trigger: &str,
+        name: Option<&str>,
+    ) -> Result<Manifest, EngineError> {
+        // A guest left stopped by `halt clear --paused` stays stopped: a capture would resume it
+        // (QEMU 7.2 restarts a background snapshot's guest). The final snapshot of a stop is
+        // taken all the same (the VM is ending).
+        if self.guest_paused && trigger != "shutdown" {
+            return Err(EngineError::Refused {
+                code: ErrorCode::VmBusy,
+                message: "the guest is paused (halt clear --paused): no snapshot until `backstop resume` continues it".into(),
+            });
+        }
         // A VM holding a granted device cannot be snapshotted (see devices.rs): deferred.
         self.defer_snapshot_while_granted(ctx, reason, trigger)?;
         // A scheduled snapshot of a guest that is not healthy (its agent silent) would be a
@@ -246,17 +267,23 @@ impl VmActor {
         self.transition(Transition::BeginSnapshot, &ctx.trace_id.clone())?;
         self.publish();
         let sid = self.session_id.clone();
-        self.journal(AuditEvent::SnapshotCreateRequested, json!({
+        let mut requested = json!({
             "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "pending",
             "reason": reason, "trigger": trigger, "created_by": ctx.caller.label(), "scope": "full",
-        }))?;
-        let outcome = self.capture_and_publish(ctx, reason, trigger).map_err(|e| {
-            if self.preempt.load(Ordering::SeqCst) {
-                EngineError::Abandoned
-            } else {
-                e
-            }
         });
+        if let (Some(name), Value::Object(f)) = (name, &mut requested) {
+            f.insert("name".into(), Value::from(name));
+        }
+        self.journal(AuditEvent::SnapshotCreateRequested, requested)?;
+        let outcome = self
+            .capture_and_publish(ctx, reason, trigger, name)
+            .map_err(|e| {
+                if self.preempt.load(Ordering::SeqCst) {
+                    EngineError::Abandoned
+                } else {
+                    e
+                }
+            });
         let preempted_by = self
             .note_watchdog_preemption(watch)
             .then_some(backstop_common::TriggerKind::WatchdogTimeout);
@@ -264,14 +291,18 @@ impl VmActor {
         match outcome {
             Ok(m) => {
                 let parent = m.lineage.as_ref().and_then(|l| l.parent.clone());
-                self.journal(AuditEvent::SnapshotCreateCompleted, json!({
+                let mut completed = json!({
                     "snapshot_id": m.snapshot_id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
                     "pause_us": m.capture.get("pause_us"), "bytes_stored": m.bytes_stored,
                     "created_at": m.created_at,
                     "manifest_sha256": crate::replay::manifest_sha256(self.store.root(), &m.snapshot_id).ok(),
                     "parent": parent, "epoch": m.epoch, "healthy": manifest_healthy(&m),
                     "trigger": m.trigger,
-                }))?;
+                });
+                if let (Some(name), Value::Object(f)) = (&m.name, &mut completed) {
+                    f.insert("name".into(), Value::from(name.as_str()));
+                }
+                self.journal(AuditEvent::SnapshotCreateCompleted, completed)?;
                 self.note_lineage(&m);
                 self.bound_running_chains(ctx)?;
                 Ok(m)
@@ -384,6 +415,7 @@ impl VmActor {
         ctx: &mut Ctx,
         reason: &str,
         trigger: &str,
+        name: Option<&str>,
     ) -> Result<Manifest, EngineError> {
         // Below the floor a snapshot is refused (its action is blocked); the VM runs on.
         let floor = self.cfg.daemon.min_free_mib;
@@ -591,6 +623,7 @@ impl VmActor {
                     lineage: Some(backstop_store::Lineage {
                         parent: self.vm.position.clone(),
                     }),
+                    name: name.map(str::to_string),
                 })
                 .map_err(|source| EngineError::SnapshotStore {
                     step: "publish",

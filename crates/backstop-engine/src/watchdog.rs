@@ -249,14 +249,19 @@ impl VmActor {
         }
         let from_events = events.first().map(emergency_of);
         // An expiry the watch kept during a capture found (and abandoned the capture for) is
-        // carried out as decided then.
+        // carried out as decided then. A guest left stopped by `halt clear --paused` sends no
+        // heartbeats: not a hang.
         let during_capture = self
             .watchdog_fired
             .take()
             .map(|r| format!("{r}; found during a capture, which was abandoned"));
         let trigger = from_events.or_else(|| {
             during_capture
-                .or_else(|| self.heartbeat_expired())
+                .or_else(|| {
+                    (!self.guest_paused)
+                        .then(|| self.heartbeat_expired())
+                        .flatten()
+                })
                 .map(|r| (TriggerKind::WatchdogTimeout, r))
         });
         if let Some((trigger, reason)) = trigger {

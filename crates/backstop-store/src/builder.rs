@@ -341,6 +341,7 @@ impl SnapshotBuilder {
             capture: input.capture,
             bytes_stored,
             lineage: input.lineage,
+            name: input.name,
         };
         let (manifest, bytes) = seal(&draft)?;
         // What we publish must pass the same checks a reader applies.

@@ -275,12 +275,38 @@ impl Store {
             .collect())
     }
 
-    /// The full id of the one snapshot whose id is `id_or_prefix` or starts with it.
-    /// None → `MISSING_SNAPSHOT`; several → `AmbiguousPrefix` (also `MISSING_SNAPSHOT`).
+    /// The full id of the one snapshot `id_or_prefix` names, tried in this order: its exact id,
+    /// its exact name (`Manifest::name`), the one id that starts with it. The naming rule keeps
+    /// a name from ever reading as an id or prefix, so the three cannot compete. None →
+    /// `MISSING_SNAPSHOT`; several → `AmbiguousPrefix` listing them (also `MISSING_SNAPSHOT`).
     pub fn resolve(&self, id_or_prefix: &str) -> Result<String, StoreError> {
         let missing = || StoreError::MissingSnapshot {
             given: id_or_prefix.into(),
         };
+        if is_snapshot_id(id_or_prefix) && self.paths.snapshots.join(id_or_prefix).is_dir() {
+            return Ok(id_or_prefix.to_string());
+        }
+        if backstop_common::names::check_snapshot_name(id_or_prefix).is_ok() {
+            let mut named: Vec<String> = self
+                .list()?
+                .into_iter()
+                .filter_map(|e| match e {
+                    ListEntry::Valid(m) if m.name.as_deref() == Some(id_or_prefix) => {
+                        Some(m.snapshot_id)
+                    }
+                    _ => None,
+                })
+                .collect();
+            return match named.len() {
+                0 => Err(missing()),
+                1 => Ok(named.remove(0)),
+                // Names are unique among live snapshots; two only if a caller skipped the check.
+                _ => Err(StoreError::AmbiguousPrefix {
+                    given: id_or_prefix.into(),
+                    matches: named,
+                }),
+            };
+        }
         let plausible = !id_or_prefix.is_empty()
             && id_or_prefix.len() <= manifest::SNAPSHOT_ID_LEN
             && id_or_prefix

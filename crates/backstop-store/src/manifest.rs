@@ -78,6 +78,12 @@ pub struct Manifest {
     /// written before lineage was recorded; their place is inferred from creation order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lineage: Option<Lineage>,
+    /// What a person called it (`snapshot create --name`; the rule is
+    /// [`backstop_common::names::check_snapshot_name`]). Absent in unnamed snapshots and in
+    /// manifests written before names existed, which decode as before. Signed and part of the
+    /// content id like every field, so a name cannot be changed or moved to another snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// A snapshot's place in the VM's history.
@@ -143,6 +149,9 @@ pub struct ManifestInput {
     pub capture: Value,
     /// The snapshot's lineage (always recorded by the engine; `None` only in old callers).
     pub lineage: Option<Lineage>,
+    /// A person's name for it (checked by the caller: the store refuses an invalid one, it
+    /// cannot know which names the VM's other snapshots hold).
+    pub name: Option<String>,
 }
 
 /// How strict verification is about versions.
@@ -411,6 +420,11 @@ fn check_consistency(m: &Manifest) -> Result<(), StoreError> {
     if m.scope != SCOPE_FULL {
         return Err(invalid("scope".into(), "only \"full\" is supported"));
     }
+    if let Some(name) = &m.name {
+        if let Err(why) = backstop_common::names::check_snapshot_name(name) {
+            return Err(invalid("name".into(), &why));
+        }
+    }
     let mut checksums: BTreeMap<&str, &Checksum> = BTreeMap::new();
     for (i, c) in m.checksums.iter().enumerate() {
         if !is_lower_hex(&c.sha256, 64) || !is_lower_hex(&c.crc32, 8) {
@@ -564,6 +578,32 @@ mod tests {
             capture: json!({"pause_us": 3000, "ratio": 0.25}),
             bytes_stored: 40,
             lineage: None,
+            name: None,
+        }
+    }
+
+    #[test]
+    fn a_name_is_sealed_with_the_manifest_and_checked_when_read() {
+        // Unnamed manifests (all written before names existed) carry no `name` key at all.
+        let (m, bytes) = seal(&sample()).unwrap();
+        let doc: Value = serde_json::from_slice(&bytes).unwrap();
+        assert!(doc.get("name").is_none(), "{doc}");
+        let mut named = sample();
+        named.name = Some("before-upgrade".into());
+        let (n, bytes) = seal(&named).unwrap();
+        assert_ne!(
+            n.snapshot_id, m.snapshot_id,
+            "the name is part of the content id"
+        );
+        let back = decode_manifest(&n.snapshot_id, &bytes, &VerifyOptions::default()).unwrap();
+        assert_eq!(back.name.as_deref(), Some("before-upgrade"));
+        // A name breaking the rule is refused even under a good id (only a key holder could
+        // write one; a reader still never shows it).
+        named.name = Some("cafe".into());
+        let (bad, bytes) = seal(&named).unwrap();
+        match decode_manifest(&bad.snapshot_id, &bytes, &VerifyOptions::default()) {
+            Err(StoreError::ManifestInvalid { field, .. }) => assert_eq!(field, "name"),
+            other => panic!("{other:?}"),
         }
     }
 

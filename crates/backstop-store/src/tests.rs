@@ -44,6 +44,7 @@ fn input(reason: &str) -> ManifestInput {
         config_fingerprint: "fp-1".into(),
         capture: json!({"pause_us": 3000, "capture_ms": 12}),
         lineage: None,
+        name: None,
     }
 }
 
@@ -1348,4 +1349,50 @@ fn a_reopened_store_trusts_nothing_and_a_deleted_chunk_is_missing() {
     fs::remove_file(fx.chunk_file(&chunk.sha256)).unwrap();
     let err = verify_trusting(&fx, &id).unwrap_err();
     assert!(matches!(&err, StoreError::ChunkMissing { sha256, .. } if *sha256 == chunk.sha256));
+}
+
+#[test]
+fn resolve_tries_the_exact_id_then_the_name_then_a_unique_prefix() {
+    let fx = Fixture::new();
+    let publish = |name: Option<&str>, seed: u64| {
+        let mut b = fx.store.begin().unwrap();
+        let data = random_bytes(seed, 1000);
+        b.write_chunked("vmstate", KIND_RAM_DEVICE, &mut &data[..], &mut |_| {})
+            .unwrap();
+        let mut i = input("named");
+        i.name = name.map(str::to_string);
+        b.publish(i).unwrap()
+    };
+    let a = publish(Some("before-upgrade"), 1);
+    let b = publish(None, 2);
+    assert_eq!(a.name.as_deref(), Some("before-upgrade"));
+    assert_eq!(fx.store.resolve("before-upgrade").unwrap(), a.snapshot_id);
+    assert_eq!(fx.store.resolve(&a.snapshot_id).unwrap(), a.snapshot_id);
+    assert_eq!(fx.store.resolve(&b.snapshot_id).unwrap(), b.snapshot_id);
+    let unique = (1..=32)
+        .map(|n| &b.snapshot_id[..n])
+        .find(|p| !a.snapshot_id.starts_with(p))
+        .unwrap();
+    assert_eq!(fx.store.resolve(unique).unwrap(), b.snapshot_id);
+    // Names are exact (case and all): anything else is missing.
+    for missing in ["Before-upgrade", "before", "before-upgrade2"] {
+        let err = fx.store.resolve(missing).unwrap_err();
+        assert!(
+            matches!(err, StoreError::MissingSnapshot { .. }),
+            "{missing}"
+        );
+    }
+    // The list carries the name, for every view that shows it.
+    let listed = fx.store.list().unwrap();
+    assert!(listed
+        .iter()
+        .any(|e| matches!(e, ListEntry::Valid(m) if m.name.as_deref() == Some("before-upgrade"))));
+    // An invalid name is refused at publish, nothing published.
+    let mut bld = fx.store.begin().unwrap();
+    bld.write_chunked("vmstate", KIND_RAM_DEVICE, &mut &b"x"[..], &mut |_| {})
+        .unwrap();
+    let mut bad = input("bad name");
+    bad.name = Some("-x".into());
+    assert!(bld.publish(bad).is_err());
+    assert_eq!(fx.store.list().unwrap().len(), 2);
 }

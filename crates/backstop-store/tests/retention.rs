@@ -159,6 +159,7 @@ impl World {
                 config_fingerprint: "fp".into(),
                 capture: json!({}),
                 lineage: None,
+                name: None,
             })
             .unwrap();
         self.chains.insert(m.snapshot_id, frozen);

@@ -548,6 +548,12 @@ fn permitted(role: backstop_control::Role, request: &Request) -> Result<(), Stri
         (backstop_control::Role::Policy, Request::DeviceGrant { .. }) => {
             Err("only a person at the console can grant devices".into())
         }
+        (backstop_control::Role::Policy, Request::Resume { .. }) => {
+            Err("only a person at the console can continue a paused guest".into())
+        }
+        (backstop_control::Role::Policy, Request::SnapshotDelete { .. }) => {
+            Err("only a person at the console can delete a snapshot".into())
+        }
         (backstop_control::Role::Policy, Request::Reload) => {
             Err("only a person at the console can reload the VM files".into())
         }

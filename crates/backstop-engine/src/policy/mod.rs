@@ -19,6 +19,7 @@
 
 use backstop_common::ErrorCode;
 pub mod actions;
+pub mod delete;
 pub mod lineage;
 pub mod restore_gate;
 pub mod retention;

@@ -16,13 +16,29 @@ use time::OffsetDateTime;
 use tracing::info;
 
 use backstop_control::{KeptSnapshot, PruneView, PrunedSnapshot, Response};
-use backstop_store::{plan_retention, remove_layers, Candidate, ListEntry, VerifyOptions};
+use backstop_store::{
+    plan_retention, remove_layers, Candidate, ListEntry, RetentionPlan, VerifyOptions,
+};
 
 use crate::actor::{Ctx, VmActor};
 use crate::error::EngineError;
 use backstop_common::AuditEvent;
 
 use crate::policy::parse_time;
+
+/// The journal entry of one removed snapshot, from its id, the reason, whether it was marked
+/// rolled back, and the disk layers its manifest listed.
+pub(crate) type RemovalEntry<'a> = dyn Fn(&str, &str, bool, &[PathBuf]) -> (AuditEvent, Value) + 'a;
+
+/// What [`VmActor::remove_snapshots`] removed.
+#[derive(Debug, Default)]
+pub(crate) struct Removed {
+    /// (id, reason) of each snapshot removed, in order.
+    pub snapshots: Vec<(String, String)>,
+    pub chunks_removed: u64,
+    /// Layer files deleted.
+    pub layers: Vec<PathBuf>,
+}
 
 impl VmActor {
     /// `snapshot prune`.
@@ -65,6 +81,77 @@ impl VmActor {
     /// Applies `[retention]`: plans, removes (atomically, journaled per snapshot), collects
     /// unreferenced chunks and layers.
     pub(crate) fn prune(&mut self, ctx: &mut Ctx, why: &str) -> Result<PruneView, EngineError> {
+        let plan = self.retention_plan(ctx)?;
+        let mut view = PruneView {
+            removed: Vec::new(),
+            kept: plan
+                .keep
+                .iter()
+                .map(|(id, reasons)| KeptSnapshot {
+                    snapshot_id: id.clone(),
+                    reasons: reasons.clone(),
+                })
+                .collect(),
+            chunks_removed: 0,
+            layers_removed: 0,
+        };
+        if plan.remove.is_empty() {
+            let orphans = self.collect_orphan_layers()?;
+            if !orphans.is_empty() {
+                view.layers_removed = orphans.len() as u64;
+                self.journal(AuditEvent::SnapshotPruneCompleted, json!({
+                    "snapshot_id": Value::Null, "session_id": self.session_id, "trace_id": ctx.trace_id,
+                    "result": "ok", "removed": 0, "kept": view.kept.len(), "chunks_removed": 0,
+                    "layers_removed": orphans, "why": why,
+                }))?;
+            }
+            return Ok(view);
+        }
+        ctx.step(
+            "prune",
+            format!("removing {} snapshot(s)", plan.remove.len()),
+            None,
+        );
+        let sid = self.session_id.clone();
+        let removed = self.remove_snapshots(&plan.remove, &|id, reason, rolled_back, layers| {
+            (
+                AuditEvent::SnapshotPruned,
+                json!({
+                    "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
+                    "reason": reason, "why": why, "rolled_back": rolled_back, "chain": layers,
+                }),
+            )
+        })?;
+        view.removed = removed
+            .snapshots
+            .iter()
+            .map(|(id, reason)| PrunedSnapshot {
+                snapshot_id: id.clone(),
+                reason: reason.clone(),
+            })
+            .collect();
+        view.chunks_removed = removed.chunks_removed;
+        view.layers_removed = removed.layers.len() as u64;
+        self.journal(AuditEvent::SnapshotPruneCompleted, json!({
+            "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
+            "removed": view.removed.len(), "kept": view.kept.len(), "chunks_removed": removed.chunks_removed,
+            "layers_removed": removed.layers, "why": why,
+        }))?;
+        info!(
+            removed = view.removed.len(),
+            chunks = removed.chunks_removed,
+            layers = view.layers_removed,
+            "retention applied"
+        );
+        Ok(view)
+    }
+
+    /// What `[retention]` keeps and removes now, with every reason: the newest verified
+    /// snapshot of the current line and each open action's pre-action snapshot are protected,
+    /// forensic snapshots follow `keep_forensic_hours` alone. Without a verified snapshot
+    /// nothing can be judged safe to remove (`NoVerifiedSnapshot`). Used by prune and by
+    /// `snapshot delete` (which refuses what the plan keeps).
+    pub(crate) fn retention_plan(&mut self, ctx: &mut Ctx) -> Result<RetentionPlan, EngineError> {
         self.policy.check_records()?;
         let now = OffsetDateTime::now_utc();
         let newest = self.newest_verified_live(ctx)?;
@@ -128,60 +215,36 @@ impl VmActor {
             plan.remove
                 .push((id, format!("forensic, older than {hours} h")));
         }
-        let mut view = PruneView {
-            removed: Vec::new(),
-            kept: plan
-                .keep
-                .iter()
-                .map(|(id, reasons)| KeptSnapshot {
-                    snapshot_id: id.clone(),
-                    reasons: reasons.clone(),
-                })
-                .collect(),
-            chunks_removed: 0,
-            layers_removed: 0,
-        };
-        if plan.remove.is_empty() {
-            let orphans = self.collect_orphan_layers()?;
-            if !orphans.is_empty() {
-                view.layers_removed = orphans.len() as u64;
-                self.journal(AuditEvent::SnapshotPruneCompleted, json!({
-                    "snapshot_id": Value::Null, "session_id": self.session_id, "trace_id": ctx.trace_id,
-                    "result": "ok", "removed": 0, "kept": view.kept.len(), "chunks_removed": 0,
-                    "layers_removed": orphans, "why": why,
-                }))?;
-            }
-            return Ok(view);
-        }
-        ctx.step(
-            "prune",
-            format!("removing {} snapshot(s)", plan.remove.len()),
-            None,
-        );
+        Ok(plan)
+    }
+
+    /// Removes `remove` (id, reason) from the store the one way snapshots are removed (prune
+    /// and `snapshot delete`): each directory atomically, one journal entry per snapshot (made
+    /// by `entry` from the id, the reason, whether it was marked rolled back, and the layers
+    /// its manifest listed), its soft-rollback mark dropped, then the chunks no remaining index
+    /// names and the layer files no remaining snapshot lists, the running VM does not use and
+    /// the engine created.
+    pub(crate) fn remove_snapshots(
+        &mut self,
+        remove: &[(String, String)],
+        entry: &RemovalEntry<'_>,
+    ) -> Result<Removed, EngineError> {
+        let ids: Vec<String> = remove.iter().map(|(id, _)| id.clone()).collect();
         let report = self
             .store
-            .remove_snapshots(&plan.remove_ids())
+            .remove_snapshots(&ids)
             .map_err(EngineError::Store)?;
-        let reasons: BTreeMap<&str, &str> = plan
-            .remove
+        let reasons: BTreeMap<&str, &str> = remove
             .iter()
             .map(|(id, r)| (id.as_str(), r.as_str()))
             .collect();
-        let sid = self.session_id.clone();
+        let mut out = Removed::default();
         for (id, layers) in &report.removed {
             let reason = reasons.get(id.as_str()).copied().unwrap_or("retention");
             let mark = self.policy.marks.remove(id);
-            self.journal(
-                AuditEvent::SnapshotPruned,
-                json!({
-                    "snapshot_id": id, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
-                    "reason": reason, "why": why, "rolled_back": mark.is_some(), "chain": layers,
-                }),
-            )?;
-            view.removed.push(PrunedSnapshot {
-                snapshot_id: id.clone(),
-                reason: reason.to_string(),
-            });
+            let (event, fields) = entry(id, reason, mark.is_some(), layers);
+            self.journal(event, fields)?;
+            out.snapshots.push((id.clone(), reason.to_string()));
         }
         self.policy.save_marks()?;
         // Layers: only what no remaining snapshot lists, the running VM does not use, and the
@@ -191,21 +254,11 @@ impl VmActor {
         let mut layers = remove_layers(&report.unreferenced_layers, &keep, &self.layers.dir)
             .map_err(EngineError::Store)?;
         layers.extend(self.collect_orphan_layers()?);
-        view.chunks_removed = report.chunks_removed;
-        view.layers_removed = layers.len() as u64;
-        self.journal(AuditEvent::SnapshotPruneCompleted, json!({
-            "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "ok",
-            "removed": view.removed.len(), "kept": view.kept.len(), "chunks_removed": report.chunks_removed,
-            "layers_removed": layers, "why": why,
-        }))?;
-        info!(
-            removed = view.removed.len(),
-            chunks = report.chunks_removed,
-            layers = view.layers_removed,
-            "retention applied"
-        );
-        Ok(view)
+        out.chunks_removed = report.chunks_removed;
+        out.layers = layers;
+        Ok(out)
     }
+
     /// Deletes the layer files no published snapshot lists and the running VM does not use:
     /// the abandoned line's overlays after a rollback, a restart's, an interrupted capture's.
     /// Nothing is deleted when some manifest cannot be read (its layers are unknown), and only

@@ -258,6 +258,8 @@ pub struct Replayer<'a> {
     parents: HashMap<String, Option<Option<String>>>,
     /// Each published snapshot's recorded creation time.
     created: HashMap<String, String>,
+    /// Each named snapshot's recorded name (`snapshot create --name`).
+    names: HashMap<String, String>,
     /// Published snapshots of an unhealthy guest.
     unhealthy: std::collections::HashSet<String>,
     /// Forensic snapshots (never rollback targets).
@@ -308,6 +310,7 @@ impl<'a> Replayer<'a> {
             view,
             approve,
             published: Vec::new(),
+            names: HashMap::new(),
             pruned: BTreeSet::new(),
             marked: BTreeSet::new(),
             epoch: None,
@@ -375,7 +378,8 @@ impl<'a> Replayer<'a> {
                         referenced.entry(id.to_string()).or_insert(e.seq);
                     }
                 }
-                "snapshot.pruned" => {
+                // Removed by retention or by a person (`snapshot delete`): gone on purpose.
+                "snapshot.pruned" | "snapshot.deleted" => {
                     if let Some(id) = s(&e.fields, "snapshot_id") {
                         referenced.remove(id);
                     }
@@ -574,6 +578,9 @@ impl<'a> Replayer<'a> {
                 if let Some(c) = s(f, "created_at") {
                     self.created.insert(id.to_string(), c.to_string());
                 }
+                if let Some(n) = s(f, "name") {
+                    self.names.insert(id.to_string(), n.to_string());
+                }
                 if f.get("healthy") == Some(&Value::Bool(false)) {
                     self.unhealthy.insert(id.to_string());
                 }
@@ -581,7 +588,7 @@ impl<'a> Replayer<'a> {
                     self.forensic.insert(id.to_string());
                 }
             }
-            "snapshot.pruned" => {
+            "snapshot.pruned" | "snapshot.deleted" => {
                 if let Some(id) = s(f, "snapshot_id") {
                     self.pruned.insert(id.to_string());
                     self.marked.remove(id);
@@ -852,7 +859,19 @@ impl<'a> Replayer<'a> {
                 .iter()
                 .filter(|p| !self.pruned.contains(*p))
                 .collect();
-            let hits: Vec<&&String> = live.iter().filter(|p| p.starts_with(to.as_str())).collect();
+            // As `Store::resolve`: the exact id, then the exact name, then a unique prefix.
+            let exact: Vec<&&String> = live.iter().filter(|p| ***p == to).collect();
+            let named: Vec<&&String> = live
+                .iter()
+                .filter(|p| self.names.get(**p) == Some(&to))
+                .collect();
+            let hits: Vec<&&String> = if !exact.is_empty() {
+                exact
+            } else if !named.is_empty() {
+                named
+            } else {
+                live.iter().filter(|p| p.starts_with(to.as_str())).collect()
+            };
             let [id] = hits.as_slice() else {
                 return Ok(None);
             };
@@ -1130,6 +1149,20 @@ mod tests {
 
     fn set(entries: &mut [ReplayEntry], seq: u64, key: &str, v: Value) {
         entries[(seq - 1) as usize].fields.insert(key.into(), v);
+    }
+
+    #[test]
+    fn a_named_target_resolves_as_the_store_does() {
+        // b was named `vb` when taken, and the rollback asked for it by that name.
+        let mut j = journal();
+        set(&mut j, 4, "name", json!("vb"));
+        set(&mut j, 7, "snapshot_id", json!("vb"));
+        let o = prod(&j);
+        assert_eq!(o.code, None, "{o:?}");
+        // Unrecorded, the name names nothing: the recorded target is not reproduced.
+        let mut j = journal();
+        set(&mut j, 7, "snapshot_id", json!("vb"));
+        assert_eq!(prod(&j).code, Some("REPLAY_DIVERGENCE"));
     }
 
     #[test]
