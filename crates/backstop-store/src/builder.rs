@@ -11,7 +11,7 @@ use fastcdc::v2020::{Error as CdcError, StreamCDC};
 
 use crate::error::StoreError;
 use crate::fsutil::{
-    create_private_subdir, digests_of, digests_of_reader, fsync_dir, write_new_synced,
+    create_private_subdir, digests_of, digests_of_reader, fsync_dir, write_new_synced, Digests,
 };
 use crate::index::{ChunkIndex, ChunkRef, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES, CHUNK_MIN_BYTES};
 use crate::manifest::{
@@ -257,10 +257,20 @@ impl SnapshotBuilder {
             let mut file = File::open(path).map_err(read_err)?;
             // Taken before the bytes are read: a change while they are read moves ctime past it.
             let meta = file.metadata().map_err(read_err)?;
-            let digests = digests_of_reader(&mut file, &*self.keepalive).map_err(read_err)?;
-            self.paths
-                .checked
-                .record(path, &meta, &digests.sha256, &digests.crc32);
+            // A layer already checked by this process and unchanged since is not read again
+            // (each snapshot's chain repeats the previous one's frozen layers and the base).
+            let digests = match self.paths.checked.digests_if_unchanged(path, &meta) {
+                Some((sha256, crc32)) => Digests {
+                    sha256,
+                    crc32,
+                    len: meta.len(),
+                },
+                None => {
+                    let d = digests_of_reader(&mut file, &*self.keepalive).map_err(read_err)?;
+                    self.paths.checked.record(path, &meta, &d.sha256, &d.crc32);
+                    d
+                }
+            };
             total_bytes += digests.len;
             entries.push((
                 reference,

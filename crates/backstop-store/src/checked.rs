@@ -9,7 +9,9 @@
 //! The record lives in the daemon's memory only (its own trust root; it is gone with a restart,
 //! after which the first rollback verifies in full again) and is never written anywhere.
 //!
-//! Who may use it: choosing a rollback target ([`crate::Store::verify_trusting_checked`]).
+//! Who may use it: choosing a rollback target ([`crate::Store::verify_trusting_checked`]), and
+//! a builder recording a disk chain whose lower layers it has seen before (every snapshot's
+//! chain repeats the previous one's layers, base image included).
 //! Chunks are still re-checked (crc32) as they stream into QEMU, so a chunk that changed on
 //! the media without the kernel knowing aborts the load before the guest resumes. A full
 //! [`crate::Store::verify`] (`snapshot verify`, drift detection, retention) never trusts the
@@ -104,6 +106,20 @@ impl CheckedFiles {
         files.get(path).is_some_and(|e| {
             e.identity == Identity::of(meta) && e.sha256 == sha256 && e.crc32 == crc32
         })
+    }
+
+    /// The digests `path` was checked against, if it is unchanged since (as `meta` describes
+    /// it now): what a builder records for a layer it already knows instead of reading it again.
+    pub(crate) fn digests_if_unchanged(
+        &self,
+        path: &Path,
+        meta: &Metadata,
+    ) -> Option<(String, String)> {
+        let files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        files
+            .get(path)
+            .filter(|e| e.identity == Identity::of(meta))
+            .map(|e| (e.sha256.clone(), e.crc32.clone()))
     }
 
     #[cfg(test)]

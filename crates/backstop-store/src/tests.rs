@@ -1396,3 +1396,52 @@ fn resolve_tries_the_exact_id_then_the_name_then_a_unique_prefix() {
     assert!(bld.publish(bad).is_err());
     assert_eq!(fx.store.list().unwrap().len(), 2);
 }
+
+#[test]
+fn a_disk_layer_seen_before_and_unchanged_is_not_read_again_by_the_next_snapshot() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let mut fx = Fixture::new();
+    let reads = Arc::new(AtomicU64::new(0));
+    let counter = Arc::clone(&reads);
+    // keepalive runs once per MiB a layer is hashed: it counts the layer reads.
+    fx.store = fx.store.clone().with_keepalive(Arc::new(move || {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }));
+    let disks = fx.dir.path().join("big");
+    fs::create_dir_all(&disks).unwrap();
+    let base = disks.join("base.img");
+    fs::write(&base, random_bytes(77, 4 * MIB)).unwrap();
+    let layers = vec![base.clone()];
+    let data = random_bytes(78, 1000);
+    let during = |fx: &Fixture, why: &str| {
+        let before = reads.load(Ordering::Relaxed);
+        let m = fx.snapshot(&data, &layers, why);
+        (reads.load(Ordering::Relaxed) - before, m)
+    };
+    let (first, m1) = during(&fx, "first");
+    assert!(
+        first >= 4,
+        "the first snapshot reads the 4 MiB layer: {first}"
+    );
+    let (second, m2) = during(&fx, "second");
+    assert!(second < first, "read again: {second} vs {first}");
+    let digest = |m: &Manifest| {
+        m.payload_refs
+            .iter()
+            .find(|p| !p.layers.is_empty())
+            .unwrap()
+            .layers[0]
+            .sha256
+            .clone()
+    };
+    assert_eq!(digest(&m1), digest(&m2));
+    // Changed in place: read again, and the new digest is recorded.
+    flip_byte(&base, 5);
+    let (third, m3) = during(&fx, "third");
+    assert!(third >= 4, "a changed layer is read: {third}");
+    assert_ne!(digest(&m3), digest(&m1));
+    assert!(fx
+        .store
+        .verify(&m3.snapshot_id, &VerifyOptions::default())
+        .is_ok());
+}
