@@ -29,9 +29,11 @@ impl VmActor {
         v
     }
 
-    /// Runs one request. HALTED refuses everything but `status`, `halt clear` and reading the
-    /// audit journal (`audit tail`, `audit verify`: a person deciding whether to clear a HALT
-    /// needs the record, and reading it touches neither the VM nor its snapshots).
+    /// Runs one request. HALTED refuses everything but `status`, `halt clear` and what a
+    /// person deciding whether to clear a HALT needs to read: the audit journal (`audit tail`,
+    /// `audit verify`, `audit replay`) and the snapshots (`snapshot tree`, `show`, `verify`),
+    /// none of which touches the VM. (`snapshot list` stays refused, exit 4, as it always was:
+    /// scripts rely on it; the refusal names the views that work.)
     pub fn handle(&mut self, req: Request, ctx: &mut Ctx) -> Result<Response, EngineError> {
         if self.state == VmState::Halted
             && !matches!(
@@ -43,13 +45,20 @@ impl VmActor {
                     | Request::AuditVerify
                     | Request::AuditReplay(_)
                     | Request::SnapshotTree
+                    | Request::SnapshotShow { .. }
+                    | Request::SnapshotVerify { .. }
             )
         {
-            let reason = self
+            let mut reason = self
                 .halt
                 .as_ref()
                 .map(|h| h.reason.clone())
                 .unwrap_or_default();
+            if matches!(req, Request::SnapshotList) {
+                reason.push_str(
+                    "; while HALTED, read the snapshots with `snapshot tree`, `snapshot show ID` and `snapshot verify ID`",
+                );
+            }
             return Err(EngineError::Halted { reason });
         }
         match req {
