@@ -819,6 +819,35 @@ mod tests {
         }
     }
 
+    /// Where the FastCDC tail cuts a fixed stream that is not a migration stream (pseudo-random
+    /// bytes, then zeros: cuts forced at the 1 MiB maximum, then an odd-length tail). A fastcdc
+    /// release that moved these would only cost dedup against chunks already stored; it must be
+    /// a decision, not a surprise.
+    #[test]
+    fn fastcdc_boundaries_of_a_fixed_stream_are_pinned() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut bytes: Vec<u8> = (0..3 * 1024 * 1024 / 8)
+            .flat_map(|_| {
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                state.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes()
+            })
+            .collect();
+        bytes.resize(bytes.len() + 2 * 1024 * 1024 + 4_321, 0);
+        let (chunks, report) = cut(&bytes);
+        assert!(report.fallback.is_some(), "{report:?}");
+        assert_eq!(chunks.concat(), bytes);
+        let lens: Vec<usize> = chunks.iter().map(Vec::len).collect();
+        assert_eq!(
+            lens,
+            [
+                155_757, 365_609, 404_704, 426_883, 333_975, 309_190, 329_070, 259_324, 501_706,
+                1_048_576, 1_048_576, 63_831
+            ]
+        );
+    }
+
     #[test]
     fn hostile_block_lists_and_records_never_panic() {
         let base = stream(&memory()[..64], 16, &device_state(0)).bytes;
