@@ -51,9 +51,9 @@ pub const HELD_MAX_BYTES: usize = 2 * NEED_MAX_BYTES + READ_MIN_BYTES + CHUNK_MA
 /// A `MEM_SIZE` record naming more blocks than this is not believed.
 const MAX_RAM_BLOCKS: usize = 4096;
 /// FastCDC sizes for the device state and for anything not understood.
-const CDC_MIN: u32 = 64 * 1024;
-const CDC_AVG: u32 = 256 * 1024;
-const CDC_MAX: u32 = 1024 * 1024;
+const CDC_MIN: usize = 64 * 1024;
+const CDC_AVG: usize = 256 * 1024;
+const CDC_MAX: usize = 1024 * 1024;
 
 const SECTION_START: u8 = 0x01;
 const SECTION_PART: u8 = 0x02;
