@@ -188,7 +188,7 @@ pub fn create_key(path: &Path) -> Result<(), EvidenceError> {
         reason,
     };
     let mut bytes = [0u8; KEY_LEN];
-    getrandom::getrandom(&mut bytes).map_err(|e| err(e.to_string()))?;
+    getrandom::fill(&mut bytes).map_err(|e| err(e.to_string()))?;
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)

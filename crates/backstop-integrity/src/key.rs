@@ -110,7 +110,7 @@ impl HostKey {
             })?;
         }
         let mut bytes = [0u8; KEY_LEN];
-        getrandom::getrandom(&mut bytes).map_err(|e| KeyError::Random(e.to_string()))?;
+        getrandom::fill(&mut bytes).map_err(|e| KeyError::Random(e.to_string()))?;
         let write_err = |source| KeyError::Write {
             path: path.into(),
             source,
