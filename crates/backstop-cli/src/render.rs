@@ -2,15 +2,15 @@
 
 use std::fmt::Write as _;
 
+use backstop_common::time::parse_rfc3339;
 use backstop_control::{
     ActionView, AuditVerifyReport, DevicesView, DriftReport, DriftView, HypervisorDevicesView,
     Progress, PruneView, ReloadReport, ReplayReport, Request, Response, RollbackReport,
     SnapshotSummary, SnapshotView, StatusView, VerifyReport, VmSummary,
 };
 use serde_json::{json, Value};
-use time::format_description::well_known::Rfc3339;
+use time::format_description::BorrowedFormatItem;
 use time::macros::format_description;
-use time::OffsetDateTime;
 
 /// Characters of a snapshot id shown in tables.
 pub const SHORT_ID_LEN: usize = 12;
@@ -183,7 +183,7 @@ fn vms_text(vms: &[VmSummary]) -> String {
         let newest = v
             .newest_snapshot_at
             .as_deref()
-            .and_then(|t| time::OffsetDateTime::parse(t, &Rfc3339).ok())
+            .and_then(parse_rfc3339)
             .map(|t| format!("{}s", (now - t).whole_seconds().max(0)))
             .unwrap_or_else(|| "-".into());
         let heartbeat = v
@@ -1088,12 +1088,14 @@ pub fn short_id(id: &str) -> String {
     clean(&id.chars().take(SHORT_ID_LEN).collect::<String>())
 }
 
-/// An RFC 3339 time as `YYYY-MM-DD HH:MM:SS` UTC; anything else as given.
+/// How the console shows a time: `YYYY-MM-DD HH:MM:SS`, UTC (`--before` takes it back).
+pub const SHORT_TIME: &[BorrowedFormatItem<'static>] =
+    format_description!("[year]-[month]-[day] [hour]:[minute]:[second]");
+
+/// An RFC 3339 time as [`SHORT_TIME`]; anything else as given.
 pub fn short_time(rfc3339: &str) -> String {
-    let format = format_description!("[year]-[month]-[day] [hour]:[minute]:[second]");
-    OffsetDateTime::parse(rfc3339, &Rfc3339)
-        .ok()
-        .and_then(|t| t.to_offset(time::UtcOffset::UTC).format(&format).ok())
+    parse_rfc3339(rfc3339)
+        .and_then(|t| t.to_offset(time::UtcOffset::UTC).format(SHORT_TIME).ok())
         .unwrap_or_else(|| clean(rfc3339))
 }
 
