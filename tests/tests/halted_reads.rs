@@ -37,7 +37,10 @@ fn a_halted_vm_shows_and_verifies_its_snapshots_and_stays_halted() {
     // verify: every byte read (a full verification), journaled, nothing started.
     let verified = d.ok(&["snapshot", "verify", &id]);
     assert_eq!(verified["snapshot_id"], id.as_str(), "{verified}");
-    assert!(verified["bytes_checked"].as_u64().unwrap() > 1 << 20, "{verified}");
+    assert!(
+        verified["bytes_checked"].as_u64().unwrap() > 1 << 20,
+        "{verified}"
+    );
     let tree = d.ok(&["snapshot", "tree"]);
     assert!(!tree["nodes"].as_array().unwrap().is_empty(), "{tree}");
 
@@ -47,7 +50,10 @@ fn a_halted_vm_shows_and_verifies_its_snapshots_and_stays_halted() {
     let err: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(err["error"]["code"], "ERR_VM_HALTED");
     let msg = err["error"]["message"].as_str().unwrap();
-    assert!(msg.contains("snapshot show") && msg.contains("snapshot verify"), "{msg}");
+    assert!(
+        msg.contains("snapshot show") && msg.contains("snapshot verify"),
+        "{msg}"
+    );
     // What changes something is still refused.
     let out = d.cli(&["snapshot", "create", "--reason", "x"]);
     assert_eq!(out.status.code(), Some(4));

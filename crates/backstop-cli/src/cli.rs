@@ -378,10 +378,9 @@ impl ReplayModeArg {
     }
 }
 
-/// A humantime duration in whole seconds (at least one).
+/// `--timeout`: a [`seconds`] duration, at least one second.
 fn duration_s(s: &str) -> Result<u64, String> {
-    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e} (e.g. 30s, 2m)"))?;
-    Ok(d.as_secs().max(1))
+    Ok(seconds(s)?.max(1))
 }
 
 impl Command {
@@ -611,43 +610,42 @@ fn action_result(value: &str) -> Result<ActionResult, String> {
     }
 }
 
-/// A lease: `300`, `300s`, `10m`, `2h` → seconds (at least 1).
-fn lease(value: &str) -> Result<u64, String> {
+/// Every duration the console takes, in whole seconds: bare digits are seconds, anything else
+/// is humantime's (`90s`, `10m`, `2h`, `7d`, `1h 30m`).
+fn seconds(value: &str) -> Result<u64, String> {
     let v = value.trim();
-    let (num, unit) = match v.char_indices().find(|(_, c)| !c.is_ascii_digit()) {
-        Some((i, _)) => v.split_at(i),
-        None => (v, "s"),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| "a duration like 300, 90s, 10m or 2h".to_string())?;
-    let factor = match unit {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        _ => return Err("the unit must be s, m or h".into()),
-    };
-    match n.checked_mul(factor) {
-        Some(0) => Err("must be at least 1 s".into()),
-        Some(s) => Ok(s),
-        None => Err("too long".into()),
+    if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+        return v.parse::<u64>().map_err(|_| "too long".to_string());
+    }
+    humantime::parse_duration(v)
+        .map(|d| d.as_secs())
+        .map_err(|e| format!("a duration like 90s, 10m, 2h or 7d ({e})"))
+}
+
+/// A [`seconds`] duration of at least one second.
+fn at_least_one_second(value: &str) -> Result<u64, String> {
+    match seconds(value)? {
+        0 => Err("must be at least 1 s".into()),
+        s => Ok(s),
     }
 }
 
-/// `--expires-in`: a duration as people write it (humantime: 90s, 10m, 2h, 7d, "1h 30m"; bare
-/// digits are seconds), from 1 s to the 7 days a reviewer token may live.
+/// A lease: `300`, `300s`, `10m`, `2h` → seconds (at least 1). One number with a unit of
+/// seconds, minutes or hours: a device lease is not written in days.
+fn lease(value: &str) -> Result<u64, String> {
+    let unit = value
+        .trim()
+        .trim_start_matches(|c: char| c.is_ascii_digit());
+    if !matches!(unit, "" | "s" | "m" | "h") {
+        return Err("a duration like 300, 90s, 10m or 2h (the unit must be s, m or h)".into());
+    }
+    at_least_one_second(value)
+}
+
+/// `--expires-in`: a [`seconds`] duration from 1 s to the 7 days a reviewer token may live.
 fn expiry(value: &str) -> Result<u64, String> {
     const MAX: u64 = 7 * 86_400;
-    let v = value.trim();
-    let secs = if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
-        v.parse::<u64>().map_err(|_| "too long".to_string())?
-    } else {
-        humantime::parse_duration(v)
-            .map_err(|e| format!("a duration like 90s, 10m, 2h or 7d ({e})"))?
-            .as_secs()
-    };
-    match secs {
-        0 => Err("must be at least 1 s".into()),
+    match at_least_one_second(value)? {
         s if s > MAX => Err("at most 7 days".into()),
         s => Ok(s),
     }
@@ -658,12 +656,11 @@ fn expiry(value: &str) -> Result<u64, String> {
 fn time_arg(value: &str) -> Result<String, String> {
     use time::format_description::well_known::Rfc3339;
     let v = value.trim();
-    if let Ok(t) = time::OffsetDateTime::parse(v, &Rfc3339) {
+    if let Some(t) = backstop_common::time::parse_rfc3339(v) {
         return t.format(&Rfc3339).map_err(|e| e.to_string());
     }
-    let spaced = time::macros::format_description!("[year]-[month]-[day] [hour]:[minute]:[second]");
     let t_sep = time::macros::format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]");
-    time::PrimitiveDateTime::parse(v, &spaced)
+    time::PrimitiveDateTime::parse(v, crate::render::SHORT_TIME)
         .or_else(|_| time::PrimitiveDateTime::parse(v, &t_sep))
         .map_err(|_| {
             "a time like 2026-05-01T12:00:00Z, or 2026-05-01 12:00:00 (UTC) as `snapshot list` prints"
@@ -1175,5 +1172,55 @@ mod tests {
             err.starts_with("backstop: ERR_REVIEWER_EVIDENCE: "),
             "{err}"
         );
+    }
+
+    /// One parser for every duration; each option keeps its own bounds and units.
+    #[test]
+    fn durations_share_one_parser_and_keep_their_bounds() {
+        for (text, secs) in [
+            ("90", 90),
+            (" 90s ", 90),
+            ("10m", 600),
+            ("2h", 7_200),
+            ("1h 30m", 5_400),
+            ("7d", 604_800),
+            ("0", 0),
+            ("500ms", 0),
+        ] {
+            assert_eq!(seconds(text), Ok(secs), "{text}");
+        }
+        for bad in ["", "soon", "-1h", "5x", "99999999999999999999999"] {
+            assert!(seconds(bad).is_err(), "{bad}");
+        }
+        // Leases: seconds, minutes or hours, at least one second.
+        assert_eq!(lease("300"), Ok(300));
+        assert_eq!(lease("48h"), Ok(172_800));
+        for bad in ["0", "0s", "500ms", "1d", "1h 30m", "h", "-1", " "] {
+            assert!(lease(bad).is_err(), "{bad}");
+        }
+        // Token lifetimes: up to 7 days exactly.
+        assert_eq!(expiry("168h"), Ok(604_800));
+        assert!(expiry("604801").is_err());
+        // `--timeout`: anything shorter than a second is one second.
+        assert_eq!(duration_s("500ms"), Ok(1));
+        assert_eq!(duration_s("2m"), Ok(120));
+        assert!(duration_s("soon").is_err());
+    }
+
+    /// What `snapshot list` shows reads back through `--before` as the same second, leap days
+    /// and times before the epoch included.
+    #[test]
+    fn shown_times_read_back_as_the_same_second() {
+        for (rfc, shown) in [
+            ("2024-02-29T23:59:59.999Z", "2024-02-29 23:59:59"),
+            ("2024-03-01T00:59:59+01:00", "2024-02-29 23:59:59"),
+            ("1969-12-31T23:59:59Z", "1969-12-31 23:59:59"),
+        ] {
+            assert_eq!(crate::render::short_time(rfc), shown, "{rfc}");
+            let back = time_arg(shown).unwrap();
+            assert_eq!(back, format!("{}Z", shown.replace(' ', "T")), "{rfc}");
+        }
+        assert_eq!(crate::render::short_time("not a time"), "not a time");
+        assert!(time_arg("2023-02-29 00:00:00").is_err());
     }
 }

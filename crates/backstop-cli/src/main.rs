@@ -89,9 +89,7 @@ fn watch(cli: &Cli, request: &backstop_control::Request, secs: u64) -> ! {
     loop {
         let result = ControlClient::connect(&cli.socket)
             .and_then(|mut client| client.call_vm(None, request, &mut |_| {}));
-        let at = time::OffsetDateTime::now_utc()
-            .format(&time::format_description::well_known::Rfc3339)
-            .unwrap_or_default();
+        let at = backstop_common::time::now_rfc3339();
         let frame = backstop_cli::watch_frame(&result, cli.json, terminal, &at);
         if io::stdout().lock().write_all(frame.as_bytes()).is_err() {
             // stdout closed (`| head`): nothing more to show.

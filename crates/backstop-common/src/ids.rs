@@ -4,7 +4,7 @@
 pub fn random_id() -> String {
     let mut b = [0u8; 16];
     // getrandom only fails without an entropy source; fall back to time so ids stay unique.
-    if getrandom::getrandom(&mut b).is_err() {
+    if getrandom::fill(&mut b).is_err() {
         let t = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default()

@@ -5,7 +5,7 @@
 //! The token file is JSON, parsed strictly (unknown fields refused, size bounded):
 //!
 //! ```json
-//! {"snapshot_id":"<32 hex>","reviewer":"alice","expires_at":"2026-05-01T12:00:00Z","hmac":"<64 hex>"}
+//! {"snapshot_id":"<32 hex>","reviewer":"alice","expires_at":"2026-05-01T12:00:00.000Z","hmac":"<64 hex>"}
 //! ```
 //!
 //! `hmac` is over the canonical JSON of `{"expires_at","kind","reviewer","snapshot_id"}` with
@@ -19,7 +19,6 @@ use std::path::Path;
 use backstop_integrity::{canonical, HostKey, KEY_LEN};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
 /// Domain separation for the sealed bytes.
@@ -34,7 +33,7 @@ pub const TOKEN_MAX_VALIDITY_S: i64 = 7 * 24 * 3600;
 pub struct ReviewerToken {
     pub snapshot_id: String,
     pub reviewer: String,
-    /// RFC 3339.
+    /// RFC 3339 (written UTC with milliseconds; any RFC 3339 time is read).
     pub expires_at: String,
     /// HMAC-SHA256, lower-case hex.
     pub hmac: String,
@@ -92,9 +91,7 @@ pub fn sign(
             "reviewer must be 1-128 printable characters".into(),
         ));
     }
-    let expires_at = expires_at
-        .format(&Rfc3339)
-        .map_err(|e| EvidenceError::Malformed(e.to_string()))?;
+    let expires_at = backstop_common::time::rfc3339(expires_at);
     let hmac = key.sign_hex(&sealed_bytes(snapshot_id, reviewer, &expires_at));
     Ok(ReviewerToken {
         snapshot_id: snapshot_id.into(),
@@ -127,8 +124,8 @@ pub fn verify(
             "snapshot_id or reviewer is not well formed".into(),
         ));
     }
-    let expires = OffsetDateTime::parse(&t.expires_at, &Rfc3339)
-        .map_err(|_| EvidenceError::Malformed("expires_at is not an RFC 3339 time".into()))?;
+    let expires = backstop_common::time::parse_rfc3339(&t.expires_at)
+        .ok_or_else(|| EvidenceError::Malformed("expires_at is not an RFC 3339 time".into()))?;
     if t.hmac.len() != 64
         || !key.verify_hex(
             &sealed_bytes(&t.snapshot_id, &t.reviewer, &t.expires_at),
@@ -188,7 +185,7 @@ pub fn create_key(path: &Path) -> Result<(), EvidenceError> {
         reason,
     };
     let mut bytes = [0u8; KEY_LEN];
-    getrandom::getrandom(&mut bytes).map_err(|e| err(e.to_string()))?;
+    getrandom::fill(&mut bytes).map_err(|e| err(e.to_string()))?;
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -271,6 +268,41 @@ mod tests {
         ));
         assert!(sign(&key, "abc", "alice", now).is_err());
         assert!(sign(&key, ID, "", now).is_err());
+    }
+
+    /// New tokens carry the journal's time format (UTC, milliseconds); a token written with
+    /// any other RFC 3339 form (older consoles wrote nanoseconds, people write offsets) still
+    /// verifies, because the signature covers the string as written.
+    #[test]
+    fn tokens_write_one_time_format_and_read_any_rfc_3339() {
+        let key = HostKey::from_bytes([5; 32]);
+        let now = time::macros::datetime!(2026-05-01 12:00:00.123456789 UTC);
+        let t = sign(&key, ID, "alice", now + Duration::hours(1)).unwrap();
+        assert_eq!(t.expires_at, "2026-05-01T13:00:00.123Z");
+        for expires_at in [
+            "2026-05-01T13:00:00.123456789Z",
+            "2026-05-01T15:00:00+02:00",
+            "2026-05-01T13:00:00Z",
+        ] {
+            let v = json!({
+                "snapshot_id": ID, "reviewer": "alice", "expires_at": expires_at,
+                "hmac": key.sign_hex(&sealed_bytes(ID, "alice", expires_at)),
+            });
+            let got = verify(&key, &v, ID, now).unwrap();
+            assert_eq!(got.expires_at, expires_at);
+            assert!(matches!(
+                verify(&key, &v, ID, now + Duration::hours(2)),
+                Err(EvidenceError::Expired(_))
+            ));
+        }
+        let v = json!({
+            "snapshot_id": ID, "reviewer": "alice", "expires_at": "2026-05-01 13:00:00",
+            "hmac": key.sign_hex(&sealed_bytes(ID, "alice", "2026-05-01 13:00:00")),
+        });
+        assert!(matches!(
+            verify(&key, &v, ID, now),
+            Err(EvidenceError::Malformed(_))
+        ));
     }
 
     #[test]

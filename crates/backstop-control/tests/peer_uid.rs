@@ -56,7 +56,7 @@ fn connect_as(uid: u32, socket_path: &Path, request: &[u8], expect: &[u8]) -> i3
                 let mut buf = [0u8; 512];
                 let mut len = 0;
                 while len < expect.len() {
-                    match read(fd.as_raw_fd(), &mut buf[len..]) {
+                    match read(&fd, &mut buf[len..]) {
                         Ok(0) | Err(_) => break,
                         Ok(n) => len += n,
                     }

@@ -5,7 +5,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use hmac::{Hmac, Mac};
+use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
 
 /// Length of the key in bytes.
@@ -110,7 +110,7 @@ impl HostKey {
             })?;
         }
         let mut bytes = [0u8; KEY_LEN];
-        getrandom::getrandom(&mut bytes).map_err(|e| KeyError::Random(e.to_string()))?;
+        getrandom::fill(&mut bytes).map_err(|e| KeyError::Random(e.to_string()))?;
         let write_err = |source| KeyError::Write {
             path: path.into(),
             source,
@@ -134,7 +134,7 @@ impl HostKey {
 
     fn mac(&self) -> HmacSha256 {
         // HMAC accepts keys of any length; 32 bytes can never be rejected.
-        <HmacSha256 as Mac>::new_from_slice(&self.bytes).unwrap_or_else(|_| unreachable!())
+        <HmacSha256 as KeyInit>::new_from_slice(&self.bytes).unwrap_or_else(|_| unreachable!())
     }
 
     /// HMAC-SHA256 of `data`, lower-case hex.
@@ -198,6 +198,21 @@ mod tests {
             HostKey::load_or_create(&path),
             Err(KeyError::BadLength { len: 5, .. })
         ));
+    }
+
+    /// Known answers (Python's hmac and hashlib), so a sha2/hmac upgrade that changed a digest
+    /// (and with it every seal already written) fails here.
+    #[test]
+    fn hmac_and_sha256_match_known_answers() {
+        let key = HostKey::from_bytes([7; KEY_LEN]);
+        assert_eq!(
+            key.sign_hex(b"backstop"),
+            "366abc51336ecb586f3bad398bf6de9c350855556dec24fe43be0a97f283a58f"
+        );
+        assert_eq!(
+            crate::sha256_hex(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
     }
 
     #[test]

@@ -184,17 +184,7 @@ pub(crate) fn normalize_fields(
 
 /// Now as RFC 3339 UTC with millisecond precision.
 pub(crate) fn now_ts() -> String {
-    let t = time::OffsetDateTime::now_utc();
-    format!(
-        "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}.{:03}Z",
-        t.year(),
-        u8::from(t.month()),
-        t.day(),
-        t.hour(),
-        t.minute(),
-        t.second(),
-        t.millisecond()
-    )
+    backstop_common::time::now_rfc3339()
 }
 
 #[cfg(test)]

@@ -352,14 +352,12 @@ fn write_full_image(
 }
 
 /// SHA-256 (hex) of a whole file, read sequentially.
-fn hash_file(file: &File, path: &Path) -> Result<String, CaptureError> {
+fn hash_file(file: &File) -> std::io::Result<String> {
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut offset = 0u64;
     loop {
-        let n = file
-            .read_at(&mut buf, offset)
-            .map_err(io_err("read back", path))?;
+        let n = file.read_at(&mut buf, offset)?;
         if n == 0 {
             return Ok(hex::encode(hasher.finalize()));
         }
@@ -690,7 +688,8 @@ impl PreparedSnapshot {
     /// Hash, fsync and seal the memory file, write and seal the state file and its signature,
     /// fsync, rename the directory into place, fsync the parent.
     fn publish(mut self, dir: &Path, key: &HostKey) -> Result<CaptureSummary, CaptureError> {
-        self.meta.memory.sha256 = hash_file(&self.mem_file, &self.mem_path)?;
+        self.meta.memory.sha256 =
+            hash_file(&self.mem_file).map_err(io_err("read back", &self.mem_path))?;
         let (len, ..) = seal(&self.mem_file, &self.mem_path)?;
         let tmp = &self.tmp;
         let meta_json =
@@ -864,10 +863,7 @@ fn open_memory_file(
             }
         }
         MemoryCheck::Full => {
-            let mut hasher = Sha256::new();
-            let mut reader = std::io::BufReader::with_capacity(1 << 20, &file);
-            std::io::copy(&mut reader, &mut hasher).map_err(rio_err("read", &path))?;
-            let actual = hex::encode(hasher.finalize());
+            let actual = hash_file(&file).map_err(rio_err("read", &path))?;
             if actual != want.sha256 {
                 return Err(bad(format!("sha256 {actual}, recorded {}", want.sha256)));
             }

@@ -522,10 +522,7 @@ fn pipe() -> Result<(File, File)> {
             source: e.into(),
         })?;
     // Best effort: an unprivileged process is capped by /proc/sys/fs/pipe-max-size.
-    let _ = nix::fcntl::fcntl(
-        w.as_raw_fd(),
-        nix::fcntl::FcntlArg::F_SETPIPE_SZ(STATE_PIPE_BYTES),
-    );
+    let _ = nix::fcntl::fcntl(&w, nix::fcntl::FcntlArg::F_SETPIPE_SZ(STATE_PIPE_BYTES));
     Ok((File::from(r), File::from(w)))
 }
 

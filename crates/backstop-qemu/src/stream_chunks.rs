@@ -51,9 +51,9 @@ pub const HELD_MAX_BYTES: usize = 2 * NEED_MAX_BYTES + READ_MIN_BYTES + CHUNK_MA
 /// A `MEM_SIZE` record naming more blocks than this is not believed.
 const MAX_RAM_BLOCKS: usize = 4096;
 /// FastCDC sizes for the device state and for anything not understood.
-const CDC_MIN: u32 = 64 * 1024;
-const CDC_AVG: u32 = 256 * 1024;
-const CDC_MAX: u32 = 1024 * 1024;
+const CDC_MIN: usize = 64 * 1024;
+const CDC_AVG: usize = 256 * 1024;
+const CDC_MAX: usize = 1024 * 1024;
 
 const SECTION_START: u8 = 0x01;
 const SECTION_PART: u8 = 0x02;
@@ -817,6 +817,35 @@ mod tests {
                 assert!(report.fallback.is_some(), "{report:?}");
             }
         }
+    }
+
+    /// Where the FastCDC tail cuts a fixed stream that is not a migration stream (pseudo-random
+    /// bytes, then zeros: cuts forced at the 1 MiB maximum, then an odd-length tail). A fastcdc
+    /// release that moved these would only cost dedup against chunks already stored; it must be
+    /// a decision, not a surprise.
+    #[test]
+    fn fastcdc_boundaries_of_a_fixed_stream_are_pinned() {
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut bytes: Vec<u8> = (0..3 * 1024 * 1024 / 8)
+            .flat_map(|_| {
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                state.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes()
+            })
+            .collect();
+        bytes.resize(bytes.len() + 2 * 1024 * 1024 + 4_321, 0);
+        let (chunks, report) = cut(&bytes);
+        assert!(report.fallback.is_some(), "{report:?}");
+        assert_eq!(chunks.concat(), bytes);
+        let lens: Vec<usize> = chunks.iter().map(Vec::len).collect();
+        assert_eq!(
+            lens,
+            [
+                155_757, 365_609, 404_704, 426_883, 333_975, 309_190, 329_070, 259_324, 501_706,
+                1_048_576, 1_048_576, 63_831
+            ]
+        );
     }
 
     #[test]

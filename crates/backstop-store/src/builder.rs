@@ -78,7 +78,12 @@ impl SnapshotBuilder {
     ) -> Result<PayloadRef, StoreError> {
         self.check_payload(name, kind)?;
         let reader = RetryInterrupted(reader);
-        let cdc = StreamCDC::new(reader, CHUNK_MIN_BYTES, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES);
+        let cdc = StreamCDC::new(
+            reader,
+            CHUNK_MIN_BYTES as usize,
+            CHUNK_AVG_BYTES as usize,
+            CHUNK_MAX_BYTES as usize,
+        );
         let mut chunks = cdc.map(|item| {
             item.map(|c| c.data).map_err(|e| match e {
                 CdcError::IoError(source) => StoreError::ReadSource {

@@ -67,7 +67,7 @@ pub(crate) fn write_new_synced(path: &Path, bytes: &[u8]) -> Result<(), StoreErr
 /// `n` random bytes as lower-case hex, for temporary names.
 pub(crate) fn random_hex(n: usize) -> Result<String, StoreError> {
     let mut bytes = vec![0u8; n];
-    getrandom::getrandom(&mut bytes).map_err(|e| StoreError::Random(e.to_string()))?;
+    getrandom::fill(&mut bytes).map_err(|e| StoreError::Random(e.to_string()))?;
     Ok(hex::encode(bytes))
 }
 

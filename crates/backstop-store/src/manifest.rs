@@ -8,7 +8,6 @@ use std::path::PathBuf;
 use backstop_integrity::{canonical, sha256_hex, HostKey};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
 
 use crate::error::StoreError;
@@ -373,7 +372,7 @@ pub(crate) fn now_rfc3339_ms() -> Result<String, StoreError> {
 
 /// Parses `created_at`.
 pub(crate) fn parse_created_at(s: &str) -> Option<OffsetDateTime> {
-    OffsetDateTime::parse(s, &Rfc3339).ok()
+    backstop_common::time::parse_rfc3339(s)
 }
 
 /// A payload name or disk id: 1–128 of `[A-Za-z0-9._-]`, not starting with a dot.

@@ -361,6 +361,34 @@ fn same_stream_again_adds_nothing() {
         .unwrap();
 }
 
+/// Where FastCDC cuts a fixed stream: pseudo-random data (content-defined cuts), a run of zeros
+/// (cuts forced at the 4 MiB maximum) and an odd-length tail. A fastcdc release that moved these
+/// would only cost dedup against the chunks already stored (an index names each chunk's length
+/// and digest, so old snapshots stay readable), but it must be a decision, not a surprise.
+#[test]
+fn chunk_boundaries_of_a_fixed_stream_are_pinned() {
+    let fx = Fixture::new();
+    let mut data = random_bytes(18, 9 * MIB);
+    data.resize(data.len() + 9 * MIB, 0);
+    data.extend_from_slice(&random_bytes(19, MIB + 12_345));
+    let m = fx.snapshot(&data, &[], "pinned boundaries");
+    let index = fs::read(fx.snap_dir(&m.snapshot_id).join("vmstate.index")).unwrap();
+    let lens: Vec<u64> = ChunkIndex::parse(&index)
+        .unwrap()
+        .chunks
+        .iter()
+        .map(|c| c.len)
+        .collect();
+    assert_eq!(lens.iter().sum::<u64>(), data.len() as u64);
+    assert_eq!(
+        lens,
+        [
+            975_997, 695_794, 567_976, 1_550_668, 308_557, 1_332_917, 951_367, 919_220, 1_257_729,
+            4_194_304, 4_194_304, 2_576_324, 410_132
+        ]
+    );
+}
+
 #[test]
 fn stream_with_ten_percent_changed_adds_a_small_fraction() {
     let fx = Fixture::new();

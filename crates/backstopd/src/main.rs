@@ -1,7 +1,6 @@
 //! backstopd: loads the config, starts one actor per VM under a supervisor, serves the control
 //! socket. Thin by design: every decision lives in `backstop-engine`.
 
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -562,7 +561,7 @@ fn permitted(role: backstop_control::Role, request: &Request) -> Result<(), Stri
 }
 
 /// One daemon per state directory: two would fight over the same VM and layers.
-fn lock_state_dir(dir: &std::path::Path) -> Result<std::fs::File, String> {
+fn lock_state_dir(dir: &std::path::Path) -> Result<nix::fcntl::Flock<std::fs::File>, String> {
     let path = dir.join("backstopd.lock");
     let f = std::fs::OpenOptions::new()
         .create(true)
@@ -570,13 +569,34 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<std::fs::File, String> {
         .write(true)
         .open(&path)
         .map_err(|e| format!("ERR_IO: {}: {e}", path.display()))?;
-    // SAFETY: flock on a descriptor we own; no memory is shared with the kernel.
-    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc != 0 {
-        return Err(format!(
+    nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|_| {
+        format!(
             "ERR_ALREADY_RUNNING: another backstopd holds {}",
             path.display()
-        ));
+        )
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// The state directory's lock is held for as long as its guard lives, and refuses a second
+    /// holder (flock locks belong to the open file, so a second open in this process conflicts
+    /// as another daemon's would).
+    #[test]
+    fn the_state_dir_lock_refuses_a_second_holder_until_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = lock_state_dir(dir.path()).unwrap();
+        let err = lock_state_dir(dir.path()).unwrap_err();
+        assert!(err.starts_with("ERR_ALREADY_RUNNING: "), "{err}");
+        assert!(err.contains("backstopd.lock"), "{err}");
+        drop(held);
+        lock_state_dir(dir.path()).unwrap();
+        let missing = dir.path().join("absent");
+        assert!(lock_state_dir(&missing)
+            .unwrap_err()
+            .starts_with("ERR_IO: "));
     }
-    Ok(f)
 }

@@ -507,14 +507,8 @@ fn write_record<T: Serialize>(path: &Path, value: &T) -> Result<(), PolicyError>
     backstop_common::durable::write_atomic(path, &bytes).map_err(|e| err(e.to_string()))
 }
 
-/// RFC 3339 of `t` with milliseconds (as everywhere else in the journal).
-pub(crate) fn rfc3339(t: OffsetDateTime) -> String {
-    backstop_common::time::rfc3339(t)
-}
-
-pub(crate) fn parse_time(s: &str) -> Option<OffsetDateTime> {
-    OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()
-}
+/// Times as the journal writes them (RFC 3339, UTC, milliseconds) and reads them back.
+pub(crate) use backstop_common::time::{parse_rfc3339 as parse_time, rfc3339};
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
