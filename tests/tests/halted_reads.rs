@@ -33,7 +33,7 @@ fn a_halted_vm_shows_and_verifies_its_snapshots_and_stays_halted() {
 
     // show: by a prefix, as everywhere else.
     let shown = d.ok(&["snapshot", "show", &id[..8]]);
-    assert_eq!(shown["snapshot_id"], id.as_str(), "{shown}");
+    assert_eq!(shown["summary"]["snapshot_id"], id.as_str(), "{shown}");
     // verify: every byte read (a full verification), journaled, nothing started.
     let verified = d.ok(&["snapshot", "verify", &id]);
     assert_eq!(verified["snapshot_id"], id.as_str(), "{verified}");
