@@ -187,8 +187,17 @@ fn vms_text(vms: &[VmSummary]) -> String {
         return "no VMs\n".into();
     }
     let mut text = format!(
-        "{:<20} {:<8} {:<16} {:>5} {:>9} {:>12} {:>10}\n",
-        "NAME", "BACKEND", "STATE", "EPOCH", "SNAPSHOTS", "NEWEST AGE", "HEARTBEAT"
+        "{:<20} {:<8} {:<16} {:>5} {:>9} {:>12} {:>10}  {:<22} {:<12} {}\n",
+        "NAME",
+        "BACKEND",
+        "STATE",
+        "EPOCH",
+        "SNAPSHOTS",
+        "NEWEST AGE",
+        "HEARTBEAT",
+        "LAST ROLLBACK",
+        "LINKS",
+        "DEVICES"
     );
     let now = time::OffsetDateTime::now_utc();
     for v in vms {
@@ -202,16 +211,55 @@ fn vms_text(vms: &[VmSummary]) -> String {
             .heartbeat_age_ms
             .map(|ms| format!("{:.1}s", ms as f64 / 1000.0))
             .unwrap_or_else(|| "-".into());
+        // "42s ago in 1.3s": how long ago it completed and how long it took.
+        let last_rollback = v
+            .last_rollback
+            .as_ref()
+            .map(|r| {
+                let ago = parse_rfc3339(&r.at)
+                    .map(|t| format!("{}s ago", (now - t).whole_seconds().max(0)))
+                    .unwrap_or_else(|| "?".into());
+                format!("{ago} in {:.1}s", r.duration_ms as f64 / 1000.0)
+            })
+            .unwrap_or_else(|| "-".into());
+        let links = if v.links.is_empty() {
+            "-".to_string()
+        } else {
+            v.links
+                .iter()
+                .map(|l| {
+                    let up = match l.up {
+                        Some(true) => "up",
+                        Some(false) => "down",
+                        None => "?",
+                    };
+                    format!("{}:{up}", clean(&l.nic))
+                })
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let devices = if v.granted_devices.is_empty() {
+            "-".to_string()
+        } else {
+            v.granted_devices
+                .iter()
+                .map(|d| clean(d))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         let _ = writeln!(
             text,
-            "{:<20} {:<8} {:<16} {:>5} {:>9} {:>12} {:>10}",
+            "{:<20} {:<8} {:<16} {:>5} {:>9} {:>12} {:>10}  {:<22} {:<12} {}",
             clean(&v.name),
             clean(&v.backend),
             clean(&v.state),
             v.epoch,
             v.snapshots,
             newest,
-            heartbeat
+            heartbeat,
+            last_rollback,
+            links,
+            devices
         );
         if let Some(r) = &v.reason {
             let _ = writeln!(text, "  {}: {}", clean(&v.name), clean(r));
@@ -1910,6 +1958,52 @@ mod tests {
     }
 
     #[test]
+    fn vms_shows_the_last_rollback_links_and_devices_on_the_vms_line() {
+        let at = time::OffsetDateTime::now_utc() - time::Duration::seconds(42);
+        let vm = VmSummary {
+            name: "web1".into(),
+            backend: "qemu".into(),
+            state: "running".into(),
+            epoch: 3,
+            snapshots: 4,
+            newest_snapshot_at: None,
+            heartbeat_age_ms: Some(200),
+            reason: None,
+            last_rollback: Some(backstop_control::LastRollbackView {
+                snapshot_id: "0123456789abcdef0123456789abcdef".into(),
+                at: backstop_common::time::rfc3339(at),
+                trigger: "watchdog".into(),
+                rollback_type: "emergency".into(),
+                duration_ms: 1_340,
+            }),
+            links: vec![
+                backstop_control::LinkView {
+                    nic: "net0".into(),
+                    up: Some(false),
+                },
+                backstop_control::LinkView {
+                    nic: "net1\x1b[2J".into(),
+                    up: None,
+                },
+            ],
+            granted_devices: vec!["usb0".into()],
+        };
+        let text = human(&Request::Vms, &Response::Vms { vms: vec![vm] });
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        assert!(lines[0].contains("LAST ROLLBACK") && lines[0].contains("LINKS"));
+        let row = lines[1];
+        assert!(row.contains("in 1.3s"), "{row}");
+        assert!(row.contains("s ago"), "{row}");
+        assert!(row.contains("net0:down,"), "{row}");
+        assert!(row.ends_with("usb0"), "{row}");
+        assert!(
+            !row.contains('\x1b'),
+            "a NIC name cannot drive the terminal: {row}"
+        );
+    }
+
+    #[test]
     fn vms_and_reload_are_one_line_each_and_say_why_a_vm_does_not_run() {
         let vms = vec![
             VmSummary {
@@ -1921,6 +2015,9 @@ mod tests {
                 newest_snapshot_at: None,
                 heartbeat_age_ms: Some(1500),
                 reason: None,
+                last_rollback: None,
+                links: Vec::new(),
+                granted_devices: Vec::new(),
             },
             VmSummary {
                 name: "bad".into(),
@@ -1931,6 +2028,9 @@ mod tests {
                 newest_snapshot_at: None,
                 heartbeat_age_ms: None,
                 reason: Some("ERR_CONFIG_INVALID: line\n2".into()),
+                last_rollback: None,
+                links: Vec::new(),
+                granted_devices: Vec::new(),
             },
         ];
         let text = human(&Request::Vms, &Response::Vms { vms });

@@ -917,6 +917,15 @@ pub struct VmSummary {
     /// Why it does not run (`config_invalid`, `start_failed`) or why it is HALTED.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// The last rollback: when, what set it off, how long it took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_rollback: Option<LastRollbackView>,
+    /// The guest's NIC links as it reads them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<LinkView>,
+    /// Devices granted to the guest now.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub granted_devices: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

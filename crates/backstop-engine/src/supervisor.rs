@@ -502,6 +502,9 @@ impl Supervisor {
                         newest_snapshot_at: s.newest_snapshot_at,
                         heartbeat_age_ms: s.heartbeat_age_ms,
                         reason: s.halted.map(|h| format!("{}: {}", h.code, h.reason)),
+                        last_rollback: s.last_rollback,
+                        links: s.links,
+                        granted_devices: s.granted_devices,
                     }
                 }
                 Member::Down {
@@ -518,6 +521,9 @@ impl Supervisor {
                     newest_snapshot_at: None,
                     heartbeat_age_ms: None,
                     reason: Some(format!("{code}: {reason}")),
+                    last_rollback: None,
+                    links: Vec::new(),
+                    granted_devices: Vec::new(),
                 },
             })
             .collect()
