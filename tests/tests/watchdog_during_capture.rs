@@ -71,19 +71,7 @@ fn a_guest_that_hangs_during_a_slow_capture_is_rolled_back_within_the_heartbeat_
     let baseline = before[0]["snapshot_id"].as_str().unwrap().to_string();
 
     // A console snapshot whose capture stalls for a minute once 1 MiB of state is read.
-    let create = std::process::Command::new(bin("backstop"))
-        .arg("--socket")
-        .arg(d.socket())
-        .args(["--json", "snapshot", "create", "--reason", "slow capture"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let tmp = d.state_dir().join("store/tmp");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::fs::read_dir(&tmp).map(|r| r.count()).unwrap_or(0) == 0 {
-        assert!(Instant::now() < deadline, "capture never started");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let create = start_slow_capture(&d);
     // The guest was still heartbeating when the capture began: the hang comes during it.
     assert!(
         !d.serial().contains("BACKSTOP agent heartbeats stopped"),
@@ -180,6 +168,7 @@ fn a_guest_that_hangs_during_a_slow_capture_is_rolled_back_within_the_heartbeat_
         "an abandoned capture was published: {after:?}"
     );
     assert_eq!(after[0]["snapshot_id"], baseline.as_str());
+    let tmp = d.state_dir().join("store/tmp");
     let deadline = Instant::now() + Duration::from_secs(10);
     while std::fs::read_dir(&tmp).map(|r| r.count()).unwrap_or(0) > 0 {
         assert!(
@@ -235,19 +224,7 @@ fn an_i6300esb_that_fires_during_a_slow_capture_is_rolled_back_without_waiting_f
         e["event"] == "snapshot.create.completed"
     });
     assert!(d.serial().contains("BACKSTOP watchdog armed"));
-    let create = std::process::Command::new(bin("backstop"))
-        .arg("--socket")
-        .arg(d.socket())
-        .args(["--json", "snapshot", "create", "--reason", "slow capture"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let tmp = d.state_dir().join("store/tmp");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while std::fs::read_dir(&tmp).map(|r| r.count()).unwrap_or(0) == 0 {
-        assert!(Instant::now() < deadline, "capture never started");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let create = start_slow_capture(&d);
     assert!(
         !d.serial().contains("BACKSTOP watchdog stopped"),
         "the kicker stopped before the capture began (raise HANG_AT_UPTIME_S)"
@@ -295,4 +272,23 @@ fn an_i6300esb_that_fires_during_a_slow_capture_is_rolled_back_without_waiting_f
     let v = d.ok(&["audit", "verify"]);
     assert_eq!(v["first_bad"], Value::Null, "{v}");
     d.kill9();
+}
+
+/// Starts a console snapshot (its capture stalls: the daemon runs with the stall fault) and
+/// returns once its build directory exists, i.e. the capture began.
+fn start_slow_capture(d: &Daemon) -> std::process::Child {
+    let create = std::process::Command::new(bin("backstop"))
+        .arg("--socket")
+        .arg(d.socket())
+        .args(["--json", "snapshot", "create", "--reason", "slow capture"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let tmp = d.state_dir().join("store/tmp");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::fs::read_dir(&tmp).map(|r| r.count()).unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "capture never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    create
 }
