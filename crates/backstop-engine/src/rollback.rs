@@ -663,6 +663,19 @@ impl VmActor {
         if !resume {
             let _ = self.backend.notify_epoch(self.vm.epoch);
         }
+        // The operator chose to have the network back at once (`vm.links_after_rollback`).
+        if self.cfg.vm.links_after_rollback == crate::config::LinksAfterRollback::Up {
+            for nic in self.cfg.vm.all_nics() {
+                let spec = backstop_hypervisor::GrantSpec {
+                    id: nic.clone(),
+                    kind: backstop_hypervisor::GrantKind::NicLink { nic: nic.clone() },
+                };
+                revoked.push(match self.backend.grant_device(&spec) {
+                    Ok(_) => format!("{nic}: link up again (vm.links_after_rollback = \"up\")"),
+                    Err(e) => format!("{nic}: link stays down ({e})"),
+                });
+            }
+        }
         clock.done("resume");
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
         Ok((revoked, restore_ms.max(rr.load_ms), forensic))

@@ -407,6 +407,12 @@ pub struct VmConfig {
     pub append: String,
     #[serde(default)]
     pub nics: Vec<String>,
+    /// What a rollback leaves of the guest's network: `down` (default: every NIC's link stays
+    /// down until a person runs `device grant NIC`) or `up` (the links come back as soon as the
+    /// restored guest runs; the rollback's record says so). Passthrough devices never come back
+    /// by themselves.
+    #[serde(default)]
+    pub links_after_rollback: LinksAfterRollback,
     #[serde(default)]
     pub watchdog_device: bool,
     /// Where heartbeats come from: `backstop-agent` (default: `HB <n>` lines on
@@ -494,6 +500,15 @@ fn default_qemu() -> PathBuf {
 fn default_qemu_img() -> PathBuf {
     "qemu-img".into()
 }
+/// `vm.links_after_rollback`: whether NIC links come back by themselves after a rollback.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinksAfterRollback {
+    #[default]
+    Down,
+    Up,
+}
+
 /// The VM's firmware.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -423,3 +423,20 @@ fn the_drift_table_has_defaults_bounds_and_no_stranger_keys() {
     let err = Config::parse(&with("enabled = false")).unwrap_err();
     assert!(err.to_string().contains("drift.enabled"), "{err}");
 }
+
+#[test]
+fn links_after_rollback_is_down_unless_a_person_says_up() {
+    let with = |extra: &str| {
+        DEFAULT_CONFIG.replace("memory_mib = 256", &format!("memory_mib = 256\n{extra}"))
+    };
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert_eq!(cfg.vm.links_after_rollback, LinksAfterRollback::Down);
+    let cfg = Config::parse(&with("links_after_rollback = \"up\"")).unwrap();
+    assert_eq!(cfg.vm.links_after_rollback, LinksAfterRollback::Up);
+    for bad in ["\"sideways\"", "true", "\"UP\""] {
+        let err = Config::parse(&with(&format!("links_after_rollback = {bad}")))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("links_after_rollback"), "{bad}: {err}");
+    }
+}
