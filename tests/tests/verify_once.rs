@@ -41,15 +41,6 @@ fn a_rollback_trusts_only_what_was_checked_and_is_unchanged() {
     assert_eq!(bytes(&first, "bytes_read"), 0, "{first}");
     let size = bytes(&first, "bytes_trusted");
     assert!(size > 1 << 20, "{first}");
-    // The state was read (and re-checked) into memory while the old VM ended, and QEMU loaded
-    // it from there rather than from a pipe.
-    let completed = d
-        .journal()
-        .into_iter()
-        .rev()
-        .find(|e| e["event"] == "rollback.completed")
-        .unwrap();
-    assert_eq!(completed["fields"]["state_load"], "staged", "{completed}");
 
     // 2. `snapshot verify` reads every byte, whatever was checked before.
     let full = d.ok(&["snapshot", "verify", &id]);

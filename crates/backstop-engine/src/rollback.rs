@@ -227,7 +227,7 @@ impl VmActor {
 
         // 2.-5. Any failure from here on halts.
         match self.replace_vm(ctx, &target, resume, &mut clock) {
-            Ok((revoked, restore_ms, forensic, state_load)) => {
+            Ok((revoked, restore_ms, forensic)) => {
                 let report = RollbackReport {
                     snapshot_id: snapshot_id.clone(),
                     rollback_type: rollback_type.as_str().into(),
@@ -249,7 +249,7 @@ impl VmActor {
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "ok",
                     "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
                     "timestamp": now_rfc3339(), "revoked": report.revoked, "epoch": report.epoch,
-                    "total_ms": report.total_ms, "phases_ms": clock.as_json(), "state_load": state_load,
+                    "total_ms": report.total_ms, "phases_ms": clock.as_json(),
                     "forensic_snapshot_id": forensic,
                 }))?;
                 self.mark_rolled_back(&snapshot_id, rollback_type, &trace);
@@ -495,9 +495,6 @@ impl VmActor {
         // The fresh overlays on the target's layers do not depend on the old VM: they are made
         // on another thread while it is revoked and ended (issue 21: `qemu-img create` costs
         // ~40 ms per disk), and waited for before anything uses them or anything fails.
-        // Meanwhile the state is read from the store (every chunk re-checked) into memory, so
-        // QEMU can load it as from a flat file instead of waiting on a pipe (issue 21).
-        let staging = self.start_staging(target);
         let mut planned = Vec::new();
         for (id, chain) in manifest_chains(target) {
             let Some(top) = chain.last().cloned() else {
@@ -569,37 +566,71 @@ impl VmActor {
             .map_err(|e| ("launch fresh vm", e.to_string()))?;
         clock.done("launch");
         let load_started = Instant::now();
-        let staged = match staging.map(|h| {
-            h.join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("the staging thread panicked")))
-        }) {
-            None => None,
-            Some(Ok(file)) => Some(file),
-            // A chunk changed since it was verified: no load (the old VM is already ended).
-            Some(Err(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
-                return Err(("read state", e.to_string()));
+        let mut sink = self
+            .backend
+            .begin_restore()
+            .map_err(|e| ("start state load", e.to_string()))?;
+        if self.fault == Some(Fault::KillDuringRestoreLoad) {
+            if let Some(pid) = self.backend.pid() {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
             }
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "could not stage the state in memory: streaming it");
-                None
-            }
-        };
-        if let Some(file) = &staged {
-            self.backend
-                .restore_from_file(file)
-                .map_err(|e| ("start state load", e.to_string()))?;
-            self.fault_kill_during_load();
-        } else {
-            self.stream_state(ctx, target)?;
         }
+        let payload = self
+            .store
+            .open_payload(target, "vmstate")
+            .map_err(|e| ("open state", e.to_string()))?;
+        // One thread reads (and re-checks) chunks while this one feeds QEMU, so reading the
+        // store and QEMU's loading overlap instead of taking turns.
+        // The buffers go round between the two (allocated once: a fresh zeroed MiB per step
+        // cost a page fault per 4 KiB of the stream).
+        std::thread::scope(|scope| -> Result<(), (&'static str, String)> {
+            const BUFFERS: usize = 8;
+            let (tx, rx) = std::sync::mpsc::sync_channel::<std::io::Result<Vec<u8>>>(BUFFERS);
+            let (give_back, take_back) = std::sync::mpsc::channel::<Vec<u8>>();
+            for _ in 0..BUFFERS {
+                let _ = give_back.send(vec![0u8; 1 << 20]);
+            }
+            scope.spawn(move || {
+                let mut payload = payload;
+                // The receiver hung up (the load failed): no buffer comes back; stop reading.
+                while let Ok(mut buf) = take_back.recv() {
+                    buf.resize(1 << 20, 0);
+                    let item = read_full(&mut payload, &mut buf).map(|n| {
+                        buf.truncate(n);
+                        buf
+                    });
+                    let end = matches!(&item, Ok(b) if b.is_empty()) || item.is_err();
+                    if tx.send(item).is_err() || end {
+                        return;
+                    }
+                }
+            });
+            let mut done = 0u64;
+            for item in rx {
+                let buf = item.map_err(|e| ("read state", e.to_string()))?;
+                if buf.is_empty() {
+                    break;
+                }
+                sink.write_all(&buf)
+                    .map_err(|e| ("load state", e.to_string()))?;
+                done += buf.len() as u64;
+                if done % (64 << 20) < buf.len() as u64 {
+                    ctx.step("restore", "loading RAM and device state", Some(done));
+                }
+                let _ = give_back.send(buf);
+            }
+            Ok(())
+        })?;
+        sink.flush().map_err(|e| ("load state", e.to_string()))?;
+        drop(sink);
         clock.done("load");
         let rr = self
             .backend
             .finish_restore()
             .map_err(|e| ("check restored vm", e.to_string()))?;
-        // QEMU read it through its own descriptor: the memory goes with ours.
-        let staged_load = staged.is_some();
-        drop(staged);
         clock.done("check");
         let restore_ms = load_started.elapsed().as_millis() as u64;
         if !self.cfg.vm.all_nics().is_empty() {
@@ -647,8 +678,7 @@ impl VmActor {
         }
         clock.done("resume");
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
-        let state_load = if staged_load { "staged" } else { "streamed" };
-        Ok((revoked, restore_ms.max(rr.load_ms), forensic, state_load))
+        Ok((revoked, restore_ms.max(rr.load_ms), forensic))
     }
 }
 
@@ -701,134 +731,6 @@ impl VmActor {
     }
 }
 
-impl VmActor {
-    /// Starts reading the target's state into memory (an anonymous memfd) on another thread,
-    /// every chunk re-checked as it is read, for a backend that can load from a file. `None`
-    /// (stream it at load time instead) when the backend cannot, or when the state is more than
-    /// half the host's available memory.
-    fn start_staging(
-        &self,
-        target: &VerifiedSnapshot,
-    ) -> Option<std::thread::JoinHandle<std::io::Result<std::fs::File>>> {
-        if !self.backend.restores_from_file() {
-            return None;
-        }
-        let payload = self.store.open_payload(target, "vmstate").ok()?;
-        let total = payload.total_bytes();
-        let available = available_memory_bytes()?;
-        if total > available / 2 {
-            tracing::info!(
-                total,
-                available,
-                "state larger than half the free memory: streaming it"
-            );
-            return None;
-        }
-        Some(std::thread::spawn(move || stage_state(payload)))
-    }
-
-    /// Test-only fault: QEMU dies just as it starts loading.
-    fn fault_kill_during_load(&self) {
-        if self.fault == Some(Fault::KillDuringRestoreLoad) {
-            if let Some(pid) = self.backend.pid() {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-        }
-    }
-
-    /// Streams the target's state into the fresh QEMU through a pipe (a backend that cannot
-    /// load from a file, or no memory to stage it).
-    fn stream_state(
-        &mut self,
-        ctx: &mut Ctx,
-        target: &VerifiedSnapshot,
-    ) -> Result<(), (&'static str, String)> {
-        let mut sink = self
-            .backend
-            .begin_restore()
-            .map_err(|e| ("start state load", e.to_string()))?;
-        self.fault_kill_during_load();
-        let payload = self
-            .store
-            .open_payload(target, "vmstate")
-            .map_err(|e| ("open state", e.to_string()))?;
-        // One thread reads (and re-checks) chunks while this one feeds QEMU, so reading the
-        // store and QEMU's loading overlap instead of taking turns.
-        // The buffers go round between the two (allocated once: a fresh zeroed MiB per step
-        // cost a page fault per 4 KiB of the stream).
-        std::thread::scope(|scope| -> Result<(), (&'static str, String)> {
-            const BUFFERS: usize = 8;
-            let (tx, rx) = std::sync::mpsc::sync_channel::<std::io::Result<Vec<u8>>>(BUFFERS);
-            let (give_back, take_back) = std::sync::mpsc::channel::<Vec<u8>>();
-            for _ in 0..BUFFERS {
-                let _ = give_back.send(vec![0u8; 1 << 20]);
-            }
-            scope.spawn(move || {
-                let mut payload = payload;
-                // The receiver hung up (the load failed): no buffer comes back; stop reading.
-                while let Ok(mut buf) = take_back.recv() {
-                    buf.resize(1 << 20, 0);
-                    let item = read_full(&mut payload, &mut buf).map(|n| {
-                        buf.truncate(n);
-                        buf
-                    });
-                    let end = matches!(&item, Ok(b) if b.is_empty()) || item.is_err();
-                    if tx.send(item).is_err() || end {
-                        return;
-                    }
-                }
-            });
-            let mut done = 0u64;
-            for item in rx {
-                let buf = item.map_err(|e| ("read state", e.to_string()))?;
-                if buf.is_empty() {
-                    break;
-                }
-                sink.write_all(&buf)
-                    .map_err(|e| ("load state", e.to_string()))?;
-                done += buf.len() as u64;
-                if done % (64 << 20) < buf.len() as u64 {
-                    ctx.step("restore", "loading RAM and device state", Some(done));
-                }
-                let _ = give_back.send(buf);
-            }
-            Ok(())
-        })?;
-        sink.flush().map_err(|e| ("load state", e.to_string()))?;
-        drop(sink);
-        Ok(())
-    }
-}
-
-/// Reads the whole state into an anonymous memory file; an `InvalidData` error is a chunk that
-/// changed since it was verified.
-fn stage_state(mut payload: backstop_store::PayloadReader) -> std::io::Result<std::fs::File> {
-    use std::io::Write as _;
-    let fd =
-        nix::sys::memfd::memfd_create(c"backstop-restore", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
-            .map_err(std::io::Error::from)?;
-    let mut file = std::fs::File::from(fd);
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = read_full(&mut payload, &mut buf)?;
-        if n == 0 {
-            return Ok(file);
-        }
-        file.write_all(&buf[..n])?;
-    }
-}
-
-/// `MemAvailable` of /proc/meminfo, in bytes.
-fn available_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
-
 /// How much of a snapshot a verification reads again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verify {
@@ -839,9 +741,8 @@ pub(crate) enum Verify {
     ForRollback,
 }
 
-/// What replacing the VM did: revocations, the restore time, the forensic snapshot kept,
-/// and how the state reached QEMU (`staged` in memory, or `streamed` through a pipe).
-type Replaced = (Vec<String>, u64, Option<String>, &'static str);
+/// What replacing the VM did: revocations, the restore time, the forensic snapshot kept.
+type Replaced = (Vec<String>, u64, Option<String>);
 
 /// Whether `created_at` is strictly before `bound` (both RFC 3339); an unreadable time is not.
 pub(crate) fn created_before(created_at: &str, bound: &str) -> bool {

@@ -259,20 +259,6 @@ pub trait VmBackend: Send {
     /// On a VM launched with [`BootMode::Incoming`]: returns the sink to write the captured
     /// state into. Close (drop) it at the end of the stream.
     fn begin_restore(&mut self) -> Result<Box<dyn Write + Send>>;
-    /// Whether [`VmBackend::restore_from_file`] works here (else only the stream does).
-    fn restores_from_file(&self) -> bool {
-        false
-    }
-    /// On a VM launched with [`BootMode::Incoming`]: starts loading the state from `file`,
-    /// which holds the whole stream, already checked (the hypervisor reads it at its own pace,
-    /// as from a flat file, instead of waiting on a pipe). Then [`VmBackend::finish_restore`].
-    fn restore_from_file(&mut self, file: &std::fs::File) -> Result<()> {
-        let _ = file;
-        Err(BackendError::Command {
-            step: "restore",
-            message: format!("the {} backend loads state from a stream only", self.kind()),
-        })
-    }
     /// Waits for the load to complete and checks the result: paused, no grantable device,
     /// shape matches. Leaves the VM paused.
     fn finish_restore(&mut self) -> Result<RestoreReport>;

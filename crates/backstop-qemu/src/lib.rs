@@ -1110,35 +1110,6 @@ impl VmBackend for QemuBackend {
         Ok(Box::new(writer))
     }
 
-    fn restores_from_file(&self) -> bool {
-        true
-    }
-
-    fn restore_from_file(&mut self, file: &std::fs::File) -> Result<()> {
-        let t = self.cfg.qmp_timeout;
-        // QEMU reads from the descriptor's offset: the stager left it at the end.
-        nix::unistd::lseek(file, 0, nix::unistd::Whence::SeekSet).map_err(|e| {
-            BackendError::Command {
-                step: "restore",
-                message: format!("rewind the staged state: {e}"),
-            }
-        })?;
-        let r = self.running_mut("restore")?;
-        r.qmp.execute_with_fd(
-            "getfd",
-            Some(json!({"fdname": "backstop-restore"})),
-            Some(file.as_raw_fd()),
-            t,
-        )?;
-        r.qmp.execute(
-            "migrate-incoming",
-            Some(json!({"uri": "fd:backstop-restore"})),
-            t,
-        )?;
-        r.restore = Some(Instant::now());
-        Ok(())
-    }
-
     fn finish_restore(&mut self) -> Result<RestoreReport> {
         let t = self.cfg.qmp_timeout;
         let nics = self.cfg.nics.clone();
