@@ -205,6 +205,9 @@ fn prune_collects_the_layers_rollbacks_and_crashes_abandon_and_nothing_needed() 
     assert_eq!(d.ok(&["snapshot", "prune"])["layers_removed"], 0);
     let from = d.serial_len();
     d.wait_tick(from, 0, Duration::from_secs(60));
+    // The guest gets past point a before the stop, so that the final snapshot can be told from
+    // it below (a restore, prune and verify that are quick leave it no time otherwise).
+    d.wait_tick(from, a_ram + 2, Duration::from_secs(60));
     // A clean restart reopens the running chain (the final snapshot is taken of it), and a
     // rollback restores that snapshot, whose chain is the one the guest ran on during the prune.
     let ram_before_stop = parse_ticks(&d.serial()).last().unwrap().ram;
