@@ -29,8 +29,7 @@ fn marked(d: &Daemon) -> Vec<String> {
         .as_array()
         .unwrap()
         .iter()
-        // (A rollback's forensic snapshot descends from where the VM stood: left behind too.)
-        .filter(|s| s.get("rolled_back").is_some() && s["trigger"] != "forensic")
+        .filter(|s| s.get("rolled_back").is_some())
         .map(|s| s["snapshot_id"].as_str().unwrap().to_string())
         .collect()
 }

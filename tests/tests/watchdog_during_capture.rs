@@ -41,30 +41,16 @@ fn a_guest_that_hangs_during_a_slow_capture_is_rolled_back_within_the_heartbeat_
     ) {
         return;
     }
-    let stall = format!("capture.stall={STALL_S}");
-    let flags = format!("backstop.hb_stop_at={HANG_AT_UPTIME_S}");
-    let wd = format!("[watchdog]\nheartbeat_timeout_s = {TIMEOUT_S}\nboot_grace_s = 60\n");
-    let mut d = Daemon::start_opts(
+    let mut d = start_stalling(
         "wdcapture",
-        &Options {
-            guest_flags: &flags,
-            extra_toml: &wd,
-            env: &[("BACKSTOP_FAULT_INJECT", stall.as_str())],
-            ..Options::default()
-        },
+        &format!("backstop.hb_stop_at={HANG_AT_UPTIME_S}"),
     );
-    d.wait_tick(0, 1, Duration::from_secs(90));
-    d.wait_journal(Duration::from_secs(90), "baseline", |e| {
-        e["event"] == "snapshot.create.completed"
-    });
+    // (Forensic snapshots are not listed.)
     let line = |d: &Daemon| -> Vec<Value> {
         d.ok(&["snapshot", "list"])["snapshots"]
             .as_array()
             .unwrap()
-            .iter()
-            .filter(|s| s["trigger"] != "forensic")
-            .cloned()
-            .collect()
+            .clone()
     };
     let before = line(&d);
     assert_eq!(before.len(), 1, "only the baseline: {before:?}");
@@ -205,24 +191,12 @@ fn an_i6300esb_that_fires_during_a_slow_capture_is_rolled_back_without_waiting_f
         return;
     }
     const WD_TIMEOUT_S: u64 = 3;
-    let stall = format!("capture.stall={STALL_S}");
-    let flags = format!(
-        "backstop.watchdog=1 backstop.wd_timeout={WD_TIMEOUT_S} backstop.wd_stop_at={HANG_AT_UPTIME_S}"
-    );
-    let wd = format!("[watchdog]\nheartbeat_timeout_s = {TIMEOUT_S}\nboot_grace_s = 60\n");
-    let mut d = Daemon::start_opts(
+    let mut d = start_stalling(
         "wdcapesb",
-        &Options {
-            guest_flags: &flags,
-            extra_toml: &wd,
-            env: &[("BACKSTOP_FAULT_INJECT", stall.as_str())],
-            ..Options::default()
-        },
+        &format!(
+            "backstop.watchdog=1 backstop.wd_timeout={WD_TIMEOUT_S} backstop.wd_stop_at={HANG_AT_UPTIME_S}"
+        ),
     );
-    d.wait_tick(0, 1, Duration::from_secs(90));
-    d.wait_journal(Duration::from_secs(90), "baseline", |e| {
-        e["event"] == "snapshot.create.completed"
-    });
     assert!(d.serial().contains("BACKSTOP watchdog armed"));
     let create = start_slow_capture(&d);
     assert!(
@@ -291,4 +265,26 @@ fn start_slow_capture(d: &Daemon) -> std::process::Child {
         std::thread::sleep(Duration::from_millis(50));
     }
     create
+}
+
+/// A daemon whose non-baseline captures stall for `STALL_S`, with the heartbeat timeout of these
+/// tests and a long boot grace, its guest booted with `guest_flags`; returns once the baseline
+/// snapshot is published.
+fn start_stalling(name: &str, guest_flags: &str) -> Daemon {
+    let stall = format!("capture.stall={STALL_S}");
+    let wd = format!("[watchdog]\nheartbeat_timeout_s = {TIMEOUT_S}\nboot_grace_s = 60\n");
+    let d = Daemon::start_opts(
+        name,
+        &Options {
+            guest_flags,
+            extra_toml: &wd,
+            env: &[("BACKSTOP_FAULT_INJECT", stall.as_str())],
+            ..Options::default()
+        },
+    );
+    d.wait_tick(0, 1, Duration::from_secs(90));
+    d.wait_journal(Duration::from_secs(90), "baseline", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    d
 }

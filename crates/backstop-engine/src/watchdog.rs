@@ -258,9 +258,11 @@ impl VmActor {
         let trigger = from_events.or_else(|| {
             during_capture
                 .or_else(|| {
-                    (!self.guest_paused)
-                        .then(|| self.heartbeat_expired())
-                        .flatten()
+                    if self.guest_paused {
+                        None
+                    } else {
+                        self.heartbeat_expired()
+                    }
                 })
                 .map(|r| (TriggerKind::WatchdogTimeout, r))
         });

@@ -1,6 +1,7 @@
 //! The snapshot store: content-addressed, checksummed chunks shared by all snapshots, one signed
-//! manifest per snapshot, atomic publication by a single directory rename, and full verification
-//! before anything is trusted. It knows nothing of hypervisors: a snapshot is a set of named
+//! manifest per snapshot, atomic publication by a single directory rename, and verification
+//! before anything is trusted (a rollback's may skip files this process already checked and
+//! that are unchanged since: `checked.rs`). It knows nothing of hypervisors: a snapshot is a set of named
 //! payloads (a chunked RAM/device stream, disk layer chains living outside the store) plus the
 //! caller's metadata.
 //!
@@ -676,7 +677,6 @@ impl Store {
             source,
         })?;
         if trust == Trust::Checked
-            && meta.len() == chunk.len
             && self
                 .paths
                 .checked
@@ -725,12 +725,10 @@ impl Store {
     ) -> Result<Checked, StoreError> {
         let checked = &self.paths.checked;
         if trust == Trust::Checked {
-            if let Ok(meta) = fs::metadata(&layer.path) {
-                if meta.len() == layer.bytes
-                    && checked.unchanged(&layer.path, &meta, &layer.sha256, &layer.crc32)
-                {
-                    return Ok(Checked::Trusted);
-                }
+            let unchanged = fs::metadata(&layer.path)
+                .is_ok_and(|m| checked.unchanged(&layer.path, &m, &layer.sha256, &layer.crc32));
+            if unchanged {
+                return Ok(Checked::Trusted);
             }
         }
         checked.forget(&layer.path);

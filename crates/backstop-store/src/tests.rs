@@ -1317,6 +1317,7 @@ fn what_the_builder_wrote_is_trusted_until_a_file_changes() {
 
     // A chunk changed behind the store's back (same length): read again, and it fails.
     let chunk = fx.first_chunk(id);
+    std::thread::sleep(std::time::Duration::from_millis(20)); // a later clock tick (checked.rs)
     flip_byte(&fx.chunk_file(&chunk.sha256), 7);
     let err = verify_trusting(&fx, id).unwrap_err();
     assert_code(&err, INTEGRITY);
@@ -1345,6 +1346,7 @@ fn a_layer_rewritten_in_place_is_read_again_and_fails() {
         .unwrap()
         .path
         .clone();
+    std::thread::sleep(std::time::Duration::from_millis(20)); // a later clock tick (checked.rs)
     flip_byte(&layer, 1_000);
     let err = verify_trusting(&fx, id).unwrap_err();
     assert_code(&err, INTEGRITY);
@@ -1463,7 +1465,9 @@ fn a_disk_layer_seen_before_and_unchanged_is_not_read_again_by_the_next_snapshot
             .clone()
     };
     assert_eq!(digest(&m1), digest(&m2));
-    // Changed in place: read again, and the new digest is recorded.
+    // Changed in place: read again, and the new digest is recorded. (Not within the same
+    // coarse clock tick as the recording: see checked.rs.)
+    std::thread::sleep(std::time::Duration::from_millis(20));
     flip_byte(&base, 5);
     let (third, m3) = during(&fx, "third");
     assert!(third >= 4, "a changed layer is read: {third}");
