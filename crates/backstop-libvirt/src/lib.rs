@@ -28,7 +28,9 @@
 //! The parts that need no libvirt (XML checks and rewrites, the save-image framing) always
 //! build; the backend itself needs the cargo feature `libvirt` (libvirt-dev at build time).
 
+pub mod device_xml;
 pub mod domain_xml;
+pub mod events;
 pub mod save_image;
 
 #[cfg(feature = "libvirt")]
