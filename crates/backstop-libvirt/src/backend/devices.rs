@@ -18,7 +18,7 @@ use tracing::{info, warn};
 use virt::domain::Domain;
 use virt::sys;
 
-use super::{cmd_err, qmp_on, LibvirtBackend};
+use super::{cmd_err, qmp_on, LibvirtBackend, EVENT_GRACE};
 use crate::device_xml::{self, LiveDevice};
 use crate::events::DomainEvent;
 
@@ -76,8 +76,9 @@ impl LibvirtBackend {
     }
 
     /// Waits up to `bound` for each alias to leave the domain: its `DEVICE_REMOVED` event, or
-    /// its absence from the live XML (read every [`XML_POLL`]). Other events read meanwhile
-    /// are kept for `poll_events`.
+    /// its absence from the live XML (read every [`XML_POLL`]; the event, usually a moment
+    /// behind, is still awaited for [`EVENT_GRACE`] so the report says which). Other events
+    /// read meanwhile are kept for `poll_events`.
     pub(super) fn wait_removed(&mut self, aliases: &[String], bound: Duration) -> Vec<Seen> {
         let started = Instant::now();
         let deadline = started + bound;
@@ -89,25 +90,46 @@ impl LibvirtBackend {
                     .then_some(Seen::Event(Duration::ZERO))
             })
             .collect();
+        let mut xml_gone: Vec<Option<Instant>> = vec![None; aliases.len()];
         let mut next_xml = started;
         let mut held = Vec::new();
-        while seen.iter().any(Option::is_none) {
+        loop {
             let now = Instant::now();
+            for (s, gone) in seen.iter_mut().zip(&xml_gone) {
+                if let (None, Some(t)) = (&s, gone) {
+                    if now >= *t + EVENT_GRACE || now >= deadline {
+                        *s = Some(Seen::LiveXml(*t - started));
+                    }
+                }
+            }
+            if seen.iter().all(Option::is_some) || now >= deadline {
+                break;
+            }
             if now >= next_xml {
                 next_xml = now + XML_POLL;
                 if let Ok(live) = self.live_xml("wait for removal") {
                     for (i, a) in aliases.iter().enumerate() {
-                        if seen[i].is_none() && device_xml::find_alias(&live, a).is_none() {
-                            seen[i] = Some(Seen::LiveXml(started.elapsed()));
+                        if seen[i].is_none()
+                            && xml_gone[i].is_none()
+                            && device_xml::find_alias(&live, a).is_none()
+                        {
+                            xml_gone[i] = Some(Instant::now());
                         }
                     }
                 }
                 continue;
             }
-            if now >= deadline {
-                break;
-            }
-            let wait = deadline.min(next_xml).saturating_duration_since(now);
+            let grace_end = xml_gone
+                .iter()
+                .zip(&seen)
+                .filter(|(_, s)| s.is_none())
+                .filter_map(|(g, _)| g.map(|t| t + EVENT_GRACE))
+                .min()
+                .unwrap_or(deadline);
+            let wait = deadline
+                .min(next_xml)
+                .min(grace_end)
+                .saturating_duration_since(now);
             match self.events.next(wait) {
                 Some(DomainEvent::DeviceRemoved { alias }) => {
                     match aliases.iter().position(|a| *a == alias) {
@@ -243,13 +265,19 @@ impl LibvirtBackend {
         }
         let alias = self.grant_alias_of(spec);
         // Events read now (a DEVICE_REMOVED among them) are noted; never asks again.
-        if let Seen::Event(_) | Seen::LiveXml(_) = self
-            .wait_removed(std::slice::from_ref(&alias), Duration::ZERO)
-            .pop()
-            .unwrap_or(Seen::NotReleased)
+        self.drain_events_keeping();
+        let by_event = self.removed.remove(&alias);
+        if by_event || device_xml::find_alias(&self.live_xml("check revocation")?, &alias).is_none()
         {
             self.grants.remove(&spec.id);
-            return Ok(Release::Released(format!("{alias} removed")));
+            return Ok(Release::Released(format!(
+                "{alias} removed ({})",
+                if by_event {
+                    "DEVICE_REMOVED"
+                } else {
+                    "gone from the live XML"
+                }
+            )));
         }
         Ok(Release::Pending(format!("{alias} still in the live XML")))
     }

@@ -26,6 +26,14 @@ impl LibvirtBackend {
         heard
     }
 
+    /// From a revocation's check between ticks: `DEVICE_REMOVED` noted, the other events kept
+    /// for `poll_events`.
+    pub(super) fn drain_events_keeping(&mut self) {
+        for ev in self.drain_events() {
+            self.events.hold(ev);
+        }
+    }
+
     fn note(&mut self, ev: DomainEvent, heard: &mut Vec<DomainEvent>) {
         match ev {
             DomainEvent::DeviceRemoved { alias } => {
