@@ -1121,3 +1121,280 @@ fn libvirt_an_unkicked_i6300esb_rolls_the_adopted_domain_back() {
     d.ok(&["audit", "verify"]);
     d.kill9();
 }
+
+/// Two devices granted through libvirt (issue 14 item 4): emulated USB input devices, hot-plugged
+/// into the default `qemu-xhci` controller libvirt gives a q35 domain (no USB host device exists
+/// in these containers).
+const LIBVIRT_DEVICES: &str = r#"
+[[devices]]
+id = "tablet"
+class = "usb"
+max_lease_s = 600
+release_timeout_s = 10
+libvirt = { xml = "<input type='tablet' bus='usb'/>" }
+
+[[devices]]
+id = "kbd"
+class = "usb"
+max_lease_s = 600
+libvirt = { xml = "<input type='keyboard' bus='usb'/>" }
+"#;
+
+/// QEMU's own view through libvirt's monitor passthrough: the USB devices (`info usb`, one
+/// line each with its id) and the devices added by id (`qom-list /machine/peripheral`).
+fn qemu_usb_and_peripherals(dom: &TestDomain) -> (String, String) {
+    let usb = virsh_text(&["qemu-monitor-command", &dom.name, "--hmp", "info usb"]);
+    let per = virsh_text(&[
+        "qemu-monitor-command",
+        &dom.name,
+        r#"{"execute":"qom-list","arguments":{"path":"/machine/peripheral"}}"#,
+    ]);
+    (usb, per)
+}
+
+#[test]
+fn libvirt_a_granted_usb_device_is_gone_after_rollback_and_after_revoke() {
+    let test = "libvirt_a_granted_usb_device_is_gone_after_rollback_and_after_revoke";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    let dom = TestDomain::start("bs-e2e-dev", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    // The hot-plug target: libvirt's default USB controller of a q35 domain.
+    let live = virsh_text(&["dumpxml", &dom.name]);
+    assert!(
+        live.contains("<controller type='usb' index='0' model='qemu-xhci'>"),
+        "{live}"
+    );
+    let (name, l2) = (dom.name.clone(), dom.layers());
+    let mut d = Daemon::prepare_custom(
+        "lv-dev",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2) + LIBVIRT_DEVICES,
+        &[],
+    );
+    d.launch();
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    let list = d.ok(&["device", "list"]);
+    let sources: Vec<&str> = list["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["source"].as_str().unwrap())
+        .collect();
+    assert_eq!(sources, ["libvirt <input>", "libvirt <input>"], "{list}");
+
+    // A console grant and a console revoke: the keyboard comes and goes, as libvirt and QEMU
+    // see it; the revoke waits for libvirt's DEVICE_REMOVED.
+    let g = d.ok(&["device", "grant", "kbd", "--reason", "e2e: usb keyboard"]);
+    eprintln!("grant kbd: {}", g["changed"]);
+    assert!(
+        g["changed"][0]
+            .as_str()
+            .unwrap()
+            .contains("attach <input> alias=ua-backstop-kbd (live only)"),
+        "{g}"
+    );
+    let live = virsh_text(&["dumpxml", &dom.name]);
+    assert!(live.contains("<alias name='ua-backstop-kbd'/>"), "{live}");
+    let (usb, per) = qemu_usb_and_peripherals(&dom);
+    assert!(usb.contains("ID: ua-backstop-kbd"), "{usb}");
+    assert!(per.contains("ua-backstop-kbd"), "{per}");
+    assert!(!virsh_text(&["dumpxml", "--inactive", &dom.name]).contains("ua-backstop"));
+    let r = d.ok(&["device", "revoke", "kbd", "--reason", "e2e: done with it"]);
+    let line = r["changed"][0].as_str().unwrap().to_string();
+    eprintln!("revoke kbd: {line}");
+    assert!(
+        line.starts_with("revoked kbd: detach <input> ua-backstop-kbd: DEVICE_REMOVED after"),
+        "{r}"
+    );
+    assert!(!virsh_text(&["dumpxml", &dom.name]).contains("ua-backstop-kbd"));
+    let (usb, per) = qemu_usb_and_peripherals(&dom);
+    assert!(!usb.contains("ua-backstop"), "{usb}");
+    assert!(!per.contains("ua-backstop"), "{per}");
+    let j = d.journal();
+    let revoked = events(&j, "device.revoked");
+    assert_eq!(revoked.len(), 1, "{revoked:?}");
+    assert_eq!(revoked[0]["fields"]["device_id"], "kbd");
+    assert!(revoked[0]["fields"]["detail"]
+        .as_str()
+        .unwrap()
+        .contains("DEVICE_REMOVED"));
+
+    // The tablet, granted after its pre-action snapshot, is gone after a rollback to it.
+    let g = d.ok(&["device", "grant", "tablet", "--reason", "e2e: usb tablet"]);
+    let granted = d.wait_journal(STEP, "device.granted tablet", |e| {
+        e["event"] == "device.granted" && e["fields"]["device_id"] == "tablet"
+    });
+    let pre = granted["fields"]["snapshot_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let dev = g["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["id"] == "tablet")
+        .unwrap();
+    assert_eq!(dev["grant"]["pre_action_snapshot"], pre.as_str(), "{g}");
+    let pre_show = d.ok(&["snapshot", "show", &pre]);
+    assert_eq!(pre_show["manifest"]["trigger"], "pre_action", "{pre_show}");
+    let live = virsh_text(&["dumpxml", &dom.name]);
+    assert!(
+        live.contains("<input type='tablet' bus='usb'>")
+            && live.contains("<alias name='ua-backstop-tablet'/>"),
+        "{live}"
+    );
+    let (usb, _) = qemu_usb_and_peripherals(&dom);
+    assert!(
+        usb.contains("Product QEMU USB Tablet, ID: ua-backstop-tablet"),
+        "{usb}"
+    );
+    assert!(!virsh_text(&["dumpxml", "--inactive", &dom.name]).contains("ua-backstop"));
+    // No snapshot holds a granted device.
+    let out = d.cli(&["snapshot", "create", "--reason", "while granted"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ERR_SNAPSHOT_DEFERRED_DEVICE_GRANTED"));
+
+    let rb = d.ok(&[
+        "rollback",
+        "--to",
+        &pre,
+        "--reason",
+        "e2e: take the tablet away",
+    ]);
+    assert_eq!(rb["snapshot_id"], pre.as_str(), "{rb}");
+    let done = d.wait_journal(STEP, "rollback.completed", |e| {
+        e["event"] == "rollback.completed"
+    });
+    let revoked_list = done["fields"]["revoked"].to_string();
+    eprintln!("rollback revoked: {revoked_list}");
+    assert!(
+        revoked_list.contains("detach <input> ua-backstop-tablet (DEVICE_REMOVED after"),
+        "{revoked_list}"
+    );
+    assert_eq!(d.status()["state"], "running");
+    let live = virsh_text(&["dumpxml", &dom.name]);
+    assert!(
+        !live.contains("ua-backstop"),
+        "a grant survived the rollback: {live}"
+    );
+    assert!(!live.contains("<input type='tablet'"), "{live}");
+    assert!(!live.contains("<hostdev"), "{live}");
+    let (usb, per) = qemu_usb_and_peripherals(&dom);
+    assert!(
+        !usb.contains("Tablet") && !usb.contains("ua-backstop"),
+        "{usb}"
+    );
+    assert!(!per.contains("ua-backstop"), "{per}");
+    assert!(!virsh_text(&["dumpxml", "--inactive", &dom.name]).contains("ua-backstop"));
+    let j = d.journal();
+    for (id, cause) in [("kbd", None), ("tablet", Some("rollback"))] {
+        assert!(
+            events(&j, "device.granted")
+                .iter()
+                .any(|e| e["fields"]["device_id"] == id),
+            "no device.granted for {id}"
+        );
+        assert!(
+            events(&j, "device.revoked")
+                .iter()
+                .any(|e| e["fields"]["device_id"] == id
+                    && cause.is_none_or(|c| e["fields"]["cause"] == c)),
+            "no device.revoked for {id}"
+        );
+    }
+    dom.renice();
+    let before = dom.serial().len();
+    dom.wait_ticks(before, "guest after the rollback", |t| t.len() >= 2);
+    d.ok(&["audit", "verify"]);
+    d.kill9();
+}
+
+/// Milliseconds since the Unix epoch of a journal timestamp (`2026-11-25T03:05:38.770Z`).
+fn journal_ts_ms(ts: &str) -> i64 {
+    let n = |r: std::ops::Range<usize>| ts[r].parse::<i64>().unwrap();
+    let (y, m, d) = (n(0..4), n(5..7), n(8..10));
+    // Days from 1970-01-01 (Howard Hinnant's days_from_civil).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    ((days * 24 + n(11..13)) * 60 + n(14..16)) * 60_000 + n(17..19) * 1000 + n(20..23)
+}
+
+/// Issue 14 item 5: supervision hears libvirt's lifecycle event. `virsh destroy` → HALTED within
+/// one supervision tick (250 ms, the actor's idle tick, not configurable), named by the event,
+/// not by the next tick's state poll.
+#[test]
+fn libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event() {
+    let test = "libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    const TICK_MS: i64 = 250;
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    let dom = TestDomain::start("bs-e2e-ev", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let (name, l2) = (dom.name.clone(), dom.layers());
+    let mut d = Daemon::prepare_custom(
+        "lv-ev",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &[],
+    );
+    d.launch();
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    let st = d.status();
+    assert_eq!(
+        st["backend_details"]["libvirt_events"]["registered"], true,
+        "{st}"
+    );
+    // Let the capture's own suspend/resume events be read, then idle.
+    std::thread::sleep(Duration::from_secs(1));
+    let asked = std::time::SystemTime::now();
+    virsh_text(&["destroy", &dom.name]);
+    let returned = std::time::SystemTime::now();
+    let halted = d.wait_journal(STEP, "vm.halted", |e| e["event"] == "vm.halted");
+    let ms = |t: std::time::SystemTime| {
+        t.duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
+    };
+    let at = journal_ts_ms(halted["ts"].as_str().unwrap());
+    let after_return = at - ms(returned);
+    eprintln!(
+        "virsh destroy took {} ms; vm.halted journaled {after_return} ms after it returned \
+         ({} ms after it was asked); supervision tick {TICK_MS} ms; halted: {}",
+        ms(returned) - ms(asked),
+        at - ms(asked),
+        halted["fields"]
+    );
+    assert_eq!(halted["fields"]["code"], "ERR_VM_ENDED_OUTSIDE", "{halted}");
+    assert!(
+        halted["fields"]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("libvirt event: stopped (destroyed), not by backstop"),
+        "not named by libvirt's event: {halted}"
+    );
+    assert!(
+        after_return < TICK_MS,
+        "HALTED {after_return} ms after virsh destroy returned: not faster than one tick ({TICK_MS} ms)"
+    );
+    let st = d.status();
+    assert_eq!(st["state"], "halted", "{st}");
+    assert!(
+        st["backend_details"]["libvirt_events"]["received"]
+            .as_u64()
+            .unwrap()
+            >= 1,
+        "{st}"
+    );
+    d.kill9();
+}

@@ -40,7 +40,8 @@ pub enum Order {
     Trigger(Job),
     /// A peer the control socket turned away; journaled.
     NoteRefused { uid: u32, pid: i32 },
-    /// Look at the VM (watchdog, leases, schedule). Sent by the loop itself when idle.
+    /// Look at the VM (watchdog, leases, schedule). Taken when the loop is idle, and sent by
+    /// the backend's event waker when the hypervisor reports something (a libvirt event).
     Tick,
     /// End the VM and stop the actor.
     Shutdown,
@@ -48,7 +49,9 @@ pub enum Order {
 
 pub struct VmHandle {
     name: String,
-    tx: mpsc::Sender<Order>,
+    /// The only strong owner of the sender besides callers' transient use: the backend's event
+    /// waker holds a weak one, so dropping the handle still disconnects the actor.
+    tx: Arc<mpsc::Sender<Order>>,
     preempt: Arc<std::sync::atomic::AtomicBool>,
     status: Arc<Mutex<StatusView>>,
     /// When the actor last showed a sign of life ([`crate::systemd::now_ms`]).
@@ -133,6 +136,8 @@ impl VmHandle {
     /// other VMs are untouched.
     pub fn spawn_in(cfg: Config, shared: Shared) -> Result<VmHandle, EngineError> {
         let (tx, rx) = mpsc::channel::<Order>();
+        let tx = Arc::new(tx);
+        let wake = Arc::downgrade(&tx);
         let (ready_tx, ready_rx) = mpsc::channel();
         let alive = Arc::new(AtomicU64::new(crate::systemd::now_ms()));
         let name = cfg.vm.name.clone();
@@ -151,6 +156,7 @@ impl VmHandle {
                         return;
                     }
                 };
+                engine.backend.set_event_waker(event_waker(&wake));
                 let status = Arc::new(Mutex::new(engine.status()));
                 let preempt = Arc::clone(&engine.preempt);
                 engine.status_out = Some(Arc::clone(&status));
@@ -170,6 +176,7 @@ impl VmHandle {
                     halt_after_panic(&cfg, &what);
                     engine = match start_actor(&cfg, &shared) {
                         Ok(mut e) => {
+                            e.backend.set_event_waker(event_waker(&wake));
                             e.status_out = Some(Arc::clone(&status));
                             e.preempt = Arc::clone(&preempt);
                             e.publish();
@@ -344,6 +351,18 @@ impl VmHandle {
             let _ = t.join();
         }
     }
+}
+
+/// What the backend calls when the hypervisor reports something on its own (a libvirt domain
+/// event): a [`Order::Tick`], so the actor looks at the VM now rather than at its next idle
+/// tick. Holds the sender weakly: a VM whose handle is gone is not kept alive by its backend.
+fn event_waker(tx: &std::sync::Weak<mpsc::Sender<Order>>) -> backstop_hypervisor::EventWaker {
+    let tx = tx.clone();
+    Arc::new(move || {
+        if let Some(tx) = tx.upgrade() {
+            let _ = tx.send(Order::Tick);
+        }
+    })
 }
 
 /// Takes the next message: urgent jobs first, then in arrival order.

@@ -337,7 +337,17 @@ pub trait VmBackend: Send {
             message: format!("the {} backend cannot read link states", self.kind()),
         })
     }
+    /// Hands the backend a way to wake the VM's actor when the hypervisor reports something
+    /// on its own (a libvirt domain event): the actor then looks at once ([`VmBackend::
+    /// poll_events`]) instead of at its next tick. Backends without such reports ignore it.
+    fn set_event_waker(&mut self, waker: EventWaker) {
+        let _ = waker;
+    }
 }
+
+/// Wakes a VM's actor from any thread (see [`VmBackend::set_event_waker`]). Cheap, never
+/// blocks; calling it when nothing happened costs one extra look at the VM.
+pub type EventWaker = std::sync::Arc<dyn Fn() + Send + Sync>;
 
 /// Where a VM's heartbeat comes from (`vm.heartbeat`). Exactly one source credits heartbeats;
 /// neither can be turned off.
@@ -409,6 +419,10 @@ pub enum GrantKind {
     NicLink { nic: String },
     /// Screen access: the display server (VNC) accepts a fresh password.
     Display,
+    /// A device described by one libvirt device element (`<input>`, `<hostdev>`, `<disk>`,
+    /// `<redirdev>`, …), attached to a libvirt domain's live definition only (the libvirt
+    /// backend). `element` is the element's name, checked with the XML at config load.
+    LibvirtXml { element: String, xml: String },
 }
 
 /// One grant, as the engine resolved it from config.
@@ -423,7 +437,10 @@ impl GrantSpec {
     /// Whether the grant adds a device to the VM. A snapshot of a VM with an added device
     /// cannot be restored into the VM's base shape, so none is taken while one is granted.
     pub fn adds_device(&self) -> bool {
-        matches!(self.kind, GrantKind::Device { .. })
+        matches!(
+            self.kind,
+            GrantKind::Device { .. } | GrantKind::LibvirtXml { .. }
+        )
     }
 }
 

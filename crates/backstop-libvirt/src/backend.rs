@@ -1,5 +1,6 @@
 //! [`LibvirtBackend`]: the [`VmBackend`] of a domain libvirt runs (see the crate doc).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
@@ -12,8 +13,8 @@ use std::time::{Duration, Instant};
 use backstop_common::ErrorCode;
 use backstop_hypervisor::{
     Adoption, BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch,
-    DiskSwitchTiming, HeartbeatStatus, RestoreReport, Result, RevocationReport, RunState,
-    VmBackend, VmEvent,
+    DiskSwitchTiming, EventWaker, GrantOutcome, GrantSpec, HeartbeatStatus, Release, RestoreReport,
+    Result, RevocationReport, RunState, VmBackend, VmEvent,
 };
 use backstop_qemu::AgentChannel;
 use serde_json::{json, Value};
@@ -26,9 +27,17 @@ use virt::enumutil::Enum;
 use virt::sys;
 
 use crate::domain_xml::{self, DomainShape};
+use crate::events::Feed;
 use crate::precopy::Switchover;
 use crate::save_image::{self, RestoreImageWriter};
 use crate::{CaptureMode, LibvirtConfig};
+
+mod devices;
+mod supervision;
+
+/// How long a state poll that finds the domain ended waits for libvirt's event saying why
+/// (it is usually on its way): only when events are registered, and only once per ending.
+const EVENT_GRACE: Duration = Duration::from_millis(100);
 
 /// The downtime limit (ms) a pre-copy capture asks QEMU for: the pause it aims at.
 const PRECOPY_DOWNTIME_MS: u64 = 20;
@@ -71,6 +80,12 @@ pub struct LibvirtBackend {
     reconnects: u32,
     watchdog_reported: bool,
     exit_reported: bool,
+    /// libvirt's domain events (`events.rs`): they wake the actor; the state poll decides.
+    events: Feed,
+    /// Granted devices: config id → the alias libvirt knows them by (`backend/devices.rs`).
+    grants: BTreeMap<String, String>,
+    /// Aliases whose `DEVICE_REMOVED` arrived while nobody waited for it.
+    removed: BTreeSet<String>,
 }
 
 fn refused(code: ErrorCode, message: String) -> BackendError {
@@ -111,6 +126,8 @@ impl LibvirtBackend {
         static QUIET: Once = Once::new();
         // libvirt prints every error to stderr by default; ours are returned instead.
         QUIET.call_once(virt::error::clear_error_callback);
+        // Before any connection is opened: libvirt's event loop, for the domain events.
+        crate::events::ensure_event_loop();
         LibvirtBackend {
             cfg,
             conn: None,
@@ -130,6 +147,9 @@ impl LibvirtBackend {
             reconnects: 0,
             watchdog_reported: false,
             exit_reported: false,
+            events: Feed::new(),
+            grants: BTreeMap::new(),
+            removed: BTreeSet::new(),
         }
     }
 
@@ -261,6 +281,7 @@ impl LibvirtBackend {
         }) {
             Ok((c, d)) => {
                 info!(%uri, %uuid, "libvirt connection lost and opened again (libvirtd restarted?)");
+                self.events.register(&c, &d);
                 self.conn = Some(c);
                 self.dom = Some(d);
                 self.reconnects += 1;
@@ -657,9 +678,15 @@ impl VmBackend for LibvirtBackend {
 
     fn adopt(&mut self) -> Result<Option<Adoption>> {
         match self.adopt_checked() {
-            Ok(a) => Ok(Some(a)),
+            Ok(a) => {
+                if let (Some(c), Some(d)) = (&self.conn, &self.dom) {
+                    self.events.register(c, d);
+                }
+                Ok(Some(a))
+            }
             Err(e) => {
                 // Nothing was changed: drop what was opened.
+                self.events.unregister();
                 self.agent = None;
                 self.dom = None;
                 self.conn = None;
@@ -709,11 +736,19 @@ impl VmBackend for LibvirtBackend {
 
     fn poll_events(&mut self) -> Result<Vec<VmEvent>> {
         let mut events = Vec::new();
+        // What libvirt's events said since the last look (they woke the actor for this).
+        let mut heard = self.drain_events();
         if self.dom.is_none() || self.ended_by_us || self.restore.is_some() {
             return Ok(events);
         }
         // Level-triggered: the state is read every tick, so a missed event cannot hide one.
         self.reconnect_if_lost();
+        // A watchdog whose action leaves the domain running (reset, none) shows in no state:
+        // its event is the only report.
+        if let Some(action) = Self::watchdog_heard(&heard).filter(|_| !self.watchdog_reported) {
+            self.watchdog_reported = true;
+            events.push(VmEvent::WatchdogExpired { action });
+        }
         let (st, paused, shutoff) = match self.state_with_reasons() {
             Ok(s) => s,
             Err(e) => {
@@ -721,6 +756,29 @@ impl VmBackend for LibvirtBackend {
                 return Ok(events);
             }
         };
+        // The state decides; libvirt's event about the ending, when it agrees, names it.
+        let said = if self.exit_reported {
+            None
+        } else {
+            self.ending_heard(st, &mut heard)
+        };
+        let outside = st == DomainState::Shutoff
+            && matches!(
+                shutoff,
+                Some(DomainShutoffReason::Destroyed | DomainShutoffReason::Shutdown)
+            );
+        if let Some((_, text)) = said.filter(|(o, _)| *o == outside) {
+            self.exit_reported = true;
+            events.push(if outside {
+                VmEvent::EndedOutside {
+                    detail: format!("{text}, not by backstop"),
+                }
+            } else {
+                VmEvent::Exited {
+                    detail: format!("{text}, not ended by backstop"),
+                }
+            });
+        }
         match st {
             DomainState::Paused
                 if paused == Some(DomainPausedReason::Watchdog) && !self.watchdog_reported =>
@@ -1040,6 +1098,11 @@ impl VmBackend for LibvirtBackend {
                 json!(if self.precopy { "precopy" } else { "bg" }),
             );
             m.insert("libvirt_reconnects".into(), json!(self.reconnects));
+            let (received, dropped) = self.events.counts();
+            m.insert(
+                "libvirt_events".into(),
+                json!({"registered": self.events.registered(), "received": received, "dropped": dropped}),
+            );
         }
         m
     }
@@ -1064,10 +1127,11 @@ impl VmBackend for LibvirtBackend {
         Ok(())
     }
 
-    fn revoke_devices(&mut self, _bound: Duration) -> Result<RevocationReport> {
-        // Adoption refuses a domain holding a <hostdev> and this backend grants none, so there is
-        // nothing to detach; ending the domain (terminate) is the final revocation.
+    fn revoke_devices(&mut self, bound: Duration) -> Result<RevocationReport> {
+        // Every granted device and every <hostdev> detached, bounded by `bound` together
+        // (`backend/devices.rs`); ending the domain (terminate) is the final revocation.
         let mut report = RevocationReport::default();
+        self.revoke_all(bound, &mut report);
         if let Some(mut a) = self.agent.take() {
             a.close();
             report.revoked.push("guest agent channel closed".into());
@@ -1153,6 +1217,10 @@ impl VmBackend for LibvirtBackend {
         self.ended_by_us = false;
         self.watchdog_reported = false;
         self.exit_reported = false;
+        // What the events said was about the instance that ended.
+        self.events.clear();
+        self.removed.clear();
+        self.grants.clear();
         let (st, _) = self.state()?;
         if st != DomainState::Paused {
             return Err(BackendError::RestoreCheck(format!(
@@ -1163,6 +1231,7 @@ impl VmBackend for LibvirtBackend {
             .dom("restore check")?
             .xml_desc(0)
             .map_err(|e| cmd_err("domain xml", e))?;
+        self.check_nothing_granted(&live)?;
         let shape = domain_xml::inspect(&live).map_err(|u| BackendError::RestoreCheck(u.0))?;
         lap("live xml");
         for (id, want) in &self.incoming {
@@ -1252,6 +1321,22 @@ impl VmBackend for LibvirtBackend {
             .map(AgentChannel::stats)
             .unwrap_or_default()
             .into()
+    }
+
+    fn grant_device(&mut self, spec: &GrantSpec) -> Result<GrantOutcome> {
+        self.grant(spec)
+    }
+
+    fn revoke_device(&mut self, spec: &GrantSpec, bound: Duration) -> Result<Release> {
+        self.revoke(spec, bound)
+    }
+
+    fn poll_revoked(&mut self, spec: &GrantSpec) -> Result<Release> {
+        self.revoked_yet(spec)
+    }
+
+    fn set_event_waker(&mut self, waker: EventWaker) {
+        self.events.set_waker(waker);
     }
 
     fn heartbeat_probe(&self) -> Option<backstop_hypervisor::HeartbeatProbe> {

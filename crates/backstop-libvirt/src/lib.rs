@@ -20,6 +20,12 @@
 //!   from the stored stream (the domain XML travels in the stream, disks rewritten onto fresh
 //!   overlays) and `virDomainRestoreFlags(.., PAUSED)`, checked, and the persistent definition
 //!   redefined so a later cold start boots the same chain.
+//! * **Grants** (`device_xml.rs`, `backend/devices.rs`): a configured libvirt device element is
+//!   attached to the live definition only, under the alias `ua-backstop-<id>`; revoked by that
+//!   alias with a bounded wait for `DEVICE_REMOVED`; a rollback detaches every grant and every
+//!   `<hostdev>` before the domain ends, and a restored domain holding one fails its check.
+//! * **Events** (`events.rs`): libvirt's default event loop on its own thread; lifecycle,
+//!   watchdog and device-removed callbacks wake the VM's actor; the state poll still decides.
 //!
 //! It must never change libvirt's block graph behind its back (no `blockdev-*` or `transaction`
 //! through passthrough) and never resume a guest on its own initiative except where QEMU's
@@ -28,7 +34,9 @@
 //! The parts that need no libvirt (XML checks and rewrites, the save-image framing) always
 //! build; the backend itself needs the cargo feature `libvirt` (libvirt-dev at build time).
 
+pub mod device_xml;
 pub mod domain_xml;
+pub mod events;
 pub mod save_image;
 
 #[cfg(feature = "libvirt")]

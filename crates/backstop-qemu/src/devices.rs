@@ -485,6 +485,15 @@ impl crate::QemuBackend {
                     secret: password,
                 });
             }
+            GrantKind::LibvirtXml { element, .. } => {
+                return Err(BackendError::Command {
+                    step: "grant device",
+                    message: format!(
+                        "{}: a libvirt <{element}> is granted by the libvirt backend only",
+                        spec.id
+                    ),
+                });
+            }
         }
         let after = migration_blockers(r, t)?;
         out.migration_blockers = after.into_iter().filter(|b| !before.contains(b)).collect();
@@ -547,6 +556,9 @@ impl crate::QemuBackend {
                 )?;
                 Ok(Release::Released(format!("link down {nic}")))
             }
+            GrantKind::LibvirtXml { .. } => Ok(Release::Released(
+                "nothing was granted (libvirt devices are not QEMU's)".into(),
+            )),
             GrantKind::Display => match revoke_display(r, t)? {
                 0 => Ok(Release::Released("vnc password revoked".into())),
                 n => Ok(Release::Pending(format!(
@@ -572,6 +584,9 @@ impl crate::QemuBackend {
                 }
             }
             GrantKind::NicLink { nic } => Ok(Release::Released(format!("link down {nic}"))),
+            GrantKind::LibvirtXml { .. } => Ok(Release::Released(
+                "nothing was granted (libvirt devices are not QEMU's)".into(),
+            )),
             GrantKind::Display => match display_state(r, t)?.map_or(0, |d| d.clients) {
                 0 => Ok(Release::Released("vnc password revoked".into())),
                 n => Ok(Release::Pending(format!(

@@ -175,7 +175,6 @@ impl Config {
             ("vm.disks", !vm.disks.is_empty()),
             ("vm.nics", !vm.nics.is_empty()),
             ("vm.watchdog_device", vm.watchdog_device),
-            ("devices", !self.devices.is_empty()),
         ] {
             if set {
                 return bad(

@@ -440,3 +440,101 @@ fn links_after_rollback_is_down_unless_a_person_says_up() {
         assert!(err.contains("links_after_rollback"), "{bad}: {err}");
     }
 }
+
+#[test]
+fn libvirt_devices_are_one_checked_device_element() {
+    if !backstop_libvirt::AVAILABLE {
+        return;
+    }
+    let with = |device: &str| {
+        format!("{LIBVIRT}\n[[devices]]\nid = \"tablet\"\nclass = \"usb\"\nmax_lease_s = 600\n{device}\n")
+    };
+    let cfg = Config::parse(&with(
+        r#"libvirt = { xml = "<input type='tablet' bus='usb'/>" }"#,
+    ))
+    .unwrap();
+    let d = &cfg.devices[0];
+    assert_eq!(d.source(), "libvirt <input>");
+    assert_eq!(
+        d.grant_spec().kind,
+        backstop_hypervisor::GrantKind::LibvirtXml {
+            element: "input".into(),
+            xml: "<input type='tablet' bus='usb'/>".into()
+        }
+    );
+    assert!(d.grant_spec().adds_device());
+    assert_eq!(d.host_claim(), None);
+    // A multi-line hostdev is fine too.
+    Config::parse(&with(
+        "libvirt = { xml = '''\n<hostdev mode='subsystem' type='usb' managed='yes'>\n  <source><vendor id='0x0781'/><product id='0x5567'/></source>\n</hostdev>''' }",
+    ))
+    .unwrap();
+    for (device, key, says) in [
+        (
+            r#"libvirt = { xml = "<interface type='user'/>" }"#,
+            "devices[0].libvirt.xml",
+            "not a device backstop grants",
+        ),
+        (
+            r#"libvirt = { xml = "<input type='tablet'" }"#,
+            "devices[0].libvirt.xml",
+            "does not parse",
+        ),
+        (
+            r#"libvirt = { xml = "<input/><input/>" }"#,
+            "devices[0].libvirt.xml",
+            "does not parse",
+        ),
+        (
+            r#"libvirt = { xml = "<input type='tablet' bus='usb'><alias name='ua-x'/></input>" }"#,
+            "devices[0].libvirt.xml",
+            "alias",
+        ),
+        (
+            r#"libvirt = { xml = "<input/>", colour = "red" }"#,
+            "colour",
+            "unknown field",
+        ),
+        (
+            r#"qemu = { driver = "usb-tablet" }"#,
+            "devices[0].libvirt",
+            "given as libvirt XML",
+        ),
+        (
+            "libvirt = { xml = \"<input type='tablet' bus='usb'/>\" }\nqemu = { driver = \"usb-tablet\" }",
+            "devices[0].libvirt",
+            "its XML alone",
+        ),
+    ] {
+        let err = Config::parse(&with(device)).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains(key) && text.contains(says), "{device}: {text}");
+        assert!(
+            key == "colour" || text.contains("device tablet"),
+            "names the device: {text}"
+        );
+        assert!(!text.contains('\n'), "one line: {text}");
+        assert_eq!(err.code().to_string(), "ERR_CONFIG_INVALID");
+    }
+    let display = with(r#"libvirt = { xml = "<input type='tablet' bus='usb'/>" }"#)
+        .replace("class = \"usb\"", "class = \"display\"");
+    assert!(Config::parse(&display)
+        .unwrap_err()
+        .to_string()
+        .contains("class usb, gpu or audio"));
+    // The QEMU backend has no use for libvirt XML.
+    let qemu = with(r#"libvirt = { xml = "<input type='tablet' bus='usb'/>" }"#)
+        .replace(
+            "backend = \"libvirt\"",
+            "backend = \"qemu\"\nkernel = \"/k\"\nmemory_mib = 256",
+        )
+        .replace(
+            "[vm.libvirt]\nuri = \"qemu:///system\"\ndomain = \"web1\"\n",
+            "",
+        );
+    let err = Config::parse(&qemu).unwrap_err().to_string();
+    assert!(
+        err.contains("devices[0].libvirt") && err.contains("only for backend"),
+        "{err}"
+    );
+}

@@ -63,6 +63,10 @@ pub struct DeviceConfig {
     /// Host media for a storage device (`usb-storage`).
     #[serde(default)]
     pub drive: Option<DriveConfig>,
+    /// For `backend = "libvirt"`: the device as one libvirt device element, attached to the
+    /// domain's live definition only, e.g. `{ xml = "<input type='tablet' bus='usb'/>" }`.
+    #[serde(default)]
+    pub libvirt: Option<LibvirtDeviceConfig>,
     /// Longest lease a grant may have.
     pub max_lease_s: u64,
     /// After a revocation, how long the guest has to let go before a rollback takes it.
@@ -79,6 +83,14 @@ pub struct DriveConfig {
     pub format: String,
     #[serde(default)]
     pub read_only: bool,
+}
+
+/// `libvirt = { xml = .. }`: one of `<hostdev>`, `<input>`, `<disk>`, `<redirdev>`, `<sound>`,
+/// `<smartcard>`, without an `<alias>` (backstop names it `ua-backstop-<id>`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LibvirtDeviceConfig {
+    pub xml: String,
 }
 
 pub(crate) fn default_release_timeout_s() -> u64 {
@@ -129,9 +141,18 @@ impl DeviceConfig {
         None
     }
 
-    /// What it is, for people: `qemu usb-tablet`, `vfio 0000:01:00.0 (host driver nvidia)`.
+    /// The libvirt device element (`input`, `hostdev`, …) of a `libvirt` device.
+    pub fn libvirt_element(&self) -> Option<String> {
+        let l = self.libvirt.as_ref()?;
+        backstop_libvirt::device_xml::check_grant_xml(&l.xml).ok()
+    }
+
+    /// What it is, for people: `qemu usb-tablet`, `vfio 0000:01:00.0 (host driver nvidia)`,
+    /// `libvirt <input>`.
     pub fn source(&self) -> String {
-        if let Some(d) = self.driver() {
+        if let Some(e) = self.libvirt_element() {
+            format!("libvirt <{e}>")
+        } else if let Some(d) = self.driver() {
             format!("qemu {d}")
         } else if let Some(h) = &self.host {
             format!(
@@ -147,7 +168,12 @@ impl DeviceConfig {
 
     /// What the backend is asked to do (config is validated at load, so this cannot fail).
     pub fn grant_spec(&self) -> GrantSpec {
-        let kind = if let Some(q) = &self.qemu {
+        let kind = if let Some(l) = &self.libvirt {
+            GrantKind::LibvirtXml {
+                element: self.libvirt_element().unwrap_or_default(),
+                xml: l.xml.clone(),
+            }
+        } else if let Some(q) = &self.qemu {
             let props = q
                 .iter()
                 .filter(|(k, _)| k.as_str() != "driver")
@@ -226,6 +252,47 @@ pub fn validate(devices: &[DeviceConfig], vm: &VmConfig) -> Result<(), ConfigErr
         }
         if !(1..=600).contains(&d.release_timeout_s) {
             return bad("release_timeout_s", "must be between 1 and 600".into());
+        }
+        if vm.backend == "libvirt" && d.libvirt.is_none() {
+            return bad(
+                "libvirt",
+                format!("device {}: the libvirt backend grants devices given as libvirt XML: libvirt = {{ xml = \"<input type='tablet' bus='usb'/>\" }}", d.id),
+            );
+        }
+        if let Some(l) = &d.libvirt {
+            if vm.backend != "libvirt" {
+                return bad(
+                    "libvirt",
+                    format!("device {}: only for backend = \"libvirt\"", d.id),
+                );
+            }
+            if !matches!(
+                d.class,
+                DeviceClass::Usb | DeviceClass::Gpu | DeviceClass::Audio
+            ) {
+                return bad(
+                    "class",
+                    format!(
+                        "device {}: a libvirt device is of class usb, gpu or audio",
+                        d.id
+                    ),
+                );
+            }
+            if d.qemu.is_some()
+                || d.host.is_some()
+                || d.nic.is_some()
+                || d.drive.is_some()
+                || d.host_driver.is_some()
+            {
+                return bad(
+                    "libvirt",
+                    format!("device {}: a libvirt device is its XML alone: no qemu, host, host_driver, nic or drive", d.id),
+                );
+            }
+            if let Err(e) = backstop_libvirt::device_xml::check_grant_xml(&l.xml) {
+                return bad("libvirt.xml", format!("device {}: {e}", d.id));
+            }
+            continue;
         }
         let sources = [d.qemu.is_some(), d.host.is_some(), d.nic.is_some()]
             .iter()
@@ -387,6 +454,7 @@ pub fn implicit_nics(devices: &[DeviceConfig], nics: &[String]) -> Vec<DeviceCon
             host_driver: None,
             nic: Some(n.clone()),
             drive: None,
+            libvirt: None,
             max_lease_s: MAX_LEASE_S,
             release_timeout_s: default_release_timeout_s(),
         })

@@ -215,7 +215,9 @@ impl VmActor {
         let mut granted_links = BTreeSet::new();
         for g in grants {
             match &g.spec.kind {
-                GrantKind::Device { .. } => granted_devices.push(g.spec.id.clone()),
+                GrantKind::Device { .. } | GrantKind::LibvirtXml { .. } => {
+                    granted_devices.push(g.spec.id.clone())
+                }
                 GrantKind::NicLink { nic } => {
                     granted_links.insert(nic.clone());
                 }
