@@ -1281,6 +1281,14 @@ fn libvirt_many_snapshots_keep_libvirts_chain_bounded() {
         max_depth = max_depth.max(chain.len());
     }
     let j = d.journal();
+    let pauses: Vec<u64> = events(&j, "snapshot.create.completed")
+        .iter()
+        .filter_map(|e| e["fields"]["pause_us"].as_u64())
+        .collect();
+    eprintln!(
+        "libvirt pause_us per snapshot on QEMU {}: {pauses:?}",
+        dom.qemu_version()
+    );
     if n > 16 {
         assert!(
             !events(&j, "disk.chain_flattened").is_empty(),
