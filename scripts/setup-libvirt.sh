@@ -82,6 +82,54 @@ if ! cmp -s "$tmp" "$conf"; then
 fi
 rm -f "$tmp"
 
+# QEMU 10 for libvirt's domains (the libvirt tests' second pass, issue 21): scripts/setup.sh
+# unpacks it under root's home, which libvirt's QEMU user (libvirt-qemu) cannot traverse, so
+# a copy of the binary, its firmware and modules goes where it can, behind its own wrapper.
+# QEMU resolves its module and firmware directories relative to its binary when a
+# `qemu-bundle` directory sits beside it: without one, libvirt's capability probe
+# (`qom-list-types` loads every module) made the 10.0 binary load the system 7.2's modules and
+# abort (`Only modules from the same build can be loaded`, then an assertion in
+# util/module.c), so libvirt refused to define the domain. The bundle points the modules and
+# QEMU's data at the copy, and SeaBIOS and iPXE at the system's packages (where the unpacked
+# QEMU found them before). Idempotent: redone only when the source binary changes.
+qemu10_src=${BACKSTOP_QEMU10_DIR:-$HOME/.cache/backstop/qemu-10}
+qemu10_dst=${BACKSTOP_LIBVIRT_QEMU10_DIR:-/var/lib/backstop-qemu10}
+if [[ -x $qemu10_src/usr/bin/qemu-system-x86_64 ]]; then
+	stamp=$(stat -c '%s %Y' "$qemu10_src/usr/bin/qemu-system-x86_64")
+	if [[ $(cat "$qemu10_dst/stamp" 2>/dev/null) != "$stamp" ]]; then
+		log "publishing QEMU 10 for libvirt at $qemu10_dst"
+		rm -rf "$qemu10_dst.new"
+		mkdir -p "$qemu10_dst.new/bin" "$qemu10_dst.new/usr/bin" "$qemu10_dst.new/usr/share" \
+			"$qemu10_dst.new/usr/lib/x86_64-linux-gnu"
+		cp -a "$qemu10_src/usr/bin/qemu-system-x86_64" "$qemu10_dst.new/usr/bin/"
+		cp -a "$qemu10_src/usr/share/qemu" "$qemu10_dst.new/usr/share/"
+		cp -a "$qemu10_src/usr/lib/x86_64-linux-gnu/qemu" "$qemu10_dst.new/usr/lib/x86_64-linux-gnu/"
+		bundle=$qemu10_dst.new/usr/bin/qemu-bundle
+		mkdir -p "$bundle/usr/share" "$bundle/usr/lib/x86_64-linux-gnu"
+		ln -s "$qemu10_dst/usr/share/qemu" "$bundle/usr/share/qemu"
+		ln -s "$qemu10_dst/usr/lib/x86_64-linux-gnu/qemu" "$bundle/usr/lib/x86_64-linux-gnu/qemu"
+		ln -s /usr/share/seabios "$bundle/usr/share/seabios"
+		ln -s /usr/lib/ipxe "$bundle/usr/lib/ipxe"
+		{
+			echo '#!/bin/sh'
+			echo '# QEMU 10 for libvirt domains, published by backstop scripts/setup-libvirt.sh. exec keeps the pid.'
+			echo "QEMU_MODULE_DIR='$qemu10_dst/usr/lib/x86_64-linux-gnu/qemu'"
+			echo 'export QEMU_MODULE_DIR'
+			echo "exec '$qemu10_dst/usr/bin/qemu-system-x86_64' -L '$qemu10_dst/usr/share/qemu' \"\$@\""
+		} >"$qemu10_dst.new/bin/qemu-system-x86_64"
+		chmod 0755 "$qemu10_dst.new/bin/qemu-system-x86_64"
+		chmod -R a+rX "$qemu10_dst.new"
+		echo "$stamp" >"$qemu10_dst.new/stamp"
+		rm -rf "$qemu10_dst"
+		mv "$qemu10_dst.new" "$qemu10_dst"
+	fi
+	version=$(runuser -u libvirt-qemu -- "$qemu10_dst/bin/qemu-system-x86_64" --version 2>&1 | head -n1) || true
+	[[ $version == *"version 10."* ]] || die "libvirt-qemu cannot run $qemu10_dst/bin/qemu-system-x86_64: $version"
+	log "QEMU 10 for libvirt domains: $qemu10_dst/bin/qemu-system-x86_64 ($version)"
+else
+	log "no unpacked QEMU 10 at $qemu10_src (scripts/setup.sh unpacks it): libvirt's QEMU 10 pass cannot run"
+fi
+
 if ! pgrep -x virtlogd >/dev/null; then
 	log "starting virtlogd"
 	virtlogd -d || die "virtlogd -d failed"

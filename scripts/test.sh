@@ -30,4 +30,11 @@ BACKSTOP_REQUIRE_E2E=1 BACKSTOP_QEMU=$qemu10 cargo test -p backstop-e2e \
 	--test full_disk --test soak --test firmware --test debian_guest --test drift -- --test-threads=2
 BACKSTOP_REQUIRE_E2E=1 BACKSTOP_QEMU=$qemu10 cargo test -p backstop-qemu --features fault-injection \
 	--test capture_faults -- --test-threads=2
+# The libvirt backend on QEMU 10 (libvirt 9.0 drives it): the test domains' <emulator> is the
+# copy of the same QEMU 10 that scripts/setup-libvirt.sh publishes for libvirt-qemu
+# (/var/lib/backstop-qemu10). The lock is the one developers take around libvirt tests on a
+# shared machine (the tests flip a host sysctl and restart libvirtd); -o keeps the libvirtd a
+# test restarts from inheriting it.
+BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_QEMU=$qemu10 flock -o /tmp/backstop-libvirt-e2e.lock \
+	cargo test -p backstop-e2e --test libvirt -- --test-threads=2
 echo "test.sh: QEMU 10 pass took $((SECONDS - start)) s" >&2

@@ -78,6 +78,9 @@ fn libvirt_missing() -> Option<String> {
     if out.contains("without the libvirt backend") {
         return Some("backstopd was built without `--features libvirt`".into());
     }
+    if let Err(why) = libvirt_emulator() {
+        return Some(why);
+    }
     None
 }
 
@@ -156,6 +159,129 @@ fn libvirtd_shared() -> std::sync::RwLockReadGuard<'static, ()> {
     LIBVIRTD.read().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Where scripts/setup-libvirt.sh publishes the QEMU 10 of scripts/setup.sh for libvirt: its
+/// QEMU runs as `libvirt-qemu`, which cannot traverse /root/.cache.
+const LIBVIRT_QEMU10: &str = "/var/lib/backstop-qemu10/bin/qemu-system-x86_64";
+
+/// `M.m.u` from a QEMU's `--version` ("QEMU emulator version 10.0.2 (Debian ...)").
+fn version_of(out: &[u8]) -> Option<String> {
+    String::from_utf8_lossy(out)
+        .split_whitespace()
+        .skip_while(|w| *w != "version")
+        .nth(1)
+        .map(str::to_string)
+}
+
+/// The emulator this pass runs the test domains on, and its version. `BACKSTOP_QEMU` unset:
+/// `None`, the template's (the system QEMU). Set (scripts/test.sh's second pass: the QEMU 10
+/// wrapper): a wrapper of the same version that libvirt's `libvirt-qemu` user can run —
+/// `BACKSTOP_LIBVIRT_QEMU`, `BACKSTOP_QEMU` itself, or the copy scripts/setup-libvirt.sh
+/// publishes — or why there is none.
+fn libvirt_emulator() -> Result<Option<(PathBuf, String)>, String> {
+    static PICKED: std::sync::OnceLock<Result<Option<(PathBuf, String)>, String>> =
+        std::sync::OnceLock::new();
+    PICKED
+        .get_or_init(|| {
+            let Ok(wanted) = std::env::var("BACKSTOP_QEMU") else {
+                return Ok(None);
+            };
+            let version = Command::new(&wanted)
+                .arg("--version")
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+                .and_then(|o| version_of(&o.stdout))
+                .ok_or_else(|| format!("BACKSTOP_QEMU={wanted} does not run"))?;
+            let mut tried = Vec::new();
+            let candidates = std::env::var("BACKSTOP_LIBVIRT_QEMU")
+                .into_iter()
+                .chain([wanted.clone(), LIBVIRT_QEMU10.to_string()]);
+            for c in candidates {
+                let o = Command::new("runuser")
+                    .args(["-u", "libvirt-qemu", "--", &c, "--version"])
+                    .output();
+                let got = o
+                    .ok()
+                    .filter(|o| o.status.success())
+                    .and_then(|o| version_of(&o.stdout));
+                if got.as_deref() == Some(version.as_str()) {
+                    return Ok(Some((PathBuf::from(c), version)));
+                }
+                tried.push(format!("{c}: {got:?}"));
+            }
+            Err(format!(
+                "BACKSTOP_QEMU={wanted} is QEMU {version}, but no wrapper of it that libvirt's \
+                 libvirt-qemu user can run (tried {}; run scripts/setup-libvirt.sh after \
+                 scripts/setup.sh)",
+                tried.join(", ")
+            ))
+        })
+        .clone()
+}
+
+/// The domain XML on the emulator under test (see [`libvirt_emulator`]); unchanged without
+/// `BACKSTOP_QEMU`.
+fn on_emulator_under_test(xml: String) -> String {
+    let Ok(Some((emulator, _))) = libvirt_emulator() else {
+        return xml;
+    };
+    let (Some(a), Some(b)) = (xml.find("<emulator>"), xml.find("</emulator>")) else {
+        panic!("no <emulator> in the domain XML");
+    };
+    format!("{}<emulator>{}{}", &xml[..a], emulator.display(), &xml[b..])
+}
+
+impl TestDomain {
+    /// The running QEMU's own version (`query-version` through libvirt), `M.m.u`.
+    fn qemu_version(&self) -> String {
+        let out = virsh_text(&[
+            "qemu-monitor-command",
+            &self.name,
+            r#"{"execute":"query-version"}"#,
+        ]);
+        let v: Value = serde_json::from_str(out.trim()).unwrap();
+        let q = &v["return"]["qemu"];
+        format!("{}.{}.{}", q["major"], q["minor"], q["micro"])
+    }
+
+    /// Prints which QEMU the domain runs on and checks it is the one under test.
+    fn check_qemu(&self) {
+        let running = self.qemu_version();
+        let emulator = libvirt_emulator().unwrap();
+        eprintln!(
+            "domain {} runs on QEMU {running} ({})",
+            self.name,
+            emulator
+                .as_ref()
+                .map_or("the template's emulator".to_string(), |e| e
+                    .0
+                    .display()
+                    .to_string())
+        );
+        if let Some((_, wanted)) = emulator {
+            assert_eq!(running, wanted, "the domain runs the QEMU under test");
+        }
+    }
+
+    /// Disk `vda`'s top layer in QEMU's own view (`query-block`).
+    fn qmp_vda_top(&self) -> String {
+        let out = virsh_text(&[
+            "qemu-monitor-command",
+            &self.name,
+            r#"{"execute":"query-block"}"#,
+        ]);
+        let v: Value = serde_json::from_str(out.trim()).unwrap();
+        let disks: Vec<&Value> = v["return"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["inserted"].is_object())
+            .collect();
+        assert_eq!(disks.len(), 1, "one disk in the test domain: {v}");
+        disks[0]["inserted"]["file"].as_str().unwrap().to_string()
+    }
+}
+
 /// A domain of the test guest defined and started with virsh; destroyed and undefined on drop.
 struct TestDomain {
     name: String,
@@ -194,10 +320,12 @@ impl TestDomain {
                 .replace("@MEM_MIB@", "256")
                 .replace("@CMDLINE@", "console=ttyS0 quiet panic=-1 no_timer_check"),
         );
+        let xml = on_emulator_under_test(xml);
         std::fs::write(dir.join("domain.xml"), xml).unwrap();
         let dom = TestDomain { name, dir };
         virsh_text(&["define", dom.dir.join("domain.xml").to_str().unwrap()]);
         virsh_text(&["start", &dom.name]);
+        dom.check_qemu();
         dom.renice();
         dom
     }
@@ -289,6 +417,11 @@ fn libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant() {
         "{adopted}"
     );
     assert!(!adopted["qemu_version"].as_str().unwrap().is_empty());
+    assert_eq!(
+        adopted["qemu_version"],
+        dom.qemu_version().as_str(),
+        "vm.adopted journals the adopted QEMU's version"
+    );
     assert_eq!(
         dom.pid(),
         pid_before,
@@ -391,6 +524,7 @@ fn libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant() {
     assert!(info.contains(&uuid), "{info}");
     assert!(info.contains(&dom.name), "{info}");
     assert_ne!(dom.pid(), pid_before, "a fresh QEMU");
+    dom.check_qemu();
     let top_now = virsh_text(&["domblklist", &dom.name]);
     let top_now = top_now
         .lines()
@@ -448,6 +582,138 @@ fn libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant() {
     );
     let from = dom.serial().len();
     dom.wait_ticks(from, "cold-started guest ticking", |t| t.len() >= 2);
+}
+
+/// Issue 21 under libvirt (run on the system QEMU and, in scripts/test.sh's second pass, on
+/// QEMU 10): three snapshots in a row on one QEMU instance (QEMU ≥ 9.0 refuses a `migrate`
+/// until the previous one is cleaned up: `duplicate yank instance`), each ended by this QEMU's
+/// rule (≥ 9.0 keeps the guest paused: backstop resumes it once write tracking is on, seen as
+/// the `tracking` phase of the pause), the capability off and libvirt and QMP on the same top
+/// after each, then a rollback to the second lands at its instant on the same emulator.
+#[test]
+fn libvirt_snapshots_in_a_row_on_one_qemu_then_rollback_to_the_second() {
+    let test = "libvirt_snapshots_in_a_row_on_one_qemu_then_rollback_to_the_second";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    let dom = TestDomain::start("bs-e2e-row", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let pid = dom.pid();
+    let uuid = virsh_text(&["domuuid", &dom.name]).trim().to_string();
+    let qemu = dom.qemu_version();
+    let major: u32 = qemu.split('.').next().unwrap().parse().unwrap();
+    // Restoring a snapshot that is not the newest needs a reviewer's token.
+    let keys = tempfile::tempdir().unwrap();
+    let key = backstop_e2e::review::reviewer_key(keys.path());
+    let gate = backstop_e2e::review::restore_gate_toml(&key);
+    let (name, l2) = (dom.name.clone(), dom.layers());
+    let mut d = Daemon::prepare_custom(
+        "lv-row",
+        &move |s: &Path, r: &Path| config(s, r, &name, &gate, &l2),
+        &[],
+    );
+    d.launch();
+    let adopted = d.wait_journal(STEP, "vm.adopted", |e| e["event"] == "vm.adopted");
+    assert_eq!(adopted["fields"]["qemu_version"], qemu.as_str());
+    assert_eq!(adopted["fields"]["capture_mode"], "bg");
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    let mut ids = Vec::new();
+    for i in 1..=3 {
+        let v = d.ok(&["snapshot", "create", "--reason", "in a row"]);
+        let id = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
+        d.wait_journal(STEP, "snapshot completed", |e| {
+            e["event"] == "snapshot.create.completed" && e["fields"]["snapshot_id"] == id.as_str()
+        });
+        let show = d.ok(&["snapshot", "show", &id]);
+        let f = &show["manifest"]["capture"];
+        let phases: Vec<&str> = f["pause_breakdown_us"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p[0].as_str().unwrap())
+            .collect();
+        eprintln!(
+            "QEMU {qemu} snapshot {i}: pause_us {} breakdown {} downtime_ms {}",
+            f["pause_us"], f["pause_breakdown_us"], f["downtime_ms"]
+        );
+        if major >= 9 {
+            assert_eq!(
+                phases,
+                ["suspend", "switch", "migrate", "tracking", "resume"],
+                "QEMU {qemu}: resumed by backstop once write tracking was on"
+            );
+        } else {
+            assert_eq!(phases, ["suspend", "switch", "migrate", "resume"]);
+        }
+        assert!(
+            virsh_text(&["domstate", &dom.name]).contains("running"),
+            "the guest runs after snapshot {i}"
+        );
+        assert_eq!(dom.pid(), pid, "one QEMU instance for all the snapshots");
+        let caps = virsh_text(&[
+            "qemu-monitor-command",
+            &dom.name,
+            r#"{"execute":"query-migrate-capabilities"}"#,
+        ]);
+        assert!(
+            caps.contains(r#"{"state":false,"capability":"background-snapshot"}"#),
+            "{caps}"
+        );
+        let libvirt_top = virsh_text(&["domblklist", &dom.name])
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("vda").map(|p| p.trim().to_string()))
+            .unwrap();
+        assert_eq!(dom.qmp_vda_top(), libvirt_top, "libvirt and QMP agree");
+        assert_eq!(
+            newest_layer(&dom.layers(), "vda").as_deref(),
+            Some(Path::new(&libvirt_top)),
+            "the guest writes the newest overlay"
+        );
+        ids.push(id);
+    }
+    let second = &ids[1];
+    let snap_disk = disk_sector0(&frozen_vda_top(&d.ok(&["snapshot", "show", second])));
+    dom.wait_ticks(0, "guest moving on", |t| {
+        t.last().is_some_and(|t| t.ram >= snap_disk + 5)
+    });
+    let before = dom.serial().len();
+    let token = backstop_e2e::review::token(&key, second);
+    let rb = d.ok(&[
+        "rollback",
+        "--to",
+        second,
+        "--reviewer-token",
+        token.to_str().unwrap(),
+        "--reason",
+        "back to the second",
+    ]);
+    assert_eq!(rb["snapshot_id"], second.as_str());
+    dom.renice();
+    let after = dom.wait_ticks(before, "restored guest ticking", |t| {
+        t.iter().skip_while(|t| t.ram > snap_disk + 1).count() >= 2
+    });
+    let restored: Vec<Tick> = after
+        .into_iter()
+        .skip_while(|t| t.ram > snap_disk + 1)
+        .collect();
+    eprintln!(
+        "QEMU {qemu}: second snapshot's disk {snap_disk}; first ticks after rollback {restored:?}"
+    );
+    assert!(
+        restored[0].ram == snap_disk || restored[0].ram == snap_disk + 1,
+        "at the second snapshot's point: {restored:?} vs {snap_disk}"
+    );
+    for t in &restored {
+        assert_eq!(t.ram, t.disk, "RAM and disk at one instant: {restored:?}");
+    }
+    assert!(virsh_text(&["dominfo", &dom.name]).contains(&uuid));
+    dom.check_qemu();
+    d.ok(&["audit", "verify"]);
+    d.kill9();
 }
 
 #[test]
@@ -1015,6 +1281,14 @@ fn libvirt_many_snapshots_keep_libvirts_chain_bounded() {
         max_depth = max_depth.max(chain.len());
     }
     let j = d.journal();
+    let pauses: Vec<u64> = events(&j, "snapshot.create.completed")
+        .iter()
+        .filter_map(|e| e["fields"]["pause_us"].as_u64())
+        .collect();
+    eprintln!(
+        "libvirt pause_us per snapshot on QEMU {}: {pauses:?}",
+        dom.qemu_version()
+    );
     if n > 16 {
         assert!(
             !events(&j, "disk.chain_flattened").is_empty(),

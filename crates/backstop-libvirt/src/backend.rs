@@ -16,7 +16,8 @@ use backstop_hypervisor::{
     DiskSwitchTiming, EventWaker, GrantOutcome, GrantSpec, HeartbeatStatus, Release, RestoreReport,
     Result, RevocationReport, RunState, VmBackend, VmEvent,
 };
-use backstop_qemu::AgentChannel;
+use backstop_qemu::version::{self, QemuVersion, Resume};
+use backstop_qemu::{AgentChannel, Prefetch};
 use serde_json::{json, Value};
 use tracing::{info, warn};
 use virt::connect::Connect;
@@ -65,6 +66,8 @@ pub struct LibvirtBackend {
     incoming: Vec<(String, PathBuf)>,
     pid: Option<u32>,
     qemu_version: (u32, u32, u32),
+    /// Who ends the pause of a background snapshot on this QEMU (see `backstop_qemu::version`).
+    resume: Resume,
     agent: Option<AgentChannel>,
     capture: Option<Capture>,
     /// Captures run as a live pre-copy (`capture = "precopy"`, or `auto` without userfaultfd).
@@ -137,6 +140,7 @@ impl LibvirtBackend {
             incoming: Vec::new(),
             pid: None,
             qemu_version: (0, 0, 0),
+            resume: Resume::ByQemu,
             agent: None,
             capture: None,
             precopy: false,
@@ -386,12 +390,24 @@ impl LibvirtBackend {
         };
         self.precopy = precopy;
         let v = self.qmp("query-version", "query-version", None)?;
-        let q = &v["qemu"];
-        self.qemu_version = (
-            q["major"].as_u64().unwrap_or(0) as u32,
-            q["minor"].as_u64().unwrap_or(0) as u32,
-            q["micro"].as_u64().unwrap_or(0) as u32,
-        );
+        let qv = QemuVersion::from_query(&v)
+            .ok_or_else(|| cmd_err("query-version", format!("unreadable QEMU version in {v}")))?;
+        self.qemu_version = (qv.major as u32, qv.minor as u32, qv.micro as u32);
+        // The same versions and capture rule as the QEMU backend: 7.2/8.x resume the guest
+        // themselves after a background snapshot's start, ≥ 9.0 keep it paused.
+        let names: Vec<&str> = caps
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|c| c["capability"].as_str())
+            .collect();
+        let plan = version::capture_plan(qv, &names).map_err(|e| {
+            refused(
+                ErrorCode::LibvirtDomainUnsuitable,
+                format!("domain {}: {e}", shape.name),
+            )
+        })?;
+        self.resume = plan.resume;
         let conn = self
             .conn
             .as_ref()
@@ -540,42 +556,122 @@ impl LibvirtBackend {
             switchover: Some(switchover),
         });
         Ok(CaptureStream {
-            reader: capture_reader(xml, rd, bytes),
+            reader: capture_reader(xml, Vec::new(), File::from(rd), bytes),
             frozen_layers: frozen,
             cutter: None,
             disk_switch: DiskSwitchTiming::AtFinish,
         })
     }
 
-    /// Waits until the guest runs again after `migrate` (QEMU 7.2/8.x resumes it by itself
-    /// once the device state is saved; QEMU ≥ 9.0 keeps it paused: resumed here once RAM
-    /// tracking has started). Returns when libvirt reports it running.
-    fn wait_resumed_after_migrate(&self) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(30);
+    /// Waits until the guest runs again after `migrate`, by this QEMU's rule (see
+    /// `backstop_qemu::version`). QEMU 7.2/8.x resume it by themselves once the device state is
+    /// saved: this returns when libvirt reports it running, and `None`. QEMU ≥ 9.0 keep it
+    /// paused: it is resumed here through libvirt as soon as `query-migrate` shows write
+    /// tracking on, and not earlier (the `MIGRATION` `active` comes before QEMU's thread
+    /// stops the guest and starts tracking: a resume there would let the guest write between
+    /// the disk switch and the RAM instant). Returns when tracking was seen on.
+    fn wait_resumed_after_migrate(&self) -> Result<Option<Instant>> {
+        let bound = Duration::from_secs(30);
+        let deadline = Instant::now() + bound;
         loop {
-            let (st, _) = self.state()?;
-            if st == DomainState::Running {
-                return Ok(());
-            }
-            if self.qemu_version.0 >= 9 {
-                let m = self.qmp("query-migrate", "query-migrate", None)?;
-                let counted = m["ram"]["normal"].as_u64().unwrap_or(0)
-                    + m["ram"]["duplicate"].as_u64().unwrap_or(0);
-                if counted > 0 || m["status"] == "completed" {
-                    self.dom("resume")?
-                        .resume()
-                        .map_err(|e| cmd_err("resume", e))?;
-                    return Ok(());
+            match self.resume {
+                Resume::ByQemu => {
+                    if self.state()?.0 == DomainState::Running {
+                        return Ok(None);
+                    }
+                }
+                Resume::AfterWriteTracking => {
+                    let m = self.qmp("query-migrate", "query-migrate", None)?;
+                    if version::write_tracking_on(&m) {
+                        let tracking = Instant::now();
+                        self.dom("resume")?
+                            .resume()
+                            .map_err(|e| cmd_err("resume", e))?;
+                        return Ok(Some(tracking));
+                    }
+                    let status = m["status"].as_str().unwrap_or("");
+                    if !matches!(status, "setup" | "active") {
+                        return Err(cmd_err(
+                            "background snapshot",
+                            format!(
+                                "migration {status} before write tracking was on: {}",
+                                m["error-desc"].as_str().unwrap_or("")
+                            ),
+                        ));
+                    }
                 }
             }
             if Instant::now() > deadline {
                 return Err(BackendError::Timeout {
                     step: "resume after capture start",
-                    timeout: Duration::from_secs(30),
+                    timeout: bound,
                 });
             }
             std::thread::sleep(Duration::from_micros(500));
         }
+    }
+
+    /// Whether QEMU still holds a migration's `migration` yank instance, which it drops in the
+    /// migration's cleanup, a bottom half that runs some time after `completed`.
+    fn migration_yank_held(&self) -> Result<bool> {
+        let list = self.qmp("query-yank", "query-yank", None)?;
+        Ok(list
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|i| i["type"] == "migration"))
+    }
+
+    /// Waits (up to `bound`) until the previous migration is cleaned up on QEMU's side, so the
+    /// next `migrate` does not fail with `duplicate yank instance`.
+    fn wait_migration_released(&self, bound: Duration) -> Result<()> {
+        let deadline = Instant::now() + bound;
+        while self.migration_yank_held()? {
+            if Instant::now() >= deadline {
+                return Err(BackendError::Timeout {
+                    step: "previous migration's cleanup (yank instance)",
+                    timeout: bound,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        Ok(())
+    }
+
+    /// A background snapshot whose start failed after `migrate`: QEMU finishes it into the
+    /// void (the stream read to its end and dropped; a cancel could leave a vCPU blocked on a
+    /// write-protected page, see `backstop_qemu`'s `drain_to_end`), the capability goes off,
+    /// and a guest QEMU left paused (≥ 9.0) runs again on its new overlays.
+    fn drain_and_resume(&self, mut pipe: File) {
+        let drainer = std::thread::spawn(move || std::io::copy(&mut pipe, &mut std::io::sink()));
+        let deadline = Instant::now() + Duration::from_secs(600);
+        loop {
+            let status = self
+                .qmp("query-migrate", "query-migrate", None)
+                .map(|m| m["status"].as_str().unwrap_or("").to_string());
+            match status.as_deref() {
+                Ok("completed" | "failed" | "cancelled") | Err(_) => break,
+                _ if Instant::now() > deadline => {
+                    let _ = self.qmp("migrate_cancel", "migrate_cancel", None);
+                    break;
+                }
+                _ => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        let drained = drainer.join().ok().and_then(|r| r.ok()).unwrap_or(0);
+        let _ = self.wait_migration_released(Duration::from_secs(30));
+        let _ = self.set_background_snapshot(false);
+        if let Ok(dom) = self.dom("resume") {
+            if matches!(self.state(), Ok((DomainState::Paused, _))) {
+                if let Err(e) = dom.resume() {
+                    warn!(error = %e, "could not resume the guest after a failed capture start");
+                }
+            }
+        }
+        warn!(
+            drained,
+            "capture start failed after migrate: stream drained to its end"
+        );
     }
 }
 
@@ -591,11 +687,16 @@ fn qmp_return(step: &'static str, reply: &str) -> Result<Value> {
 }
 
 /// The store's view of a capture: libvirt's save-image prefix (the domain XML), then QEMU's
-/// stream from the pipe, counted.
-fn capture_reader(xml: &str, rd: OwnedFd, bytes: Arc<AtomicU64>) -> Box<dyn Read + Send> {
+/// stream (what was read from the pipe already, then the pipe), counted.
+fn capture_reader(
+    xml: &str,
+    early: Vec<u8>,
+    pipe: File,
+    bytes: Arc<AtomicU64>,
+) -> Box<dyn Read + Send> {
     let prefix = std::io::Cursor::new(save_image::capture_prefix(xml));
     Box::new(CountingReader {
-        inner: prefix.chain(File::from(rd)),
+        inner: prefix.chain(std::io::Cursor::new(early)).chain(pipe),
         bytes,
     })
 }
@@ -861,6 +962,9 @@ impl VmBackend for LibvirtBackend {
                 ));
             }
         }
+        // QEMU cleans a finished migration up some time after it reports it `completed`; a
+        // `migrate` before that fails with `duplicate yank instance` (QEMU ≥ 9.0).
+        self.wait_migration_released(Duration::from_secs(30))?;
         if self.precopy {
             return self.begin_precopy(snap, frozen, &xml);
         }
@@ -924,18 +1028,33 @@ impl VmBackend for LibvirtBackend {
             return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
         }
         let t_migrate = t0.elapsed();
-        if let Err(e) = self.wait_resumed_after_migrate() {
-            return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
-        }
+        // QEMU writes the stream from now on: it is read while the guest's pause ends, or a
+        // full pipe stops QEMU's snapshot thread and with it the write faults a `cont` needs.
+        let prefetch = Prefetch::start(File::from(rd));
+        let resumed = self.wait_resumed_after_migrate();
+        let (pipe, early) = prefetch.finish();
+        let t_tracking = match resumed {
+            Ok(t) => t.map(|t| t.duration_since(t0)),
+            Err(e) => {
+                self.drain_and_resume(pipe);
+                return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
+            }
+        };
         let pause = t0.elapsed();
         let us = |d: Duration| d.as_micros() as u64;
-        let breakdown = vec![
+        let mut breakdown = vec![
             ("suspend".to_string(), us(t_stop)),
             ("switch".to_string(), us(t_switch - t_stop)),
             ("migrate".to_string(), us(t_migrate - t_switch)),
-            ("resume".to_string(), us(pause - t_migrate)),
         ];
-        info!(pause_us = us(pause), ?breakdown, "libvirt capture started");
+        match t_tracking {
+            Some(t) => breakdown.extend([
+                ("tracking".to_string(), us(t.saturating_sub(t_migrate))),
+                ("resume".to_string(), us(pause.saturating_sub(t))),
+            ]),
+            None => breakdown.push(("resume".to_string(), us(pause - t_migrate))),
+        }
+        info!(pause_us = us(pause), ?breakdown, qemu = ?self.qemu_version, "libvirt capture started");
         let bytes = Arc::new(AtomicU64::new(0));
         self.capture = Some(Capture {
             pause_us: us(pause),
@@ -944,7 +1063,7 @@ impl VmBackend for LibvirtBackend {
             switchover: None,
         });
         Ok(CaptureStream {
-            reader: capture_reader(&xml, rd, bytes),
+            reader: capture_reader(&xml, early, pipe, bytes),
             frozen_layers: frozen,
             cutter: None,
             disk_switch: DiskSwitchTiming::AtStart,
@@ -960,6 +1079,9 @@ impl VmBackend for LibvirtBackend {
             let (outcome, switched) = sw.finish();
             self.last_switched = switched;
             self.end_precopy();
+            if let Err(e) = self.wait_migration_released(Duration::from_secs(30)) {
+                warn!(error = %e, "pre-copy capture: QEMU still cleaning the migration up");
+            }
             let s = outcome?;
             return Ok(CaptureReport {
                 pause_us: s.pause_us,
@@ -989,6 +1111,8 @@ impl VmBackend for LibvirtBackend {
                 _ => std::thread::sleep(Duration::from_millis(20)),
             }
         };
+        // The next capture must not race QEMU's cleanup of this one.
+        self.wait_migration_released(Duration::from_secs(30))?;
         self.set_background_snapshot(false)?;
         Ok(CaptureReport {
             pause_us: cap.pause_us,

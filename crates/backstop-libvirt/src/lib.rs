@@ -10,8 +10,12 @@
 //!   `virDomainQemuMonitorCommandWithFiles`); inside it, `virDomainSuspend` → a disk-only
 //!   external snapshot by libvirt itself onto overlays backstop created
 //!   (`DISK_ONLY|REUSE_EXT|NO_METADATA|ATOMIC`, so libvirt's live and persistent XML name the
-//!   new top) → `migrate fd:` through monitor passthrough; QEMU 7.2 resumes the guest when the
-//!   device state is saved. The capability is switched off again after each capture.
+//!   new top) → `migrate fd:` through monitor passthrough; QEMU 7.2/8.x resume the guest when
+//!   the device state is saved, QEMU ≥ 9.0 keep it paused and backstop resumes it through
+//!   libvirt once write tracking is on (the rule and the versions are `backstop_qemu::version`'s,
+//!   refused at adoption outside them). The stream is read while the pause ends, each `migrate`
+//!   waits for QEMU's cleanup of the previous one (its yank instance), and the capability is
+//!   switched off again after each capture.
 //!   With `capture = "precopy"` (hosts that keep `vm.unprivileged_userfaultfd=0`) the guest is
 //!   not suspended first: `migrate` runs live with `pause-before-switchover`; when QEMU stops
 //!   the guest at switchover the same disk-only snapshot is taken, then `migrate-continue`,

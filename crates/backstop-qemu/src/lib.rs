@@ -55,6 +55,7 @@ pub use agent::{AgentChannel, AgentStats, GUEST_LINE_MAX};
 pub use cmdline::{command_line, fingerprint};
 #[cfg(feature = "fault-injection")]
 pub use pause::FaultStep;
+pub use pause::Prefetch;
 use pause::RunStateGuard;
 use qmp::Qmp;
 pub use stream_chunks::{ChunkingReport, MigrationChunker, MigrationCutter};

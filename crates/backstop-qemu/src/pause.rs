@@ -147,7 +147,8 @@ pub(crate) fn drain_to_end(qmp: &mut Qmp, t: Duration, mut stream: impl std::io:
 /// first device that writes guest RAM from QEMU's main loop (device restart on `cont`, a
 /// virtio completion) blocks holding the big lock: `cont` or the `RESUME` never comes (seen on
 /// QEMU 10: `cont` unanswered for 30 s). The caller gets the buffered bytes, then the pipe.
-pub(crate) struct Prefetch {
+/// The libvirt backend, whose `cont` goes through libvirt, needs the same.
+pub struct Prefetch {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     thread: std::thread::JoinHandle<(std::fs::File, Vec<u8>)>,
 }
