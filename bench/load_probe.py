@@ -67,6 +67,13 @@ class Probe:
         qmp_path = w / "qmp.sock"
         argv = C.qemu_args(self.env, "probe", self.base, "disk-data", w / "serial.log",
                            w / "agent.sock", qmp_path, w / "qemu.pid", incoming=True)
+        if self.a.prealloc:
+            # Guest RAM faulted in before the load, under the RAM block name `-m` gives it
+            # (pc.ram), so a stream saved by a `-m` QEMU still matches.
+            i = argv.index("-m")
+            del argv[i:i + 2]
+            argv += ["-object", f"memory-backend-ram,id=pc.ram,size={self.env.memory_mib}M,prealloc=on",
+                     "-machine", "memory-backend=pc.ram"]
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         q = qmplib.QMP(str(qmp_path))
         try:
@@ -130,6 +137,8 @@ def main():
                     or os.path.expanduser("~/.cache/backstop/guest"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--transports", default="file,pipe")
+    ap.add_argument("--prealloc", action="store_true",
+                    help="start each QEMU with its guest RAM preallocated (a standby's), load after")
     ap.add_argument("--store", help="a backstop store directory (state_dir/store or vms/NAME/store)")
     ap.add_argument("--snapshot", help="with --store: the snapshot whose stream to reassemble")
     ap.add_argument("--out", help="with --store: where to write the reassembled stream")

@@ -548,14 +548,25 @@ def headline(raw, per):
                 for name, us in snap.get("pause_breakdown_us") or []:
                     phases.setdefault(name, []).append(us / 1e3)
         out["pause_breakdown_ms"] = {k: stats(v) for k, v in phases.items()}
-        # Where the rollback went, phase by phase (the engine's report, every repetition).
-        rphases = {}
+        # Where the rollback went, phase by phase (the engine's report, every repetition), for
+        # backstop's own QEMU and for a libvirt domain it adopted (issue 14 asks for both).
+        for contender, key in (("backstop", "rollback_breakdown_ms"),
+                               ("bslibvirt", "libvirt_rollback_breakdown_ms")):
+            rphases = {}
+            for r in raw["records"]:
+                if r["contender"] != contender or (lab != "None" and r.get("qemu") != lab):
+                    continue
+                for name, ms in (_g(r, "rollback", "phases_ms") or {}).items():
+                    rphases.setdefault(name, []).append(ms)
+            out[key] = {k: stats(v) for k, v in rphases.items()}
+        lphases = {}
         for r in raw["records"]:
-            if r["contender"] != "backstop" or (lab != "None" and r.get("qemu") != lab):
+            if r["contender"] != "bslibvirt" or (lab != "None" and r.get("qemu") != lab):
                 continue
-            for name, ms in (_g(r, "rollback", "phases_ms") or {}).items():
-                rphases.setdefault(name, []).append(ms)
-        out["rollback_breakdown_ms"] = {k: stats(v) for k, v in rphases.items()}
+            for snap in (r.get("snapshots") or {}).values():
+                for name, us in snap.get("pause_breakdown_us") or []:
+                    lphases.setdefault(name, []).append(us / 1e3)
+        out["libvirt_pause_breakdown_ms"] = {k: stats(v) for k, v in lphases.items()}
         rb = _g(f, "rb_guest", "values", "backstop")
         sc = _g(f, "rb_guest", "values", "stopcopy")
         rb_vals = [_g(r, "rollback", "guest", "guest_running_ms") for r in raw["records"]
@@ -621,10 +632,13 @@ def headline_table(summary):
         if pb:
             lines.append("  pause breakdown (ms, median [min..max]): "
                          + ", ".join(f"{k} {_cell(st)}" for k, st in pb.items()))
-        rb = v.get("rollback_breakdown_ms") or {}
-        if rb:
-            lines.append("  rollback breakdown (ms, median [min..max]): "
-                         + ", ".join(f"{k} {_cell(st)}" for k, st in rb.items()))
+        for key, what in (("rollback_breakdown_ms", "rollback breakdown"),
+                          ("libvirt_pause_breakdown_ms", "libvirt backend: pause breakdown"),
+                          ("libvirt_rollback_breakdown_ms", "libvirt backend: rollback breakdown")):
+            rb = v.get(key) or {}
+            if rb:
+                lines.append(f"  {what} (ms, median [min..max]): "
+                             + ", ".join(f"{k} {_cell(st)}" for k, st in rb.items()))
     return "\n".join(lines) + "\n"
 
 
