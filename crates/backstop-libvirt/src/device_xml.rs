@@ -19,9 +19,7 @@ pub fn grant_alias(id: &str) -> String {
     format!("{GRANT_ALIAS_PREFIX}{id}")
 }
 
-fn child<'a, 'i>(n: roxmltree::Node<'a, 'i>, tag: &str) -> Option<roxmltree::Node<'a, 'i>> {
-    n.children().find(|c| c.has_tag_name(tag))
-}
+use crate::domain_xml::{child, map_devices};
 
 /// Checks a grant's device XML: it parses (no DTD), holds exactly one element and nothing but
 /// comments and blanks beside it, that element is one of [`GRANT_ELEMENTS`], and it names no
@@ -96,23 +94,13 @@ pub struct LiveDevice {
 }
 
 fn live_devices(xml: &str) -> Vec<LiveDevice> {
-    let Ok(doc) = roxmltree::Document::parse(xml) else {
-        return Vec::new();
-    };
-    let Some(devices) = child(doc.root_element(), "devices") else {
-        return Vec::new();
-    };
-    devices
-        .children()
-        .filter(|c| c.is_element())
-        .filter_map(|c| {
-            let alias = child(c, "alias")?.attribute("name")?;
-            Some(LiveDevice {
-                element: c.tag_name().name().to_string(),
-                alias: alias.to_string(),
-            })
+    map_devices(xml, |c| {
+        let alias = child(c, "alias")?.attribute("name")?;
+        Some(LiveDevice {
+            element: c.tag_name().name().to_string(),
+            alias: alias.to_string(),
         })
-        .collect()
+    })
 }
 
 /// The device with libvirt alias `alias` in the domain XML, if it holds one.

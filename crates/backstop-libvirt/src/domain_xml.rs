@@ -50,8 +50,27 @@ impl std::fmt::Display for Unsuitable {
     }
 }
 
-fn child<'a, 'i>(n: roxmltree::Node<'a, 'i>, tag: &str) -> Option<roxmltree::Node<'a, 'i>> {
+pub(crate) fn child<'a, 'i>(
+    n: roxmltree::Node<'a, 'i>,
+    tag: &str,
+) -> Option<roxmltree::Node<'a, 'i>> {
     n.children().find(|c| c.has_tag_name(tag))
+}
+
+/// `f` of every element directly under the domain's `<devices>`, where it gives something.
+/// Unparsable XML, or none under `<devices>`, gives nothing.
+pub(crate) fn map_devices<T>(xml: &str, f: impl FnMut(roxmltree::Node) -> Option<T>) -> Vec<T> {
+    let Ok(doc) = roxmltree::Document::parse(xml) else {
+        return Vec::new();
+    };
+    let Some(devices) = child(doc.root_element(), "devices") else {
+        return Vec::new();
+    };
+    devices
+        .children()
+        .filter(|c| c.is_element())
+        .filter_map(f)
+        .collect()
 }
 
 fn text_of(n: roxmltree::Node, tag: &str) -> Option<String> {
@@ -303,23 +322,15 @@ pub fn all_links_down(xml: &str) -> bool {
 /// The top-level element names under `<devices>` with their alias or model: what a restored
 /// domain holds, for the restore report.
 pub fn device_list(xml: &str) -> Vec<String> {
-    let Ok(doc) = roxmltree::Document::parse(xml) else {
-        return Vec::new();
-    };
-    let Some(devices) = child(doc.root_element(), "devices") else {
-        return Vec::new();
-    };
-    devices
-        .children()
-        .filter(|c| c.is_element())
-        .map(|c| {
-            let alias = child(c, "alias").and_then(|a| a.attribute("name"));
+    map_devices(xml, |c| {
+        let alias = child(c, "alias").and_then(|a| a.attribute("name"));
+        Some(
             match alias.or(c.attribute("model")).or(c.attribute("type")) {
                 Some(a) => format!("{}:{a}", c.tag_name().name()),
                 None => c.tag_name().name().to_string(),
-            }
-        })
-        .collect()
+            },
+        )
+    })
 }
 
 #[cfg(test)]
