@@ -301,8 +301,12 @@ impl QemuBackend {
                 })?;
                 ends.push(("setup", active.timestamp_us));
                 let deadline = Instant::now() + t;
+                let mut polls = 0u32;
                 loop {
+                    let asked = clock.now_us();
                     let info = qmp.execute("query-migrate", None, t)?;
+                    polls += 1;
+                    tracing::debug!(polls, asked_us = asked, answered_us = clock.now_us(), status = ?info.get("status"), ram = ?info.get("ram").and_then(|r| r.get("normal")), "tracking poll");
                     if version::write_tracking_on(&info) {
                         break;
                     }

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""The floor of backstop's snapshot pause on a QEMU, without backstop: a bare QMP client drives
+the order backstop's capture uses on QEMU >= 9.0 and times each step.
+
+One QEMU runs the bench guest (the same command line as bench/run.py's contenders) until its
+fill is done; then, `--reps` times: `stop` -> `migrate` (background-snapshot into a pipe this
+script drains) -> `query-migrate` polled until RAM pages are counted (write tracking is on) ->
+`cont`. With `--switch` the disk is switched to a fresh overlay inside each pause as backstop
+does (created and opened before `stop`, `blockdev-snapshot` after it); without, it is a lower
+bound for that order.
+Prints per snapshot the host-side steps and QEMU's own event times (STOP, MIGRATION setup/active,
+RESUME: the guest's pause is STOP -> RESUME), then the medians.
+
+On QEMU 7.2/8.x QEMU resumes the guest by itself after the snapshot's setup; the script still
+sends `cont`, which is then a no-op, so use it on >= 9.0.
+
+    python3 bench/pause_probe.py --qemu QEMU10 --memory-mib 1024 --fill-mib 400 --reps 5
+"""
+
+import argparse
+import fcntl
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import contenders as C  # noqa: E402
+import qmp as qmplib  # noqa: E402
+
+F_SETPIPE_SZ = 1031
+
+
+class Disk:
+    """With --switch: the disk's active layer and node, switched to a fresh overlay inside the
+    pause as backstop does (created and opened before `stop`, `blockdev-snapshot` after it)."""
+
+    def __init__(self, path, node):
+        self.path, self.node, self.n = Path(path), node, 0
+
+    def prepare(self, q):
+        self.n += 1
+        new = self.path.parent / f"layer-{self.n}.qcow2"
+        size = json.loads(C.run(["qemu-img", "info", "-U", "--output=json", str(self.path)]).stdout)["virtual-size"]
+        C.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "qcow2", "-b", str(self.path), str(new),
+               str(size)])
+        node = f"{self.node}-{self.n}"
+        q.execute("blockdev-add", {"driver": "qcow2", "node-name": node, "backing": None,
+                                   "file": {"driver": "file", "filename": str(new)}})
+        return new, node
+
+    def switch(self, q, prepared):
+        new, node = prepared
+        q.execute("transaction", {"actions": [
+            {"type": "blockdev-snapshot", "data": {"node": self.node, "overlay": node}}]})
+        self.path, self.node = new, node
+
+
+def snapshot_once(q, disk=None):
+    """One capture in backstop's order; returns (host step times in ms, QEMU events)."""
+    r, w = os.pipe()
+    fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)
+    try:
+        q.execute("getfd", {"fdname": "probe"}, fd=w)
+    finally:
+        os.close(w)
+
+    def drain():
+        while os.read(r, 1 << 20):
+            pass
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    # QEMU >= 9.0 refuses a migrate while the previous one's yank instance is still there.
+    while any(i.get("type") == "migration" for i in q.execute("query-yank")):
+        time.sleep(0.001)
+    prepared = disk.prepare(q) if disk else None
+    t0 = time.monotonic()
+    q.execute("stop")
+    if disk:
+        disk.switch(q, prepared)
+    t1 = time.monotonic()
+    q.execute("migrate", {"uri": "fd:probe"})
+    t2 = time.monotonic()
+    while True:
+        info = q.execute("query-migrate")
+        ram = info.get("ram") or {}
+        if info.get("status") == "completed" or ram.get("normal", 0) > 0 or ram.get("duplicate", 0) > 0:
+            break
+        if info.get("status") not in ("setup", "active"):
+            raise C.BenchError(f"background snapshot {info.get('status')}: {info.get('error-desc')}")
+    t3 = time.monotonic()
+    q.execute("cont")
+    t4 = time.monotonic()
+    ev = q.wait_event(qmplib.migrate_status("completed", "failed", "cancelled"), timeout=600)
+    reader.join()
+    os.close(r)
+    if ev["data"]["status"] != "completed":
+        raise C.BenchError(f"background snapshot {ev['data']['status']}")
+    events = [e for e in q.events if e.get("event") in ("STOP", "RESUME", "MIGRATION")]
+    q.events = []
+    host = {"stop+switch" if disk else "stop": (t1 - t0) * 1e3, "migrate": (t2 - t1) * 1e3, "until_tracking": (t3 - t2) * 1e3,
+            "cont": (t4 - t3) * 1e3, "total": (t4 - t0) * 1e3}
+    return host, events
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--qemu", required=True)
+    ap.add_argument("--memory-mib", type=int, default=1024)
+    ap.add_argument("--fill-mib", type=int, default=400)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--switch", action="store_true",
+                    help="switch the disk to a fresh overlay inside each pause, as backstop does")
+    ap.add_argument("--guest-dir", default=os.environ.get("BACKSTOP_GUEST_DIR")
+                    or os.path.expanduser("~/.cache/backstop/guest"))
+    a = ap.parse_args()
+    if a.fill_mib + 64 > a.memory_mib * 0.8:
+        ap.error("--fill-mib leaves the guest too little RAM")
+    env = type("Env", (), {})()
+    env.qemu, env.accel, env.memory_mib = a.qemu, "tcg", a.memory_mib
+    env.guest = Path(a.guest_dir)
+    env.append = (f"console=ttyS0 quiet panic=-1 backstop.fill_mib={a.fill_mib}"
+                  " backstop.dirty_mib=1 backstop.dirty_every=100000")
+    work = Path(tempfile.mkdtemp(prefix="pause-probe-", dir="/var/tmp"))
+    proc = None
+    try:
+        disk = work / "disk.qcow2"
+        C.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(env.guest / "disk-base.qcow2"),
+               "-F", "qcow2", str(disk)])
+        qmp_path, serial = work / "qmp.sock", work / "serial.log"
+        proc = subprocess.Popen(C.qemu_args(env, "probe", disk, "disk-data", serial, work / "agent.sock",
+                                            qmp_path, work / "qemu.pid"),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        q = qmplib.QMP(str(qmp_path))
+        q.execute("migrate-set-capabilities", {"capabilities": [
+            {"capability": "events", "state": True},
+            {"capability": "background-snapshot", "state": True}]})
+        deadline = time.monotonic() + 600
+        while b"BACKSTOP fill mib" not in (serial.read_bytes() if serial.exists() else b""):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise C.BenchError("the guest did not finish its fill")
+            time.sleep(0.5)
+        time.sleep(2)
+        pauses, rows = [], []
+        disk_state = Disk(disk, "disk-data") if a.switch else None
+        for rep in range(a.reps):
+            host, events = snapshot_once(q, disk_state)
+            base = qmplib.event_us(events[0]) if events else 0
+            marks = " ".join(
+                e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
+                + f"@{(qmplib.event_us(e) - base) / 1e3:.2f}" for e in events)
+            stops = [e for e in events if e["event"] == "STOP"]
+            resumes = [e for e in events if e["event"] == "RESUME"]
+            if stops and resumes:
+                pauses.append((qmplib.event_us(resumes[0]) - qmplib.event_us(stops[0])) / 1e3)
+            rows.append(host)
+            print(f"snapshot {rep + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items())
+                  + f" ms | QEMU events (ms): {marks}", flush=True)
+            time.sleep(2)
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        print(f"QEMU {a.qemu}, {a.memory_mib} MiB, {a.fill_mib} MiB resident, {a.reps} snapshot(s); medians (ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
+              + (f"; guest pause STOP->RESUME {statistics.median(pauses):.2f}" if pauses else ""))
+        q.execute("quit")
+    finally:
+        if proc:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
