@@ -287,9 +287,8 @@ fn get_hashed(
         }
         Err(e) => return Err(s3(e)),
     };
-    w.file
-        .sync_all()
-        .map_err(|e| err(ErrorCode::Io, format!("{}: {e}", path.display())))?;
+    // Not fsync'd: staging is thrown away after a crash, and the store makes what it publishes
+    // durable itself.
     Ok((
         len,
         hex::encode(w.sha.finalize()),

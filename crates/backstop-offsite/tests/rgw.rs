@@ -95,7 +95,9 @@ fn the_client_talks_to_a_real_gateway() {
     assert_eq!(client.head("chunks/two").unwrap(), None);
 
     // Throughput: 16 objects of 4 MiB, one after the other.
-    let body: Vec<u8> = (0..4 * 1024 * 1024u32).map(|i| (i * 7 + i / 4096) as u8).collect();
+    let body: Vec<u8> = (0..4 * 1024 * 1024u32)
+        .map(|i| (i * 7 + i / 4096) as u8)
+        .collect();
     let start = Instant::now();
     for i in 0..16 {
         client.put(&format!("bench/{i}"), &body).unwrap();

@@ -32,6 +32,8 @@ impl Offsite {
         engine: &Arc<Supervisor>,
     ) -> Result<Offsite, String> {
         let dir = state_dir.join("offsite");
+        // A pull interrupted by a crash left its staging behind: never published, thrown away.
+        let _ = std::fs::remove_dir_all(dir.join("staging"));
         let stores_engine = Arc::clone(engine);
         let journal_engine = Arc::clone(engine);
         let uploader = Uploader::start(
