@@ -9,8 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # setup.sh prints the guest directory, then the QEMU 10 wrapper. With BACKSTOP_WITH_LIBVIRT=1 it
-# also installs libvirt and starts libvirtd (scripts/setup-libvirt.sh, ~1 min on a fresh machine).
-qemu10=$(BACKSTOP_WITH_LIBVIRT=1 scripts/setup.sh | tail -n1)
+# also installs libvirt and starts libvirtd (scripts/setup-libvirt.sh, ~1 min on a fresh machine);
+# with BACKSTOP_WITH_CEPH=1 Ceph's monitor, OSD and gateway (scripts/setup-ceph.sh, ~21 s).
+qemu10=$(BACKSTOP_WITH_LIBVIRT=1 BACKSTOP_WITH_CEPH=1 scripts/setup.sh | tail -n1)
 ci/lint.sh
 # The fault-injection feature compiles in the test-only fault hooks (never in a release build);
 # `libvirt` the libvirt backend (issue 14), whose tests must run here.
@@ -19,7 +20,8 @@ cargo build --workspace --all-targets --features "$features"
 # The end-to-end tests boot real guests under TCG on a 2-core machine: two at a time at most.
 # (The feature also compiles the QEMU backend's capture fault hooks, so this runs its
 # capture_faults test on the system QEMU.)
-BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 \
+# BACKSTOP_REQUIRE_CEPH=1: the off-host replication tests (a throwaway Ceph RGW each) must run.
+BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_REQUIRE_CEPH=1 \
 	cargo test --workspace --features "$features" --no-fail-fast -- --test-threads=2
 
 # Second pass: the QEMU end-to-end tests again, on QEMU 10 (issue 21).

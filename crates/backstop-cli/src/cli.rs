@@ -274,6 +274,17 @@ pub enum SnapshotCommand {
         #[arg(value_parser = non_empty)]
         id: String,
     },
+    /// Fetch a snapshot another host replicated off-host (`[offsite]`), verify it (its
+    /// ed25519 signature against the fleet trust file, then every chunk and disk layer) and
+    /// publish it into this VM's store; `rollback --to` then restores the VM from it.
+    Pull {
+        /// The snapshot's full id on the host that took it.
+        #[arg(value_parser = non_empty)]
+        id: String,
+        /// That host's name in the fleet (the trust file's key).
+        #[arg(long, value_parser = non_empty)]
+        from: String,
+    },
     /// Apply the retention policy now (it also runs after every scheduled snapshot).
     Prune,
     /// Delete one snapshot as retention would (journaled with the reason and who asked).
@@ -429,6 +440,10 @@ impl Command {
                 Request::SnapshotVerify { id: id.clone() }
             }
             Command::Snapshot(SnapshotCommand::Prune) => Request::SnapshotPrune,
+            Command::Snapshot(SnapshotCommand::Pull { id, from }) => Request::SnapshotPull {
+                id: id.clone(),
+                from: from.clone(),
+            },
             Command::Rollback {
                 to,
                 reason,

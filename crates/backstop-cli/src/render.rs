@@ -62,6 +62,14 @@ pub fn human(request: &Request, response: &Response) -> String {
         },
         Response::SnapshotList { snapshots } => list_text(snapshots),
         Response::Verified(report) => verified_text(report),
+        Response::SnapshotPulled(p) => format!(
+            "snapshot {} published here: {}'s {} verified (ed25519 signature, every chunk and layer), {} fetched in {} ms\n",
+            clean(&p.snapshot_id),
+            clean(&p.from),
+            clean(&p.remote_snapshot_id),
+            human_bytes(p.bytes_fetched),
+            p.total_ms
+        ),
         Response::RolledBack(report) => rolled_back_text(report),
         Response::HaltCleared {
             epoch,
@@ -367,6 +375,23 @@ fn status_text(s: &StatusView) -> String {
         ));
     }
     rows.extend(live_rows(s));
+    if let Some(o) = &s.offsite {
+        let mut line = format!(
+            "{} pending, {} uploaded to {}/{} as {}",
+            o.pending,
+            o.uploaded,
+            clean(&o.endpoint),
+            clean(&o.bucket),
+            clean(&o.host)
+        );
+        if let Some(u) = &o.uploading {
+            line.push_str(&format!("; uploading {}", clean(u)));
+        }
+        if let Some(e) = &o.last_error {
+            line.push_str(&format!("; last error: {}", clean(e)));
+        }
+        rows.push(("offsite", line));
+    }
     for (k, v) in &s.backend_details {
         let v = match v {
             serde_json::Value::String(t) => t.clone(),
@@ -599,6 +624,8 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
     let any_current = snapshots.iter().any(|s| s.current);
     // A NAME column only when some snapshot has a name (unnamed lists look as they did).
     let any_named = snapshots.iter().any(|s| s.name.is_some());
+    // An OFFSITE column only when the daemon replicates (issue 20).
+    let any_offsite = snapshots.iter().any(|s| s.replication.is_some());
     let mut header = vec![
         if any_current { "  ID" } else { "ID" },
         "CREATED",
@@ -614,6 +641,11 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
     if any_named {
         header.insert(1, "NAME");
         right_aligned.insert(1, false);
+    }
+    if any_offsite {
+        let at = header.len() - 1;
+        header.insert(at, "OFFSITE");
+        right_aligned.insert(at, false);
     }
     let rows: Vec<Vec<String>> = snapshots
         .iter()
@@ -647,6 +679,15 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
             ];
             if any_named {
                 row.insert(1, s.name.as_deref().map_or_else(|| "-".into(), clean));
+            }
+            if any_offsite {
+                let at = row.len() - 1;
+                row.insert(
+                    at,
+                    s.replication
+                        .as_ref()
+                        .map_or_else(|| "-".into(), |r| clean(&r.state)),
+                );
             }
             row
         })
@@ -1254,6 +1295,7 @@ mod tests {
             rolled_back: None,
             current: false,
             unusable: None,
+            replication: None,
         }
     }
 

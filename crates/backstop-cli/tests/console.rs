@@ -136,6 +136,7 @@ fn list() -> Response {
             rolled_back: None,
             current: false,
             unusable: None,
+            replication: None,
         }],
     }
 }

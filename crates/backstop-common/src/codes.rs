@@ -236,6 +236,11 @@ error_codes! {
         "backstopd already serves its maximum of connections: retry when one ends";
     ConsoleEncode = "ERR_CONSOLE_ENCODE", Failed,
         "the console could not encode its output";
+    // Off-host replication (issue 20).
+    OffsiteNotConfigured = "ERR_OFFSITE_NOT_CONFIGURED", Failed,
+        "this daemon has no [offsite] target (or no fleet trust file for a pull)";
+    OffsiteUnreachable = "ERR_OFFSITE_UNREACHABLE", Failed,
+        "the off-host object store did not answer as expected (down, refused, or an error status)";
     // Everything else.
     BadRequest = "ERR_BAD_REQUEST", Failed,
         "the request's arguments are not valid; nothing changed";

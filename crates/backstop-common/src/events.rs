@@ -64,6 +64,15 @@ audit_events! {
     SnapshotScheduleMissed = "snapshot.schedule.missed" [];
     /// A snapshot was removed by retention.
     SnapshotPruned = "snapshot.pruned" [];
+    /// Off-host replication (issue 20): every object of a published snapshot is in the
+    /// `[offsite]` bucket, its manifest and ed25519 signature last (daemon journal).
+    SnapshotReplicated = "snapshot.replicated" ["vm", "host", "bytes_uploaded", "objects_uploaded", "objects_present", "attempts"];
+    /// An upload attempt failed; it is retried with backoff (daemon journal).
+    SnapshotReplicationFailed = "snapshot.replication.failed" ["vm", "code", "error", "attempts", "retry_in_ms"];
+    /// `snapshot pull`: another host's snapshot was verified and published here (daemon journal).
+    SnapshotPulled = "snapshot.pulled" ["vm", "from", "remote_snapshot_id", "bytes_fetched"];
+    /// `snapshot pull` refused or failed; nothing was published (daemon journal).
+    SnapshotPullFailed = "snapshot.pull.failed" ["vm", "from", "remote_snapshot_id", "code", "error"];
     /// A person deleted a snapshot (`snapshot delete`): removed as retention removes one.
     SnapshotDeleted = "snapshot.deleted" ["reason", "requested_by", "chain"];
     /// A retention pass finished.

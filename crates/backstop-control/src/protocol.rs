@@ -42,6 +42,10 @@ pub enum Request {
     SnapshotShow { id: String },
     /// Full verification (signature, fields, versions, every checksum) without touching the VM.
     SnapshotVerify { id: String },
+    /// Off-host replication (issue 20): fetch snapshot `id` that host `from` replicated, check
+    /// its ed25519 signature against the fleet trust file and every chunk and layer, and
+    /// publish it into this VM's store. The daemon's own (needs `[offsite]`). Console only.
+    SnapshotPull { id: String, from: String },
     /// Roll the VM back (spec/000 §5). Without a type: `emergency` (or neither `to` nor
     /// `before`) is an emergency rollback to the newest verified snapshot; `to` or `before` is a
     /// session rollback. A session rollback to anything but the newest verified snapshot needs
@@ -338,6 +342,10 @@ enum StrictRequest {
     SnapshotVerify {
         id: String,
     },
+    SnapshotPull {
+        id: String,
+        from: String,
+    },
     Rollback {
         to: Option<String>,
         reason: String,
@@ -427,6 +435,7 @@ impl From<StrictRequest> for Request {
             StrictRequest::SnapshotTree {} => Request::SnapshotTree,
             StrictRequest::SnapshotShow { id } => Request::SnapshotShow { id },
             StrictRequest::SnapshotVerify { id } => Request::SnapshotVerify { id },
+            StrictRequest::SnapshotPull { id, from } => Request::SnapshotPull { id, from },
             StrictRequest::Rollback {
                 to,
                 reason,
@@ -522,6 +531,7 @@ impl Request {
             Request::SnapshotTree => "snapshot tree",
             Request::SnapshotShow { .. } => "snapshot show",
             Request::SnapshotVerify { .. } => "snapshot verify",
+            Request::SnapshotPull { .. } => "snapshot pull",
             Request::Rollback { .. } => "rollback",
             Request::HaltClear { .. } | Request::HaltClearTo { .. } => "halt clear",
             Request::Resume { .. } => "resume",
@@ -586,6 +596,8 @@ pub enum Response {
         snapshots: Vec<SnapshotSummary>,
     },
     Verified(VerifyReport),
+    /// `snapshot pull`: what was published here.
+    SnapshotPulled(PullReport),
     RolledBack(RollbackReport),
     HaltCleared {
         epoch: u64,
@@ -863,6 +875,9 @@ pub struct StatusView {
     /// `running`, but no guest code runs until `backstop resume`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub guest_paused: bool,
+    /// The daemon's off-host upload queue (issue 20), when it has an `[offsite]` target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offsite: Option<OffsiteView>,
 }
 
 /// The newest rollback of a VM, for `status` and the metrics endpoint.
@@ -965,6 +980,56 @@ pub struct SnapshotSummary {
     /// Set when drift detection found it no longer verifies: never a rollback target again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unusable: Option<String>,
+    /// Its off-host replication (issue 20), when the daemon has an `[offsite]` target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replication: Option<ReplicationView>,
+}
+
+/// One snapshot's off-host replication.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicationView {
+    /// `pending` (not tried yet), `uploading`, `retrying` (an attempt failed) or `uploaded`.
+    pub state: String,
+    pub attempts: u32,
+    /// Bytes sent by the attempt that completed (objects already in the bucket are not sent).
+    pub bytes_uploaded: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uploaded_at: Option<String>,
+}
+
+/// The daemon's upload queue, in `status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffsiteView {
+    /// This host's name in the fleet.
+    pub host: String,
+    pub endpoint: String,
+    pub bucket: String,
+    /// Snapshots waiting for an upload (retries included).
+    pub pending: u64,
+    pub uploaded: u64,
+    /// `vm/snapshot_id` being uploaded now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uploading: Option<String>,
+    /// The newest failure of a snapshot still pending.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// Bytes sent since the daemon started.
+    pub bytes_uploaded_total: u64,
+}
+
+/// What `snapshot pull` published.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PullReport {
+    /// The snapshot's id in this host's store.
+    pub snapshot_id: String,
+    pub from: String,
+    /// Its id on the host that took it.
+    pub remote_snapshot_id: String,
+    pub bytes_fetched: u64,
+    pub total_ms: u64,
+    pub summary: SnapshotSummary,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

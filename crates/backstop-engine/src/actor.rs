@@ -705,6 +705,7 @@ impl VmActor {
             links: self.link_views(),
             granted_devices: self.devices.grants.keys().cloned().collect(),
             guest_paused: self.guest_paused,
+            offsite: None,
         }
     }
 

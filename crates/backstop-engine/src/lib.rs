@@ -57,4 +57,5 @@ pub use actor::{Caller, Ctx, VmActor};
 pub use config::Config;
 pub use error::EngineError;
 pub use host::{HostConfig, InvalidVm, VmSlot};
-pub use mailbox::{Job, VmHandle};
+pub use mailbox::{Job, StoreWork, VmHandle};
+pub use supervisor::VmStorePaths;

@@ -45,7 +45,14 @@ pub enum Order {
     Tick,
     /// End the VM and stop the actor.
     Shutdown,
+    /// Work on the VM's store from outside the engine (a snapshot pulled from another host is
+    /// published this way: `backstop-offsite`), run on the actor's thread so that it never
+    /// overlaps the actor's own captures and retention. Dropped unrun by a retired actor.
+    WithStore(StoreWork),
 }
+
+/// See [`Order::WithStore`]: the work gets the VM's store and reports back on its own channel.
+pub type StoreWork = Box<dyn FnOnce(&backstop_store::Store) + Send>;
 
 pub struct VmHandle {
     name: String,
@@ -318,6 +325,16 @@ impl VmHandle {
         }
     }
 
+    /// Queues `work` on the actor's thread (see [`Order::WithStore`]).
+    pub fn with_store(&self, work: StoreWork) -> Result<(), EngineError> {
+        if self.is_retired() {
+            return Err(EngineError::ShuttingDown);
+        }
+        self.tx
+            .send(Order::WithStore(work))
+            .map_err(|_| EngineError::ShuttingDown)
+    }
+
     /// Records a connection the control socket refused (journaled as `control.refused`).
     pub fn note_refused(&self, uid: u32, pid: i32) {
         let _ = self.tx.send(Order::NoteRefused { uid, pid });
@@ -410,6 +427,7 @@ fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>, retired: &AtomicBool) {
             }
             Ok(Order::Request(job)) => serve(&mut engine, job),
             Ok(Order::NoteRefused { uid, pid }) => engine.note_refused(uid, pid),
+            Ok(Order::WithStore(work)) => work(&engine.store),
             Ok(Order::Shutdown) | Err(RecvTimeoutError::Disconnected) => {
                 engine.shutdown();
                 return;
@@ -498,7 +516,7 @@ fn refuse_all(rx: &mpsc::Receiver<Order>, refusal: (String, String)) {
                 let _ = job.reply.send(Err(refusal.clone()));
             }
             Order::Shutdown => return,
-            Order::NoteRefused { .. } | Order::Tick => {}
+            Order::NoteRefused { .. } | Order::Tick | Order::WithStore(_) => {}
         }
     }
 }

@@ -204,6 +204,7 @@ impl VmActor {
             Request::Vms
             | Request::Reload
             | Request::DaemonAuditVerify
+            | Request::SnapshotPull { .. }
             | Request::Events { .. } => Err(EngineError::BadRequest(format!(
                 "`{}` is answered by the daemon, not by one VM",
                 req.name()
@@ -410,6 +411,7 @@ pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
         rolled_back: None,
         current: false,
         unusable: None,
+        replication: None,
     }
 }
 

@@ -50,6 +50,15 @@ enum Member {
     },
 }
 
+/// Where a running VM keeps its snapshots ([`Supervisor::vm_stores`]).
+#[derive(Debug, Clone)]
+pub struct VmStorePaths {
+    pub vm: String,
+    pub store: std::path::PathBuf,
+    pub layers_dir: std::path::PathBuf,
+    pub qemu_img: std::path::PathBuf,
+}
+
 pub struct Supervisor {
     members: RwLock<BTreeMap<String, Member>>,
     journal: Arc<Mutex<Journal>>,
@@ -341,6 +350,29 @@ impl Supervisor {
             }
         }
         Ok(report)
+    }
+
+    /// Journals a daemon-level event from outside the engine (off-host replication and pulls),
+    /// with the same common fields as the supervisor's own entries.
+    pub fn journal_daemon_event(&self, event: AuditEvent, f: Value) -> Result<(), EngineError> {
+        self.journal(event, f)
+    }
+
+    /// Each running VM's name, store root, disk-layer directory and `qemu-img` (for
+    /// `backstop-offsite`: it reads published snapshots and imports pulled ones).
+    pub fn vm_stores(&self) -> Vec<VmStorePaths> {
+        self.members()
+            .iter()
+            .filter_map(|(name, m)| match m {
+                Member::Running(_, cfg) => Some(VmStorePaths {
+                    vm: name.clone(),
+                    store: cfg.daemon.state_dir.join("store"),
+                    layers_dir: cfg.layers_dir(),
+                    qemu_img: cfg.vm.qemu_img.clone(),
+                }),
+                Member::Down { .. } => None,
+            })
+            .collect()
     }
 
     fn journal(&self, event: AuditEvent, f: Value) -> Result<(), EngineError> {

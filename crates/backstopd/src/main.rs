@@ -16,6 +16,8 @@ use backstop_engine::systemd::{NotifyState, TimeoutExtender};
 use backstop_engine::{Caller, HostConfig, VmSlot};
 use backstopd::Args;
 
+mod offsite;
+
 fn main() -> ExitCode {
     let args = Args::parse();
     if args.print_default_config {
@@ -31,6 +33,23 @@ fn main() -> ExitCode {
         Ok(c) => c.refuse_missing_files(),
         Err(e) => {
             fatal(args.log_json, &format!("{}: {e}", e.code()));
+            return ExitCode::from(2);
+        }
+    };
+    // `[offsite]` (issue 20): the daemon file's, parsed strictly; a bad one starts nothing.
+    let offsite_cfg = match &args.config {
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|e| format!("ERR_CONFIG_INVALID: {}: {e}", p.display()))
+            .and_then(|text| {
+                backstop_offsite::OffsiteConfig::from_file_text(&text, &|k| std::env::var(k).ok())
+                    .map_err(|e| format!("{}: {e}", e.code()))
+            }),
+        None => Ok(None),
+    };
+    let offsite_cfg = match offsite_cfg {
+        Ok(c) => c,
+        Err(msg) => {
+            fatal(args.log_json, &msg);
             return ExitCode::from(2);
         }
     };
@@ -61,7 +80,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         };
     }
-    match run(host, args.config.clone()) {
+    match run(host, args.config.clone(), offsite_cfg) {
         Ok(()) => ExitCode::SUCCESS,
         Err(msg) => {
             fatal(args.log_json, &msg);
@@ -123,7 +142,11 @@ fn raise_descriptor_limit() {
     }
 }
 
-fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
+fn run(
+    host: HostConfig,
+    config_path: Option<PathBuf>,
+    offsite_cfg: Option<backstop_offsite::OffsiteConfig>,
+) -> Result<(), String> {
     raise_descriptor_limit();
     // Signals are taken by one thread with sigwait; every other thread, and QEMU's children
     // (which reset their mask), inherit the mask set here.
@@ -175,6 +198,25 @@ fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
     let engine =
         Arc::new(Supervisor::start(&host, config_path).map_err(|e| format!("{}: {e}", e.code()))?);
     drop(starting);
+    // The host's ed25519 key, made at first start beside the HMAC key: what other hosts of the
+    // fleet check this host's replicated manifests against (its public half in `.pub`).
+    let key_path = host.key_path();
+    let key_dir = key_path
+        .parent()
+        .map(std::path::Path::to_path_buf)
+        .unwrap_or_else(|| state_dir.clone());
+    let signer = backstop_offsite::HostSigningKey::load_or_create(&key_dir)
+        .map_err(|e| format!("ERR_IO: host ed25519 key: {e}"))?;
+    let offsite = match offsite_cfg {
+        Some(cfg) => {
+            let hmac = backstop_integrity::HostKey::load_or_create(&key_path)
+                .map_err(|e| format!("ERR_IO: host key: {e}"))?;
+            let o = offsite::Offsite::start(cfg, state_dir, hmac, signer, &engine)
+                .map_err(|e| format!("ERR_IO: offsite: {e}"))?;
+            Some(Arc::new(o))
+        }
+        None => None,
+    };
     let metrics_socket = match metrics {
         Some(listener) => {
             let at = listener.describe();
@@ -194,9 +236,10 @@ fn run(host: HostConfig, config_path: Option<PathBuf>) -> Result<(), String> {
     {
         let engine = Arc::clone(&engine);
         let server = Arc::clone(&server);
+        let offsite = offsite.clone();
         std::thread::Builder::new()
             .name("accept".into())
-            .spawn(move || accept_loop(&server, &engine))
+            .spawn(move || accept_loop(&server, &engine, offsite))
             .map_err(|e| format!("spawn accept thread: {e}"))?;
     }
     // Wait for a signal; meanwhile HALT the VM of any actor silent past its limit (that VM
@@ -317,7 +360,11 @@ fn status_line(vms: &[backstop_control::VmSummary]) -> String {
     )
 }
 
-fn accept_loop(server: &ControlServer, engine: &Arc<Supervisor>) {
+fn accept_loop(
+    server: &ControlServer,
+    engine: &Arc<Supervisor>,
+    offsite: Option<Arc<offsite::Offsite>>,
+) {
     use std::sync::atomic::Ordering;
     let clients = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     loop {
@@ -340,11 +387,12 @@ fn accept_loop(server: &ControlServer, engine: &Arc<Supervisor>) {
                 }
                 let slot = ClientSlot(Arc::clone(&clients));
                 let engine = Arc::clone(engine);
+                let offsite = offsite.clone();
                 let _ = std::thread::Builder::new()
                     .name("conn".into())
                     .spawn(move || {
                         let _slot = slot;
-                        serve(conn, &engine)
+                        serve(conn, &engine, offsite.as_deref())
                     });
             }
             Ok(Accepted::Refused { peer }) => {
@@ -359,7 +407,7 @@ fn accept_loop(server: &ControlServer, engine: &Arc<Supervisor>) {
     }
 }
 
-fn serve(mut conn: Connection, engine: &Supervisor) {
+fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Offsite>) {
     let Ok(envelope) = conn.read_envelope() else {
         return;
     };
@@ -423,6 +471,19 @@ fn serve(mut conn: Connection, engine: &Supervisor) {
             let _ = conn.send(&reply);
             return;
         }
+        Request::SnapshotPull { id, from } => {
+            let reply = match offsite {
+                Some(o) => o.pull(engine, envelope.vm.as_deref(), &id, &from),
+                None => Reply::Failed {
+                    code: backstop_common::ErrorCode::OffsiteNotConfigured
+                        .as_str()
+                        .into(),
+                    message: "this daemon has no [offsite] table: nothing to pull from".into(),
+                },
+            };
+            let _ = conn.send(&reply);
+            return;
+        }
         _ => {}
     }
     let vm = match engine.route(envelope.vm.as_deref()) {
@@ -435,7 +496,7 @@ fn serve(mut conn: Connection, engine: &Supervisor) {
             return;
         }
     };
-    let reply = if let Request::Status = request {
+    let mut reply = if let Request::Status = request {
         Reply::Done(Response::Status(vm.status()))
     } else {
         let sink = conn.progress_sink();
@@ -447,6 +508,9 @@ fn serve(mut conn: Connection, engine: &Supervisor) {
             Err((code, message)) => Reply::Failed { code, message },
         }
     };
+    if let (Some(o), Reply::Done(response)) = (offsite, &mut reply) {
+        o.annotate(vm.name(), response);
+    }
     let _ = conn.send(&reply);
 }
 
@@ -552,6 +616,9 @@ fn permitted(role: backstop_control::Role, request: &Request) -> Result<(), Stri
         }
         (backstop_control::Role::Policy, Request::SnapshotDelete { .. }) => {
             Err("only a person at the console can delete a snapshot".into())
+        }
+        (backstop_control::Role::Policy, Request::SnapshotPull { .. }) => {
+            Err("only a person at the console can pull a snapshot from another host".into())
         }
         (backstop_control::Role::Policy, Request::Reload) => {
             Err("only a person at the console can reload the VM files".into())

@@ -58,6 +58,10 @@ pub struct Config {
     /// `backstop-kvm` at load; see vmm-config/kvm.toml.
     #[serde(default)]
     pub kvm: Option<toml::Table>,
+    /// Off-host replication (`[offsite]`, issue 20): a daemon-wide table of the daemon file,
+    /// parsed strictly by `backstop-offsite` in `backstopd`; the engine only lets it through.
+    #[serde(default)]
+    pub offsite: Option<toml::Table>,
     /// The KVM backend's parsed settings (`None` for QEMU).
     #[serde(skip)]
     pub kvm_backend: Option<backstop_kvm::config::KvmConfigFile>,

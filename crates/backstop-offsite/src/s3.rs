@@ -1,0 +1,415 @@
+//! A small S3 client: path-style requests signed with AWS Signature Version 4 (on the
+//! workspace's hmac/sha2), sent with `ureq`. Only what replication needs: HEAD, GET and PUT of
+//! objects, HEAD and PUT of the bucket.
+
+use std::io::Read;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::{Digest, Sha256};
+
+use crate::config::OffsiteConfig;
+
+type HmacSha256 = Hmac<Sha256>;
+
+/// What went wrong talking to the store.
+#[derive(Debug, thiserror::Error)]
+pub enum S3Error {
+    #[error("{method} {key}: {source}")]
+    Transport {
+        method: &'static str,
+        key: String,
+        source: Box<ureq::Error>,
+    },
+    #[error("{method} {key}: HTTP {status}: {body}")]
+    Status {
+        method: &'static str,
+        key: String,
+        status: u16,
+        body: String,
+    },
+    #[error("GET {key}: larger than {limit} bytes")]
+    TooLarge { key: String, limit: u64 },
+    #[error("{key}: reading the local file: {source}")]
+    Local { key: String, source: std::io::Error },
+}
+
+impl S3Error {
+    /// A 404 (the object is not there).
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, S3Error::Status { status: 404, .. })
+    }
+}
+
+/// Caps the upload rate across every thread of the uploader (a token bucket refilled at
+/// `bytes_per_s`; 0 = no cap).
+pub struct Throttle {
+    bytes_per_s: u64,
+    state: Mutex<(Instant, f64)>,
+}
+
+impl Throttle {
+    pub fn new(bytes_per_s: u64) -> Throttle {
+        Throttle {
+            bytes_per_s,
+            state: Mutex::new((Instant::now(), 0.0)),
+        }
+    }
+
+    /// Waits until `n` more bytes may be sent.
+    pub fn take(&self, n: u64) {
+        if self.bytes_per_s == 0 {
+            return;
+        }
+        let wait = {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let now = Instant::now();
+            let rate = self.bytes_per_s as f64;
+            // Tokens accrue up to one second's worth; a debt is paid by sleeping.
+            let elapsed = now.duration_since(s.0).as_secs_f64();
+            s.1 = (s.1 + elapsed * rate).min(rate) - n as f64;
+            s.0 = now;
+            if s.1 < 0.0 {
+                Duration::from_secs_f64(-s.1 / rate)
+            } else {
+                Duration::ZERO
+            }
+        };
+        if !wait.is_zero() {
+            std::thread::sleep(wait);
+        }
+    }
+}
+
+/// Reads through the throttle, 64 KiB at a time.
+struct Throttled<'a, R> {
+    inner: R,
+    throttle: &'a Throttle,
+}
+
+impl<R: Read> Read for Throttled<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let len = buf.len().min(64 * 1024);
+        let n = self.inner.read(&mut buf[..len])?;
+        self.throttle.take(n as u64);
+        Ok(n)
+    }
+}
+
+pub struct Client {
+    agent: ureq::Agent,
+    endpoint: String,
+    host: String,
+    bucket: String,
+    region: String,
+    access_key: String,
+    secret_key: String,
+    pub throttle: Throttle,
+}
+
+const EMPTY_SHA256: &str = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+
+impl Client {
+    pub fn new(cfg: &OffsiteConfig, timeout: Duration) -> Client {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_connect(Some(Duration::from_secs(5)))
+            .timeout_global(Some(timeout))
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let host = cfg
+            .endpoint
+            .split_once("://")
+            .map(|(_, h)| h)
+            .unwrap_or(&cfg.endpoint)
+            .to_string();
+        Client {
+            agent,
+            endpoint: cfg.endpoint.clone(),
+            host,
+            bucket: cfg.bucket.clone(),
+            region: cfg.region.clone(),
+            access_key: cfg.credentials.access_key_id.clone(),
+            secret_key: cfg.credentials.secret_access_key.clone(),
+            throttle: Throttle::new(u64::from(cfg.max_upload_mib_per_s) * 1024 * 1024),
+        }
+    }
+
+    fn path(&self, key: &str) -> String {
+        if key.is_empty() {
+            format!("/{}", self.bucket)
+        } else {
+            format!("/{}/{}", self.bucket, uri_encode(key))
+        }
+    }
+
+    /// The SigV4 headers for one request (`payload_sha256`: hex digest of the body).
+    fn sign(&self, method: &str, path: &str, payload_sha256: &str) -> Vec<(String, String)> {
+        let now = time::OffsetDateTime::now_utc();
+        let date = format!(
+            "{:04}{:02}{:02}",
+            now.year(),
+            u8::from(now.month()),
+            now.day()
+        );
+        let amz_date = format!(
+            "{date}T{:02}{:02}{:02}Z",
+            now.hour(),
+            now.minute(),
+            now.second()
+        );
+        let canonical = format!(
+            "{method}\n{path}\n\nhost:{}\nx-amz-content-sha256:{payload_sha256}\nx-amz-date:{amz_date}\n\nhost;x-amz-content-sha256;x-amz-date\n{payload_sha256}",
+            self.host
+        );
+        let scope = format!("{date}/{}/s3/aws4_request", self.region);
+        let to_sign = format!(
+            "AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{}",
+            hex::encode(Sha256::digest(canonical.as_bytes()))
+        );
+        let mut k = hmac(
+            format!("AWS4{}", self.secret_key).as_bytes(),
+            date.as_bytes(),
+        );
+        for part in [self.region.as_bytes(), b"s3", b"aws4_request"] {
+            k = hmac(&k, part);
+        }
+        let signature = hex::encode(hmac(&k, to_sign.as_bytes()));
+        vec![
+            ("x-amz-date".into(), amz_date),
+            ("x-amz-content-sha256".into(), payload_sha256.into()),
+            (
+                "authorization".into(),
+                format!(
+                    "AWS4-HMAC-SHA256 Credential={}/{scope}, SignedHeaders=host;x-amz-content-sha256;x-amz-date, Signature={signature}",
+                    self.access_key
+                ),
+            ),
+        ]
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.endpoint)
+    }
+
+    /// The object's length, or `None` if it is not there.
+    pub fn head(&self, key: &str) -> Result<Option<u64>, S3Error> {
+        let path = self.path(key);
+        let mut req = self.agent.head(self.url(&path));
+        for (k, v) in self.sign("HEAD", &path, EMPTY_SHA256) {
+            req = req.header(k, v);
+        }
+        let resp = req.call().map_err(|e| transport("HEAD", key, e))?;
+        match resp.status().as_u16() {
+            200 => Ok(resp
+                .headers()
+                .get("content-length")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())),
+            404 => Ok(None),
+            status => Err(S3Error::Status {
+                method: "HEAD",
+                key: key.into(),
+                status,
+                body: String::new(),
+            }),
+        }
+    }
+
+    /// The object's bytes (at most `limit`).
+    pub fn get(&self, key: &str, limit: u64) -> Result<Vec<u8>, S3Error> {
+        let path = self.path(key);
+        let mut req = self.agent.get(self.url(&path));
+        for (k, v) in self.sign("GET", &path, EMPTY_SHA256) {
+            req = req.header(k, v);
+        }
+        let resp = req.call().map_err(|e| transport("GET", key, e))?;
+        let status = resp.status().as_u16();
+        let mut body = resp.into_body();
+        if status != 200 {
+            return Err(status_error("GET", key, status, &mut body));
+        }
+        let mut out = Vec::new();
+        body.as_reader()
+            .take(limit + 1)
+            .read_to_end(&mut out)
+            .map_err(|e| transport("GET", key, ureq::Error::Io(e)))?;
+        if out.len() as u64 > limit {
+            return Err(S3Error::TooLarge {
+                key: key.into(),
+                limit,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Streams the object into `out`, at most `limit` bytes; returns the length.
+    pub fn get_to(
+        &self,
+        key: &str,
+        limit: u64,
+        out: &mut dyn std::io::Write,
+    ) -> Result<u64, S3Error> {
+        let path = self.path(key);
+        let mut req = self.agent.get(self.url(&path));
+        for (k, v) in self.sign("GET", &path, EMPTY_SHA256) {
+            req = req.header(k, v);
+        }
+        let resp = req.call().map_err(|e| transport("GET", key, e))?;
+        let status = resp.status().as_u16();
+        let mut body = resp.into_body();
+        if status != 200 {
+            return Err(status_error("GET", key, status, &mut body));
+        }
+        let n = std::io::copy(&mut body.as_reader().take(limit + 1), out)
+            .map_err(|e| transport("GET", key, ureq::Error::Io(e)))?;
+        if n > limit {
+            return Err(S3Error::TooLarge {
+                key: key.into(),
+                limit,
+            });
+        }
+        Ok(n)
+    }
+
+    /// PUTs `body` (its sha256 is sent and checked by the gateway).
+    pub fn put(&self, key: &str, body: &[u8]) -> Result<(), S3Error> {
+        let sha = hex::encode(Sha256::digest(body));
+        self.put_reader(key, &mut &body[..], body.len() as u64, &sha)
+    }
+
+    /// PUTs `len` bytes from `reader` whose sha256 is `sha256_hex` (the gateway refuses the
+    /// object if the bytes do not match it), through the throttle.
+    pub fn put_reader(
+        &self,
+        key: &str,
+        reader: &mut dyn Read,
+        len: u64,
+        sha256_hex: &str,
+    ) -> Result<(), S3Error> {
+        let path = self.path(key);
+        let mut req = self
+            .agent
+            .put(self.url(&path))
+            .header("content-length", len.to_string());
+        for (k, v) in self.sign("PUT", &path, sha256_hex) {
+            req = req.header(k, v);
+        }
+        let mut body = Throttled {
+            inner: reader.take(len),
+            throttle: &self.throttle,
+        };
+        let resp = req
+            .send(ureq::SendBody::from_reader(&mut body))
+            .map_err(|e| transport("PUT", key, e))?;
+        let status = resp.status().as_u16();
+        let mut body = resp.into_body();
+        if status != 200 {
+            return Err(status_error("PUT", key, status, &mut body));
+        }
+        Ok(())
+    }
+
+    /// Creates the bucket unless it exists.
+    pub fn ensure_bucket(&self) -> Result<(), S3Error> {
+        if self.head("")?.is_some() {
+            return Ok(());
+        }
+        let path = self.path("");
+        let mut req = self.agent.put(self.url(&path));
+        for (k, v) in self.sign("PUT", &path, EMPTY_SHA256) {
+            req = req.header(k, v);
+        }
+        let resp = req
+            .send_empty()
+            .map_err(|e| transport("PUT", "(bucket)", e))?;
+        let status = resp.status().as_u16();
+        let mut body = resp.into_body();
+        // 409 BucketAlreadyOwnedByYou: another thread or host made it first.
+        if status != 200 && status != 409 {
+            return Err(status_error("PUT", "(bucket)", status, &mut body));
+        }
+        Ok(())
+    }
+}
+
+fn transport(method: &'static str, key: &str, e: ureq::Error) -> S3Error {
+    S3Error::Transport {
+        method,
+        key: key.into(),
+        source: Box::new(e),
+    }
+}
+
+fn status_error(method: &'static str, key: &str, status: u16, body: &mut ureq::Body) -> S3Error {
+    let mut text = String::new();
+    let _ = body.as_reader().take(512).read_to_string(&mut text);
+    // The S3 error code is enough: <Code>NoSuchKey</Code>.
+    let code = text
+        .split_once("<Code>")
+        .and_then(|(_, r)| r.split_once("</Code>"))
+        .map(|(c, _)| c.to_string())
+        .unwrap_or_default();
+    S3Error::Status {
+        method,
+        key: key.into(),
+        status,
+        body: code,
+    }
+}
+
+fn hmac(key: &[u8], data: &[u8]) -> Vec<u8> {
+    // HMAC takes keys of any length.
+    let mut mac = <HmacSha256 as KeyInit>::new_from_slice(key).unwrap_or_else(|_| unreachable!());
+    mac.update(data);
+    mac.finalize().into_bytes().to_vec()
+}
+
+/// SigV4's URI encoding of an object key: every byte but the unreserved ones and `/`.
+pub fn uri_encode(key: &str) -> String {
+    let mut out = String::with_capacity(key.len());
+    for b in key.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b'/') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_encoded_as_sigv4_wants() {
+        assert_eq!(uri_encode("p/chunks/ab12"), "p/chunks/ab12");
+        assert_eq!(uri_encode("a b+c"), "a%20b%2Bc");
+    }
+
+    #[test]
+    fn the_signing_key_chain_matches_aws_example() {
+        // AWS's documented example: secret wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY, 20120215,
+        // us-east-1, iam → f4780e2d9f65fa895f9c67b32ce1baf0b0d8a43505a000a1a9e090d414db404d
+        let mut k = hmac(b"AWS4wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", b"20120215");
+        for part in [&b"us-east-1"[..], b"iam", b"aws4_request"] {
+            k = hmac(&k, part);
+        }
+        assert_eq!(
+            hex::encode(k),
+            "f4780e2d9f65fa895f9c67b32ce1baf0b0d8a43505a000a1a9e090d414db404d"
+        );
+    }
+
+    #[test]
+    fn the_throttle_paces_a_burst() {
+        let t = Throttle::new(1024 * 1024);
+        let start = Instant::now();
+        t.take(1024 * 1024); // the first second's worth is a debt of ~1 s
+        t.take(256 * 1024);
+        assert!(start.elapsed() >= Duration::from_millis(200));
+        Throttle::new(0).take(u64::MAX);
+    }
+}

@@ -1,0 +1,252 @@
+//! The daemon's wiring of off-host replication (`backstop-offsite`): the uploader started
+//! beside the supervisor, `snapshot pull` served here (it spans the bucket and a VM's store),
+//! and the replication state added to `snapshot list` and `status`.
+
+use std::path::PathBuf;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use backstop_common::{AuditEvent, ErrorCode};
+use backstop_control::{OffsiteView, PullReport, ReplicationView, Reply, Response};
+use backstop_engine::supervisor::Supervisor;
+use backstop_integrity::HostKey;
+use backstop_offsite::pull::{self, PullError};
+use backstop_offsite::s3::Client;
+use backstop_offsite::{EntryState, HostSigningKey, OffsiteConfig, TrustFile, Uploader, VmStore};
+use serde_json::json;
+
+pub struct Offsite {
+    cfg: OffsiteConfig,
+    uploader: Uploader,
+    client: Client,
+    staging: PathBuf,
+}
+
+impl Offsite {
+    /// Starts the uploader over every running VM's store.
+    pub fn start(
+        cfg: OffsiteConfig,
+        state_dir: &std::path::Path,
+        hmac: HostKey,
+        signer: HostSigningKey,
+        engine: &Arc<Supervisor>,
+    ) -> Result<Offsite, String> {
+        let dir = state_dir.join("offsite");
+        // A pull interrupted by a crash left its staging behind: never published, thrown away.
+        let _ = std::fs::remove_dir_all(dir.join("staging"));
+        let stores_engine = Arc::clone(engine);
+        let journal_engine = Arc::clone(engine);
+        let uploader = Uploader::start(
+            cfg.clone(),
+            &dir.join("queue.json"),
+            hmac,
+            signer,
+            Box::new(move || {
+                stores_engine
+                    .vm_stores()
+                    .into_iter()
+                    .map(|s| VmStore {
+                        vm: s.vm,
+                        store: s.store,
+                    })
+                    .collect()
+            }),
+            Box::new(move |event, snapshot_id, result, mut fields| {
+                if let Some(m) = fields.as_object_mut() {
+                    m.insert("snapshot_id".into(), json!(snapshot_id));
+                    m.insert("result".into(), json!(result));
+                }
+                if let Err(e) = journal_engine.journal_daemon_event(event, fields) {
+                    tracing::error!(error = %e, "offsite event not journaled");
+                }
+            }),
+        )?;
+        let client = Client::new(&cfg, Duration::from_secs(600));
+        Ok(Offsite {
+            cfg,
+            uploader,
+            client,
+            staging: dir.join("staging"),
+        })
+    }
+
+    /// `snapshot list` and `status` with the replication state of `vm`'s snapshots.
+    pub fn annotate(&self, vm: &str, response: &mut Response) {
+        match response {
+            Response::SnapshotList { snapshots } => {
+                for s in snapshots {
+                    s.replication = Some(self.replication(vm, &s.snapshot_id));
+                }
+            }
+            Response::Status(status) => status.offsite = Some(self.view()),
+            _ => {}
+        }
+    }
+
+    fn replication(&self, vm: &str, id: &str) -> ReplicationView {
+        let Some(e) = self.uploader.entry(vm, id) else {
+            return ReplicationView {
+                state: "pending".into(),
+                attempts: 0,
+                bytes_uploaded: 0,
+                last_error: None,
+                uploaded_at: None,
+            };
+        };
+        let state = match e.state {
+            EntryState::Uploaded => "uploaded",
+            EntryState::Pending if self.uploader.is_uploading(vm, id) => "uploading",
+            EntryState::Pending if e.last_error.is_some() => "retrying",
+            EntryState::Pending => "pending",
+        };
+        ReplicationView {
+            state: state.into(),
+            attempts: e.attempts,
+            bytes_uploaded: e.bytes_uploaded,
+            last_error: e.last_error,
+            uploaded_at: e.uploaded_at,
+        }
+    }
+
+    fn view(&self) -> OffsiteView {
+        let v = self.uploader.view();
+        OffsiteView {
+            host: v.host,
+            endpoint: v.endpoint,
+            bucket: v.bucket,
+            pending: v.pending,
+            uploaded: v.uploaded,
+            uploading: v.uploading,
+            last_error: v.last_error,
+            bytes_uploaded_total: v.bytes_uploaded_total,
+        }
+    }
+
+    /// `snapshot pull ID --from HOST` into the VM `vm` names: fetched and checked on this
+    /// thread, published on the VM's actor thread; journaled either way.
+    pub fn pull(&self, engine: &Supervisor, vm: Option<&str>, id: &str, from: &str) -> Reply {
+        let started = Instant::now();
+        let handle = match engine.route(vm) {
+            Ok(h) => h,
+            Err((code, message)) => {
+                return Reply::Failed {
+                    code: code.to_string(),
+                    message,
+                }
+            }
+        };
+        let vm_name = handle.name().to_string();
+        let result = self.pull_into(engine, &handle, id, from);
+        let journaled = match &result {
+            Ok((report, _)) => engine.journal_daemon_event(
+                AuditEvent::SnapshotPulled,
+                json!({"vm": vm_name, "from": from, "remote_snapshot_id": id,
+                    "snapshot_id": report.snapshot_id, "bytes_fetched": report.bytes_fetched,
+                    "result": "ok"}),
+            ),
+            Err(e) => engine.journal_daemon_event(
+                AuditEvent::SnapshotPullFailed,
+                json!({"vm": vm_name, "from": from, "remote_snapshot_id": id,
+                    "snapshot_id": id, "code": e.code.as_str(), "error": e.message,
+                    "result": "failed"}),
+            ),
+        };
+        if let Err(e) = journaled {
+            tracing::error!(error = %e, "snapshot pull not journaled");
+        }
+        match result {
+            Ok((mut report, _)) => {
+                report.total_ms = started.elapsed().as_millis() as u64;
+                tracing::info!(vm = %vm_name, from, remote = id, snapshot_id = %report.snapshot_id,
+                    bytes = report.bytes_fetched, ms = report.total_ms, "snapshot pulled");
+                Reply::Done(Response::SnapshotPulled(report))
+            }
+            Err(e) => Reply::Failed {
+                code: e.code.to_string(),
+                message: e.message,
+            },
+        }
+    }
+
+    fn pull_into(
+        &self,
+        engine: &Supervisor,
+        handle: &backstop_engine::VmHandle,
+        id: &str,
+        from: &str,
+    ) -> Result<(PullReport, ()), PullError> {
+        let not_configured = |m: String| PullError {
+            code: ErrorCode::OffsiteNotConfigured,
+            message: m,
+        };
+        let trust_path = self.cfg.trust_file.as_ref().ok_or_else(|| {
+            not_configured("a pull needs offsite.trust_file (the fleet's public keys)".into())
+        })?;
+        let trust = TrustFile::load(trust_path).map_err(|e| PullError {
+            code: e.code(),
+            message: e.to_string(),
+        })?;
+        let paths = engine
+            .vm_stores()
+            .into_iter()
+            .find(|s| s.vm == handle.name())
+            .ok_or_else(|| PullError {
+                code: ErrorCode::VmNotRunning,
+                message: format!("{} does not run", handle.name()),
+            })?;
+        let staged = pull::fetch(&self.cfg, &self.client, &trust, from, id, &self.staging)?;
+        let (tx, rx) = mpsc::channel();
+        let vm = handle.name().to_string();
+        let staged = Arc::new(staged);
+        let work_staged = Arc::clone(&staged);
+        handle
+            .with_store(Box::new(move |store| {
+                let r = pull::publish(&work_staged, store, &vm, &paths.layers_dir, &paths.qemu_img);
+                let _ = tx.send(r);
+            }))
+            .map_err(|e| PullError {
+                code: e.code(),
+                message: e.to_string(),
+            })?;
+        let manifest = rx.recv().map_err(|_| PullError {
+            code: ErrorCode::ShuttingDown,
+            message: "the VM's actor stopped before publishing".into(),
+        })??;
+        let summary = snapshot_summary(&manifest);
+        Ok((
+            PullReport {
+                snapshot_id: manifest.snapshot_id.clone(),
+                from: from.into(),
+                remote_snapshot_id: id.into(),
+                bytes_fetched: staged.bytes_fetched,
+                total_ms: 0,
+                summary,
+            },
+            (),
+        ))
+    }
+}
+
+fn snapshot_summary(m: &backstop_store::Manifest) -> backstop_control::SnapshotSummary {
+    backstop_control::SnapshotSummary {
+        snapshot_id: m.snapshot_id.clone(),
+        name: m.name.clone(),
+        created_at: m.created_at.clone(),
+        created_by: m.created_by.clone(),
+        schema_version: m.schema_version.clone(),
+        index_version: m.index_version.clone(),
+        scope: m.scope.clone(),
+        reason: m.reason.clone(),
+        pause_us: m
+            .capture
+            .get("pause_us")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(0),
+        bytes_stored: m.bytes_stored,
+        trigger: m.trigger.clone(),
+        rolled_back: None,
+        current: false,
+        unusable: None,
+        replication: None,
+    }
+}

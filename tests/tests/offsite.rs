@@ -1,0 +1,457 @@
+//! Off-host replication against a real Ceph RADOS Gateway (scripts/ceph-cluster.sh) and real
+//! QEMU guests; two daemons with their own state directories stand for two hosts (issue 20).
+//! Skipped loudly without Ceph; CI sets BACKSTOP_REQUIRE_CEPH=1 (scripts/setup-ceph.sh).
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use backstop_e2e::{disk_sector0, skip_unless_ready, Daemon, Options, Tick};
+use serde_json::Value;
+
+const BOOT: Duration = Duration::from_secs(90);
+const STEP: Duration = Duration::from_secs(60);
+const REPLICATED: Duration = Duration::from_secs(180);
+
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/ceph-cluster.sh")
+}
+
+/// A throwaway cluster, stopped (and its directory removed) on drop.
+struct Cluster {
+    dir: tempfile::TempDir,
+    endpoint: String,
+    access: String,
+    secret: String,
+}
+
+impl Cluster {
+    fn start(test: &str) -> Option<Cluster> {
+        let have = Command::new("radosgw").arg("--version").output().is_ok();
+        if !have {
+            assert!(
+                std::env::var("BACKSTOP_REQUIRE_CEPH").as_deref() != Ok("1"),
+                "{test}: BACKSTOP_REQUIRE_CEPH=1 but Ceph is not installed (scripts/setup-ceph.sh)"
+            );
+            eprintln!(
+                "SKIPPED {test}: Ceph is not installed (BACKSTOP_WITH_CEPH=1 scripts/setup.sh)"
+            );
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(script())
+            .arg("start")
+            .arg(dir.path().join("c"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "ceph-cluster.sh start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let var = |k: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{k}=")))
+                .unwrap()
+                .to_string()
+        };
+        Some(Cluster {
+            endpoint: var("S3_ENDPOINT"),
+            access: var("S3_ACCESS_KEY"),
+            secret: var("S3_SECRET_KEY"),
+            dir,
+        })
+    }
+
+    fn rgw(&self, what: &str) {
+        let st = Command::new(script())
+            .arg(what)
+            .arg(self.dir.path().join("c"))
+            .status()
+            .unwrap();
+        assert!(st.success(), "ceph-cluster.sh {what}");
+    }
+
+    fn client(&self) -> backstop_offsite::s3::Client {
+        let cfg = backstop_offsite::OffsiteConfig::from_file_text(
+            &format!(
+                "[offsite]\nendpoint = \"{}\"\nbucket = \"fleet\"\nhost = \"test\"\n",
+                self.endpoint
+            ),
+            &|k| match k {
+                backstop_offsite::config::ENV_ACCESS_KEY => Some(self.access.clone()),
+                backstop_offsite::config::ENV_SECRET_KEY => Some(self.secret.clone()),
+                _ => None,
+            },
+        )
+        .unwrap()
+        .unwrap();
+        backstop_offsite::s3::Client::new(&cfg, Duration::from_secs(60))
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new(script())
+            .arg("stop")
+            .arg(self.dir.path().join("c"))
+            .status();
+    }
+}
+
+/// A daemon for host `host` replicating to the cluster; credentials from a 0600 file.
+fn host_daemon(name: &str, host: &str, c: &Cluster, creds_dir: &Path) -> Daemon {
+    host_daemon_with(name, host, c, creds_dir, "")
+}
+
+fn host_daemon_with(
+    name: &str,
+    host: &str,
+    c: &Cluster,
+    creds_dir: &Path,
+    guest_flags: &str,
+) -> Daemon {
+    let creds = creds_dir.join(format!("{host}.credentials"));
+    std::fs::write(
+        &creds,
+        format!(
+            "access_key_id = \"{}\"\nsecret_access_key = \"{}\"\n",
+            c.access, c.secret
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&creds, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let trust = creds_dir.join("fleet-trust.toml");
+    let extra = format!(
+        "[offsite]\nendpoint = \"{}\"\nbucket = \"fleet\"\nprefix = \"e2e\"\nhost = \"{host}\"\ncredentials_file = \"{}\"\ntrust_file = \"{}\"\nmax_concurrent_uploads = 4\n",
+        c.endpoint,
+        creds.display(),
+        trust.display()
+    );
+    Daemon::start_opts(
+        name,
+        &Options {
+            extra_toml: &extra,
+            guest_flags,
+            ..Options::default()
+        },
+    )
+}
+
+fn public_key(d: &Daemon) -> String {
+    std::fs::read_to_string(d.state_dir().join("keys/host-ed25519.pub"))
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+fn write_trust(dir: &Path, hosts: &[(&str, &Daemon)]) {
+    let mut t = String::from("[hosts]\n");
+    for (h, d) in hosts {
+        t.push_str(&format!("{h} = \"{}\"\n", public_key(d)));
+    }
+    std::fs::write(dir.join("fleet-trust.toml"), t).unwrap();
+}
+
+fn snapshot_create(d: &Daemon, reason: &str) -> String {
+    let v = d.ok(&["snapshot", "create", "--reason", reason]);
+    v["summary"]["snapshot_id"].as_str().unwrap().to_string()
+}
+
+fn list_entry(d: &Daemon, id: &str) -> Value {
+    d.ok(&["snapshot", "list"])["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["snapshot_id"] == id)
+        .cloned()
+        .unwrap_or_else(|| panic!("{id} not listed"))
+}
+
+/// Waits until `id`'s replication state is `uploaded`; returns its replication view.
+fn wait_replicated(d: &Daemon, id: &str) -> Value {
+    let start = Instant::now();
+    loop {
+        let r = list_entry(d, id)["replication"].clone();
+        if r["state"] == "uploaded" {
+            return r;
+        }
+        assert!(
+            start.elapsed() < REPLICATED,
+            "{id} not replicated within {REPLICATED:?}: {r}\n{}",
+            backstop_e2e::tail(&d.log(), 20)
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn snapshot_disk_top(d: &Daemon, id: &str) -> PathBuf {
+    let show = d.ok(&["snapshot", "show", id]);
+    let refs = show["manifest"]["payload_refs"].as_array().unwrap();
+    let disk = refs.iter().find(|p| p["name"] == "disk:data").unwrap();
+    disk["layers"].as_array().unwrap().last().unwrap()["path"]
+        .as_str()
+        .unwrap()
+        .into()
+}
+
+fn snapshot_count(d: &Daemon) -> usize {
+    d.ok(&["snapshot", "list"])["snapshots"]
+        .as_array()
+        .unwrap()
+        .len()
+}
+
+#[test]
+fn a_snapshot_replicated_by_host_a_restores_host_b_and_a_corrupted_chunk_is_refused() {
+    let test = "a_snapshot_replicated_by_host_a_restores_host_b_and_a_corrupted_chunk_is_refused";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let Some(c) = Cluster::start(test) else {
+        return;
+    };
+    let keys = tempfile::tempdir().unwrap();
+    let a = host_daemon_with(
+        "offsite-a",
+        "host-a",
+        &c,
+        keys.path(),
+        "backstop.fill_mib=128",
+    );
+    let b = host_daemon("offsite-b", "host-b", &c, keys.path());
+    write_trust(keys.path(), &[("host-a", &a), ("host-b", &b)]);
+    let status = a.status();
+    assert_eq!(status["offsite"]["host"], "host-a", "{status}");
+
+    // Host A: a snapshot, replicated in the background.
+    a.wait_tick(0, 3, BOOT);
+    a.wait_serial(0, "BACKSTOP fill mib=", BOOT);
+    let first = snapshot_create(&a, "offsite: first");
+    let snap_disk = disk_sector0(&snapshot_disk_top(&a, &first));
+    let snap_ram = a.last_tick().unwrap().ram;
+    let r1 = wait_replicated(&a, &first);
+    // The idle guest's second snapshot shares nearly every chunk and layer with the first.
+    let second = snapshot_create(&a, "offsite: second, idle guest");
+    let r2 = wait_replicated(&a, &second);
+    let (b1, b2) = (
+        r1["bytes_uploaded"].as_u64().unwrap(),
+        r2["bytes_uploaded"].as_u64().unwrap(),
+    );
+    println!(
+        "offsite: first snapshot uploaded {b1} bytes, the second {b2} bytes ({:.1}%)",
+        100.0 * b2 as f64 / b1 as f64
+    );
+    // Remote dedup is the local store's: the second upload is its new chunks, its new disk
+    // layer and a few small objects (indexes, manifest, signature), nothing already sent.
+    let show2 = a.ok(&["snapshot", "show", &second]);
+    let show1 = a.ok(&["snapshot", "show", &first]);
+    let layers = |v: &Value| -> Vec<(String, u64)> {
+        v["manifest"]["payload_refs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|p| p["layers"].as_array().unwrap().clone())
+            .map(|l| {
+                (
+                    l["sha256"].as_str().unwrap().to_string(),
+                    l["bytes"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let old = layers(&show1);
+    let new_layer_bytes: u64 = layers(&show2)
+        .into_iter()
+        .filter(|l| !old.contains(l))
+        .map(|(_, b)| b)
+        .sum();
+    let stored2 = show2["summary"]["bytes_stored"].as_u64().unwrap();
+    println!(
+        "offsite: second snapshot: {stored2} new chunk bytes locally, {new_layer_bytes} bytes of new disk layer"
+    );
+    assert!(
+        b2 <= stored2 + new_layer_bytes + 1024 * 1024,
+        "the second upload sent {b2} bytes: more than its new chunks and layer"
+    );
+    // tests/tests/incremental.rs: on this 256 MiB test guest the store itself keeps ~15% of the
+    // first snapshot for an idle second one (the issue's < 10% is for a 1 GiB guest).
+    assert!(b2 * 4 <= b1, "second upload {b2} > 25% of first {b1}");
+    let journal_a = a.daemon_journal();
+    assert!(
+        journal_a
+            .iter()
+            .any(|e| e["event"] == "snapshot.replicated"
+                && e["fields"]["snapshot_id"] == first.as_str()),
+        "A's journal lacks snapshot.replicated"
+    );
+
+    // Host B: pull the first snapshot, then roll B's VM back to it.
+    b.wait_tick(0, 1, BOOT);
+    let pulled = b.ok(&["snapshot", "pull", &first, "--from", "host-a"]);
+    println!(
+        "offsite: pull fetched {} bytes in {} ms",
+        pulled["bytes_fetched"], pulled["total_ms"]
+    );
+    let local = pulled["snapshot_id"].as_str().unwrap().to_string();
+    assert_eq!(pulled["remote_snapshot_id"], first.as_str());
+    let shown = b.ok(&["snapshot", "show", &local]);
+    assert_eq!(
+        shown["manifest"]["capture"]["pulled_from"]["host"],
+        "host-a"
+    );
+    // Its disk layers live in B's own directory now.
+    let b_top = snapshot_disk_top(&b, &local);
+    assert!(b_top.starts_with(b.state_dir()), "{}", b_top.display());
+    assert_eq!(disk_sector0(&b_top), snap_disk);
+    let verify = b.ok(&["snapshot", "verify", &local]);
+    assert!(verify["chunks_checked"].as_u64().unwrap() > 0, "{verify}");
+    // B's own guest is well past A's snapshot point, so a guest back at it came from A.
+    b.wait_tick(0, snap_disk + 4, STEP);
+    let before = b.serial_len();
+    b.ok(&[
+        "rollback",
+        "--to",
+        &local,
+        "--reason",
+        "offsite: start from host A's snapshot",
+    ]);
+    let ticks: Vec<Tick> = b.wait_ticks_until(before, STEP, "B's guest at A's snapshot", |t| {
+        t.iter().skip_while(|t| t.ram > snap_disk + 1).count() >= 2
+    });
+    let restored: Vec<Tick> = ticks
+        .into_iter()
+        .skip_while(|t| t.ram > snap_disk + 1)
+        .collect();
+    let t0 = restored[0];
+    println!(
+        "offsite: A's snapshot at disk={snap_disk} (ram {snap_ram} after it); B resumed at {t0:?}"
+    );
+    assert!(
+        t0.ram == snap_disk || t0.ram == snap_disk + 1,
+        "B's first restored tick {t0:?}, A's snapshot disk {snap_disk}"
+    );
+    for t in &restored {
+        assert_eq!(t.ram, t.disk, "RAM and disk disagree on B: {t:?}");
+    }
+    let journal_b = b.daemon_journal();
+    assert!(journal_b
+        .iter()
+        .any(|e| e["event"] == "snapshot.pulled"
+            && e["fields"]["remote_snapshot_id"] == first.as_str()));
+
+    // A byte flipped in one of the second snapshot's chunks in the bucket: refused, nothing
+    // published on B.
+    let index: Value = serde_json::from_slice(
+        &std::fs::read(
+            a.state_dir()
+                .join("store/snapshots")
+                .join(&second)
+                .join("vmstate.index"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let sha = index["chunks"][0]["sha256"].as_str().unwrap();
+    let len = index["chunks"][0]["len"].as_u64().unwrap();
+    let client = c.client();
+    let key = format!("e2e/chunks/{sha}");
+    let mut bytes = client.get(&key, len).unwrap();
+    bytes[len as usize / 2] ^= 0x40;
+    client.put(&key, &bytes).unwrap();
+    let count = snapshot_count(&b);
+    let out = b.cli(&["snapshot", "pull", &second, "--from", "host-a"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"),
+        "pull of a corrupted chunk: {err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert_eq!(snapshot_count(&b), count, "something was published");
+    assert!(!b
+        .state_dir()
+        .join("disks")
+        .join(format!("pulled-{second}"))
+        .exists());
+    let staging = b.state_dir().join("offsite/staging");
+    assert_eq!(std::fs::read_dir(&staging).unwrap().count(), 0);
+    assert!(b
+        .daemon_journal()
+        .iter()
+        .any(|e| e["event"] == "snapshot.pull.failed"
+            && e["fields"]["code"] == "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"));
+
+    // A host not in the trust file is refused the same way, before anything is decoded.
+    write_trust(keys.path(), &[("host-b", &b)]);
+    let out = b.cli(&["snapshot", "pull", &first, "--from", "host-a"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED"));
+    assert_eq!(snapshot_count(&b), count);
+}
+
+#[test]
+fn with_the_gateway_down_snapshots_and_rollbacks_go_on_and_the_queue_drains_later() {
+    let test = "with_the_gateway_down_snapshots_and_rollbacks_go_on_and_the_queue_drains_later";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let Some(c) = Cluster::start(test) else {
+        return;
+    };
+    let keys = tempfile::tempdir().unwrap();
+    let a = host_daemon("offsite-down", "host-a", &c, keys.path());
+    a.wait_tick(0, 3, BOOT);
+    let first = snapshot_create(&a, "offsite: before the outage");
+    wait_replicated(&a, &first);
+
+    c.rgw("stop-rgw");
+    let t = Instant::now();
+    let during = snapshot_create(&a, "offsite: gateway down");
+    let snap_ms = t.elapsed().as_millis();
+    let before = a.serial_len();
+    let t = Instant::now();
+    a.ok(&[
+        "rollback",
+        "--to",
+        &during,
+        "--reason",
+        "offsite: rollback while the gateway is down",
+    ]);
+    let rollback_ms = t.elapsed().as_millis();
+    a.wait_tick(before, 1, STEP);
+    println!("offsite: gateway down: snapshot {snap_ms} ms, rollback {rollback_ms} ms");
+    // The failure is visible: the snapshot retries and the queue says why.
+    let start = Instant::now();
+    loop {
+        let r = list_entry(&a, &during)["replication"].clone();
+        if r["state"] == "retrying" {
+            break;
+        }
+        assert!(start.elapsed() < STEP, "no failed attempt seen: {r}");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let status = a.status();
+    assert!(
+        status["offsite"]["pending"].as_u64().unwrap() >= 1,
+        "{status}"
+    );
+    assert!(
+        status["offsite"]["last_error"]
+            .as_str()
+            .unwrap()
+            .starts_with("ERR_OFFSITE_UNREACHABLE"),
+        "{status}"
+    );
+    assert!(a
+        .daemon_journal()
+        .iter()
+        .any(|e| e["event"] == "snapshot.replication.failed"));
+
+    c.rgw("start-rgw");
+    wait_replicated(&a, &during);
+    let status = a.status();
+    assert_eq!(status["offsite"]["pending"], 0, "{status}");
+}
