@@ -117,6 +117,10 @@ pub enum Command {
         /// Accept a snapshot of a newer minor schema/index version (spec/001 compatibility mode).
         #[arg(long)]
         compat: bool,
+        /// Allow --to to name a forensic snapshot that kept RAM: the guest continues from
+        /// where it was before the rollback that abandoned it.
+        #[arg(long = "include-forensic")]
+        include_forensic: bool,
     },
     /// Clear a HALTED VM (restores the newest verified snapshot).
     #[command(subcommand)]
@@ -437,6 +441,7 @@ impl Command {
                 before,
                 reviewer_token,
                 compat,
+                include_forensic,
             } => Request::Rollback {
                 to: to.clone(),
                 reason: reason.clone(),
@@ -445,6 +450,7 @@ impl Command {
                 before: before.clone(),
                 reviewer_token: reviewer_token.clone(),
                 allow_newer_minor: *compat,
+                include_forensic: *include_forensic,
             },
             Command::Halt(HaltCommand::Clear {
                 reason, to: None, ..
@@ -786,6 +792,7 @@ mod tests {
                 before: None,
                 reviewer_token: None,
                 allow_newer_minor: false,
+                include_forensic: false,
             }
         );
         assert_eq!(
@@ -798,6 +805,7 @@ mod tests {
                 before: None,
                 reviewer_token: None,
                 allow_newer_minor: false,
+                include_forensic: false,
             }
         );
         assert_eq!(
@@ -920,6 +928,7 @@ mod tests {
                 before: Some("2026-05-01T12:00:00Z".into()),
                 reviewer_token: Some(serde_json::json!({"reviewer": "alice"})),
                 allow_newer_minor: true,
+                include_forensic: false,
             }
         );
         let missing = d.path().join("none.json");

@@ -62,6 +62,9 @@ pub enum Request {
         reviewer_token: Option<Value>,
         #[serde(default, skip_serializing_if = "is_false")]
         allow_newer_minor: bool,
+        /// A forensic snapshot holding RAM may be the named target (`--include-forensic`).
+        #[serde(default, skip_serializing_if = "is_false")]
+        include_forensic: bool,
     },
     /// A person clears HALTED; the VM is then restored from the newest verified snapshot
     /// (or cold-booted when there is none).
@@ -351,6 +354,8 @@ enum StrictRequest {
         reviewer_token: Option<Value>,
         #[serde(default)]
         allow_newer_minor: bool,
+        #[serde(default)]
+        include_forensic: bool,
     },
     HaltClear {
         reason: String,
@@ -435,6 +440,7 @@ impl From<StrictRequest> for Request {
                 before,
                 reviewer_token,
                 allow_newer_minor,
+                include_forensic,
             } => Request::Rollback {
                 to,
                 reason,
@@ -443,6 +449,7 @@ impl From<StrictRequest> for Request {
                 before,
                 reviewer_token,
                 allow_newer_minor,
+                include_forensic,
             },
             StrictRequest::HaltClear { reason } => Request::HaltClear { reason },
             StrictRequest::HaltClearTo {
@@ -1233,6 +1240,7 @@ mod tests {
             before: None,
             reviewer_token: None,
             allow_newer_minor: false,
+            include_forensic: false,
         };
         let line = serde_json::to_string(&r).unwrap();
         assert_eq!(
@@ -1283,6 +1291,7 @@ mod tests {
                 before: Some("2026-01-01T00:00:00Z".into()),
                 reviewer_token: Some(serde_json::json!({"reviewer": "r"})),
                 allow_newer_minor: true,
+                include_forensic: false,
             },
             Request::HaltClear { reason: "r".into() },
             Request::ActionBegin {
@@ -1317,6 +1326,7 @@ mod tests {
                 before: None,
                 reviewer_token: None,
                 allow_newer_minor: false,
+                include_forensic: false,
             }
         );
     }
