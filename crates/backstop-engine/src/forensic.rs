@@ -158,6 +158,14 @@ pub fn ram_wanted(
     }
 }
 
+/// Where the abandoned VM stood, taken before the VM is replaced: its captured disks' chains
+/// (the tops are the overlays it was writing), its position and its epoch.
+pub(crate) struct Abandoned {
+    chains: Vec<(String, Vec<PathBuf>)>,
+    position: Option<String>,
+    epoch: u64,
+}
+
 /// What a forensic snapshot gets of the abandoned RAM: a save in flight, or the reason none.
 pub(crate) enum ForensicRam {
     Skipped(String),
@@ -287,6 +295,24 @@ fn save_abandoned(
 }
 
 impl VmActor {
+    /// The VM's state as it is abandoned (call before it is replaced).
+    pub(crate) fn abandoned(&self) -> Abandoned {
+        let chains = self
+            .cfg
+            .vm
+            .disks
+            .iter()
+            .filter(|d| d.snapshot == DiskSnapshotMode::Capture)
+            .filter_map(|d| self.vm.chains.get(&d.id).map(|c| (d.id.clone(), c.clone())))
+            .filter(|(_, c)| !c.is_empty())
+            .collect();
+        Abandoned {
+            chains,
+            position: self.vm.position.clone(),
+            epoch: self.vm.epoch,
+        }
+    }
+
     /// Publishes the abandoned state of the VM just replaced as a forensic snapshot: its disks,
     /// and its RAM when `ram` saved it. Best effort: the rollback goes on if this fails
     /// (journaled). Returns the snapshot's id.
@@ -294,9 +320,10 @@ impl VmActor {
         &mut self,
         ctx: &mut Ctx,
         target: &str,
+        origin: &Abandoned,
         ram: ForensicRam,
     ) -> Option<String> {
-        match self.publish_forensic(ctx, target, ram) {
+        match self.publish_forensic(ctx, target, origin, ram) {
             Ok(id) => id,
             Err(e) => {
                 warn!(error = %e, "forensic snapshot not kept");
@@ -314,6 +341,7 @@ impl VmActor {
         &mut self,
         ctx: &mut Ctx,
         target: &str,
+        origin: &Abandoned,
         ram: ForensicRam,
     ) -> Result<Option<String>, EngineError> {
         let waited = Instant::now();
@@ -330,15 +358,7 @@ impl VmActor {
             }
         };
         let wait_ms = waited.elapsed().as_millis() as u64;
-        let chains: Vec<(String, Vec<PathBuf>)> = self
-            .cfg
-            .vm
-            .disks
-            .iter()
-            .filter(|d| d.snapshot == DiskSnapshotMode::Capture)
-            .filter_map(|d| self.vm.chains.get(&d.id).map(|c| (d.id.clone(), c.clone())))
-            .filter(|(_, c)| !c.is_empty())
-            .collect();
+        let chains = &origin.chains;
         if chains.is_empty() && builder.is_none() {
             return Ok(None);
         }
@@ -359,7 +379,7 @@ impl VmActor {
             Some(b) => b,
             None => self.store.begin().map_err(store_err("begin"))?,
         };
-        for (id, chain) in &chains {
+        for (id, chain) in chains {
             if let Some(top) = chain.last() {
                 self.layers.freeze(top)?;
             }
@@ -384,12 +404,12 @@ impl VmActor {
                 scope: "full".into(),
                 vm: self.cfg.vm.name.clone(),
                 trigger: FORENSIC.into(),
-                epoch: self.vm.epoch,
+                epoch: origin.epoch,
                 config_fingerprint: self.backend.config_fingerprint(),
                 capture: json!({"forensic": forensic, "backend": self.backend.kind(),
                     "guest_health": {"healthy": false, "why": "forensic: the state a rollback abandons"}}),
                 lineage: Some(Lineage {
-                    parent: self.vm.position.clone(),
+                    parent: origin.position.clone(),
                 }),
                 name: None,
             })

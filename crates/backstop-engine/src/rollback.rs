@@ -547,11 +547,12 @@ impl VmActor {
         made.map_err(|e| ("disk overlays", e))?;
         // The disks the ended VM was writing are kept as they are (issue 15: forensic capture);
         // with its RAM, once the save beside the restore is done (after the resume, below).
+        let origin = self.abandoned();
         let (mut forensic, pending) = match ram {
             _ if resume || !was_running => (None, None),
             ForensicRam::Saving(job) => (None, Some(job)),
             skipped => (
-                self.keep_forensic(ctx, &target.manifest.snapshot_id, skipped),
+                self.keep_forensic(ctx, &target.manifest.snapshot_id, &origin, skipped),
                 None,
             ),
         };
@@ -701,6 +702,7 @@ impl VmActor {
             forensic = self.keep_forensic(
                 ctx,
                 &target.manifest.snapshot_id,
+                &origin,
                 ForensicRam::Saving(job),
             );
         }
