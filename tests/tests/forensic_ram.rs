@@ -78,9 +78,7 @@ fn a_console_rollback_keeps_ram_and_include_forensic_restores_the_abandoned_stat
         .journal()
         .into_iter()
         .rev()
-        .find(|e| {
-            e["event"] == "snapshot.create.completed" && e["fields"]["trigger"] == "forensic"
-        })
+        .find(|e| e["event"] == "snapshot.create.completed" && e["fields"]["trigger"] == "forensic")
         .unwrap();
     assert_eq!(created["fields"]["snapshot_id"], forensic.as_str());
     assert_eq!(created["fields"]["ram"], true, "{created}");
@@ -156,7 +154,10 @@ fn a_console_rollback_keeps_ram_and_include_forensic_restores_the_abandoned_stat
         first.ram >= seen && first.ram <= seen + 4,
         "restored the abandoned state: first tick {first:?}, last seen before the first rollback {seen}, snapshot at {at_s1}"
     );
-    assert!(first.ram > at_s1 + 2, "{first:?} is the old snapshot's point");
+    assert!(
+        first.ram > at_s1 + 2,
+        "{first:?} is the old snapshot's point"
+    );
     assert_eq!(first.ram, first.disk, "RAM and disk agree: {first:?}");
     // Replay accounts for it all.
     let replay = d.ok(&["audit", "replay", "--mode", "production"]);
@@ -196,9 +197,7 @@ fn a_budget_too_small_keeps_the_disks_alone_and_the_rollback_completes() {
         .journal()
         .into_iter()
         .rev()
-        .find(|e| {
-            e["event"] == "snapshot.create.completed" && e["fields"]["trigger"] == "forensic"
-        })
+        .find(|e| e["event"] == "snapshot.create.completed" && e["fields"]["trigger"] == "forensic")
         .unwrap();
     assert_eq!(created["fields"]["ram"], false);
     assert!(created["fields"]["ram_reason"]

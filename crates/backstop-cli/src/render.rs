@@ -1532,9 +1532,18 @@ mod tests {
             )
         };
         let with = show(json!({"forensic": {"ram": true, "disks": 1}}));
-        assert!(with.contains("ram:") && with.contains("true (restorable with rollback --include-forensic)"), "{with}");
-        let without = show(json!({"forensic": {"ram": false, "ram_reason": "not kept for watchdog rollbacks"}}));
-        assert!(without.contains("false (not kept for watchdog rollbacks)"), "{without}");
+        assert!(
+            with.contains("ram:")
+                && with.contains("true (restorable with rollback --include-forensic)"),
+            "{with}"
+        );
+        let without = show(
+            json!({"forensic": {"ram": false, "ram_reason": "not kept for watchdog rollbacks"}}),
+        );
+        assert!(
+            without.contains("false (not kept for watchdog rollbacks)"),
+            "{without}"
+        );
         // Other snapshots show no such row.
         assert!(!show(json!({"pause_us": 1})).contains("ram:"));
     }

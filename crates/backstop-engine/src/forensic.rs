@@ -145,10 +145,7 @@ pub fn ram_wanted(
     rollback_type: RollbackType,
 ) -> Result<(), String> {
     let class = RamClass::of(trigger, rollback_type);
-    if configured
-        .iter()
-        .any(|w| RamClass::parse(w) == Some(class))
-    {
+    if configured.iter().any(|w| RamClass::parse(w) == Some(class)) {
         Ok(())
     } else {
         Err(format!(
@@ -170,6 +167,8 @@ pub(crate) struct Abandoned {
 pub(crate) enum ForensicRam {
     Skipped(String),
     Saving(RamJob),
+    /// A save already waited for (see [`RamJob::finish`]).
+    Saved(RamOutcome),
 }
 
 /// A save of the abandoned VM's state on its own thread; dropping it waits for the thread
@@ -178,7 +177,7 @@ pub(crate) struct RamJob {
     handle: Option<JoinHandle<RamOutcome>>,
 }
 
-struct RamOutcome {
+pub(crate) struct RamOutcome {
     /// The builder holding the `vmstate` payload, when the save completed.
     builder: Option<SnapshotBuilder>,
     /// Facts for the manifest, or why the RAM was not kept.
@@ -207,6 +206,11 @@ impl RamJob {
         Ok(RamJob {
             handle: Some(handle),
         })
+    }
+
+    /// Waits for the save (at most what is left of its budget); the abandoned VM has ended.
+    pub(crate) fn finish(self) -> ForensicRam {
+        ForensicRam::Saved(self.wait())
     }
 
     fn wait(mut self) -> RamOutcome {
@@ -258,12 +262,8 @@ fn save_abandoned(
                     .map(|p| (p, json!({"method": "content-defined"}))),
                 Some(cutter) => {
                     let mut chunks = cutter.cut(Box::new(&mut reader));
-                    let p = builder.write_chunks(
-                        "vmstate",
-                        "ram+device",
-                        &mut chunks,
-                        &mut on_chunk,
-                    );
+                    let p =
+                        builder.write_chunks("vmstate", "ram+device", &mut chunks, &mut on_chunk);
                     p.map(|p| (p, chunks.report()))
                 }
             }
@@ -356,6 +356,7 @@ impl VmActor {
                 let outcome = job.wait();
                 (outcome.builder, outcome.facts)
             }
+            ForensicRam::Saved(outcome) => (outcome.builder, outcome.facts),
         };
         let wait_ms = waited.elapsed().as_millis() as u64;
         let chains = &origin.chains;
@@ -433,9 +434,118 @@ impl VmActor {
         );
         let _ = self.policy.save_lineage();
         match &ram_facts {
-            Ok(_) => info!(snapshot_id = %m.snapshot_id, wait_ms, "forensic snapshot kept, RAM included"),
-            Err(why) => info!(snapshot_id = %m.snapshot_id, ram_reason = %why, "forensic snapshot kept, disks only"),
+            Ok(_) => {
+                info!(snapshot_id = %m.snapshot_id, wait_ms, "forensic snapshot kept, RAM included")
+            }
+            Err(why) => {
+                info!(snapshot_id = %m.snapshot_id, ram_reason = %why, "forensic snapshot kept, disks only")
+            }
         }
         Ok(Some(m.snapshot_id))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(trigger: &str, capture: Value, payloads: &[&str]) -> Manifest {
+        let refs: Vec<Value> = payloads
+            .iter()
+            .map(|n| {
+                json!({"name": n, "kind": if n.starts_with("disk:") { "disk-layer-chain" } else { "ram+device" },
+                    "index": Value::Null, "layers": [], "total_bytes": 0, "new_bytes": 0, "chunks": 0})
+            })
+            .collect();
+        serde_json::from_value(json!({
+            "snapshot_id": "0123456789abcdef0123456789abcdef", "created_at": "2026-01-01T00:00:00.000Z",
+            "created_by": "console:uid=0", "schema_version": "1.0", "index_version": "1.0",
+            "scope": "full", "reason": "r", "checksums": [], "payload_refs": refs, "vm": "t",
+            "trigger": trigger, "epoch": 1, "config_fingerprint": "f", "capture": capture,
+            "bytes_stored": 0,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_forensic_target_needs_the_flag_and_ram() {
+        let with_ram = manifest(
+            FORENSIC,
+            json!({"forensic": {"ram": true, "disks": 1}}),
+            &["vmstate", "disk:data"],
+        );
+        assert!(has_ram(&with_ram));
+        assert_eq!(target_refusal(&with_ram, true), None);
+        let no_flag = target_refusal(&with_ram, false).unwrap();
+        assert!(no_flag.contains("--include-forensic") && !no_flag.contains('\n'));
+
+        let disks_only = manifest(
+            FORENSIC,
+            json!({"forensic": {"ram": false, "disks": 1, "ram_reason": "not kept for watchdog rollbacks ([rollback] forensic_ram_for)"}}),
+            &["disk:data"],
+        );
+        assert!(!has_ram(&disks_only));
+        for flag in [false, true] {
+            let why = target_refusal(&disks_only, flag).unwrap();
+            assert!(
+                why.contains("without RAM") && why.contains("watchdog"),
+                "{why}"
+            );
+        }
+        // An older forensic snapshot (no reason recorded), and one claiming RAM without the
+        // payload: never targets.
+        let old = manifest(
+            FORENSIC,
+            json!({"forensic": {"ram": false, "disks": 1}}),
+            &["disk:data"],
+        );
+        assert!(target_refusal(&old, true).unwrap().contains("was not kept"));
+        let claims = manifest(FORENSIC, json!({"forensic": {"ram": true}}), &["disk:data"]);
+        assert!(target_refusal(&claims, true).is_some());
+        // Every other snapshot is not this rule's business.
+        let plain = manifest("console", json!({}), &["vmstate", "disk:data"]);
+        assert_eq!(target_refusal(&plain, false), None);
+    }
+
+    #[test]
+    fn which_rollbacks_keep_ram() {
+        let defaults = vec!["console".to_string(), "policy".to_string()];
+        use RollbackType::*;
+        use TriggerKind as T;
+        for (trigger, ty, kept) in [
+            (T::Console, Session, true),
+            (T::Policy, Session, true),
+            (T::ActionFailed, Micro, true),
+            (T::SandboxContradiction, Micro, true),
+            (T::Console, Emergency, false),
+            (T::ForceRollback, Emergency, false),
+            (T::WatchdogTimeout, Emergency, false),
+            (T::WatchdogDevice, Emergency, false),
+        ] {
+            assert_eq!(
+                ram_wanted(&defaults, trigger, ty).is_ok(),
+                kept,
+                "{trigger:?} {ty:?}"
+            );
+        }
+        let why = ram_wanted(&defaults, T::WatchdogTimeout, Emergency).unwrap_err();
+        assert!(
+            why.contains("watchdog") && why.contains("forensic_ram_for"),
+            "{why}"
+        );
+        let all: Vec<String> = ["watchdog", "emergency"].map(String::from).to_vec();
+        assert!(ram_wanted(&all, T::WatchdogDevice, Emergency).is_ok());
+        assert!(ram_wanted(&all, T::Console, Session).is_err());
+        assert!(ram_wanted(&[], T::Console, Session).is_err());
+    }
+
+    #[test]
+    fn the_budget_parses_humantime_within_bounds() {
+        assert_eq!(parse_ram_budget("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_ram_budget("1ms"), Ok(Duration::from_millis(1)));
+        assert_eq!(parse_ram_budget("10min"), Ok(Duration::from_secs(600)));
+        for bad in ["", "5", "fast", "0s", "11min", "-1s"] {
+            assert!(parse_ram_budget(bad).is_err(), "{bad:?}");
+        }
     }
 }

@@ -228,8 +228,11 @@ impl VmActor {
 
         // 2.-5. Any failure from here on halts.
         // Whether this kind of rollback keeps the abandoned RAM (`[rollback] forensic_ram_for`).
-        let ram_wanted =
-            crate::forensic::ram_wanted(&self.cfg.rollback.forensic_ram_for, trigger, rollback_type);
+        let ram_wanted = crate::forensic::ram_wanted(
+            &self.cfg.rollback.forensic_ram_for,
+            trigger,
+            rollback_type,
+        );
         match self.replace_vm(ctx, &target, resume, ram_wanted, &mut clock) {
             Ok((revoked, restore_ms, forensic)) => {
                 let report = RollbackReport {
@@ -319,8 +322,7 @@ impl VmActor {
             if v.manifest.config_fingerprint != fingerprint {
                 return Err(EngineError::ShapeMismatch { snapshot_id: id });
             }
-            if let Some(why) = crate::forensic::target_refusal(&v.manifest, gate.include_forensic)
-            {
+            if let Some(why) = crate::forensic::target_refusal(&v.manifest, gate.include_forensic) {
                 return Err(EngineError::Refused {
                     code: ErrorCode::SnapshotRestorePolicyBlocked,
                     message: why,
@@ -664,6 +666,28 @@ impl VmActor {
         self.vm = vm;
         self.save_vm()
             .map_err(|e| ("record new epoch", e.to_string()))?;
+        // A disk snapshots exclude is the same file in both QEMUs, and the abandoned one
+        // keeps its lock on it until its save completes (QEMU lets go of its images then) or it
+        // ends: the fresh one could not take the disk for writing at `cont`. Such a VM waits
+        // here for the rest of the save (at most the budget).
+        let shares_a_disk = self
+            .cfg
+            .vm
+            .disks
+            .iter()
+            .any(|d| d.snapshot != crate::config::DiskSnapshotMode::Capture);
+        let pending = match pending {
+            Some(job) if shares_a_disk => {
+                ctx.step(
+                    "forensic",
+                    "an excluded disk is shared: waiting for the abandoned VM's save to end",
+                    None,
+                );
+                Some(job.finish())
+            }
+            Some(job) => Some(ForensicRam::Saving(job)),
+            None => None,
+        };
         if self.restore_paused {
             // `halt clear --paused`: restored, checked, and left stopped for a person.
             self.guest_paused = true;
@@ -696,15 +720,10 @@ impl VmActor {
             }
         }
         clock.done("resume");
-        if let Some(job) = pending {
+        if let Some(ram) = pending {
             // The guest runs again: what is left of the save is waited for now, and the
             // forensic snapshot (RAM included, or disks alone if the budget ran out) published.
-            forensic = self.keep_forensic(
-                ctx,
-                &target.manifest.snapshot_id,
-                &origin,
-                ForensicRam::Saving(job),
-            );
+            forensic = self.keep_forensic(ctx, &target.manifest.snapshot_id, &origin, ram);
         }
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
         Ok((revoked, restore_ms.max(rr.load_ms), forensic))
@@ -755,8 +774,7 @@ impl VmActor {
                     );
                 }
                 Err(e) => {
-                    keep_ram =
-                        keep_ram.and(Err(format!("device revocation failed ({e})")));
+                    keep_ram = keep_ram.and(Err(format!("device revocation failed ({e})")));
                     revoked.push(format!(
                         "device revocation failed ({e}); process ended instead"
                     ))
