@@ -117,6 +117,10 @@ pub enum Command {
         /// Accept a snapshot of a newer minor schema/index version (spec/001 compatibility mode).
         #[arg(long)]
         compat: bool,
+        /// Allow --to to name a forensic snapshot that kept RAM: the guest continues from
+        /// where it was before the rollback that abandoned it.
+        #[arg(long = "include-forensic")]
+        include_forensic: bool,
     },
     /// Clear a HALTED VM (restores the newest verified snapshot).
     #[command(subcommand)]
@@ -452,6 +456,7 @@ impl Command {
                 before,
                 reviewer_token,
                 compat,
+                include_forensic,
             } => Request::Rollback {
                 to: to.clone(),
                 reason: reason.clone(),
@@ -460,6 +465,7 @@ impl Command {
                 before: before.clone(),
                 reviewer_token: reviewer_token.clone(),
                 allow_newer_minor: *compat,
+                include_forensic: *include_forensic,
             },
             Command::Halt(HaltCommand::Clear {
                 reason, to: None, ..
@@ -801,6 +807,7 @@ mod tests {
                 before: None,
                 reviewer_token: None,
                 allow_newer_minor: false,
+                include_forensic: false,
             }
         );
         assert_eq!(
@@ -813,6 +820,7 @@ mod tests {
                 before: None,
                 reviewer_token: None,
                 allow_newer_minor: false,
+                include_forensic: false,
             }
         );
         assert_eq!(
@@ -935,6 +943,7 @@ mod tests {
                 before: Some("2026-05-01T12:00:00Z".into()),
                 reviewer_token: Some(serde_json::json!({"reviewer": "alice"})),
                 allow_newer_minor: true,
+                include_forensic: false,
             }
         );
         let missing = d.path().join("none.json");

@@ -157,6 +157,7 @@ mod tests {
             before: None,
             reviewer_token: None,
             allow_newer_minor: false,
+            include_forensic: false,
         };
         let out = outcome(&req, &halted, false);
         assert_eq!(out.exit_code, exit::HALTED);

@@ -611,6 +611,16 @@ fn snapshot_rows(view: &SnapshotView) -> String {
         ("capture", format!("{} ms", view.capture_ms)),
         ("stored", human_bytes(s.bytes_stored)),
     ]);
+    // A forensic snapshot says whether it kept the abandoned RAM (and so can be restored with
+    // `rollback --to ID --include-forensic`), or why not.
+    if let Some(f) = view.manifest["capture"].get("forensic") {
+        let ram = match (f["ram"].as_bool(), f["ram_reason"].as_str()) {
+            (Some(true), _) => "true (restorable with rollback --include-forensic)".to_string(),
+            (_, Some(why)) => format!("false ({})", clean(why)),
+            _ => "false".to_string(),
+        };
+        rows.push(("ram", ram));
+    }
     if s.current {
         rows.push(("current", "yes: the running VM descends from it".into()));
     }
@@ -1551,6 +1561,36 @@ mod tests {
     }
 
     #[test]
+    fn snapshot_show_says_whether_a_forensic_snapshot_kept_ram() {
+        let req = Request::SnapshotShow { id: "abc".into() };
+        let show = |capture: serde_json::Value| {
+            human(
+                &req,
+                &Response::Snapshot(SnapshotView {
+                    summary: summary("abc", "r"),
+                    manifest: json!({"snapshot_id": "abc", "capture": capture}),
+                    capture_ms: 1,
+                }),
+            )
+        };
+        let with = show(json!({"forensic": {"ram": true, "disks": 1}}));
+        assert!(
+            with.contains("ram:")
+                && with.contains("true (restorable with rollback --include-forensic)"),
+            "{with}"
+        );
+        let without = show(
+            json!({"forensic": {"ram": false, "ram_reason": "not kept for watchdog rollbacks"}}),
+        );
+        assert!(
+            without.contains("false (not kept for watchdog rollbacks)"),
+            "{without}"
+        );
+        // Other snapshots show no such row.
+        assert!(!show(json!({"pause_us": 1})).contains("ram:"));
+    }
+
+    #[test]
     fn snapshot_show_prints_the_pause_breakdown() {
         let mut sum = summary("abc", "r");
         sum.pause_us = 3_200;
@@ -1657,6 +1697,7 @@ mod tests {
             before: None,
             reviewer_token: None,
             allow_newer_minor: false,
+            include_forensic: false,
         };
         assert_eq!(
             human(&req, &Response::RolledBack(report.clone())),

@@ -193,6 +193,7 @@ fn commands_send_the_right_requests() {
                 before: None,
                 reviewer_token: None,
                 allow_newer_minor: false,
+                include_forensic: false,
             },
         ),
         (

@@ -66,6 +66,9 @@ pub enum Request {
         reviewer_token: Option<Value>,
         #[serde(default, skip_serializing_if = "is_false")]
         allow_newer_minor: bool,
+        /// A forensic snapshot holding RAM may be the named target (`--include-forensic`).
+        #[serde(default, skip_serializing_if = "is_false")]
+        include_forensic: bool,
     },
     /// A person clears HALTED; the VM is then restored from the newest verified snapshot
     /// (or cold-booted when there is none).
@@ -359,6 +362,8 @@ enum StrictRequest {
         reviewer_token: Option<Value>,
         #[serde(default)]
         allow_newer_minor: bool,
+        #[serde(default)]
+        include_forensic: bool,
     },
     HaltClear {
         reason: String,
@@ -444,6 +449,7 @@ impl From<StrictRequest> for Request {
                 before,
                 reviewer_token,
                 allow_newer_minor,
+                include_forensic,
             } => Request::Rollback {
                 to,
                 reason,
@@ -452,6 +458,7 @@ impl From<StrictRequest> for Request {
                 before,
                 reviewer_token,
                 allow_newer_minor,
+                include_forensic,
             },
             StrictRequest::HaltClear { reason } => Request::HaltClear { reason },
             StrictRequest::HaltClearTo {
@@ -1298,6 +1305,7 @@ mod tests {
             before: None,
             reviewer_token: None,
             allow_newer_minor: false,
+            include_forensic: false,
         };
         let line = serde_json::to_string(&r).unwrap();
         assert_eq!(
@@ -1348,6 +1356,7 @@ mod tests {
                 before: Some("2026-01-01T00:00:00Z".into()),
                 reviewer_token: Some(serde_json::json!({"reviewer": "r"})),
                 allow_newer_minor: true,
+                include_forensic: false,
             },
             Request::HaltClear { reason: "r".into() },
             Request::ActionBegin {
@@ -1382,6 +1391,7 @@ mod tests {
                 before: None,
                 reviewer_token: None,
                 allow_newer_minor: false,
+                include_forensic: false,
             }
         );
     }

@@ -130,6 +130,7 @@ impl VmActor {
                 before,
                 reviewer_token,
                 allow_newer_minor,
+                include_forensic,
             } => {
                 let ask = crate::policy::restore_gate::RollbackAsk {
                     to,
@@ -139,6 +140,7 @@ impl VmActor {
                     before,
                     reviewer_token,
                     allow_newer_minor,
+                    include_forensic,
                 };
                 Ok(Response::RolledBack(self.console_rollback(ctx, ask)?))
             }
@@ -265,6 +267,7 @@ impl VmActor {
                 bounded: true,
                 reviewer_token,
                 allow_newer_minor: false,
+                include_forensic: false,
             };
             return match self.rollback(ctx, plan) {
                 Ok(r) => Ok(Response::HaltCleared {

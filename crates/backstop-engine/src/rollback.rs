@@ -27,6 +27,7 @@ use backstop_common::{ErrorCode, RollbackType, TriggerKind};
 use crate::actor::{Ctx, VmActor};
 use crate::error::EngineError;
 use crate::fault::Fault;
+use crate::forensic::{ForensicRam, RamJob};
 use crate::lifecycle::Transition;
 use crate::policy::RestoreRequest;
 use crate::records::InflightRecord;
@@ -226,7 +227,13 @@ impl VmActor {
         }
 
         // 2.-5. Any failure from here on halts.
-        match self.replace_vm(ctx, &target, resume, &mut clock) {
+        // Whether this kind of rollback keeps the abandoned RAM (`[rollback] forensic_ram_for`).
+        let ram_wanted = crate::forensic::ram_wanted(
+            &self.cfg.rollback.forensic_ram_for,
+            trigger,
+            rollback_type,
+        );
+        match self.replace_vm(ctx, &target, resume, ram_wanted, &mut clock) {
             Ok((revoked, restore_ms, forensic)) => {
                 let report = RollbackReport {
                     snapshot_id: snapshot_id.clone(),
@@ -315,10 +322,11 @@ impl VmActor {
             if v.manifest.config_fingerprint != fingerprint {
                 return Err(EngineError::ShapeMismatch { snapshot_id: id });
             }
-            if crate::forensic::is_forensic(&v.manifest) {
-                return Err(EngineError::BadRequest(format!(
-                    "{id} is a forensic snapshot (the disks a rollback abandoned, no RAM state): it is kept to be examined, never restored"
-                )));
+            if let Some(why) = crate::forensic::target_refusal(&v.manifest, gate.include_forensic) {
+                return Err(EngineError::Refused {
+                    code: ErrorCode::SnapshotRestorePolicyBlocked,
+                    message: why,
+                });
             }
             self.journal_verify_passed(ctx, &id, &v.report)?;
             return Ok((v, Vec::new()));
@@ -488,6 +496,7 @@ impl VmActor {
         ctx: &mut Ctx,
         target: &VerifiedSnapshot,
         resume: bool,
+        ram_wanted: Result<(), String>,
         clock: &mut PhaseClock,
     ) -> Result<Replaced, (&'static str, String)> {
         let bound = Duration::from_millis(self.cfg.rollback.revoke_timeout_ms);
@@ -525,17 +534,29 @@ impl VmActor {
         };
         // Only a VM that runs has state to abandon (after a crash or a stop there is none).
         let was_running = self.backend.pid().is_some();
-        let ended = self.end_old_vm(ctx, was_running, bound, &mut revoked, clock);
+        let keep_ram = if resume || !was_running {
+            Err("no running VM was abandoned".to_string())
+        } else {
+            ram_wanted
+        };
+        let ended = self.end_old_vm(ctx, was_running, keep_ram, bound, &mut revoked, clock);
         let made = overlays
             .join()
             .unwrap_or_else(|_| Err("the overlay thread panicked".into()));
-        ended?;
+        // From here an early return drops a save in flight, which waits for it (bounded by
+        // the budget) and ends the abandoned VM.
+        let ram = ended?;
         made.map_err(|e| ("disk overlays", e))?;
-        // The disks the ended VM was writing are kept as they are (issue 15: forensic capture).
-        let forensic = if resume || !was_running {
-            None
-        } else {
-            self.keep_forensic(ctx, &target.manifest.snapshot_id)
+        // The disks the ended VM was writing are kept as they are (issue 15: forensic capture);
+        // with its RAM, once the save beside the restore is done (after the resume, below).
+        let origin = self.abandoned();
+        let (mut forensic, pending) = match ram {
+            _ if resume || !was_running => (None, None),
+            ForensicRam::Saving(job) => (None, Some(job)),
+            skipped => (
+                self.keep_forensic(ctx, &target.manifest.snapshot_id, &origin, skipped),
+                None,
+            ),
         };
 
         ctx.step(
@@ -645,6 +666,28 @@ impl VmActor {
         self.vm = vm;
         self.save_vm()
             .map_err(|e| ("record new epoch", e.to_string()))?;
+        // A disk snapshots exclude is the same file in both QEMUs, and the abandoned one
+        // keeps its lock on it until its save completes (QEMU lets go of its images then) or it
+        // ends: the fresh one could not take the disk for writing at `cont`. Such a VM waits
+        // here for the rest of the save (at most the budget).
+        let shares_a_disk = self
+            .cfg
+            .vm
+            .disks
+            .iter()
+            .any(|d| d.snapshot != crate::config::DiskSnapshotMode::Capture);
+        let pending = match pending {
+            Some(job) if shares_a_disk => {
+                ctx.step(
+                    "forensic",
+                    "an excluded disk is shared: waiting for the abandoned VM's save to end",
+                    None,
+                );
+                Some(job.finish())
+            }
+            Some(job) => Some(ForensicRam::Saving(job)),
+            None => None,
+        };
         if self.restore_paused {
             // `halt clear --paused`: restored, checked, and left stopped for a person.
             self.guest_paused = true;
@@ -677,6 +720,11 @@ impl VmActor {
             }
         }
         clock.done("resume");
+        if let Some(ram) = pending {
+            // The guest runs again: what is left of the save is waited for now, and the
+            // forensic snapshot (RAM included, or disks alone if the budget ran out) published.
+            forensic = self.keep_forensic(ctx, &target.manifest.snapshot_id, &origin, ram);
+        }
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
         Ok((revoked, restore_ms.max(rr.load_ms), forensic))
     }
@@ -685,24 +733,39 @@ impl VmActor {
 impl VmActor {
     /// Steps 3-4: pauses the old VM, revokes its devices (bounded), ends its process and gives
     /// passthrough devices back to the host. Errors are (step, detail); the caller halts.
+    ///
+    /// With `keep_ram` Ok, the paused and revoked VM is let go of instead of ended when nothing
+    /// it holds needs the end of its process, and its RAM and device state start saving beside
+    /// the restore (see `forensic.rs`); otherwise the reason no RAM is kept.
     fn end_old_vm(
         &mut self,
         ctx: &mut Ctx,
         was_running: bool,
+        keep_ram: Result<(), String>,
         bound: Duration,
         revoked: &mut Vec<String>,
         clock: &mut PhaseClock,
-    ) -> Result<(), (&'static str, String)> {
+    ) -> Result<ForensicRam, (&'static str, String)> {
+        let mut keep_ram = keep_ram;
         if was_running {
             ctx.step("revoke", "pausing the guest and revoking its devices", None);
             // A QEMU that no longer answers cannot be paused or asked to release anything:
             // ending its process below is the revocation that always works.
             match self.backend.pause() {
                 Ok(()) => revoked.push("guest paused".to_string()),
-                Err(e) => revoked.push(format!("pause failed ({e}); process ended instead")),
+                Err(e) => {
+                    keep_ram = keep_ram.and(Err(format!("the guest could not be paused ({e})")));
+                    revoked.push(format!("pause failed ({e}); process ended instead"))
+                }
             }
             match self.backend.revoke_devices(bound) {
                 Ok(r) => {
+                    if !r.not_released.is_empty() {
+                        keep_ram = keep_ram.and(Err(format!(
+                            "held until its process ended ({}): the abandoned VM was ended first",
+                            r.not_released.join(", ")
+                        )));
+                    }
                     revoked.extend(r.revoked);
                     revoked.extend(
                         r.not_released
@@ -710,16 +773,50 @@ impl VmActor {
                             .map(|d| format!("{d}: not released, ended with the process")),
                     );
                 }
-                Err(e) => revoked.push(format!(
-                    "device revocation failed ({e}); process ended instead"
-                )),
+                Err(e) => {
+                    keep_ram = keep_ram.and(Err(format!("device revocation failed ({e})")));
+                    revoked.push(format!(
+                        "device revocation failed ({e}); process ended instead"
+                    ))
+                }
             }
         }
         clock.done("revoke");
-        self.backend
-            .terminate()
-            .map_err(|e| ("end qemu", e.to_string()))?;
-        revoked.push("hypervisor process ended".into());
+        if self.cfg.devices.iter().any(|c| c.vfio().is_some()) {
+            keep_ram = keep_ram.and(Err(
+                "VFIO devices go back to the host only once the process ends: the abandoned VM was ended first".into(),
+            ));
+        }
+        if !self.cfg.vm.tap_nics.is_empty() {
+            keep_ram = keep_ram.and(Err(
+                "a tap NIC cannot be opened by a second QEMU: the abandoned VM was ended first"
+                    .into(),
+            ));
+        }
+        let ram = match keep_ram {
+            Err(why) => ForensicRam::Skipped(why),
+            Ok(()) => match self.backend.keep_abandoned() {
+                Err(e) => ForensicRam::Skipped(e.to_string()),
+                Ok(vm) => {
+                    let budget = self.cfg.rollback.forensic_ram_budget();
+                    match RamJob::start(&self.store, vm, budget) {
+                        Ok(job) => ForensicRam::Saving(job),
+                        Err(why) => ForensicRam::Skipped(why),
+                    }
+                }
+            },
+        };
+        if matches!(ram, ForensicRam::Saving(_)) {
+            revoked.push(
+                "hypervisor process kept paused for its forensic save, ended after it".into(),
+            );
+        } else {
+            // Whatever the backend still runs (a refused keep leaves it) ends here.
+            self.backend
+                .terminate()
+                .map_err(|e| ("end qemu", e.to_string()))?;
+            revoked.push("hypervisor process ended".into());
+        }
         // Every grant ended with the process; passthrough devices go back to their host
         // drivers (reset + rebind). A failure halts: never a VM resumed with one still bound.
         let released = self
@@ -727,7 +824,7 @@ impl VmActor {
             .map_err(|e| ("release host devices", e))?;
         revoked.extend(released);
         clock.done("end");
-        Ok(())
+        Ok(ram)
     }
 }
 

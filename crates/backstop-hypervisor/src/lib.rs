@@ -337,12 +337,47 @@ pub trait VmBackend: Send {
             message: format!("the {} backend cannot read link states", self.kind()),
         })
     }
+    /// For a forensic capture beside a rollback (issue 15): lets go of the running instance —
+    /// paused and revoked by the caller — without ending it, so a fresh one can launch beside
+    /// it while its RAM and device state are saved. The backend no longer runs a VM after
+    /// this. Backends that cannot keep two instances (or save a paused one without resuming
+    /// it) say so, and the caller ends the VM as before, keeping no RAM.
+    fn keep_abandoned(&mut self) -> Result<Box<dyn AbandonedVm>> {
+        Err(BackendError::Command {
+            step: "keep the abandoned vm",
+            message: format!(
+                "the {} backend cannot keep an abandoned VM's RAM and device state",
+                self.kind()
+            ),
+        })
+    }
     /// Hands the backend a way to wake the VM's actor when the hypervisor reports something
     /// on its own (a libvirt domain event): the actor then looks at once ([`VmBackend::
     /// poll_events`]) instead of at its next tick. Backends without such reports ignore it.
     fn set_event_waker(&mut self, waker: EventWaker) {
         let _ = waker;
     }
+}
+
+/// A VM instance a rollback abandoned ([`VmBackend::keep_abandoned`]): paused, revoked, no
+/// longer the VM's. It is only ever saved and ended — never resumed.
+pub trait AbandonedVm: Send {
+    /// Starts a plain (stop-and-copy) save of the paused instance's RAM and device state into
+    /// the returned stream. Never a background snapshot: the instance must not run again.
+    fn begin_save(&mut self) -> Result<SaveStream>;
+    /// Waits up to `bound` for the save to complete (after its stream hit EOF) and returns the
+    /// bytes it wrote. Past the bound the save is cancelled and an error says so; the instance
+    /// stays paused either way.
+    fn finish_save(&mut self, bound: Duration) -> Result<u64>;
+    /// Ends the instance's process. Idempotent.
+    fn end(&mut self);
+}
+
+/// The state stream of an [`AbandonedVm`]'s save.
+pub struct SaveStream {
+    pub reader: Box<dyn Read + Send>,
+    /// As [`CaptureStream::cutter`].
+    pub cutter: Option<Box<dyn StreamCutter>>,
 }
 
 /// Wakes a VM's actor from any thread (see [`VmBackend::set_event_waker`]). Cheap, never

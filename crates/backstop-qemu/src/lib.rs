@@ -19,6 +19,7 @@
 //!
 //! This crate must never decide anything: no policy, no store, no journal.
 
+mod abandoned;
 mod agent;
 mod cmdline;
 pub mod devices;
@@ -1093,6 +1094,41 @@ impl VmBackend for QemuBackend {
             source,
         })?;
         Ok(())
+    }
+
+    /// The paused, revoked QEMU is let go of (see [`abandoned`]): its pid file renamed aside so
+    /// the successor can lock its own, its guest channels closed.
+    fn keep_abandoned(&mut self) -> Result<Box<dyn backstop_hypervisor::AbandonedVm>> {
+        let Some(mut r) = self.running.take() else {
+            return Err(BackendError::NotRunning {
+                step: "keep the abandoned vm",
+            });
+        };
+        r.close_guest_channels();
+        let pid = self.cfg.run_dir.join("qemu.pid");
+        let aside = self
+            .cfg
+            .run_dir
+            .join(format!("qemu.abandoned-{}.pid", r.child.id()));
+        let pidfile = match std::fs::rename(&pid, &aside) {
+            Ok(()) => Some(aside),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(source) => {
+                // The successor could not lock its pid file: end this one as before.
+                self.running = Some(r);
+                return Err(BackendError::Io {
+                    step: "rename the abandoned qemu's pid file",
+                    source,
+                });
+            }
+        };
+        Ok(Box::new(abandoned::AbandonedQemu {
+            child: r.child,
+            qmp: r.qmp,
+            qmp_timeout: self.short_timeout(),
+            pidfile,
+            ended: false,
+        }))
     }
 
     fn begin_restore(&mut self) -> Result<Box<dyn Write + Send>> {

@@ -341,6 +341,17 @@ impl Config {
         if self.rollback.revoke_timeout_ms == 0 || self.rollback.revoke_timeout_ms > 60_000 {
             return bad("rollback.revoke_timeout_ms", "must be between 1 and 60000");
         }
+        if let Err(why) = crate::forensic::parse_ram_budget(&self.rollback.forensic_ram_budget) {
+            return bad("rollback.forensic_ram_budget", &why);
+        }
+        for (i, w) in self.rollback.forensic_ram_for.iter().enumerate() {
+            if crate::forensic::RamClass::parse(w).is_none() {
+                return bad(
+                    &format!("rollback.forensic_ram_for[{i}]"),
+                    "one of \"console\", \"policy\", \"emergency\", \"watchdog\"",
+                );
+            }
+        }
         let mut seen = std::collections::BTreeSet::new();
         for (i, d) in vm.disks.iter().enumerate() {
             let key = format!("vm.disks[{i}]");

@@ -582,14 +582,44 @@ pub struct RollbackConfig {
     /// How long a guest gets to release a device before the process ends anyway.
     #[serde(default = "default_revoke_ms")]
     pub revoke_timeout_ms: u64,
+    /// How long the RAM and device state of the VM a rollback abandons may take to save into
+    /// its forensic snapshot (`"5s"`, `"800ms"`; 1 ms to 10 min). Saved beside the restore,
+    /// not before it; past the budget the save is cancelled and the forensic snapshot keeps
+    /// the disks alone (`ram: false` with the reason).
+    #[serde(default = "default_forensic_ram_budget")]
+    pub forensic_ram_budget: String,
+    /// Which rollbacks keep that RAM: any of `console` (a person's non-emergency rollback),
+    /// `policy` (the policy engine's and host triggers' non-emergency ones), `emergency` (every
+    /// emergency rollback but the watchdog's) and `watchdog` (heartbeat or device watchdog
+    /// expiry). `[]` keeps none.
+    #[serde(default = "default_forensic_ram_for")]
+    pub forensic_ram_for: Vec<String>,
 }
 
 impl Default for RollbackConfig {
     fn default() -> Self {
         Self {
             revoke_timeout_ms: default_revoke_ms(),
+            forensic_ram_budget: default_forensic_ram_budget(),
+            forensic_ram_for: default_forensic_ram_for(),
         }
     }
+}
+
+impl RollbackConfig {
+    /// `forensic_ram_budget`, parsed (checked at load: a bad one never gets here).
+    pub fn forensic_ram_budget(&self) -> std::time::Duration {
+        crate::forensic::parse_ram_budget(&self.forensic_ram_budget)
+            .unwrap_or(std::time::Duration::from_secs(5))
+    }
+}
+
+fn default_forensic_ram_budget() -> String {
+    "5s".into()
+}
+
+fn default_forensic_ram_for() -> Vec<String> {
+    vec!["console".into(), "policy".into()]
 }
 
 fn default_revoke_ms() -> u64 {

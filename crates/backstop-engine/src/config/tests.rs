@@ -538,3 +538,50 @@ fn libvirt_devices_are_one_checked_device_element() {
         "{err}"
     );
 }
+
+#[test]
+fn the_forensic_ram_keys_default_and_refuse_bad_values_by_name() {
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert_eq!(
+        cfg.rollback.forensic_ram_budget(),
+        std::time::Duration::from_secs(5)
+    );
+    assert_eq!(cfg.rollback.forensic_ram_for, vec!["console", "policy"]);
+    let with = |keys: &str| DEFAULT_CONFIG.replace("[rollback]", &format!("[rollback]\n{keys}"));
+    let cfg = Config::parse(&with(
+        "forensic_ram_budget = \"750ms\"\nforensic_ram_for = []",
+    ))
+    .unwrap();
+    assert_eq!(
+        cfg.rollback.forensic_ram_budget(),
+        std::time::Duration::from_millis(750)
+    );
+    assert!(cfg.rollback.forensic_ram_for.is_empty());
+    for (keys, key) in [
+        (
+            "forensic_ram_budget = \"soon\"",
+            "rollback.forensic_ram_budget",
+        ),
+        (
+            "forensic_ram_budget = \"0s\"",
+            "rollback.forensic_ram_budget",
+        ),
+        (
+            "forensic_ram_budget = \"1h\"",
+            "rollback.forensic_ram_budget",
+        ),
+        (
+            "forensic_ram_for = [\"console\", \"sometimes\"]",
+            "rollback.forensic_ram_for[1]",
+        ),
+    ] {
+        let err = Config::parse(&with(keys)).unwrap_err().to_string();
+        assert!(err.contains(key), "{keys}: {err}");
+        assert!(!err.contains('\n'), "{err}");
+    }
+    // A number is not a duration: refused by serde with the key's name.
+    let err = Config::parse(&with("forensic_ram_budget = 5"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("forensic_ram_budget"), "{err}");
+}

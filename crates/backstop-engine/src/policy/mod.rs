@@ -325,6 +325,8 @@ pub(crate) struct RestoreRequest {
     pub bounded: bool,
     pub reviewer_token: Option<Value>,
     pub allow_newer_minor: bool,
+    /// `--include-forensic`: a forensic snapshot holding RAM may be the named target.
+    pub include_forensic: bool,
 }
 
 /// The engine's policy state (one field of [`crate::VmActor`]).

@@ -39,6 +39,7 @@ pub struct RollbackAsk {
     pub before: Option<String>,
     pub reviewer_token: Option<Value>,
     pub allow_newer_minor: bool,
+    pub include_forensic: bool,
 }
 
 impl VmActor {
@@ -108,6 +109,7 @@ impl VmActor {
             bounded: true,
             reviewer_token: ask.reviewer_token,
             allow_newer_minor: ask.allow_newer_minor,
+            include_forensic: ask.include_forensic,
         };
         let role = ctx.caller.role;
         let trigger = match role {
