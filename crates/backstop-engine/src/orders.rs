@@ -394,7 +394,8 @@ fn non_empty(name: &str, v: String) -> Result<String, EngineError> {
     Ok(v)
 }
 
-pub(crate) fn summary(m: &Manifest) -> SnapshotSummary {
+/// A manifest as the console's snapshot summary.
+pub fn summary(m: &Manifest) -> SnapshotSummary {
     SnapshotSummary {
         snapshot_id: m.snapshot_id.clone(),
         name: m.name.clone(),

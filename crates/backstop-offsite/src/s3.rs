@@ -219,28 +219,8 @@ impl Client {
 
     /// The object's bytes (at most `limit`).
     pub fn get(&self, key: &str, limit: u64) -> Result<Vec<u8>, S3Error> {
-        let path = self.path(key);
-        let mut req = self.agent.get(self.url(&path));
-        for (k, v) in self.sign("GET", &path, EMPTY_SHA256) {
-            req = req.header(k, v);
-        }
-        let resp = req.call().map_err(|e| transport("GET", key, e))?;
-        let status = resp.status().as_u16();
-        let mut body = resp.into_body();
-        if status != 200 {
-            return Err(status_error("GET", key, status, &mut body));
-        }
         let mut out = Vec::new();
-        body.as_reader()
-            .take(limit + 1)
-            .read_to_end(&mut out)
-            .map_err(|e| transport("GET", key, ureq::Error::Io(e)))?;
-        if out.len() as u64 > limit {
-            return Err(S3Error::TooLarge {
-                key: key.into(),
-                limit,
-            });
-        }
+        self.get_to(key, limit, &mut out)?;
         Ok(out)
     }
 

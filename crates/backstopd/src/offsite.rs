@@ -212,7 +212,7 @@ impl Offsite {
             code: ErrorCode::ShuttingDown,
             message: "the VM's actor stopped before publishing".into(),
         })??;
-        let summary = snapshot_summary(&manifest);
+        let summary = backstop_engine::orders::summary(&manifest);
         Ok((
             PullReport {
                 snapshot_id: manifest.snapshot_id.clone(),
@@ -224,29 +224,5 @@ impl Offsite {
             },
             (),
         ))
-    }
-}
-
-fn snapshot_summary(m: &backstop_store::Manifest) -> backstop_control::SnapshotSummary {
-    backstop_control::SnapshotSummary {
-        snapshot_id: m.snapshot_id.clone(),
-        name: m.name.clone(),
-        created_at: m.created_at.clone(),
-        created_by: m.created_by.clone(),
-        schema_version: m.schema_version.clone(),
-        index_version: m.index_version.clone(),
-        scope: m.scope.clone(),
-        reason: m.reason.clone(),
-        pause_us: m
-            .capture
-            .get("pause_us")
-            .and_then(serde_json::Value::as_u64)
-            .unwrap_or(0),
-        bytes_stored: m.bytes_stored,
-        trigger: m.trigger.clone(),
-        rolled_back: None,
-        current: false,
-        unusable: None,
-        replication: None,
     }
 }
