@@ -196,27 +196,16 @@ pub fn fetch(
             let index = ChunkIndex::parse(&bytes)
                 .map_err(|e| integrity(format!("{from}/{id}: index {index_name}: {e}")))?;
             let mut chunks = Vec::with_capacity(index.chunks.len());
+            let mut wanted = Vec::new();
+            let mut seen = std::collections::HashSet::new();
             for c in &index.chunks {
                 let path = chunks_dir.join(&c.sha256);
-                if !path.exists() {
-                    let tmp = chunks_dir.join(format!("{}.part", c.sha256));
-                    let (len, sha, crc) = get_hashed(
-                        client,
-                        &cfg.key(&format!("chunks/{}", c.sha256)),
-                        c.len,
-                        &tmp,
-                    )?;
-                    if len != c.len || sha != c.sha256 || crc != c.crc32 {
-                        return Err(integrity(format!(
-                            "{from}/{id}: chunk {} in the bucket does not match the signed digest (got sha256 {sha}, {len} bytes); nothing published",
-                            c.sha256
-                        )));
-                    }
-                    fetched += len;
-                    fs::rename(&tmp, &path).map_err(|e| io(&path, e))?;
+                if !path.exists() && seen.insert(c.sha256.as_str()) {
+                    wanted.push(c);
                 }
                 chunks.push(path);
             }
+            fetched += fetch_chunks(cfg, client, &chunks_dir, &wanted, from, id)?;
             payloads.push(StagedPayload::Chunked {
                 name: p.name.clone(),
                 kind: p.kind.clone(),
@@ -261,6 +250,71 @@ pub fn fetch(
     staged.payloads = payloads;
     staged.bytes_fetched = fetched;
     Ok(staged)
+}
+
+/// How many chunk objects a pull fetches at once: one GET at a time spent most of its time
+/// waiting on the gateway (202 MB took 84–107 s against a local RGW).
+const PULL_THREADS: usize = 4;
+
+/// Fetches `wanted` chunks into `chunks_dir` on [`PULL_THREADS`] threads, each checked against
+/// its signed digest before it gets its name; the first failure stops the others and is
+/// returned. Returns the bytes fetched.
+fn fetch_chunks(
+    cfg: &OffsiteConfig,
+    client: &Client,
+    chunks_dir: &Path,
+    wanted: &[&backstop_store::ChunkRef],
+    from: &str,
+    id: &str,
+) -> Result<u64, PullError> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let failed = AtomicBool::new(false);
+    let bytes = AtomicU64::new(0);
+    let first_error = std::sync::Mutex::new(None);
+    let one = |c: &backstop_store::ChunkRef| -> Result<u64, PullError> {
+        let path = chunks_dir.join(&c.sha256);
+        let tmp = chunks_dir.join(format!("{}.part", c.sha256));
+        let (len, sha, crc) = get_hashed(
+            client,
+            &cfg.key(&format!("chunks/{}", c.sha256)),
+            c.len,
+            &tmp,
+        )?;
+        if len != c.len || sha != c.sha256 || crc != c.crc32 {
+            return Err(integrity(format!(
+                "{from}/{id}: chunk {} in the bucket does not match the signed digest (got sha256 {sha}, {len} bytes); nothing published",
+                c.sha256
+            )));
+        }
+        fs::rename(&tmp, &path)
+            .map_err(|e| err(ErrorCode::Io, format!("{}: {e}", path.display())))?;
+        Ok(len)
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..PULL_THREADS.min(wanted.len()) {
+            scope.spawn(|| {
+                while !failed.load(Ordering::Acquire) {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(c) = wanted.get(i) else { break };
+                    match one(c) {
+                        Ok(n) => {
+                            bytes.fetch_add(n, Ordering::Relaxed);
+                        }
+                        Err(e) => {
+                            failed.store(true, Ordering::Release);
+                            let mut slot = first_error.lock().unwrap_or_else(|p| p.into_inner());
+                            slot.get_or_insert(e);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(bytes.into_inner()),
+    }
 }
 
 /// GETs `key` (at most `limit` bytes) into `path`: (length, sha256, crc32).
