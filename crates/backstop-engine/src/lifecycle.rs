@@ -158,8 +158,27 @@ impl VmActor {
         let from = self.state;
         let to = from.transition(t)?;
         self.state = to;
+        self.publish_state();
         self.journal_state_change(from, to, t, trace_id)?;
         Ok(to)
+    }
+
+    /// Puts the state (and the halt record) into the published status at once, before any
+    /// journal entry that follows the change: a reader who sees `vm.halted` in the journal and
+    /// then asks `status` sees `halted`, not the view of the last turn (seen in CI). The full
+    /// view (snapshots, links, …) is still published after each turn by [`VmActor::publish`];
+    /// this is the cheap part of it.
+    pub(crate) fn publish_state(&mut self) {
+        let halted = self.halt.as_ref().map(|h| backstop_control::HaltView {
+            reason: h.reason.clone(),
+            code: h.code.clone(),
+            since: h.since.clone(),
+        });
+        if let Some(out) = &self.status_out {
+            let mut g = out.lock().unwrap_or_else(|p| p.into_inner());
+            g.state = self.state.as_str().into();
+            g.halted = halted;
+        }
     }
 
     /// The journal entry of a state change already made.
@@ -222,6 +241,7 @@ impl VmActor {
             tracing::error!(error = %e, "could not journal the change to HALTED");
             self.state = VmState::Halted;
         }
+        self.publish_state();
         let sid = self.session_id.clone();
         let fields = json!({
             "session_id": sid, "trace_id": trace_id, "snapshot_id": Value::Null, "result": "halted",
