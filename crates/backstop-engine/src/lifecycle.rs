@@ -163,7 +163,7 @@ impl VmActor {
         Ok(to)
     }
 
-    /// Puts the state (and the halt record) into the published status at once, before any
+    /// Puts the state (with the epoch and the halt record) into the published status at once, before any
     /// journal entry that follows the change: a reader who sees `vm.halted` in the journal and
     /// then asks `status` sees `halted`, not the view of the last turn (seen in CI). The full
     /// view (snapshots, links, …) is still published after each turn by [`VmActor::publish`];
@@ -177,6 +177,7 @@ impl VmActor {
         if let Some(out) = &self.status_out {
             let mut g = out.lock().unwrap_or_else(|p| p.into_inner());
             g.state = self.state.as_str().into();
+            g.epoch = self.vm.epoch;
             g.halted = halted;
         }
     }
