@@ -149,6 +149,8 @@ METRICS = [
     M("tput_chunks", 5, "1 MiB files, each fsynced+renamed (store's pattern)", "MB/s",
       hostfn=host("chunk_files")),
     M("tput_sha256", 5, "sha256, one core (Python hashlib)", "MB/s", hostfn=host("sha256")),
+    M("orphan_reap", 3, "host: PID 1 reaps a killed orphan (libvirt's destroy waits for it)", "ms",
+      hostfn=lambda h: [h["orphan_reap"]["ms"]] if "orphan_reap" in h else [], ratios=False),
 ]
 
 NOT_YET = [

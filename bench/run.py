@@ -106,6 +106,33 @@ def chunk_files_throughput(directory, mib, chunk=1 << 20):
     return {"bytes": mib * chunk, "seconds": secs, "bytes_per_s": mib * chunk / secs}
 
 
+def orphan_reap_ms():
+    """How long this host's PID 1 takes to reap a killed orphan. A libvirt domain's QEMU is one
+    (libvirtd double-forks it), and `virDomainDestroy` waits until its pid is gone, zombie
+    included: on this sandbox (PID 1 `process_api`) that is ~1.2-1.6 s after SIGKILL, on a host
+    whose PID 1 is systemd a few ms. The libvirt backend's rollback `end` phase is mostly this."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        grandchild = os.fork()
+        if grandchild == 0:
+            time.sleep(60)
+            os._exit(0)
+        os.write(w, str(grandchild).encode())
+        os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    orphan = int(os.read(r, 32))
+    os.close(r)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    os.kill(orphan, signal.SIGKILL)
+    deadline = t0 + 30
+    while os.path.exists(f"/proc/{orphan}") and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return {"ms": (time.monotonic() - t0) * 1e3}
+
+
 def sha256_throughput(mib=256):
     """SHA-256 on one core of this host (Python's hashlib, OpenSSL): what hashing each chunk costs."""
     import hashlib
@@ -408,9 +435,11 @@ def main(argv=None):
                 r = {"dd": dd_throughput(env.work, mib),
                      "chunk_files": chunk_files_throughput(env.work, mib),
                      "sha256": sha256_throughput()}
-                host.append(r)
                 log("host, same filesystem: " + ", ".join(
                     f"{k} {v['bytes_per_s'] / 1e6:.0f} MB/s" for k, v in r.items()))
+                r["orphan_reap"] = orphan_reap_ms()
+                log(f"host: PID 1 reaped a killed orphan after {r['orphan_reap']['ms']:.0f} ms")
+                host.append(r)
             except (C.BenchError, subprocess.SubprocessError, OSError) as e:
                 log(f"host throughput measurement failed: {e}")
         # Watchdog expiry -> guest running, per QEMU (its own small guest, as bench-watchdog.sh).
