@@ -346,6 +346,10 @@ impl LeaseKeeper {
     /// One renewal pass for `vm`: never takes over another host's lease.
     fn renew(&self, vm: &str) {
         let _op = lock(&self.inner.op);
+        // A clean stop sets the flag before it releases (under `op`): no renewal after it.
+        if self.inner.stop.load(Ordering::SeqCst) {
+            return;
+        }
         let known = lock(&self.inner.leases).get(vm).cloned();
         // Held with a known ETag: one compare-and-swap PUT. Anything else (a 412, an error): read.
         if let Some(VmLease {

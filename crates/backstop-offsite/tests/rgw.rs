@@ -228,6 +228,33 @@ fn leases_are_compare_and_swap_on_a_real_gateway() {
         other => panic!("{other:?}"),
     }
 
+    // The gateway down: B's renewals fail (status says so, journaled once), and it holds the
+    // lease again once the gateway is back.
+    let rgw = |what: &str| {
+        let st = Command::new(script())
+            .arg(what)
+            .arg(c.dir.path().join("c"))
+            .status()
+            .unwrap();
+        assert!(st.success(), "ceph-cluster.sh {what}");
+    };
+    wait(&b, "held");
+    rgw("stop-rgw");
+    let failing = wait(&b, "renew_failing");
+    assert!(failing[0].last_error.is_some(), "{failing:?}");
+    std::thread::sleep(Duration::from_millis(2500));
+    rgw("start-rgw");
+    wait(&b, "held");
+    let count = |host: &str, event: &str| {
+        events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(h, e)| h == host && e == event)
+            .count()
+    };
+    assert_eq!(count("b", "offsite.lease.renew_failed"), 1);
+
     // Another host's lease, expired: B's renewer leaves it; a start takes it over.
     let old = Lease::new(
         "host-c",
