@@ -1419,6 +1419,31 @@ mod tests {
     }
 
     #[test]
+    fn status_shows_each_lease_with_its_holder_and_expiry() {
+        let mut s = status(None);
+        s.offsite = Some(backstop_control::OffsiteView {
+            host: "host-b".into(),
+            endpoint: "http://127.0.0.1:7480".into(),
+            bucket: "fleet".into(),
+            leases: vec![backstop_control::LeaseView {
+                vm: "guest".into(),
+                state: "held_elsewhere".into(),
+                holder: Some("host-a".into()),
+                expires_at: Some("2026-11-25T07:00:00.000Z".into()),
+                last_error: None,
+                last_write_ms: None,
+            }],
+            ..Default::default()
+        });
+        let text = human(&Request::Status, &Response::Status(s));
+        assert!(
+            text.lines().any(|l| l.starts_with("lease:")
+                && l.ends_with("guest: held_elsewhere by host-a until 2026-11-25T07:00:00.000Z")),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn status_is_aligned_key_values() {
         let text = human(&Request::Status, &Response::Status(status(None)));
         assert_eq!(
