@@ -316,9 +316,14 @@ impl LeaseKeeper {
 
     fn run_loop(&self) {
         let period = (self.inner.ttl / 3).max(Duration::from_millis(500));
+        // On a fresh gateway the bucket may not exist before the first upload makes it.
+        let mut bucket_ok = false;
         while !self.inner.stop.load(Ordering::SeqCst) {
             let started = Instant::now();
             let vms = (self.inner.vms)();
+            if !bucket_ok && !vms.is_empty() {
+                bucket_ok = self.inner.client.ensure_bucket().is_ok();
+            }
             for vm in &vms {
                 if self.inner.stop.load(Ordering::SeqCst) {
                     return;
