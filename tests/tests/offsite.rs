@@ -627,8 +627,14 @@ fn a_pull_for_start_is_refused_while_host_a_holds_the_lease_and_starts_the_vm_on
         && e["fields"]["for_start"] == true
         && e["fields"]["remote_snapshot_id"] == id.as_str()));
     // Bad input: one line with a code, the lease still B's.
-    for (from, code) in [("host-z", "MISSING_SNAPSHOT"), ("a/b", "ERR_BAD_REQUEST")] {
-        let out = b.cli(&["snapshot", "pull", &id, "--from", from, "--for-start"]);
+    let never = "0".repeat(32);
+    for (snapshot, from, code) in [
+        (never.as_str(), "host-z", "MISSING_SNAPSHOT"),
+        (never.as_str(), "a/b", "ERR_BAD_REQUEST"),
+        // The same snapshot again: already here, refused before any fetch or lease write.
+        (id.as_str(), "host-a", "ERR_BAD_REQUEST"),
+    ] {
+        let out = b.cli(&["snapshot", "pull", snapshot, "--from", from, "--for-start"]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success());
         assert!(err.contains(code), "--from {from}: {err}");

@@ -299,6 +299,18 @@ impl Offsite {
             code: e.code,
             message: e.message,
         };
+        // For a start, already here: refused before anything is fetched or any lease taken (a
+        // plain pull finds it out at publication, after the checks).
+        let already = paths.layers_dir.join(format!("pulled-{id}"));
+        if for_start && backstop_store::is_snapshot_id(id) && already.exists() {
+            return Err(PullError {
+                code: ErrorCode::BadRequest,
+                message: format!(
+                    "{id} was already pulled here ({} exists): `snapshot list` shows it; `rollback --to` starts from it",
+                    already.display()
+                ),
+            });
+        }
         // Before a byte is fetched: a VM another host runs is not started here.
         if for_start {
             self.leases
