@@ -464,3 +464,182 @@ fn with_the_gateway_down_snapshots_and_rollbacks_go_on_and_the_queue_drains_late
     };
     assert_eq!(status["offsite"]["pending"], 0, "{status}");
 }
+
+/// Like [`host_daemon`], with a short `lease_ttl_s` (issue 20: leases).
+fn lease_daemon(name: &str, host: &str, c: &Cluster, creds_dir: &Path, ttl_s: u64) -> Daemon {
+    let creds = creds_dir.join(format!("{host}.credentials"));
+    std::fs::write(
+        &creds,
+        format!(
+            "access_key_id = \"{}\"\nsecret_access_key = \"{}\"\n",
+            c.access, c.secret
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&creds, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let extra = format!(
+        "[offsite]\nendpoint = \"{}\"\nbucket = \"fleet\"\nprefix = \"e2e\"\nhost = \"{host}\"\ncredentials_file = \"{}\"\ntrust_file = \"{}\"\nlease_ttl_s = {ttl_s}\n",
+        c.endpoint,
+        creds.display(),
+        creds_dir.join("fleet-trust.toml").display()
+    );
+    Daemon::start_opts(
+        name,
+        &Options {
+            extra_toml: &extra,
+            ..Options::default()
+        },
+    )
+}
+
+/// Waits until `d`'s status shows its one VM's lease in `state`; returns that lease view.
+fn wait_lease(d: &Daemon, state: &str) -> Value {
+    let start = Instant::now();
+    loop {
+        let s = d.status();
+        if let Some(l) = s["offsite"]["leases"]
+            .as_array()
+            .and_then(|a| a.iter().find(|l| l["state"] == state))
+        {
+            return l.clone();
+        }
+        assert!(start.elapsed() < STEP, "no lease {state}: {}", s["offsite"]);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The lease object in the bucket (`None`: absent).
+fn lease_object(c: &Cluster, vm: &str) -> Option<Value> {
+    let key = format!("e2e/leases/{vm}.json");
+    match c.client().get(&key, 4096) {
+        Ok(b) => Some(serde_json::from_slice(&b).unwrap()),
+        Err(e) if e.is_not_found() => None,
+        Err(e) => panic!("{key}: {e}"),
+    }
+}
+
+#[test]
+fn a_pull_for_start_is_refused_while_host_a_holds_the_lease_and_starts_the_vm_once_a_stopped() {
+    let test =
+        "a_pull_for_start_is_refused_while_host_a_holds_the_lease_and_starts_the_vm_once_a_stopped";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let Some(c) = Cluster::start(test) else {
+        return;
+    };
+    let started = Instant::now();
+    let keys = tempfile::tempdir().unwrap();
+    // A first, so that A is the host that runs the VM (B's VM of the same name is its stand-in).
+    let mut a = lease_daemon("lease-a", "host-a", &c, keys.path(), 6);
+    let held = wait_lease(&a, "held");
+    assert_eq!(held["holder"], "host-a", "{held}");
+    let vm = held["vm"].as_str().unwrap().to_string();
+    let object = lease_object(&c, &vm).unwrap();
+    assert_eq!(object["host"], "host-a", "{object}");
+    let b = lease_daemon("lease-b", "host-b", &c, keys.path(), 6);
+    write_trust(keys.path(), &[("host-a", &a), ("host-b", &b)]);
+    // B's renewer does not take a live lease of another host: it says so.
+    let seen = wait_lease(&b, "held_elsewhere");
+    assert_eq!(seen["holder"], "host-a", "{seen}");
+
+    a.wait_tick(0, 3, BOOT);
+    let id = snapshot_create(&a, "lease: the point B starts from");
+    let snap_disk = disk_sector0(&snapshot_disk_top(&a, &id));
+    wait_replicated(&a, &id);
+
+    // A holds a live lease: B's pull for start is refused, in one line naming A, and nothing
+    // is fetched, published or changed on B.
+    let count = snapshot_count(&b);
+    let t = Instant::now();
+    let out = b.cli(&["snapshot", "pull", &id, "--from", "host-a", "--for-start"]);
+    let refused_ms = t.elapsed().as_millis();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("ERR_OFFSITE_LEASE_HELD"), "{err}");
+    assert!(err.contains("host-a") && err.contains("until"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert_eq!(snapshot_count(&b), count, "something was published");
+    assert!(!b
+        .state_dir()
+        .join("disks")
+        .join(format!("pulled-{id}"))
+        .exists());
+    let staging = b.state_dir().join("offsite/staging");
+    assert!(!staging.exists() || std::fs::read_dir(&staging).unwrap().count() == 0);
+    assert_eq!(lease_object(&c, &vm).unwrap()["host"], "host-a");
+    assert!(b
+        .daemon_journal()
+        .iter()
+        .any(|e| e["event"] == "snapshot.pull.failed"
+            && e["fields"]["code"] == "ERR_OFFSITE_LEASE_HELD"
+            && e["fields"]["for_start"] == true));
+    println!(
+        "lease: pull for start refused in {refused_ms} ms: {}",
+        err.trim()
+    );
+
+    // A stops cleanly: its lease is deleted (B's renewer may then take it: it runs the VM).
+    a.stop();
+    assert!(a
+        .daemon_journal()
+        .iter()
+        .any(|e| e["event"] == "offsite.lease.released" && e["fields"]["vm"] == vm.as_str()));
+    if let Some(o) = lease_object(&c, &vm) {
+        assert_eq!(o["host"], "host-b", "{o}");
+    }
+
+    // B's pull for start: published, the lease is B's, the VM runs from A's snapshot point.
+    b.wait_tick(0, snap_disk + 4, STEP);
+    let before = b.serial_len();
+    let pulled = b.ok(&["snapshot", "pull", &id, "--from", "host-a", "--for-start"]);
+    let local = pulled["snapshot_id"].as_str().unwrap().to_string();
+    let started_here = &pulled["started"];
+    println!(
+        "lease: pull for start fetched {} bytes in {} ms (lease write {} ms, rollback {} ms)",
+        pulled["bytes_fetched"],
+        pulled["total_ms"],
+        started_here["lease_ms"],
+        started_here["rollback"]["total_ms"]
+    );
+    assert_eq!(started_here["rollback"]["snapshot_id"], local.as_str());
+    let ticks: Vec<Tick> = b.wait_ticks_until(before, STEP, "B's guest at A's snapshot", |t| {
+        t.iter().skip_while(|t| t.ram > snap_disk + 1).count() >= 2
+    });
+    let t0 = ticks
+        .iter()
+        .find(|t| t.ram <= snap_disk + 1)
+        .copied()
+        .unwrap();
+    assert!(
+        t0.ram == snap_disk || t0.ram == snap_disk + 1,
+        "B's first restored tick {t0:?}, A's snapshot disk {snap_disk}"
+    );
+    assert_eq!(lease_object(&c, &vm).unwrap()["host"], "host-b");
+    let held = wait_lease(&b, "held");
+    assert_eq!(held["holder"], "host-b", "{held}");
+    let journal_b = b.daemon_journal();
+    assert!(journal_b
+        .iter()
+        .any(|e| e["event"] == "offsite.lease.acquired" && e["fields"]["host"] == "host-b"));
+    assert!(journal_b.iter().any(|e| e["event"] == "snapshot.pulled"
+        && e["fields"]["for_start"] == true
+        && e["fields"]["remote_snapshot_id"] == id.as_str()));
+    // Bad input: one line with a code, the lease still B's.
+    let never = "0".repeat(32);
+    for (snapshot, from, code) in [
+        (never.as_str(), "host-z", "MISSING_SNAPSHOT"),
+        (never.as_str(), "a/b", "ERR_BAD_REQUEST"),
+        // The same snapshot again: already here, refused before any fetch or lease write.
+        (id.as_str(), "host-a", "ERR_BAD_REQUEST"),
+    ] {
+        let out = b.cli(&["snapshot", "pull", snapshot, "--from", from, "--for-start"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(err.contains(code), "--from {from}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+    assert_eq!(lease_object(&c, &vm).unwrap()["host"], "host-b");
+    println!("lease: e2e took {:.1} s", started.elapsed().as_secs_f64());
+}

@@ -288,6 +288,11 @@ pub enum SnapshotCommand {
         /// That host's name in the fleet (the trust file's key).
         #[arg(long, value_parser = non_empty)]
         from: String,
+        /// Run the VM here from it: refused (ERR_OFFSITE_LEASE_HELD, nothing pulled) while
+        /// another host holds a live lease on the VM; otherwise this host takes the lease and
+        /// the VM is rolled back to the pulled snapshot.
+        #[arg(long)]
+        for_start: bool,
     },
     /// Apply the retention policy now (it also runs after every scheduled snapshot).
     Prune,
@@ -444,9 +449,14 @@ impl Command {
                 Request::SnapshotVerify { id: id.clone() }
             }
             Command::Snapshot(SnapshotCommand::Prune) => Request::SnapshotPrune,
-            Command::Snapshot(SnapshotCommand::Pull { id, from }) => Request::SnapshotPull {
+            Command::Snapshot(SnapshotCommand::Pull {
+                id,
+                from,
+                for_start,
+            }) => Request::SnapshotPull {
                 id: id.clone(),
                 from: from.clone(),
+                for_start: *for_start,
             },
             Command::Rollback {
                 to,

@@ -62,14 +62,29 @@ pub fn human(request: &Request, response: &Response) -> String {
         },
         Response::SnapshotList { snapshots } => list_text(snapshots),
         Response::Verified(report) => verified_text(report),
-        Response::SnapshotPulled(p) => format!(
-            "snapshot {} published here: {}'s {} verified (ed25519 signature, every chunk and layer), {} fetched in {} ms\n",
-            clean(&p.snapshot_id),
-            clean(&p.from),
-            clean(&p.remote_snapshot_id),
-            human_bytes(p.bytes_fetched),
-            p.total_ms
-        ),
+        Response::SnapshotPulled(p) => {
+            let mut text = format!(
+                "snapshot {} published here: {}'s {} verified (ed25519 signature, every chunk and layer), {} fetched in {} ms\n",
+                clean(&p.snapshot_id),
+                clean(&p.from),
+                clean(&p.remote_snapshot_id),
+                human_bytes(p.bytes_fetched),
+                p.total_ms
+            );
+            if let Some(s) = &p.started {
+                text.push_str(&format!(
+                    "lease taken until {}{}; VM started from it (epoch {}, {} ms)\n",
+                    clean(&s.lease_expires_at),
+                    s.taken_over_from
+                        .as_deref()
+                        .map(|h| format!(" (taken over from {}'s expired lease)", clean(h)))
+                        .unwrap_or_default(),
+                    s.rollback.epoch,
+                    s.rollback.total_ms
+                ));
+            }
+            text
+        }
         Response::RolledBack(report) => rolled_back_text(report),
         Response::HaltCleared {
             epoch,
@@ -391,6 +406,19 @@ fn status_text(s: &StatusView) -> String {
             line.push_str(&format!("; last error: {}", clean(e)));
         }
         rows.push(("offsite", line));
+        for l in &o.leases {
+            let mut line = format!("{}: {}", clean(&l.vm), clean(&l.state));
+            if let Some(h) = &l.holder {
+                line.push_str(&format!(" by {}", clean(h)));
+            }
+            if let Some(e) = &l.expires_at {
+                line.push_str(&format!(" until {}", clean(e)));
+            }
+            if let Some(e) = &l.last_error {
+                line.push_str(&format!("; last error: {}", clean(e)));
+            }
+            rows.push(("lease", line));
+        }
     }
     for (k, v) in &s.backend_details {
         let v = match v {
@@ -1386,6 +1414,31 @@ mod tests {
         assert!(text.contains("last reconciliation pass: not yet"), "{text}");
         assert!(
             text.contains("not checked: libvirt owns the block graph"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn status_shows_each_lease_with_its_holder_and_expiry() {
+        let mut s = status(None);
+        s.offsite = Some(backstop_control::OffsiteView {
+            host: "host-b".into(),
+            endpoint: "http://127.0.0.1:7480".into(),
+            bucket: "fleet".into(),
+            leases: vec![backstop_control::LeaseView {
+                vm: "guest".into(),
+                state: "held_elsewhere".into(),
+                holder: Some("host-a".into()),
+                expires_at: Some("2026-11-25T07:00:00.000Z".into()),
+                last_error: None,
+                last_write_ms: None,
+            }],
+            ..Default::default()
+        });
+        let text = human(&Request::Status, &Response::Status(s));
+        assert!(
+            text.lines().any(|l| l.starts_with("lease:")
+                && l.ends_with("guest: held_elsewhere by host-a until 2026-11-25T07:00:00.000Z")),
             "{text}"
         );
     }

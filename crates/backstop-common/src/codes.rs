@@ -241,6 +241,8 @@ error_codes! {
         "this daemon has no [offsite] target (or no fleet trust file for a pull)";
     OffsiteUnreachable = "ERR_OFFSITE_UNREACHABLE", Failed,
         "the off-host object store did not answer as expected (down, refused, or an error status)";
+    OffsiteLeaseHeld = "ERR_OFFSITE_LEASE_HELD", Failed,
+        "another host holds a live lease on this VM (it runs there): not started here";
     // Everything else.
     BadRequest = "ERR_BAD_REQUEST", Failed,
         "the request's arguments are not valid; nothing changed";

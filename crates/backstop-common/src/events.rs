@@ -73,6 +73,18 @@ audit_events! {
     SnapshotPulled = "snapshot.pulled" ["vm", "from", "remote_snapshot_id", "bytes_fetched"];
     /// `snapshot pull` refused or failed; nothing was published (daemon journal).
     SnapshotPullFailed = "snapshot.pull.failed" ["vm", "from", "remote_snapshot_id", "code", "error"];
+    /// This host wrote the lease that says it runs the VM (`leases/<vm>.json` in the bucket):
+    /// first taken, taken again after renewals failed, or taken over from another host's
+    /// expired lease by `snapshot pull --for-start` (`taken_over_from`) (daemon journal).
+    OffsiteLeaseAcquired = "offsite.lease.acquired" ["vm", "host", "expires_at", "ttl_s", "taken_over_from"];
+    /// The lease of a VM this host runs could not be written (journaled once until it is
+    /// written again); snapshots and rollbacks go on (daemon journal).
+    OffsiteLeaseRenewFailed = "offsite.lease.renew_failed" ["vm", "code", "error"];
+    /// Another host's lease names a VM this host runs: not taken (journaled once per holder)
+    /// (daemon journal).
+    OffsiteLeaseHeldElsewhere = "offsite.lease.held_elsewhere" ["vm", "holder", "expires_at"];
+    /// A lease this host held was deleted (clean stop, or the VM removed) (daemon journal).
+    OffsiteLeaseReleased = "offsite.lease.released" ["vm", "host"];
     /// A person deleted a snapshot (`snapshot delete`): removed as retention removes one.
     SnapshotDeleted = "snapshot.deleted" ["reason", "requested_by", "chain"];
     /// A retention pass finished.

@@ -45,7 +45,15 @@ pub enum Request {
     /// Off-host replication (issue 20): fetch snapshot `id` that host `from` replicated, check
     /// its ed25519 signature against the fleet trust file and every chunk and layer, and
     /// publish it into this VM's store. The daemon's own (needs `[offsite]`). Console only.
-    SnapshotPull { id: String, from: String },
+    /// `for_start`: the VM is to run here from it: refused (`ERR_OFFSITE_LEASE_HELD`, nothing
+    /// fetched) while another host holds a live lease on the VM; otherwise this host takes the
+    /// lease (an expired one is taken over) and the VM is rolled back to the pulled snapshot.
+    SnapshotPull {
+        id: String,
+        from: String,
+        #[serde(default, skip_serializing_if = "is_false")]
+        for_start: bool,
+    },
     /// Roll the VM back (spec/000 §5). Without a type: `emergency` (or neither `to` nor
     /// `before`) is an emergency rollback to the newest verified snapshot; `to` or `before` is a
     /// session rollback. A session rollback to anything but the newest verified snapshot needs
@@ -348,6 +356,8 @@ enum StrictRequest {
     SnapshotPull {
         id: String,
         from: String,
+        #[serde(default)]
+        for_start: bool,
     },
     Rollback {
         to: Option<String>,
@@ -440,7 +450,15 @@ impl From<StrictRequest> for Request {
             StrictRequest::SnapshotTree {} => Request::SnapshotTree,
             StrictRequest::SnapshotShow { id } => Request::SnapshotShow { id },
             StrictRequest::SnapshotVerify { id } => Request::SnapshotVerify { id },
-            StrictRequest::SnapshotPull { id, from } => Request::SnapshotPull { id, from },
+            StrictRequest::SnapshotPull {
+                id,
+                from,
+                for_start,
+            } => Request::SnapshotPull {
+                id,
+                from,
+                for_start,
+            },
             StrictRequest::Rollback {
                 to,
                 reason,
@@ -1024,6 +1042,26 @@ pub struct OffsiteView {
     pub last_error: Option<String>,
     /// Bytes sent since the daemon started.
     pub bytes_uploaded_total: u64,
+    /// The leases of the VMs this daemon runs (`leases/<vm>.json`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub leases: Vec<LeaseView>,
+}
+
+/// One VM's lease as the daemon last saw it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseView {
+    pub vm: String,
+    /// `held` (by this host), `held_elsewhere`, `unreadable` or `renew_failing`.
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    /// Wall time of the last successful lease write, milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_write_ms: Option<u64>,
 }
 
 /// What `snapshot pull` published.
@@ -1037,6 +1075,22 @@ pub struct PullReport {
     pub bytes_fetched: u64,
     pub total_ms: u64,
     pub summary: SnapshotSummary,
+    /// `--for-start`: the lease taken and the rollback that started the VM from the snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started: Option<StartedHere>,
+}
+
+/// What `snapshot pull --for-start` did after publishing.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StartedHere {
+    /// The lease now names this host until then (RFC 3339).
+    pub lease_expires_at: String,
+    /// The host whose expired lease was taken over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taken_over_from: Option<String>,
+    /// Reading and writing the lease, milliseconds.
+    pub lease_ms: u64,
+    pub rollback: RollbackReport,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

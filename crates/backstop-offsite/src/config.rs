@@ -49,6 +49,8 @@ struct Raw {
     max_upload_mib_per_s: u32,
     #[serde(default = "default_retry_max_s")]
     retry_max_s: u64,
+    #[serde(default = "default_lease_ttl_s")]
+    lease_ttl_s: u64,
 }
 
 fn default_region() -> String {
@@ -60,6 +62,12 @@ fn default_concurrency() -> u32 {
 fn default_retry_max_s() -> u64 {
     60
 }
+fn default_lease_ttl_s() -> u64 {
+    60
+}
+
+/// The shortest and longest lease (renewed every third of it).
+pub const LEASE_TTL_RANGE_S: std::ops::RangeInclusive<u64> = 3..=3600;
 
 /// The daemon's off-host target.
 #[derive(Debug, Clone)]
@@ -80,6 +88,8 @@ pub struct OffsiteConfig {
     pub max_upload_mib_per_s: u32,
     /// The longest wait between two attempts of one snapshot's upload.
     pub retry_max_s: u64,
+    /// How long a VM's lease lives unrenewed; renewed every third of it.
+    pub lease_ttl_s: u64,
 }
 
 #[derive(Clone)]
@@ -178,6 +188,17 @@ impl OffsiteConfig {
         if raw.retry_max_s == 0 || raw.retry_max_s > 3600 {
             return Err(bad("retry_max_s", "must be 1..=3600"));
         }
+        if !LEASE_TTL_RANGE_S.contains(&raw.lease_ttl_s) {
+            return Err(bad(
+                "lease_ttl_s",
+                format!(
+                    "{}: must be {}..={} seconds",
+                    raw.lease_ttl_s,
+                    LEASE_TTL_RANGE_S.start(),
+                    LEASE_TTL_RANGE_S.end()
+                ),
+            ));
+        }
         let credentials = match &raw.credentials_file {
             Some(path) => read_credentials(path)?,
             None => match (env(ENV_ACCESS_KEY), env(ENV_SECRET_KEY)) {
@@ -211,6 +232,7 @@ impl OffsiteConfig {
             max_concurrent_uploads: raw.max_concurrent_uploads,
             max_upload_mib_per_s: raw.max_upload_mib_per_s,
             retry_max_s: raw.retry_max_s,
+            lease_ttl_s: raw.lease_ttl_s,
         })
     }
 
@@ -322,10 +344,30 @@ mod tests {
             "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"B\"\nhost = \"a\"\n",
             "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a/b\"\n",
             "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nmax_concurrent_uploads = 0\n",
+            "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nlease_ttl_s = 2\n",
+            "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nlease_ttl_s = 3601\n",
+            "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nlease_ttl_s = \"60s\"\n",
         ] {
             let e = OffsiteConfig::from_file_text(t, &env).unwrap_err();
             assert_eq!(e.code().as_str(), "ERR_CONFIG_INVALID", "{t}");
+            assert!(!e.to_string().contains('\n'), "{e}");
         }
+        let ttl = OffsiteConfig::from_file_text(
+            "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nlease_ttl_s = 2\n",
+            &env,
+        )
+        .unwrap_err();
+        assert_eq!(
+            ttl.to_string(),
+            "offsite.lease_ttl_s: 2: must be 3..=3600 seconds"
+        );
+        let c = OffsiteConfig::from_file_text(
+            "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\n",
+            &env,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.lease_ttl_s, 60);
         assert!(OffsiteConfig::from_file_text("[daemon]\n", &env)
             .unwrap()
             .is_none());

@@ -20,12 +20,15 @@
 //!                                               of the above)
 //! hosts/<host>/snapshots/<id>/manifest.ed25519  its signature, uploaded last: a manifest
 //!                                               without one is not there yet
+//! leases/<vm>.json                              the host that runs the VM, until when
+//!                                               (see [`lease`])
 //! ```
 //!
-//! Leases, remote retention/GC and the benchmark are later slices of issue 20.
+//! Remote retention/GC and the benchmark are later slices of issue 20.
 
 pub mod config;
 pub mod keys;
+pub mod lease;
 pub mod pull;
 pub mod queue;
 pub mod s3;

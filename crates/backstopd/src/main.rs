@@ -272,6 +272,10 @@ fn run(
     // extended while the actors show progress.
     let stopping = TimeoutExtender::start(silence_limit);
     engine.shutdown();
+    // Every VM has stopped: its lease is deleted so another host may start it at once.
+    if let Some(o) = &offsite {
+        o.release_leases();
+    }
     drop(stopping);
     let _ = std::fs::remove_file(&socket);
     if let Some(path) = metrics_socket {
@@ -471,9 +475,20 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
             let _ = conn.send(&reply);
             return;
         }
-        Request::SnapshotPull { id, from } => {
+        Request::SnapshotPull {
+            id,
+            from,
+            for_start,
+        } => {
             let reply = match offsite {
-                Some(o) => o.pull(engine, envelope.vm.as_deref(), &id, &from),
+                Some(o) => o.pull(
+                    engine,
+                    envelope.vm.as_deref(),
+                    &id,
+                    &from,
+                    for_start,
+                    caller,
+                ),
                 None => Reply::Failed {
                     code: backstop_common::ErrorCode::OffsiteNotConfigured
                         .as_str()

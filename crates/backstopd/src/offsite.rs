@@ -7,17 +7,33 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use backstop_common::{AuditEvent, ErrorCode};
-use backstop_control::{OffsiteView, PullReport, ReplicationView, Reply, Response};
+use backstop_control::{
+    LeaseView, OffsiteView, PullReport, ReplicationView, Reply, Request, Response, StartedHere,
+};
 use backstop_engine::supervisor::Supervisor;
+use backstop_engine::Caller;
 use backstop_integrity::HostKey;
+use backstop_offsite::lease::{LeaseError, LeaseKeeper};
 use backstop_offsite::pull::{self, PullError};
 use backstop_offsite::s3::Client;
 use backstop_offsite::{EntryState, HostSigningKey, OffsiteConfig, TrustFile, Uploader, VmStore};
 use serde_json::json;
 
+/// A pull's report and, for a start, the lease taken (the expired lease taken over, and the
+/// milliseconds the lease write took).
+type PulledWithLease = (
+    PullReport,
+    Option<(
+        backstop_offsite::lease::Lease,
+        Option<backstop_offsite::lease::Lease>,
+        u64,
+    )>,
+);
+
 pub struct Offsite {
     cfg: OffsiteConfig,
     uploader: Uploader,
+    leases: LeaseKeeper,
     client: Client,
     staging: PathBuf,
 }
@@ -61,10 +77,22 @@ impl Offsite {
                 }
             }),
         )?;
+        let vms_engine = Arc::clone(engine);
+        let lease_journal = Arc::clone(engine);
+        let leases = LeaseKeeper::start(
+            cfg.clone(),
+            Box::new(move || vms_engine.vm_stores().into_iter().map(|s| s.vm).collect()),
+            Box::new(move |event, fields| {
+                if let Err(e) = lease_journal.journal_daemon_event(event, fields) {
+                    tracing::error!(error = %e, "offsite lease event not journaled");
+                }
+            }),
+        )?;
         let client = Client::new(&cfg, Duration::from_secs(600));
         Ok(Offsite {
             cfg,
             uploader,
+            leases,
             client,
             staging: dir.join("staging"),
         })
@@ -119,12 +147,42 @@ impl Offsite {
             uploading: v.uploading,
             last_error: v.last_error,
             bytes_uploaded_total: v.bytes_uploaded_total,
+            leases: self
+                .leases
+                .views()
+                .into_iter()
+                .map(|l| LeaseView {
+                    vm: l.vm,
+                    state: l.state,
+                    holder: l.holder,
+                    expires_at: l.expires_at,
+                    last_error: l.last_error,
+                    last_write_ms: l.last_write_ms,
+                })
+                .collect(),
         }
     }
 
-    /// `snapshot pull ID --from HOST` into the VM `vm` names: fetched and checked on this
-    /// thread, published on the VM's actor thread; journaled either way.
-    pub fn pull(&self, engine: &Supervisor, vm: Option<&str>, id: &str, from: &str) -> Reply {
+    /// A clean stop (after every VM has stopped): the renewer ends and the leases held here are
+    /// deleted, so another host may start the VMs at once.
+    pub fn release_leases(&self) {
+        self.leases.release_all();
+        self.uploader.stop();
+    }
+
+    /// `snapshot pull ID --from HOST [--for-start]` into the VM `vm` names: fetched and checked
+    /// on this thread, published on the VM's actor thread; journaled either way. For a start,
+    /// the lease is checked before anything is fetched, taken before anything is published, and
+    /// the VM is then rolled back to the pulled snapshot.
+    pub fn pull(
+        &self,
+        engine: &Supervisor,
+        vm: Option<&str>,
+        id: &str,
+        from: &str,
+        for_start: bool,
+        caller: Caller,
+    ) -> Reply {
         let started = Instant::now();
         let handle = match engine.route(vm) {
             Ok(h) => h,
@@ -136,36 +194,78 @@ impl Offsite {
             }
         };
         let vm_name = handle.name().to_string();
-        let result = self.pull_into(engine, &handle, id, from);
+        let result = self.pull_into(engine, &handle, id, from, for_start);
         let journaled = match &result {
-            Ok((report, _)) => engine.journal_daemon_event(
+            Ok((report, lease)) => engine.journal_daemon_event(
                 AuditEvent::SnapshotPulled,
                 json!({"vm": vm_name, "from": from, "remote_snapshot_id": id,
                     "snapshot_id": report.snapshot_id, "bytes_fetched": report.bytes_fetched,
+                    "for_start": for_start,
+                    "lease_expires_at": lease.as_ref().map(|l| l.0.expires_at.clone()),
                     "result": "ok"}),
             ),
             Err(e) => engine.journal_daemon_event(
                 AuditEvent::SnapshotPullFailed,
                 json!({"vm": vm_name, "from": from, "remote_snapshot_id": id,
                     "snapshot_id": id, "code": e.code.as_str(), "error": e.message,
-                    "result": "failed"}),
+                    "for_start": for_start, "result": "failed"}),
             ),
         };
         if let Err(e) = journaled {
             tracing::error!(error = %e, "snapshot pull not journaled");
         }
-        match result {
-            Ok((mut report, _)) => {
-                report.total_ms = started.elapsed().as_millis() as u64;
-                tracing::info!(vm = %vm_name, from, remote = id, snapshot_id = %report.snapshot_id,
-                    bytes = report.bytes_fetched, ms = report.total_ms, "snapshot pulled");
-                Reply::Done(Response::SnapshotPulled(report))
+        let (mut report, lease) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                return Reply::Failed {
+                    code: e.code.to_string(),
+                    message: e.message,
+                }
             }
-            Err(e) => Reply::Failed {
-                code: e.code.to_string(),
-                message: e.message,
-            },
+        };
+        tracing::info!(vm = %vm_name, from, remote = id, snapshot_id = %report.snapshot_id,
+            bytes = report.bytes_fetched, ms = started.elapsed().as_millis() as u64, for_start,
+            "snapshot pulled");
+        if let Some((lease, taken_over, lease_ms)) = lease {
+            // The VM runs from the pulled snapshot: B's newest, so no reviewer token is needed.
+            let request = Request::Rollback {
+                to: Some(report.snapshot_id.clone()),
+                reason: format!("start from {from}'s snapshot {id} (snapshot pull --for-start)"),
+                emergency: false,
+                rollback_type: None,
+                before: None,
+                reviewer_token: None,
+                allow_newer_minor: false,
+                include_forensic: false,
+            };
+            match handle.call(request, caller, Box::new(|_| {})) {
+                Ok(Response::RolledBack(rollback)) => {
+                    report.started = Some(StartedHere {
+                        lease_expires_at: lease.expires_at,
+                        taken_over_from: taken_over.map(|t| t.host),
+                        lease_ms,
+                        rollback,
+                    });
+                }
+                Ok(other) => {
+                    return Reply::Failed {
+                        code: ErrorCode::ControlInternal.to_string(),
+                        message: format!("the start rollback answered {other:?}"),
+                    }
+                }
+                Err((code, message)) => {
+                    return Reply::Failed {
+                        code,
+                        message: format!(
+                            "{} was pulled and the lease taken, but the VM could not be started from it: {message}",
+                            report.snapshot_id
+                        ),
+                    }
+                }
+            }
         }
+        report.total_ms = started.elapsed().as_millis() as u64;
+        Reply::Done(Response::SnapshotPulled(report))
     }
 
     fn pull_into(
@@ -174,7 +274,8 @@ impl Offsite {
         handle: &backstop_engine::VmHandle,
         id: &str,
         from: &str,
-    ) -> Result<(PullReport, ()), PullError> {
+        for_start: bool,
+    ) -> Result<PulledWithLease, PullError> {
         let not_configured = |m: String| PullError {
             code: ErrorCode::OffsiteNotConfigured,
             message: m,
@@ -194,7 +295,41 @@ impl Offsite {
                 code: ErrorCode::VmNotRunning,
                 message: format!("{} does not run", handle.name()),
             })?;
+        let lease_err = |e: LeaseError| PullError {
+            code: e.code,
+            message: e.message,
+        };
+        // For a start, already here: refused before anything is fetched or any lease taken (a
+        // plain pull finds it out at publication, after the checks).
+        let already = paths.layers_dir.join(format!("pulled-{id}"));
+        if for_start && backstop_store::is_snapshot_id(id) && already.exists() {
+            return Err(PullError {
+                code: ErrorCode::BadRequest,
+                message: format!(
+                    "{id} was already pulled here ({} exists): `snapshot list` shows it; `rollback --to` starts from it",
+                    already.display()
+                ),
+            });
+        }
+        // Before a byte is fetched: a VM another host runs is not started here.
+        if for_start {
+            self.leases
+                .check_for_start(handle.name())
+                .map_err(lease_err)?;
+        }
         let staged = pull::fetch(&self.cfg, &self.client, &trust, from, id, &self.staging)?;
+        // Taken (compare-and-swap) after the fetch and before anything is published: a host
+        // that took it meanwhile wins, and this pull changes nothing.
+        let lease = if for_start {
+            let t = Instant::now();
+            let (lease, taken_over) = self
+                .leases
+                .acquire_for_start(handle.name())
+                .map_err(lease_err)?;
+            Some((lease, taken_over, t.elapsed().as_millis() as u64))
+        } else {
+            None
+        };
         let (tx, rx) = mpsc::channel();
         let vm = handle.name().to_string();
         let staged = Arc::new(staged);
@@ -221,8 +356,9 @@ impl Offsite {
                 bytes_fetched: staged.bytes_fetched,
                 total_ms: 0,
                 summary,
+                started: None,
             },
-            (),
+            lease,
         ))
     }
 }
