@@ -28,6 +28,7 @@ pub mod config;
 pub mod keys;
 pub mod pull;
 pub mod queue;
+pub mod retention;
 pub mod s3;
 pub mod upload;
 
