@@ -46,6 +46,14 @@ pub enum Request {
     /// its ed25519 signature against the fleet trust file and every chunk and layer, and
     /// publish it into this VM's store. The daemon's own (needs `[offsite]`). Console only.
     SnapshotPull { id: String, from: String },
+    /// Remote retention and GC now (`[offsite.retention]`): this host's snapshots the rule
+    /// drops are deleted from the bucket, then the chunks and layers no manifest of any host
+    /// references and older than the grace period. `dry_run`: only say what would go. The
+    /// daemon's own (needs `[offsite]`). Console only.
+    OffsiteGc {
+        #[serde(default, skip_serializing_if = "is_false")]
+        dry_run: bool,
+    },
     /// Roll the VM back (spec/000 §5). Without a type: `emergency` (or neither `to` nor
     /// `before`) is an emergency rollback to the newest verified snapshot; `to` or `before` is a
     /// session rollback. A session rollback to anything but the newest verified snapshot needs
@@ -349,6 +357,10 @@ enum StrictRequest {
         id: String,
         from: String,
     },
+    OffsiteGc {
+        #[serde(default)]
+        dry_run: bool,
+    },
     Rollback {
         to: Option<String>,
         reason: String,
@@ -441,6 +453,7 @@ impl From<StrictRequest> for Request {
             StrictRequest::SnapshotShow { id } => Request::SnapshotShow { id },
             StrictRequest::SnapshotVerify { id } => Request::SnapshotVerify { id },
             StrictRequest::SnapshotPull { id, from } => Request::SnapshotPull { id, from },
+            StrictRequest::OffsiteGc { dry_run } => Request::OffsiteGc { dry_run },
             StrictRequest::Rollback {
                 to,
                 reason,
@@ -539,6 +552,7 @@ impl Request {
             Request::SnapshotShow { .. } => "snapshot show",
             Request::SnapshotVerify { .. } => "snapshot verify",
             Request::SnapshotPull { .. } => "snapshot pull",
+            Request::OffsiteGc { .. } => "offsite gc",
             Request::Rollback { .. } => "rollback",
             Request::HaltClear { .. } | Request::HaltClearTo { .. } => "halt clear",
             Request::Resume { .. } => "resume",
@@ -605,6 +619,8 @@ pub enum Response {
     Verified(VerifyReport),
     /// `snapshot pull`: what was published here.
     SnapshotPulled(PullReport),
+    /// `offsite gc`: what remote retention and GC deleted (or would).
+    OffsiteGc(OffsiteGcReport),
     RolledBack(RollbackReport),
     HaltCleared {
         epoch: u64,
@@ -1024,6 +1040,41 @@ pub struct OffsiteView {
     pub last_error: Option<String>,
     /// Bytes sent since the daemon started.
     pub bytes_uploaded_total: u64,
+    /// How long the oldest pending snapshot has waited, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_s: Option<u64>,
+    /// It has waited longer than `lag_threshold_s` (`snapshot.replication.lagging`).
+    #[serde(default)]
+    pub lagging: bool,
+    #[serde(default)]
+    pub lag_threshold_s: u64,
+}
+
+/// What `offsite gc` deleted from the bucket (or, `dry_run`, would delete).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffsiteGcReport {
+    pub host: String,
+    pub dry_run: bool,
+    /// This host's snapshots removed by remote retention (or abandoned uploads).
+    pub snapshots_pruned: Vec<OffsitePruned>,
+    /// This host's complete snapshots the bucket keeps.
+    pub snapshots_kept: u64,
+    /// Chunks and layers some manifest of some host needs.
+    pub objects_referenced: u64,
+    /// Unreferenced but younger than the grace period: kept.
+    pub objects_in_grace: u64,
+    pub objects_swept: u64,
+    pub bytes_swept: u64,
+    pub total_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffsitePruned {
+    pub snapshot_id: String,
+    /// `retention` or `abandoned` (an upload that never finished).
+    pub reason: String,
+    pub objects: u64,
+    pub bytes: u64,
 }
 
 /// What `snapshot pull` published.
@@ -1372,6 +1423,8 @@ mod tests {
             Request::AuditTail { count: 20 },
             Request::AuditVerify,
             Request::DriftList,
+            Request::OffsiteGc { dry_run: true },
+            Request::OffsiteGc { dry_run: false },
         ];
         for r in all {
             let line = serde_json::to_string(&r).unwrap();
@@ -1380,6 +1433,10 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&Request::Status).unwrap(),
             r#"{"op":"status"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"offsite_gc"}"#).unwrap(),
+            Request::OffsiteGc { dry_run: false }
         );
         assert_eq!(
             serde_json::from_str::<Request>(r#"{"op":"rollback","reason":"r"}"#).unwrap(),

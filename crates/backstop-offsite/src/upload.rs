@@ -25,6 +25,7 @@ use sha2::{Digest, Sha256};
 use crate::config::OffsiteConfig;
 use crate::keys::HostSigningKey;
 use crate::queue::{backoff_ms, Entry, EntryState, Queue};
+use crate::retention::{self, GcError, GcReport};
 use crate::s3::{Client, S3Error};
 
 /// The ed25519 signature object's name beside `manifest.json`.
@@ -131,6 +132,8 @@ struct Inner {
     stop: AtomicBool,
     /// Since when (unix ms) the queue has lagged; 0: it does not.
     lagging_since_ms: AtomicU64,
+    /// One remote GC pass at a time (the interval's and the console's).
+    gc_lock: Mutex<()>,
 }
 
 /// The running uploader (cheap to clone).
@@ -163,13 +166,26 @@ impl Uploader {
             bytes_total: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             lagging_since_ms: AtomicU64::new(0),
+            gc_lock: Mutex::new(()),
         });
         let run = Arc::clone(&inner);
         std::thread::Builder::new()
             .name("offsite-upload".into())
             .spawn(move || run_loop(&run))
             .map_err(|e| format!("spawn the uploader: {e}"))?;
+        if inner.cfg.retention.gc_interval_s > 0 {
+            let run = Arc::clone(&inner);
+            std::thread::Builder::new()
+                .name("offsite-gc".into())
+                .spawn(move || gc_loop(&run))
+                .map_err(|e| format!("spawn the remote GC: {e}"))?;
+        }
         Ok(Uploader { inner })
+    }
+
+    /// One remote retention and GC pass now (`backstop offsite gc`); journaled unless dry.
+    pub fn gc(&self, dry_run: bool) -> Result<GcReport, GcError> {
+        gc_pass(&self.inner, dry_run, "console")
     }
 
     /// This snapshot's queue entry, if any.
@@ -274,6 +290,76 @@ fn check_lag(inner: &Inner) {
         }
         None => {}
     }
+}
+
+/// Runs a pass every `gc_interval_s` (the first one interval after the start).
+fn gc_loop(inner: &Inner) {
+    let interval_ms = inner.cfg.retention.gc_interval_s.saturating_mul(1000);
+    let mut last = now_ms();
+    while !inner.stop.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(500));
+        if now_ms().saturating_sub(last) < interval_ms {
+            continue;
+        }
+        if let Err(e) = gc_pass(inner, false, "interval") {
+            tracing::warn!(code = %e.code, error = %e.message, "remote GC pass failed; next at the next interval");
+        }
+        last = now_ms();
+    }
+}
+
+/// One pass, journaled: `offsite.retention.pruned` per snapshot deleted, `offsite.gc.swept`
+/// for a pass that deleted anything or that a person asked for.
+fn gc_pass(inner: &Inner, dry_run: bool, trigger: &str) -> Result<GcReport, GcError> {
+    let _one = lock(&inner.gc_lock);
+    let host = inner.cfg.host.clone();
+    let journal = &inner.journal;
+    let result = retention::run(&inner.cfg, &inner.client, dry_run, &mut |p| {
+        journal(
+            AuditEvent::OffsiteRetentionPruned,
+            &p.snapshot_id,
+            "ok",
+            json!({"host": host, "reason": p.reason, "objects": p.objects, "bytes": p.bytes,
+                "trigger": trigger}),
+        );
+    });
+    match &result {
+        Ok(r) => {
+            tracing::info!(
+                dry_run,
+                trigger,
+                pruned = r.snapshots_pruned.len(),
+                swept = r.objects_swept,
+                bytes = r.bytes_swept,
+                in_grace = r.objects_in_grace,
+                ms = r.total_ms,
+                "remote GC pass"
+            );
+            let did = !r.snapshots_pruned.is_empty() || r.objects_swept > 0;
+            if !dry_run && (did || trigger == "console") {
+                journal(
+                    AuditEvent::OffsiteGcSwept,
+                    "",
+                    "ok",
+                    json!({"host": r.host, "objects_swept": r.objects_swept,
+                        "bytes_swept": r.bytes_swept, "objects_referenced": r.objects_referenced,
+                        "objects_in_grace": r.objects_in_grace,
+                        "snapshots_pruned": r.snapshots_pruned.len(), "trigger": trigger,
+                        "total_ms": r.total_ms}),
+                );
+            }
+        }
+        Err(e) if !dry_run => journal(
+            AuditEvent::OffsiteGcSwept,
+            "",
+            "failed",
+            json!({"host": inner.cfg.host, "objects_swept": 0, "bytes_swept": 0,
+                "objects_referenced": 0, "objects_in_grace": 0, "snapshots_pruned": 0,
+                "trigger": trigger, "code": e.code.as_str(), "error": e.message}),
+        ),
+        Err(_) => {}
+    }
+    result
 }
 
 fn run_loop(inner: &Inner) {

@@ -7,10 +7,13 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use backstop_common::{AuditEvent, ErrorCode};
-use backstop_control::{OffsiteView, PullReport, ReplicationView, Reply, Response};
+use backstop_control::{
+    OffsiteGcReport, OffsitePruned, OffsiteView, PullReport, ReplicationView, Reply, Response,
+};
 use backstop_engine::supervisor::Supervisor;
 use backstop_integrity::HostKey;
 use backstop_offsite::pull::{self, PullError};
+use backstop_offsite::retention::DropReason;
 use backstop_offsite::s3::Client;
 use backstop_offsite::{EntryState, HostSigningKey, OffsiteConfig, TrustFile, Uploader, VmStore};
 use serde_json::json;
@@ -119,6 +122,42 @@ impl Offsite {
             uploading: v.uploading,
             last_error: v.last_error,
             bytes_uploaded_total: v.bytes_uploaded_total,
+            oldest_pending_s: v.oldest_pending_s,
+            lagging: v.lagging,
+            lag_threshold_s: v.lag_threshold_s,
+        }
+    }
+
+    /// `offsite gc [--dry-run]`: remote retention and GC now (journaled by the uploader).
+    pub fn gc(&self, dry_run: bool) -> Reply {
+        match self.uploader.gc(dry_run) {
+            Ok(r) => Reply::Done(Response::OffsiteGc(OffsiteGcReport {
+                host: r.host,
+                dry_run: r.dry_run,
+                snapshots_pruned: r
+                    .snapshots_pruned
+                    .into_iter()
+                    .map(|p| OffsitePruned {
+                        snapshot_id: p.snapshot_id,
+                        reason: match p.reason {
+                            DropReason::Retention => "retention".into(),
+                            DropReason::Abandoned => "abandoned".into(),
+                        },
+                        objects: p.objects,
+                        bytes: p.bytes,
+                    })
+                    .collect(),
+                snapshots_kept: r.snapshots_kept,
+                objects_referenced: r.objects_referenced,
+                objects_in_grace: r.objects_in_grace,
+                objects_swept: r.objects_swept,
+                bytes_swept: r.bytes_swept,
+                total_ms: r.total_ms,
+            })),
+            Err(e) => Reply::Failed {
+                code: e.code.to_string(),
+                message: e.message,
+            },
         }
     }
 
