@@ -244,7 +244,11 @@ impl Client {
             404 => Ok(None),
             status => Err(S3Error::Status {
                 method: "HEAD",
-                key: key.into(),
+                key: if key.is_empty() {
+                    "(bucket)".into()
+                } else {
+                    key.into()
+                },
                 status,
                 body: String::new(),
             }),
@@ -378,7 +382,11 @@ impl Client {
             404 => Ok(None),
             status => Err(S3Error::Status {
                 method: "HEAD",
-                key: key.into(),
+                key: if key.is_empty() {
+                    "(bucket)".into()
+                } else {
+                    key.into()
+                },
                 status,
                 body: String::new(),
             }),
