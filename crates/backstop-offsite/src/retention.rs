@@ -21,6 +21,8 @@
 //! the rule and the time; the rest carries them out.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use backstop_common::ErrorCode;
@@ -300,25 +302,75 @@ pub fn run(
     let sweep = objects_to_sweep(&candidates, &referenced, now, rule.gc_grace_s);
     let unreferenced = candidates.len() as u64 - report.objects_referenced;
     report.objects_in_grace = unreferenced - sweep.len() as u64;
-    for o in sweep {
-        if !dry_run {
-            // Renewed since the listing (an upload found it there and needs it): kept.
-            match client.head_meta(&o.key)? {
-                Some((_, t)) if is_older_than(t, OffsetDateTime::now_utc(), rule.gc_grace_s) => {
-                    client.delete(&o.key)?;
-                }
-                Some(_) => {
-                    report.objects_in_grace += 1;
-                    continue;
-                }
-                None => continue,
-            }
-        }
-        report.objects_swept += 1;
-        report.bytes_swept += o.size;
+    if dry_run {
+        report.objects_swept = sweep.len() as u64;
+        report.bytes_swept = sweep.iter().map(|o| o.size).sum();
+    } else {
+        let swept = sweep_objects(
+            client,
+            &sweep,
+            rule.gc_grace_s,
+            cfg.max_concurrent_uploads as usize,
+        )?;
+        report.objects_in_grace += sweep.len() as u64 - swept.0 - swept.2;
+        report.objects_swept = swept.0;
+        report.bytes_swept = swept.1;
     }
     report.total_ms = started.elapsed().as_millis() as u64;
     Ok(report)
+}
+
+/// Deletes `objects` on up to `threads` threads, each after a HEAD showing it is still older
+/// than the grace (one renewed since the listing, because an upload found it there and needs
+/// it, is kept). The first failure stops the others. Returns (deleted, their bytes, already
+/// gone).
+fn sweep_objects(
+    client: &Client,
+    objects: &[&ListedObject],
+    grace_s: u64,
+    threads: usize,
+) -> Result<(u64, u64, u64), GcError> {
+    let next = AtomicUsize::new(0);
+    let deleted = AtomicU64::new(0);
+    let bytes = AtomicU64::new(0);
+    let gone = AtomicU64::new(0);
+    let failed: Mutex<Option<GcError>> = Mutex::new(None);
+    let one = |o: &ListedObject| -> Result<(), GcError> {
+        match client.head_meta(&o.key)? {
+            Some((_, t)) if is_older_than(t, OffsetDateTime::now_utc(), grace_s) => {
+                client.delete(&o.key)?;
+                deleted.fetch_add(1, Ordering::Relaxed);
+                bytes.fetch_add(o.size, Ordering::Relaxed);
+            }
+            Some(_) => {}
+            None => {
+                gone.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    };
+    std::thread::scope(|s| {
+        for _ in 0..threads.clamp(1, 16).min(objects.len().max(1)) {
+            s.spawn(|| loop {
+                if failed.lock().map_or(true, |f| f.is_some()) {
+                    return;
+                }
+                let Some(o) = objects.get(next.fetch_add(1, Ordering::SeqCst)) else {
+                    return;
+                };
+                if let Err(e) = one(o) {
+                    if let Ok(mut f) = failed.lock() {
+                        f.get_or_insert(e);
+                    }
+                    return;
+                }
+            });
+        }
+    });
+    if let Some(e) = failed.into_inner().ok().flatten() {
+        return Err(e);
+    }
+    Ok((deleted.into_inner(), bytes.into_inner(), gone.into_inner()))
 }
 
 /// The object's bytes, or `None` if it went away meanwhile (another pass deleted it).
