@@ -22,7 +22,8 @@
 //!                                               without one is not there yet
 //! ```
 //!
-//! Leases, remote retention/GC and the benchmark are later slices of issue 20.
+//! Remote retention and GC of the bucket: [`retention`]. Leases and the benchmark are later
+//! slices of issue 20.
 
 pub mod config;
 pub mod keys;
