@@ -186,7 +186,8 @@ pub fn run(
     let own = client.list(&own_prefix)?;
     let mut by_id: BTreeMap<String, Vec<&ListedObject>> = BTreeMap::new();
     for o in &own {
-        if let Some((id, _)) = o.key[own_prefix.len()..].split_once('/') {
+        let rest = o.key.strip_prefix(own_prefix.as_str()).unwrap_or_default();
+        if let Some((id, _)) = rest.split_once('/') {
             by_id.entry(id.to_string()).or_default().push(o);
         }
     }
