@@ -1430,6 +1430,29 @@ mod tests {
     }
 
     #[test]
+    fn a_lagging_replication_says_so_in_status() {
+        let mut s = status(None);
+        s.offsite = Some(backstop_control::OffsiteView {
+            host: "host-a".into(),
+            pending: 2,
+            last_error: Some("ERR_OFFSITE_DENIED: PUT x: HTTP 403: SignatureDoesNotMatch".into()),
+            oldest_pending_s: Some(700),
+            lagging: true,
+            lag_threshold_s: 600,
+            ..Default::default()
+        });
+        let t = status_text(&s);
+        let line = t.lines().find(|l| l.starts_with("offsite")).unwrap();
+        assert!(line.contains("last error: ERR_OFFSITE_DENIED"), "{line}");
+        assert!(
+            line.contains("LAGGING: the oldest has waited 700 s (threshold 600 s)"),
+            "{line}"
+        );
+        s.offsite.as_mut().unwrap().lagging = false;
+        assert!(!status_text(&s).contains("LAGGING"));
+    }
+
+    #[test]
     fn status_is_aligned_key_values() {
         let text = human(&Request::Status, &Response::Status(status(None)));
         assert_eq!(
