@@ -408,3 +408,74 @@ fn wrong_credentials_are_denied_and_a_full_bucket_says_quota_exceeded() {
         start.elapsed().as_millis()
     );
 }
+
+#[test]
+fn the_uploader_runs_retention_and_gc_every_interval_and_journals_it() {
+    let Some(c) = Cluster::start() else { return };
+    let cfg = config(
+        &c,
+        "interval-test",
+        "[offsite.retention]\nkeep_last = 1\ngc_grace_s = 1\ngc_interval_s = 1\n",
+        None,
+    );
+    let client = Client::new(&cfg, Duration::from_secs(60));
+    client.ensure_bucket().unwrap();
+    let (old, new) = ("55".repeat(16), "66".repeat(16));
+    let c1 = put_blob(&client, "chunks", b"seven");
+    let c2 = put_blob(&client, "chunks", b"eight");
+    let orphan = put_blob(&client, "layers", b"nine.");
+    put_snapshot(&client, "a", &old, 600, &[&c1], &[], true);
+    put_snapshot(&client, "a", &new, 10, &[&c2], &[], true);
+    std::thread::sleep(Duration::from_secs(2));
+
+    let dir = tempfile::tempdir().unwrap();
+    let journal: std::sync::Arc<std::sync::Mutex<Vec<(String, String, serde_json::Value)>>> =
+        Default::default();
+    let sink = std::sync::Arc::clone(&journal);
+    let uploader = backstop_offsite::Uploader::start(
+        cfg,
+        &dir.path().join("queue.json"),
+        backstop_integrity::HostKey::from_bytes([1; 32]),
+        backstop_offsite::HostSigningKey::load_or_create(dir.path()).unwrap(),
+        Box::new(Vec::new),
+        Box::new(move |event, id, _result, fields| {
+            sink.lock()
+                .unwrap()
+                .push((event.as_str().to_string(), id.to_string(), fields));
+        }),
+    )
+    .unwrap();
+    let start = Instant::now();
+    let swept = loop {
+        let j = journal.lock().unwrap().clone();
+        if let Some(e) = j.iter().find(|e| e.0 == "offsite.gc.swept") {
+            break (j.clone(), e.2.clone());
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no pass journaled: {j:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    uploader.stop();
+    let (j, fields) = swept;
+    println!(
+        "rgw: interval pass after {} ms: {fields}",
+        start.elapsed().as_millis()
+    );
+    assert!(j
+        .iter()
+        .any(|e| e.0 == "offsite.retention.pruned" && e.1 == old));
+    assert_eq!(fields["trigger"], "interval");
+    assert_eq!(fields["objects_swept"], 2, "{fields}"); // c1 and the orphan layer
+    assert!(keys(&client, &format!("t/hosts/a/snapshots/{old}/")).is_empty());
+    assert_eq!(
+        keys(&client, &format!("t/hosts/a/snapshots/{new}/")).len(),
+        3
+    );
+    assert!(client
+        .head(&format!("t/layers/{orphan}"))
+        .unwrap()
+        .is_none());
+    assert!(client.head(&format!("t/chunks/{c2}")).unwrap().is_some());
+}
