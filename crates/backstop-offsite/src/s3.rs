@@ -616,6 +616,50 @@ mod tests {
     }
 
     #[test]
+    fn a_list_page_reads_keys_sizes_times_and_the_continuation() {
+        let xml = r#"<?xml version="1.0"?><ListBucketResult><Name>b</Name><IsTruncated>true</IsTruncated><Contents><Key>p/chunks/a&amp;b</Key><LastModified>2026-11-25T06:38:34.123Z</LastModified><Size>5</Size></Contents><Contents><Key>p/layers/c</Key><LastModified>2026-11-25T06:38:35.000Z</LastModified><Size>7</Size></Contents><NextContinuationToken>tok/1+</NextContinuationToken></ListBucketResult>"#;
+        let page = parse_list_page(xml).unwrap();
+        assert_eq!(page.objects.len(), 2);
+        assert_eq!(page.objects[0].key, "p/chunks/a&b");
+        assert_eq!(page.objects[1].size, 7);
+        assert_eq!(
+            page.objects[0].last_modified.unix_timestamp(),
+            1_795_588_714
+        );
+        assert_eq!(page.next.as_deref(), Some("tok/1+"));
+        assert_eq!(query_encode("tok/1+"), "tok%2F1%2B");
+        let last = parse_list_page(
+            "<ListBucketResult><IsTruncated>false</IsTruncated></ListBucketResult>",
+        )
+        .unwrap();
+        assert!(last.objects.is_empty() && last.next.is_none());
+        // Truncated without a token, or an entry without a size: not a listing.
+        assert!(parse_list_page("<IsTruncated>true</IsTruncated>").is_none());
+        assert!(parse_list_page("<Contents><Key>k</Key></Contents>").is_none());
+    }
+
+    #[test]
+    fn status_codes_map_to_the_offsite_codes() {
+        let st = |status: u16, body: &str| S3Error::Status {
+            method: "PUT",
+            key: "k".into(),
+            status,
+            body: body.into(),
+        };
+        assert_eq!(
+            st(403, "SignatureDoesNotMatch").code(),
+            ErrorCode::OffsiteDenied
+        );
+        assert_eq!(
+            st(403, "QuotaExceeded").code(),
+            ErrorCode::OffsiteQuotaExceeded
+        );
+        assert_eq!(st(507, "").code(), ErrorCode::OffsiteQuotaExceeded);
+        assert_eq!(st(500, "").code(), ErrorCode::OffsiteUnreachable);
+        assert_eq!(st(404, "").code(), ErrorCode::OffsiteUnreachable);
+    }
+
+    #[test]
     fn the_throttle_paces_a_burst() {
         let t = Throttle::new(1024 * 1024);
         let start = Instant::now();
