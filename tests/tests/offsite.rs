@@ -465,6 +465,365 @@ fn with_the_gateway_down_snapshots_and_rollbacks_go_on_and_the_queue_drains_late
     assert_eq!(status["offsite"]["pending"], 0, "{status}");
 }
 
+/// A daemon for `host` whose credentials file holds `secret` (a wrong one makes the gateway
+/// answer 403) and whose `[offsite]` table gets `extra` (more keys, then sub-tables).
+fn fault_daemon(
+    name: &str,
+    host: &str,
+    c: &Cluster,
+    dir: &Path,
+    secret: &str,
+    extra: &str,
+) -> Daemon {
+    let creds = dir.join(format!("{host}.credentials"));
+    write_credentials(&creds, &c.access, secret);
+    let trust = dir.join("fleet-trust.toml");
+    let toml = format!(
+        "[offsite]\nendpoint = \"{}\"\nbucket = \"fleet\"\nprefix = \"e2e\"\nhost = \"{host}\"\ncredentials_file = \"{}\"\ntrust_file = \"{}\"\n{extra}",
+        c.endpoint,
+        creds.display(),
+        trust.display()
+    );
+    Daemon::start_opts(
+        name,
+        &Options {
+            extra_toml: &toml,
+            ..Options::default()
+        },
+    )
+}
+
+fn write_credentials(path: &Path, access: &str, secret: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(
+        path,
+        format!("access_key_id = \"{access}\"\nsecret_access_key = \"{secret}\"\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+/// `radosgw-admin` against the test cluster.
+fn rgw_admin(c: &Cluster, args: &[&str]) {
+    let out = Command::new("radosgw-admin")
+        .arg("-c")
+        .arg(c.dir.path().join("c/ceph.conf"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "radosgw-admin {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Waits until `id`'s replication is retrying with an error starting with `code`.
+fn wait_retrying_with(d: &Daemon, id: &str, code: &str) -> Value {
+    let start = Instant::now();
+    loop {
+        let r = list_entry(d, id)["replication"].clone();
+        if r["state"] == "retrying" && r["last_error"].as_str().unwrap_or("").starts_with(code) {
+            return r;
+        }
+        assert!(start.elapsed() < STEP, "{id}: no {code} seen: {r}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn wait_daemon_event(d: &Daemon, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let start = Instant::now();
+    loop {
+        if let Some(e) = d.daemon_journal().into_iter().find(|e| pred(e)) {
+            return e;
+        }
+        assert!(
+            start.elapsed() < STEP,
+            "{what} not journaled; log:\n{}",
+            backstop_e2e::tail(&d.log(), 20)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn wait_drained(d: &Daemon) {
+    let start = Instant::now();
+    loop {
+        let status = d.status();
+        if status["offsite"]["pending"] == 0 {
+            return;
+        }
+        assert!(start.elapsed() < REPLICATED, "queue not drained: {status}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+#[test]
+fn denied_a_full_bucket_and_a_daemon_killed_mid_upload_leave_local_work_alone_and_the_queue_drains()
+{
+    let test = "denied_a_full_bucket_and_a_daemon_killed_mid_upload_leave_local_work_alone_and_the_queue_drains";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let Some(c) = Cluster::start(test) else {
+        return;
+    };
+    let keys = tempfile::tempdir().unwrap();
+    // (a) Wrong credentials: the gateway answers 403.
+    let mut a = fault_daemon(
+        "offsite-faults",
+        "host-a",
+        &c,
+        keys.path(),
+        "not-the-secret",
+        "lag_threshold_s = 2\nmax_upload_mib_per_s = 4\n",
+    );
+    a.wait_tick(0, 3, BOOT);
+    let t = Instant::now();
+    let first = snapshot_create(&a, "offsite: credentials refused");
+    let snap_ms = t.elapsed().as_millis();
+    let r = wait_retrying_with(&a, &first, "ERR_OFFSITE_DENIED");
+    println!("offsite: 403: snapshot {snap_ms} ms; {r}");
+    let before = a.serial_len();
+    a.ok(&[
+        "rollback",
+        "--to",
+        &first,
+        "--reason",
+        "offsite: rollback while denied",
+    ]);
+    a.wait_tick(before, 1, STEP);
+    let status = a.wait_status("lagging", STEP, |s| s["offsite"]["lagging"] == true);
+    assert!(
+        status["offsite"]["last_error"]
+            .as_str()
+            .unwrap()
+            .starts_with("ERR_OFFSITE_DENIED"),
+        "{status}"
+    );
+    assert!(
+        status["offsite"]["oldest_pending_s"].as_u64().unwrap() >= 2,
+        "{status}"
+    );
+    let lag = wait_daemon_event(&a, "snapshot.replication.lagging", |e| {
+        e["event"] == "snapshot.replication.lagging"
+    });
+    assert_eq!(lag["fields"]["threshold_s"], 2, "{lag}");
+    assert!(a
+        .daemon_journal()
+        .iter()
+        .any(|e| e["event"] == "snapshot.replication.failed"
+            && e["fields"]["code"] == "ERR_OFFSITE_DENIED"));
+
+    // (c) The right credentials, then kill -9 while the (throttled) upload is under way.
+    a.kill9();
+    write_credentials(
+        &keys.path().join("host-a.credentials"),
+        &c.access,
+        &c.secret,
+    );
+    a.launch();
+    let start = Instant::now();
+    loop {
+        let s = a.status();
+        if s["offsite"]["bytes_uploaded_total"].as_u64().unwrap_or(0) > 0 {
+            assert!(s["offsite"]["uploading"].is_string(), "{s}");
+            break;
+        }
+        assert!(start.elapsed() < STEP, "no upload started: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    a.kill9();
+    let cfg = std::fs::read_to_string(&a.config_path).unwrap();
+    std::fs::write(
+        &a.config_path,
+        cfg.replace("max_upload_mib_per_s = 4", "max_upload_mib_per_s = 0"),
+    )
+    .unwrap();
+    a.launch();
+    wait_replicated(&a, &first);
+    wait_drained(&a);
+    let done = a
+        .daemon_journal()
+        .into_iter()
+        .find(|e| {
+            e["event"] == "snapshot.replicated" && e["fields"]["snapshot_id"] == first.as_str()
+        })
+        .unwrap();
+    println!("offsite: resumed after kill -9: {}", done["fields"]);
+    assert!(
+        done["fields"]["objects_present"].as_u64().unwrap() > 0,
+        "{done}"
+    );
+    wait_daemon_event(&a, "snapshot.replication.caught_up", |e| {
+        e["event"] == "snapshot.replication.caught_up"
+    });
+    assert_eq!(a.status()["offsite"]["lagging"], false);
+
+    // (b) The bucket's quota is full: refused with its own code, local work goes on, and the
+    // queue drains once the quota is raised.
+    rgw_admin(
+        &c,
+        &[
+            "quota",
+            "set",
+            "--quota-scope=bucket",
+            "--bucket=fleet",
+            "--max-size=1024",
+        ],
+    );
+    rgw_admin(
+        &c,
+        &["quota", "enable", "--quota-scope=bucket", "--bucket=fleet"],
+    );
+    let before = a.serial_len();
+    a.wait_tick(before, 2, STEP);
+    let full = snapshot_create(&a, "offsite: bucket full");
+    wait_retrying_with(&a, &full, "ERR_OFFSITE_QUOTA_EXCEEDED");
+    let before = a.serial_len();
+    a.ok(&[
+        "rollback",
+        "--to",
+        &full,
+        "--reason",
+        "offsite: rollback while the bucket is full",
+    ]);
+    a.wait_tick(before, 1, STEP);
+    rgw_admin(
+        &c,
+        &[
+            "quota",
+            "set",
+            "--quota-scope=bucket",
+            "--bucket=fleet",
+            "--max-size=-1",
+        ],
+    );
+    wait_replicated(&a, &full);
+    wait_drained(&a);
+    assert!(a
+        .daemon_journal()
+        .iter()
+        .any(|e| e["event"] == "snapshot.replication.failed"
+            && e["fields"]["code"] == "ERR_OFFSITE_QUOTA_EXCEEDED"));
+}
+
+#[test]
+fn remote_retention_and_gc_keep_what_remaining_manifests_and_uploads_in_progress_need() {
+    let test = "remote_retention_and_gc_keep_what_remaining_manifests_and_uploads_in_progress_need";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let Some(c) = Cluster::start(test) else {
+        return;
+    };
+    let keys = tempfile::tempdir().unwrap();
+    let a = fault_daemon(
+        "offsite-gc",
+        "host-a",
+        &c,
+        keys.path(),
+        &c.secret,
+        "[offsite.retention]\nkeep_last = 1\ngc_grace_s = 4\ngc_interval_s = 0\n",
+    );
+    write_trust(keys.path(), &[("host-a", &a)]);
+    a.wait_tick(0, 3, BOOT);
+    let old = snapshot_create(&a, "offsite gc: the old one");
+    wait_replicated(&a, &old);
+    a.wait_tick(a.serial_len(), 3, STEP);
+    let new = snapshot_create(&a, "offsite gc: the new one");
+    wait_replicated(&a, &new);
+    wait_drained(&a);
+    std::thread::sleep(Duration::from_secs(5));
+    // An upload in progress elsewhere: its chunk is in the bucket, its manifest is not yet.
+    let client = c.client();
+    let body = b"a chunk whose manifest is still on its way".to_vec();
+    let meanwhile = format!("e2e/chunks/{}", "e0".repeat(32));
+    client.put(&meanwhile, &body).unwrap();
+    let put_at = Instant::now();
+    let prefix = |id: &str| format!("e2e/hosts/host-a/snapshots/{id}/");
+    let count = |p: &str| client.list(p).unwrap().len();
+    let chunks_before = count("e2e/chunks/") + count("e2e/layers/");
+    let old_objects = count(&prefix(&old));
+    assert!(old_objects >= 3, "{old_objects}");
+
+    let dry = a.ok(&["offsite", "gc", "--dry-run"]);
+    println!("offsite gc dry run: {dry}");
+    // The daemon's own first snapshot (taken at start) and `old` go; `new` is kept.
+    let pruned = |v: &Value| -> Vec<String> {
+        v["snapshots_pruned"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["snapshot_id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert!(pruned(&dry).contains(&old), "{dry}");
+    assert!(!pruned(&dry).contains(&new), "{dry}");
+    assert_eq!(dry["snapshots_kept"], 1, "{dry}");
+    assert!(dry["objects_in_grace"].as_u64().unwrap() >= 1, "{dry}");
+    assert_eq!(
+        count(&prefix(&old)),
+        old_objects,
+        "a dry run deleted something"
+    );
+    assert_eq!(count("e2e/chunks/") + count("e2e/layers/"), chunks_before);
+
+    let t = Instant::now();
+    let r = a.ok(&["offsite", "gc"]);
+    println!("offsite gc: {r} ({} ms)", t.elapsed().as_millis());
+    assert_eq!(pruned(&r), pruned(&dry), "{r}");
+    assert_eq!(r["objects_swept"], dry["objects_swept"], "{r}");
+    assert!(r["objects_swept"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(count(&prefix(&old)), 0);
+    assert!(
+        client.head(&meanwhile).unwrap().is_some(),
+        "the upload in progress lost its chunk"
+    );
+    assert_eq!(
+        count("e2e/chunks/") + count("e2e/layers/"),
+        chunks_before - r["objects_swept"].as_u64().unwrap() as usize
+    );
+    // Locally both stay: the bucket's rule is its own.
+    list_entry(&a, &old);
+    // A second pass once the grace is over: nothing more to prune, and the chunk no manifest
+    // ever came to name is swept now.
+    std::thread::sleep(Duration::from_secs(5).saturating_sub(put_at.elapsed()));
+    let again = a.ok(&["offsite", "gc"]);
+    assert_eq!(
+        again["snapshots_pruned"].as_array().unwrap().len(),
+        0,
+        "{again}"
+    );
+    assert_eq!(again["objects_swept"], 1, "{again}");
+    assert_eq!(
+        again["objects_referenced"], r["objects_referenced"],
+        "{again}"
+    );
+    assert!(client.head(&meanwhile).unwrap().is_none());
+    // Every object the remaining manifest names is there, and it pulls and verifies.
+    let show = a.ok(&["snapshot", "show", &new]);
+    for p in show["manifest"]["payload_refs"].as_array().unwrap() {
+        for l in p["layers"].as_array().unwrap() {
+            let k = format!("e2e/layers/{}", l["sha256"].as_str().unwrap());
+            assert!(client.head(&k).unwrap().is_some(), "{k} swept");
+        }
+    }
+    let pulled = a.ok(&["snapshot", "pull", &new, "--from", "host-a"]);
+    let local = pulled["snapshot_id"].as_str().unwrap().to_string();
+    let verify = a.ok(&["snapshot", "verify", &local]);
+    assert!(verify["chunks_checked"].as_u64().unwrap() > 0, "{verify}");
+    let j = a.daemon_journal();
+    assert!(j
+        .iter()
+        .any(|e| e["event"] == "offsite.retention.pruned"
+            && e["fields"]["snapshot_id"] == old.as_str()));
+    assert!(j
+        .iter()
+        .any(|e| e["event"] == "offsite.gc.swept"
+            && e["fields"]["objects_swept"] == r["objects_swept"]));
+}
+
 /// Like [`host_daemon`], with a short `lease_ttl_s` (issue 20: leases).
 fn lease_daemon(name: &str, host: &str, c: &Cluster, creds_dir: &Path, ttl_s: u64) -> Daemon {
     let creds = creds_dir.join(format!("{host}.credentials"));

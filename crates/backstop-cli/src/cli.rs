@@ -88,6 +88,9 @@ pub enum Command {
     /// Create, list, show and verify snapshots.
     #[command(subcommand)]
     Snapshot(SnapshotCommand),
+    /// The off-host bucket (`[offsite]`).
+    #[command(subcommand)]
+    Offsite(OffsiteCommand),
     /// Roll the VM back to a verified snapshot (spec/000 §5). Emergency (the default without
     /// --to/--before): the newest verified snapshot, never blocked. Session: --to ID, the newest
     /// snapshot at or before --before TIME, or where this daemon session started; anything but
@@ -243,6 +246,19 @@ pub enum DeviceCommand {
     },
     /// The configured devices, their grants, and QEMU's own view of the VM's devices.
     List,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum OffsiteCommand {
+    /// Remote retention and garbage collection now (it also runs every
+    /// `[offsite.retention] gc_interval_s`): this host's snapshots that the bucket's own rule
+    /// drops are deleted (signature first), then the chunks and layers no manifest of any host
+    /// references and older than `gc_grace_s`. Prints what was deleted: counts and bytes.
+    Gc {
+        /// Only say what would be deleted.
+        #[arg(long)]
+        dry_run: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -449,6 +465,9 @@ impl Command {
                 Request::SnapshotVerify { id: id.clone() }
             }
             Command::Snapshot(SnapshotCommand::Prune) => Request::SnapshotPrune,
+            Command::Offsite(OffsiteCommand::Gc { dry_run }) => {
+                Request::OffsiteGc { dry_run: *dry_run }
+            }
             Command::Snapshot(SnapshotCommand::Pull {
                 id,
                 from,
@@ -783,6 +802,14 @@ mod tests {
             assert_eq!(parse(bad).unwrap_err().exit_code(), 2, "{bad:?}");
         }
         assert_eq!(request(&["reload"]), Request::Reload);
+        assert_eq!(
+            request(&["offsite", "gc", "--dry-run"]),
+            Request::OffsiteGc { dry_run: true }
+        );
+        assert_eq!(
+            request(&["offsite", "gc"]),
+            Request::OffsiteGc { dry_run: false }
+        );
         assert_eq!(
             request(&["audit", "verify", "--daemon"]),
             Request::DaemonAuditVerify

@@ -85,6 +85,7 @@ pub fn human(request: &Request, response: &Response) -> String {
             }
             text
         }
+        Response::OffsiteGc(r) => offsite_gc_text(r),
         Response::RolledBack(report) => rolled_back_text(report),
         Response::HaltCleared {
             epoch,
@@ -404,6 +405,13 @@ fn status_text(s: &StatusView) -> String {
         }
         if let Some(e) = &o.last_error {
             line.push_str(&format!("; last error: {}", clean(e)));
+        }
+        if o.lagging {
+            line.push_str(&format!(
+                "; LAGGING: the oldest has waited {} s (threshold {} s)",
+                o.oldest_pending_s.unwrap_or(0),
+                o.lag_threshold_s
+            ));
         }
         rows.push(("offsite", line));
         for l in &o.leases {
@@ -1311,6 +1319,37 @@ pub fn clean(text: &str) -> String {
     out
 }
 
+/// `offsite gc`: one line per pruned snapshot, then the totals.
+fn offsite_gc_text(r: &backstop_control::OffsiteGcReport) -> String {
+    let (verb, prefix) = if r.dry_run {
+        ("would delete", "dry run: ")
+    } else {
+        ("deleted", "")
+    };
+    let mut out = String::new();
+    for p in &r.snapshots_pruned {
+        out.push_str(&format!(
+            "{prefix}{verb} {}'s snapshot {} ({}: {} objects, {})\n",
+            clean(&r.host),
+            clean(&p.snapshot_id),
+            clean(&p.reason),
+            p.objects,
+            human_bytes(p.bytes)
+        ));
+    }
+    out.push_str(&format!(
+        "{prefix}{} snapshots pruned, {} kept; {verb} {} unreferenced chunks/layers ({}); {} referenced, {} unreferenced within the grace period kept; {} ms\n",
+        r.snapshots_pruned.len(),
+        r.snapshots_kept,
+        r.objects_swept,
+        human_bytes(r.bytes_swept),
+        r.objects_referenced,
+        r.objects_in_grace,
+        r.total_ms
+    ));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use backstop_control::{AuditFault, HaltView, SkippedSnapshot};
@@ -1441,6 +1480,29 @@ mod tests {
                 && l.ends_with("guest: held_elsewhere by host-a until 2026-11-25T07:00:00.000Z")),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_lagging_replication_says_so_in_status() {
+        let mut s = status(None);
+        s.offsite = Some(backstop_control::OffsiteView {
+            host: "host-a".into(),
+            pending: 2,
+            last_error: Some("ERR_OFFSITE_DENIED: PUT x: HTTP 403: SignatureDoesNotMatch".into()),
+            oldest_pending_s: Some(700),
+            lagging: true,
+            lag_threshold_s: 600,
+            ..Default::default()
+        });
+        let t = status_text(&s);
+        let line = t.lines().find(|l| l.starts_with("offsite")).unwrap();
+        assert!(line.contains("last error: ERR_OFFSITE_DENIED"), "{line}");
+        assert!(
+            line.contains("LAGGING: the oldest has waited 700 s (threshold 600 s)"),
+            "{line}"
+        );
+        s.offsite.as_mut().unwrap().lagging = false;
+        assert!(!status_text(&s).contains("LAGGING"));
     }
 
     #[test]
@@ -2137,6 +2199,43 @@ mod tests {
             !row.contains('\x1b'),
             "a NIC name cannot drive the terminal: {row}"
         );
+    }
+
+    #[test]
+    fn offsite_gc_says_what_went_or_would_go() {
+        let mut r = backstop_control::OffsiteGcReport {
+            host: "host-a".into(),
+            dry_run: true,
+            snapshots_pruned: vec![backstop_control::OffsitePruned {
+                snapshot_id: "ab".repeat(16),
+                reason: "retention".into(),
+                objects: 4,
+                bytes: 2048,
+            }],
+            snapshots_kept: 2,
+            objects_referenced: 10,
+            objects_in_grace: 1,
+            objects_swept: 3,
+            bytes_swept: 3 * 1024 * 1024,
+            total_ms: 12,
+        };
+        let req = Request::OffsiteGc { dry_run: true };
+        let t = human(&req, &Response::OffsiteGc(r.clone()));
+        assert!(
+            t.starts_with("dry run: would delete host-a's snapshot abab"),
+            "{t}"
+        );
+        assert!(
+            t.contains("would delete 3 unreferenced chunks/layers"),
+            "{t}"
+        );
+        r.dry_run = false;
+        let t = human(&req, &Response::OffsiteGc(r));
+        assert!(
+            t.contains("deleted 3 unreferenced") && !t.contains("dry run"),
+            "{t}"
+        );
+        assert_eq!(t.lines().count(), 2);
     }
 
     #[test]

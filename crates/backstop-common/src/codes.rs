@@ -243,6 +243,10 @@ error_codes! {
         "the off-host object store did not answer as expected (down, refused, or an error status)";
     OffsiteLeaseHeld = "ERR_OFFSITE_LEASE_HELD", Failed,
         "another host holds a live lease on this VM (it runs there): not started here";
+    OffsiteDenied = "ERR_OFFSITE_DENIED", Failed,
+        "the off-host object store refused this host's credentials or permissions (HTTP 403)";
+    OffsiteQuotaExceeded = "ERR_OFFSITE_QUOTA_EXCEEDED", Failed,
+        "the off-host bucket (or its owner) is over its storage quota: nothing more is accepted until it is raised or space is freed";
     // Everything else.
     BadRequest = "ERR_BAD_REQUEST", Failed,
         "the request's arguments are not valid; nothing changed";

@@ -69,6 +69,17 @@ audit_events! {
     SnapshotReplicated = "snapshot.replicated" ["vm", "host", "bytes_uploaded", "objects_uploaded", "objects_present", "attempts"];
     /// An upload attempt failed; it is retried with backoff (daemon journal).
     SnapshotReplicationFailed = "snapshot.replication.failed" ["vm", "code", "error", "attempts", "retry_in_ms"];
+    /// The oldest snapshot in the upload queue has waited longer than `[offsite]
+    /// lag_threshold_s` (journaled once, until it catches up; daemon journal).
+    SnapshotReplicationLagging = "snapshot.replication.lagging" ["vm", "oldest_wait_s", "threshold_s", "pending"];
+    /// No queued snapshot waits longer than the threshold any more (daemon journal).
+    SnapshotReplicationCaughtUp = "snapshot.replication.caught_up" ["lagged_s", "threshold_s"];
+    /// Remote retention (`[offsite.retention]`) deleted one of this host's snapshots from the
+    /// bucket: signature first, then manifest and indexes (daemon journal).
+    OffsiteRetentionPruned = "offsite.retention.pruned" ["host", "reason", "objects", "bytes"];
+    /// A remote GC pass deleted the chunks and layers no manifest of any host references and
+    /// older than the grace period (daemon journal).
+    OffsiteGcSwept = "offsite.gc.swept" ["host", "objects_swept", "bytes_swept", "objects_referenced", "objects_in_grace", "snapshots_pruned"];
     /// `snapshot pull`: another host's snapshot was verified and published here (daemon journal).
     SnapshotPulled = "snapshot.pulled" ["vm", "from", "remote_snapshot_id", "bytes_fetched"];
     /// `snapshot pull` refused or failed; nothing was published (daemon journal).

@@ -54,6 +54,14 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "is_false")]
         for_start: bool,
     },
+    /// Remote retention and GC now (`[offsite.retention]`): this host's snapshots the rule
+    /// drops are deleted from the bucket, then the chunks and layers no manifest of any host
+    /// references and older than the grace period. `dry_run`: only say what would go. The
+    /// daemon's own (needs `[offsite]`). Console only.
+    OffsiteGc {
+        #[serde(default, skip_serializing_if = "is_false")]
+        dry_run: bool,
+    },
     /// Roll the VM back (spec/000 §5). Without a type: `emergency` (or neither `to` nor
     /// `before`) is an emergency rollback to the newest verified snapshot; `to` or `before` is a
     /// session rollback. A session rollback to anything but the newest verified snapshot needs
@@ -359,6 +367,10 @@ enum StrictRequest {
         #[serde(default)]
         for_start: bool,
     },
+    OffsiteGc {
+        #[serde(default)]
+        dry_run: bool,
+    },
     Rollback {
         to: Option<String>,
         reason: String,
@@ -459,6 +471,7 @@ impl From<StrictRequest> for Request {
                 from,
                 for_start,
             },
+            StrictRequest::OffsiteGc { dry_run } => Request::OffsiteGc { dry_run },
             StrictRequest::Rollback {
                 to,
                 reason,
@@ -557,6 +570,7 @@ impl Request {
             Request::SnapshotShow { .. } => "snapshot show",
             Request::SnapshotVerify { .. } => "snapshot verify",
             Request::SnapshotPull { .. } => "snapshot pull",
+            Request::OffsiteGc { .. } => "offsite gc",
             Request::Rollback { .. } => "rollback",
             Request::HaltClear { .. } | Request::HaltClearTo { .. } => "halt clear",
             Request::Resume { .. } => "resume",
@@ -623,6 +637,8 @@ pub enum Response {
     Verified(VerifyReport),
     /// `snapshot pull`: what was published here.
     SnapshotPulled(PullReport),
+    /// `offsite gc`: what remote retention and GC deleted (or would).
+    OffsiteGc(OffsiteGcReport),
     RolledBack(RollbackReport),
     HaltCleared {
         epoch: u64,
@@ -1042,6 +1058,14 @@ pub struct OffsiteView {
     pub last_error: Option<String>,
     /// Bytes sent since the daemon started.
     pub bytes_uploaded_total: u64,
+    /// How long the oldest pending snapshot has waited, seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oldest_pending_s: Option<u64>,
+    /// It has waited longer than `lag_threshold_s` (`snapshot.replication.lagging`).
+    #[serde(default)]
+    pub lagging: bool,
+    #[serde(default)]
+    pub lag_threshold_s: u64,
     /// The leases of the VMs this daemon runs (`leases/<vm>.json`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub leases: Vec<LeaseView>,
@@ -1062,6 +1086,33 @@ pub struct LeaseView {
     /// Wall time of the last successful lease write, milliseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_write_ms: Option<u64>,
+}
+
+/// What `offsite gc` deleted from the bucket (or, `dry_run`, would delete).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffsiteGcReport {
+    pub host: String,
+    pub dry_run: bool,
+    /// This host's snapshots removed by remote retention (or abandoned uploads).
+    pub snapshots_pruned: Vec<OffsitePruned>,
+    /// This host's complete snapshots the bucket keeps.
+    pub snapshots_kept: u64,
+    /// Chunks and layers some manifest of some host needs.
+    pub objects_referenced: u64,
+    /// Unreferenced but younger than the grace period: kept.
+    pub objects_in_grace: u64,
+    pub objects_swept: u64,
+    pub bytes_swept: u64,
+    pub total_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffsitePruned {
+    pub snapshot_id: String,
+    /// `retention` or `abandoned` (an upload that never finished).
+    pub reason: String,
+    pub objects: u64,
+    pub bytes: u64,
 }
 
 /// What `snapshot pull` published.
@@ -1426,6 +1477,8 @@ mod tests {
             Request::AuditTail { count: 20 },
             Request::AuditVerify,
             Request::DriftList,
+            Request::OffsiteGc { dry_run: true },
+            Request::OffsiteGc { dry_run: false },
         ];
         for r in all {
             let line = serde_json::to_string(&r).unwrap();
@@ -1434,6 +1487,10 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&Request::Status).unwrap(),
             r#"{"op":"status"}"#
+        );
+        assert_eq!(
+            serde_json::from_str::<Request>(r#"{"op":"offsite_gc"}"#).unwrap(),
+            Request::OffsiteGc { dry_run: false }
         );
         assert_eq!(
             serde_json::from_str::<Request>(r#"{"op":"rollback","reason":"r"}"#).unwrap(),

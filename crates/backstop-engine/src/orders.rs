@@ -207,6 +207,7 @@ impl VmActor {
             | Request::Reload
             | Request::DaemonAuditVerify
             | Request::SnapshotPull { .. }
+            | Request::OffsiteGc { .. }
             | Request::Events { .. } => Err(EngineError::BadRequest(format!(
                 "`{}` is answered by the daemon, not by one VM",
                 req.name()

@@ -51,6 +51,42 @@ struct Raw {
     retry_max_s: u64,
     #[serde(default = "default_lease_ttl_s")]
     lease_ttl_s: u64,
+    #[serde(default = "default_lag_threshold_s")]
+    lag_threshold_s: u64,
+    #[serde(default)]
+    retention: RawRetention,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRetention {
+    keep_last: Option<u32>,
+    keep_within_s: Option<u64>,
+    #[serde(default = "default_gc_grace_s")]
+    gc_grace_s: u64,
+    #[serde(default = "default_gc_interval_s")]
+    gc_interval_s: u64,
+}
+
+impl Default for RawRetention {
+    fn default() -> Self {
+        RawRetention {
+            keep_last: None,
+            keep_within_s: None,
+            gc_grace_s: default_gc_grace_s(),
+            gc_interval_s: default_gc_interval_s(),
+        }
+    }
+}
+
+fn default_lag_threshold_s() -> u64 {
+    600
+}
+fn default_gc_grace_s() -> u64 {
+    86_400
+}
+fn default_gc_interval_s() -> u64 {
+    3600
 }
 
 fn default_region() -> String {
@@ -90,6 +126,36 @@ pub struct OffsiteConfig {
     pub retry_max_s: u64,
     /// How long a VM's lease lives unrenewed; renewed every third of it.
     pub lease_ttl_s: u64,
+    /// The oldest queued snapshot waiting longer than this is journaled as lagging.
+    pub lag_threshold_s: u64,
+    /// `[offsite.retention]`: what the bucket keeps of this host's snapshots, and its GC.
+    pub retention: RemoteRetention,
+}
+
+/// `[offsite.retention]`: the remote's own rule for this host's snapshots (`hosts/<host>/`
+/// only) and the garbage collection of the shared `chunks/` and `layers/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRetention {
+    /// Keep the newest N complete snapshots (`None`: no count rule).
+    pub keep_last: Option<u32>,
+    /// Keep every snapshot created within this many seconds (`None`: no age rule).
+    pub keep_within_s: Option<u64>,
+    /// An unreferenced chunk or layer is deleted only once it is older than this: an upload in
+    /// progress (its manifest not there yet) must finish within it.
+    pub gc_grace_s: u64,
+    /// Seconds between two GC passes of the uploader (0: only on demand, `backstop offsite gc`).
+    pub gc_interval_s: u64,
+}
+
+impl Default for RemoteRetention {
+    fn default() -> Self {
+        RemoteRetention {
+            keep_last: None,
+            keep_within_s: None,
+            gc_grace_s: default_gc_grace_s(),
+            gc_interval_s: default_gc_interval_s(),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -199,6 +265,34 @@ impl OffsiteConfig {
                 ),
             ));
         }
+        if raw.lag_threshold_s == 0 {
+            return Err(bad("lag_threshold_s", "must be at least 1"));
+        }
+        let r = &raw.retention;
+        if r.keep_last == Some(0) {
+            return Err(bad(
+                "retention.keep_last",
+                "must be at least 1 (leave it out to keep everything)",
+            ));
+        }
+        if r.keep_within_s == Some(0) {
+            return Err(bad(
+                "retention.keep_within_s",
+                "must be at least 1 (leave it out to keep everything)",
+            ));
+        }
+        if r.gc_grace_s == 0 {
+            return Err(bad(
+                "retention.gc_grace_s",
+                "must be at least 1: a chunk of an upload in progress needs the grace period",
+            ));
+        }
+        let retention = RemoteRetention {
+            keep_last: r.keep_last,
+            keep_within_s: r.keep_within_s,
+            gc_grace_s: r.gc_grace_s,
+            gc_interval_s: r.gc_interval_s,
+        };
         let credentials = match &raw.credentials_file {
             Some(path) => read_credentials(path)?,
             None => match (env(ENV_ACCESS_KEY), env(ENV_SECRET_KEY)) {
@@ -233,6 +327,8 @@ impl OffsiteConfig {
             max_upload_mib_per_s: raw.max_upload_mib_per_s,
             retry_max_s: raw.retry_max_s,
             lease_ttl_s: raw.lease_ttl_s,
+            lag_threshold_s: raw.lag_threshold_s,
+            retention,
         })
     }
 
@@ -315,6 +411,26 @@ mod tests {
         assert_eq!(c.credentials.access_key_id, "AK");
         assert_eq!(c.key("chunks/x"), "chunks/x");
         assert!(!format!("{:?}", c.credentials).contains("SK"));
+        // Nothing is deleted remotely unless a rule says so.
+        assert_eq!(c.retention, RemoteRetention::default());
+        assert_eq!(c.retention.keep_last, None);
+        assert_eq!(c.retention.gc_grace_s, 86_400);
+        assert_eq!(c.lag_threshold_s, 600);
+        let t = format!(
+            "{}lag_threshold_s = 30\n[offsite.retention]\nkeep_last = 3\nkeep_within_s = 7200\ngc_grace_s = 5\ngc_interval_s = 0\n",
+            text(f.path())
+        );
+        let c = OffsiteConfig::from_file_text(&t, &no_env).unwrap().unwrap();
+        assert_eq!(c.lag_threshold_s, 30);
+        assert_eq!(
+            c.retention,
+            RemoteRetention {
+                keep_last: Some(3),
+                keep_within_s: Some(7200),
+                gc_grace_s: 5,
+                gc_interval_s: 0
+            }
+        );
     }
 
     #[test]
@@ -368,6 +484,18 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(c.lease_ttl_s, 60);
+        for t in [
+            "[offsite.retention]\nkeep_last = 0\n",
+            "[offsite.retention]\ngc_grace_s = 0\n",
+            "[offsite.retention]\nkeep_forever = true\n",
+            "lag_threshold_s = 0\n",
+        ] {
+            let t = format!(
+                "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\n{t}"
+            );
+            let e = OffsiteConfig::from_file_text(&t, &env).unwrap_err();
+            assert_eq!(e.code().as_str(), "ERR_CONFIG_INVALID", "{t}");
+        }
         assert!(OffsiteConfig::from_file_text("[daemon]\n", &env)
             .unwrap()
             .is_none());

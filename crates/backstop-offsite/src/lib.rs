@@ -24,13 +24,14 @@
 //!                                               (see [`lease`])
 //! ```
 //!
-//! Remote retention/GC and the benchmark are later slices of issue 20.
+//! Remote retention and GC of the bucket: [`retention`]; one host per VM: [`lease`].
 
 pub mod config;
 pub mod keys;
 pub mod lease;
 pub mod pull;
 pub mod queue;
+pub mod retention;
 pub mod s3;
 pub mod upload;
 

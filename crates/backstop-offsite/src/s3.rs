@@ -6,8 +6,11 @@ use std::io::Read;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use backstop_common::ErrorCode;
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::{Digest, Sha256};
+use time::format_description::well_known::{Rfc2822, Rfc3339};
+use time::OffsetDateTime;
 
 use crate::config::OffsiteConfig;
 
@@ -41,6 +44,20 @@ impl S3Error {
         matches!(self, S3Error::Status { status: 404, .. })
     }
 
+    /// The spec-style code: a 403 is `ERR_OFFSITE_DENIED` (wrong keys, no permission) unless
+    /// the gateway says the quota is full (RGW answers 403 `QuotaExceeded`), which is
+    /// `ERR_OFFSITE_QUOTA_EXCEEDED` like a 507; everything else `ERR_OFFSITE_UNREACHABLE`.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            S3Error::Status { status: 507, .. } => ErrorCode::OffsiteQuotaExceeded,
+            S3Error::Status {
+                status: 403, body, ..
+            } if body == "QuotaExceeded" => ErrorCode::OffsiteQuotaExceeded,
+            S3Error::Status { status: 403, .. } => ErrorCode::OffsiteDenied,
+            S3Error::Local { .. } => ErrorCode::StoreIo,
+            _ => ErrorCode::OffsiteUnreachable,
+        }
+    }
     /// A 412: a conditional PUT's precondition (`If-None-Match: *`, `If-Match`) did not hold.
     pub fn is_precondition_failed(&self) -> bool {
         matches!(self, S3Error::Status { status: 412, .. })
@@ -161,8 +178,17 @@ impl Client {
         }
     }
 
-    /// The SigV4 headers for one request (`payload_sha256`: hex digest of the body).
-    fn sign(&self, method: &str, path: &str, payload_sha256: &str) -> Vec<(String, String)> {
+    /// The SigV4 headers for one request (`payload_sha256`: hex digest of the body; `query`: the
+    /// canonical query string, parameters sorted and encoded; `extra`: more `x-amz-*` headers,
+    /// lower-case, signed with the rest).
+    fn sign(
+        &self,
+        method: &str,
+        path: &str,
+        query: &str,
+        payload_sha256: &str,
+        extra: &[(&str, &str)],
+    ) -> Vec<(String, String)> {
         let now = time::OffsetDateTime::now_utc();
         let date = format!(
             "{:04}{:02}{:02}",
@@ -176,10 +202,18 @@ impl Client {
             now.minute(),
             now.second()
         );
-        let canonical = format!(
-            "{method}\n{path}\n\nhost:{}\nx-amz-content-sha256:{payload_sha256}\nx-amz-date:{amz_date}\n\nhost;x-amz-content-sha256;x-amz-date\n{payload_sha256}",
-            self.host
-        );
+        let mut headers: Vec<(String, String)> = vec![
+            ("host".into(), self.host.clone()),
+            ("x-amz-content-sha256".into(), payload_sha256.into()),
+            ("x-amz-date".into(), amz_date.clone()),
+        ];
+        headers.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        headers.sort();
+        let canonical_headers: String = headers.iter().map(|(k, v)| format!("{k}:{v}\n")).collect();
+        let signed: Vec<&str> = headers.iter().map(|(k, _)| k.as_str()).collect();
+        let signed = signed.join(";");
+        let canonical =
+            format!("{method}\n{path}\n{query}\n{canonical_headers}\n{signed}\n{payload_sha256}");
         let scope = format!("{date}/{}/s3/aws4_request", self.region);
         let to_sign = format!(
             "AWS4-HMAC-SHA256\n{amz_date}\n{scope}\n{}",
@@ -193,17 +227,16 @@ impl Client {
             k = hmac(&k, part);
         }
         let signature = hex::encode(hmac(&k, to_sign.as_bytes()));
-        vec![
-            ("x-amz-date".into(), amz_date),
-            ("x-amz-content-sha256".into(), payload_sha256.into()),
-            (
-                "authorization".into(),
-                format!(
-                    "AWS4-HMAC-SHA256 Credential={}/{scope}, SignedHeaders=host;x-amz-content-sha256;x-amz-date, Signature={signature}",
-                    self.access_key
-                ),
+        let mut out: Vec<(String, String)> =
+            headers.into_iter().filter(|(k, _)| k != "host").collect();
+        out.push((
+            "authorization".into(),
+            format!(
+                "AWS4-HMAC-SHA256 Credential={}/{scope}, SignedHeaders={signed}, Signature={signature}",
+                self.access_key
             ),
-        ]
+        ));
+        out
     }
 
     fn url(&self, path: &str) -> String {
@@ -214,7 +247,7 @@ impl Client {
     pub fn head(&self, key: &str) -> Result<Option<u64>, S3Error> {
         let path = self.path(key);
         let mut req = self.agent.head(self.url(&path));
-        for (k, v) in self.sign("HEAD", &path, EMPTY_SHA256) {
+        for (k, v) in self.sign("HEAD", &path, "", EMPTY_SHA256, &[]) {
             req = req.header(k, v);
         }
         let resp = req.call().map_err(|e| transport("HEAD", key, e))?;
@@ -227,7 +260,11 @@ impl Client {
             404 => Ok(None),
             status => Err(S3Error::Status {
                 method: "HEAD",
-                key: key.into(),
+                key: if key.is_empty() {
+                    "(bucket)".into()
+                } else {
+                    key.into()
+                },
                 status,
                 body: String::new(),
             }),
@@ -250,7 +287,7 @@ impl Client {
     ) -> Result<u64, S3Error> {
         let path = self.path(key);
         let mut req = self.agent.get(self.url(&path));
-        for (k, v) in self.sign("GET", &path, EMPTY_SHA256) {
+        for (k, v) in self.sign("GET", &path, "", EMPTY_SHA256, &[]) {
             req = req.header(k, v);
         }
         let resp = req.call().map_err(|e| transport("GET", key, e))?;
@@ -290,7 +327,7 @@ impl Client {
             .agent
             .put(self.url(&path))
             .header("content-length", len.to_string());
-        for (k, v) in self.sign("PUT", &path, sha256_hex) {
+        for (k, v) in self.sign("PUT", &path, "", sha256_hex, &[]) {
             req = req.header(k, v);
         }
         let mut body = Throttled {
@@ -317,7 +354,7 @@ impl Client {
     ) -> Result<Option<(Vec<u8>, String)>, S3Error> {
         let path = self.path(key);
         let mut req = self.agent.get(self.url(&path));
-        for (k, v) in self.sign("GET", &path, EMPTY_SHA256) {
+        for (k, v) in self.sign("GET", &path, "", EMPTY_SHA256, &[]) {
             req = req.header(k, v);
         }
         let resp = req.call().map_err(|e| transport("GET", key, e))?;
@@ -359,7 +396,7 @@ impl Client {
             PutCondition::Absent => req.header("if-none-match", "*"),
             PutCondition::ETag(e) => req.header("if-match", e.trim_matches('"')),
         };
-        for (k, v) in self.sign("PUT", &path, &sha) {
+        for (k, v) in self.sign("PUT", &path, "", &sha, &[]) {
             req = req.header(k, v);
         }
         let resp = req.send(body).map_err(|e| transport("PUT", key, e))?;
@@ -372,22 +409,6 @@ impl Client {
         Ok(etag)
     }
 
-    /// DELETEs the object (a missing one is not an error).
-    pub fn delete(&self, key: &str) -> Result<(), S3Error> {
-        let path = self.path(key);
-        let mut req = self.agent.delete(self.url(&path));
-        for (k, v) in self.sign("DELETE", &path, EMPTY_SHA256) {
-            req = req.header(k, v);
-        }
-        let resp = req.call().map_err(|e| transport("DELETE", key, e))?;
-        let status = resp.status().as_u16();
-        let mut body = resp.into_body();
-        if status != 204 && status != 200 && status != 404 {
-            return Err(status_error("DELETE", key, status, &mut body));
-        }
-        Ok(())
-    }
-
     /// Creates the bucket unless it exists.
     pub fn ensure_bucket(&self) -> Result<(), S3Error> {
         if self.head("")?.is_some() {
@@ -395,7 +416,7 @@ impl Client {
         }
         let path = self.path("");
         let mut req = self.agent.put(self.url(&path));
-        for (k, v) in self.sign("PUT", &path, EMPTY_SHA256) {
+        for (k, v) in self.sign("PUT", &path, "", EMPTY_SHA256, &[]) {
             req = req.header(k, v);
         }
         let resp = req
@@ -409,6 +430,200 @@ impl Client {
         }
         Ok(())
     }
+    /// The object's length and `Last-Modified`, or `None` if it is not there.
+    pub fn head_meta(&self, key: &str) -> Result<Option<(u64, OffsetDateTime)>, S3Error> {
+        let path = self.path(key);
+        let mut req = self.agent.head(self.url(&path));
+        for (k, v) in self.sign("HEAD", &path, "", EMPTY_SHA256, &[]) {
+            req = req.header(k, v);
+        }
+        let resp = req.call().map_err(|e| transport("HEAD", key, e))?;
+        match resp.status().as_u16() {
+            200 => {
+                let h = |name: &str| {
+                    resp.headers()
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_string)
+                };
+                let len = h("content-length")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                let modified = h("last-modified")
+                    .and_then(|v| OffsetDateTime::parse(&v, &Rfc2822).ok())
+                    .ok_or_else(|| S3Error::Status {
+                        method: "HEAD",
+                        key: key.into(),
+                        status: 200,
+                        body: "no readable Last-Modified".into(),
+                    })?;
+                Ok(Some((len, modified)))
+            }
+            404 => Ok(None),
+            status => Err(S3Error::Status {
+                method: "HEAD",
+                key: if key.is_empty() {
+                    "(bucket)".into()
+                } else {
+                    key.into()
+                },
+                status,
+                body: String::new(),
+            }),
+        }
+    }
+
+    /// Every object whose key starts with `prefix` (ListObjectsV2, 1000 a page, every page).
+    pub fn list(&self, prefix: &str) -> Result<Vec<ListedObject>, S3Error> {
+        let path = self.path("");
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            // Sorted by name, as SigV4's canonical query wants.
+            let mut params = vec![("list-type", "2".to_string()), ("prefix", prefix.into())];
+            if let Some(t) = &token {
+                params.push(("continuation-token", t.clone()));
+            }
+            params.sort();
+            let query = params
+                .iter()
+                .map(|(k, v)| format!("{k}={}", query_encode(v)))
+                .collect::<Vec<_>>()
+                .join("&");
+            let mut req = self.agent.get(format!("{}?{query}", self.url(&path)));
+            for (k, v) in self.sign("GET", &path, &query, EMPTY_SHA256, &[]) {
+                req = req.header(k, v);
+            }
+            let key = format!("(list {prefix})");
+            let resp = req.call().map_err(|e| transport("GET", &key, e))?;
+            let status = resp.status().as_u16();
+            let mut body = resp.into_body();
+            if status != 200 {
+                return Err(status_error("GET", &key, status, &mut body));
+            }
+            let mut text = String::new();
+            body.as_reader()
+                .take(16 * 1024 * 1024)
+                .read_to_string(&mut text)
+                .map_err(|e| transport("GET", &key, ureq::Error::Io(e)))?;
+            let page = parse_list_page(&text).ok_or_else(|| S3Error::Status {
+                method: "GET",
+                key: key.clone(),
+                status,
+                body: "unreadable ListObjectsV2 answer".into(),
+            })?;
+            out.extend(page.objects);
+            match page.next {
+                Some(t) => token = Some(t),
+                None => return Ok(out),
+            }
+        }
+    }
+
+    /// Deletes the object (one that is not there is not an error).
+    pub fn delete(&self, key: &str) -> Result<(), S3Error> {
+        let path = self.path(key);
+        let mut req = self.agent.delete(self.url(&path));
+        for (k, v) in self.sign("DELETE", &path, "", EMPTY_SHA256, &[]) {
+            req = req.header(k, v);
+        }
+        let resp = req.call().map_err(|e| transport("DELETE", key, e))?;
+        let status = resp.status().as_u16();
+        let mut body = resp.into_body();
+        if status != 204 && status != 200 && status != 404 {
+            return Err(status_error("DELETE", key, status, &mut body));
+        }
+        Ok(())
+    }
+
+    /// Renews the object's `Last-Modified` without sending its bytes (a server-side copy onto
+    /// itself): a chunk an upload found already there is then as young as a sent one, and the
+    /// remote GC's grace period protects it the same way.
+    pub fn touch(&self, key: &str) -> Result<(), S3Error> {
+        let path = self.path(key);
+        let source = path.clone();
+        let extra = [
+            ("x-amz-copy-source", source.as_str()),
+            ("x-amz-metadata-directive", "REPLACE"),
+        ];
+        let mut req = self.agent.put(self.url(&path));
+        for (k, v) in self.sign("PUT", &path, "", EMPTY_SHA256, &extra) {
+            req = req.header(k, v);
+        }
+        let resp = req.send_empty().map_err(|e| transport("PUT", key, e))?;
+        let status = resp.status().as_u16();
+        let mut body = resp.into_body();
+        if status != 200 {
+            return Err(status_error("PUT", key, status, &mut body));
+        }
+        // A copy can fail after its 200: the error is then in the body.
+        let mut text = String::new();
+        let _ = body.as_reader().take(4096).read_to_string(&mut text);
+        if text.contains("<Error>") {
+            return Err(S3Error::Status {
+                method: "PUT",
+                key: key.into(),
+                status,
+                body: xml_field(&text, "Code").unwrap_or_default(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// One object of a listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedObject {
+    pub key: String,
+    pub size: u64,
+    pub last_modified: OffsetDateTime,
+}
+
+struct ListPage {
+    objects: Vec<ListedObject>,
+    /// The continuation token when the listing is truncated.
+    next: Option<String>,
+}
+
+/// The text of the first `<name>…</name>` in `xml`, entities decoded.
+fn xml_field(xml: &str, name: &str) -> Option<String> {
+    let open = format!("<{name}>");
+    let close = format!("</{name}>");
+    let (_, rest) = xml.split_once(&open)?;
+    let (v, _) = rest.split_once(&close)?;
+    Some(
+        v.replace("&lt;", "<")
+            .replace("&gt;", ">")
+            .replace("&quot;", "\"")
+            .replace("&apos;", "'")
+            .replace("&amp;", "&"),
+    )
+}
+
+/// One ListObjectsV2 answer; `None` if it does not read as one.
+fn parse_list_page(xml: &str) -> Option<ListPage> {
+    let mut objects = Vec::new();
+    for part in xml.split("<Contents>").skip(1) {
+        let (c, _) = part.split_once("</Contents>")?;
+        objects.push(ListedObject {
+            key: xml_field(c, "Key")?,
+            size: xml_field(c, "Size")?.parse().ok()?,
+            last_modified: OffsetDateTime::parse(&xml_field(c, "LastModified")?, &Rfc3339).ok()?,
+        });
+    }
+    let truncated = xml_field(xml, "IsTruncated").as_deref() == Some("true");
+    let next = if truncated {
+        Some(xml_field(xml, "NextContinuationToken")?)
+    } else {
+        None
+    };
+    Some(ListPage { objects, next })
+}
+
+/// A query-string value as SigV4 wants it: every byte but the unreserved ones encoded (`/`
+/// too).
+fn query_encode(v: &str) -> String {
+    uri_encode(v).replace('/', "%2F")
 }
 
 fn etag_of(headers: &ureq::http::HeaderMap) -> String {
@@ -486,6 +701,50 @@ mod tests {
             hex::encode(k),
             "f4780e2d9f65fa895f9c67b32ce1baf0b0d8a43505a000a1a9e090d414db404d"
         );
+    }
+
+    #[test]
+    fn a_list_page_reads_keys_sizes_times_and_the_continuation() {
+        let xml = r#"<?xml version="1.0"?><ListBucketResult><Name>b</Name><IsTruncated>true</IsTruncated><Contents><Key>p/chunks/a&amp;b</Key><LastModified>2026-11-25T06:38:34.123Z</LastModified><Size>5</Size></Contents><Contents><Key>p/layers/c</Key><LastModified>2026-11-25T06:38:35.000Z</LastModified><Size>7</Size></Contents><NextContinuationToken>tok/1+</NextContinuationToken></ListBucketResult>"#;
+        let page = parse_list_page(xml).unwrap();
+        assert_eq!(page.objects.len(), 2);
+        assert_eq!(page.objects[0].key, "p/chunks/a&b");
+        assert_eq!(page.objects[1].size, 7);
+        assert_eq!(
+            page.objects[0].last_modified.unix_timestamp(),
+            1_795_588_714
+        );
+        assert_eq!(page.next.as_deref(), Some("tok/1+"));
+        assert_eq!(query_encode("tok/1+"), "tok%2F1%2B");
+        let last = parse_list_page(
+            "<ListBucketResult><IsTruncated>false</IsTruncated></ListBucketResult>",
+        )
+        .unwrap();
+        assert!(last.objects.is_empty() && last.next.is_none());
+        // Truncated without a token, or an entry without a size: not a listing.
+        assert!(parse_list_page("<IsTruncated>true</IsTruncated>").is_none());
+        assert!(parse_list_page("<Contents><Key>k</Key></Contents>").is_none());
+    }
+
+    #[test]
+    fn status_codes_map_to_the_offsite_codes() {
+        let st = |status: u16, body: &str| S3Error::Status {
+            method: "PUT",
+            key: "k".into(),
+            status,
+            body: body.into(),
+        };
+        assert_eq!(
+            st(403, "SignatureDoesNotMatch").code(),
+            ErrorCode::OffsiteDenied
+        );
+        assert_eq!(
+            st(403, "QuotaExceeded").code(),
+            ErrorCode::OffsiteQuotaExceeded
+        );
+        assert_eq!(st(507, "").code(), ErrorCode::OffsiteQuotaExceeded);
+        assert_eq!(st(500, "").code(), ErrorCode::OffsiteUnreachable);
+        assert_eq!(st(404, "").code(), ErrorCode::OffsiteUnreachable);
     }
 
     #[test]

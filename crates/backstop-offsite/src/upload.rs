@@ -25,6 +25,7 @@ use sha2::{Digest, Sha256};
 use crate::config::OffsiteConfig;
 use crate::keys::HostSigningKey;
 use crate::queue::{backoff_ms, Entry, EntryState, Queue};
+use crate::retention::{self, GcError, GcReport};
 use crate::s3::{Client, S3Error};
 
 /// The ed25519 signature object's name beside `manifest.json`.
@@ -61,11 +62,7 @@ impl Failure {
 
 impl From<S3Error> for Failure {
     fn from(e: S3Error) -> Failure {
-        let code = match e {
-            S3Error::Local { .. } => ErrorCode::StoreIo,
-            _ => ErrorCode::OffsiteUnreachable,
-        };
-        Failure::new(code, e.to_string())
+        Failure::new(e.code(), e.to_string())
     }
 }
 
@@ -75,6 +72,31 @@ pub struct UploadStats {
     pub bytes_uploaded: u64,
     pub objects_uploaded: u64,
     pub objects_present: u64,
+}
+
+/// A change of the replication lag worth a journal entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LagChange {
+    /// The oldest queued snapshot has waited longer than `lag_threshold_s`.
+    Lagging,
+    /// No queued snapshot has waited that long any more (or the queue is empty).
+    CaughtUp,
+}
+
+/// The lag decision: `oldest_wait_ms` is how long the oldest pending snapshot has waited
+/// (`None`: nothing pending). Journaled once when the threshold is passed, once when it is not
+/// any more.
+pub fn lag_change(
+    was_lagging: bool,
+    oldest_wait_ms: Option<u64>,
+    threshold_s: u64,
+) -> Option<LagChange> {
+    let over = oldest_wait_ms.is_some_and(|w| w > threshold_s.saturating_mul(1000));
+    match (was_lagging, over) {
+        (false, true) => Some(LagChange::Lagging),
+        (true, false) => Some(LagChange::CaughtUp),
+        _ => None,
+    }
 }
 
 /// The queue as `status` shows it.
@@ -89,6 +111,12 @@ pub struct QueueView {
     pub uploading: Option<String>,
     pub last_error: Option<String>,
     pub bytes_uploaded_total: u64,
+    /// How long the oldest pending snapshot has waited, seconds.
+    pub oldest_pending_s: Option<u64>,
+    /// It has waited longer than `lag_threshold_s` (journaled as
+    /// `snapshot.replication.lagging`).
+    pub lagging: bool,
+    pub lag_threshold_s: u64,
 }
 
 struct Inner {
@@ -102,6 +130,10 @@ struct Inner {
     current: Mutex<Option<String>>,
     bytes_total: AtomicU64,
     stop: AtomicBool,
+    /// Since when (unix ms) the queue has lagged; 0: it does not.
+    lagging_since_ms: AtomicU64,
+    /// One remote GC pass at a time (the interval's and the console's).
+    gc_lock: Mutex<()>,
 }
 
 /// The running uploader (cheap to clone).
@@ -133,13 +165,27 @@ impl Uploader {
             current: Mutex::new(None),
             bytes_total: AtomicU64::new(0),
             stop: AtomicBool::new(false),
+            lagging_since_ms: AtomicU64::new(0),
+            gc_lock: Mutex::new(()),
         });
         let run = Arc::clone(&inner);
         std::thread::Builder::new()
             .name("offsite-upload".into())
             .spawn(move || run_loop(&run))
             .map_err(|e| format!("spawn the uploader: {e}"))?;
+        if inner.cfg.retention.gc_interval_s > 0 {
+            let run = Arc::clone(&inner);
+            std::thread::Builder::new()
+                .name("offsite-gc".into())
+                .spawn(move || gc_loop(&run))
+                .map_err(|e| format!("spawn the remote GC: {e}"))?;
+        }
         Ok(Uploader { inner })
+    }
+
+    /// One remote retention and GC pass now (`backstop offsite gc`); journaled unless dry.
+    pub fn gc(&self, dry_run: bool) -> Result<GcReport, GcError> {
+        gc_pass(&self.inner, dry_run, "console")
     }
 
     /// This snapshot's queue entry, if any.
@@ -159,6 +205,9 @@ impl Uploader {
             bucket: self.inner.cfg.bucket.clone(),
             uploading: lock(&self.inner.current).clone(),
             bytes_uploaded_total: self.inner.bytes_total.load(Ordering::Relaxed),
+            oldest_pending_s: oldest_pending(&q, now_ms()).map(|(_, w)| w / 1000),
+            lagging: self.inner.lagging_since_ms.load(Ordering::Relaxed) != 0,
+            lag_threshold_s: self.inner.cfg.lag_threshold_s,
             ..QueueView::default()
         };
         for e in q.entries() {
@@ -191,11 +240,134 @@ fn now_ms() -> u64 {
         .unwrap_or(0)
 }
 
+/// The oldest pending entry and how long it has waited (ms).
+fn oldest_pending(q: &Queue, now_ms: u64) -> Option<(Entry, u64)> {
+    q.entries()
+        .filter(|e| e.state == EntryState::Pending)
+        .filter_map(|e| {
+            let t = backstop_common::time::parse_rfc3339(&e.enqueued_at)?;
+            let ms = (t.unix_timestamp_nanos() / 1_000_000).max(0) as u64;
+            Some((e.clone(), now_ms.saturating_sub(ms)))
+        })
+        .max_by_key(|(_, w)| *w)
+}
+
+/// Journals the lag's changes (`snapshot.replication.lagging` / `.caught_up`).
+fn check_lag(inner: &Inner) {
+    let now = now_ms();
+    let oldest = oldest_pending(&lock(&inner.queue), now);
+    let since = inner.lagging_since_ms.load(Ordering::Relaxed);
+    let threshold_s = inner.cfg.lag_threshold_s;
+    match lag_change(since != 0, oldest.as_ref().map(|(_, w)| *w), threshold_s) {
+        Some(LagChange::Lagging) => {
+            let Some((e, wait)) = oldest else { return };
+            inner.lagging_since_ms.store(now.max(1), Ordering::Relaxed);
+            let pending = lock(&inner.queue)
+                .entries()
+                .filter(|e| e.state == EntryState::Pending)
+                .count();
+            tracing::warn!(vm = %e.vm, snapshot_id = %e.snapshot_id, wait_s = wait / 1000,
+                threshold_s, pending, "off-host replication is lagging");
+            (inner.journal)(
+                AuditEvent::SnapshotReplicationLagging,
+                &e.snapshot_id,
+                "lagging",
+                json!({"vm": e.vm, "oldest_wait_s": wait / 1000, "threshold_s": threshold_s,
+                    "pending": pending, "last_error": e.last_error}),
+            );
+        }
+        Some(LagChange::CaughtUp) => {
+            inner.lagging_since_ms.store(0, Ordering::Relaxed);
+            let lagged_s = now.saturating_sub(since) / 1000;
+            tracing::info!(lagged_s, "off-host replication caught up");
+            let id = oldest.map(|(e, _)| e.snapshot_id).unwrap_or_default();
+            (inner.journal)(
+                AuditEvent::SnapshotReplicationCaughtUp,
+                &id,
+                "ok",
+                json!({"lagged_s": lagged_s, "threshold_s": threshold_s}),
+            );
+        }
+        None => {}
+    }
+}
+
+/// Runs a pass every `gc_interval_s` (the first one interval after the start).
+fn gc_loop(inner: &Inner) {
+    let interval_ms = inner.cfg.retention.gc_interval_s.saturating_mul(1000);
+    let mut last = now_ms();
+    while !inner.stop.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(500));
+        if now_ms().saturating_sub(last) < interval_ms {
+            continue;
+        }
+        if let Err(e) = gc_pass(inner, false, "interval") {
+            tracing::warn!(code = %e.code, error = %e.message, "remote GC pass failed; next at the next interval");
+        }
+        last = now_ms();
+    }
+}
+
+/// One pass, journaled: `offsite.retention.pruned` per snapshot deleted, `offsite.gc.swept`
+/// for a pass that deleted anything or that a person asked for.
+fn gc_pass(inner: &Inner, dry_run: bool, trigger: &str) -> Result<GcReport, GcError> {
+    let _one = lock(&inner.gc_lock);
+    let host = inner.cfg.host.clone();
+    let journal = &inner.journal;
+    let result = retention::run(&inner.cfg, &inner.client, dry_run, &mut |p| {
+        journal(
+            AuditEvent::OffsiteRetentionPruned,
+            &p.snapshot_id,
+            "ok",
+            json!({"host": host, "reason": p.reason, "objects": p.objects, "bytes": p.bytes,
+                "trigger": trigger}),
+        );
+    });
+    match &result {
+        Ok(r) => {
+            tracing::info!(
+                dry_run,
+                trigger,
+                pruned = r.snapshots_pruned.len(),
+                swept = r.objects_swept,
+                bytes = r.bytes_swept,
+                in_grace = r.objects_in_grace,
+                ms = r.total_ms,
+                "remote GC pass"
+            );
+            let did = !r.snapshots_pruned.is_empty() || r.objects_swept > 0;
+            if !dry_run && (did || trigger == "console") {
+                journal(
+                    AuditEvent::OffsiteGcSwept,
+                    "",
+                    "ok",
+                    json!({"host": r.host, "objects_swept": r.objects_swept,
+                        "bytes_swept": r.bytes_swept, "objects_referenced": r.objects_referenced,
+                        "objects_in_grace": r.objects_in_grace,
+                        "snapshots_pruned": r.snapshots_pruned.len(), "trigger": trigger,
+                        "total_ms": r.total_ms}),
+                );
+            }
+        }
+        Err(e) if !dry_run => journal(
+            AuditEvent::OffsiteGcSwept,
+            "",
+            "failed",
+            json!({"host": inner.cfg.host, "objects_swept": 0, "bytes_swept": 0,
+                "objects_referenced": 0, "objects_in_grace": 0, "snapshots_pruned": 0,
+                "trigger": trigger, "code": e.code.as_str(), "error": e.message}),
+        ),
+        Err(_) => {}
+    }
+    result
+}
+
 fn run_loop(inner: &Inner) {
     let mut last_scan = 0u64;
     while !inner.stop.load(Ordering::SeqCst) {
         if now_ms().saturating_sub(last_scan) >= 1000 {
             scan(inner);
+            check_lag(inner);
             last_scan = now_ms();
         }
         let due = lock(&inner.queue).next_due(now_ms());
@@ -470,9 +642,19 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
 /// HEAD, then PUT unless an object of the right length is there; true if sent. A chunk is
 /// checked against its name before it leaves (a damaged local chunk is not replicated); a
 /// layer's digest goes with the PUT and the gateway refuses bytes that do not match it.
+///
+/// An object found there whose `LastModified` is older than half the remote GC's grace period
+/// is renewed (a server-side copy, no bytes sent): the manifest about to name it must find it
+/// (see `retention`).
 fn put_object(inner: &Inner, o: &Object) -> Result<bool, Failure> {
-    if inner.client.head(&o.key)? == Some(o.len) {
-        return Ok(false);
+    if let Some((len, modified)) = inner.client.head_meta(&o.key)? {
+        if len == o.len {
+            let age_s = (time::OffsetDateTime::now_utc() - modified).whole_seconds();
+            if age_s > (inner.cfg.retention.gc_grace_s / 2) as i64 {
+                inner.client.touch(&o.key)?;
+            }
+            return Ok(false);
+        }
     }
     let local =
         |e: std::io::Error| Failure::new(ErrorCode::StoreIo, format!("{}: {e}", o.path.display()));
@@ -496,4 +678,24 @@ fn put_object(inner: &Inner, o: &Object) -> Result<bool, Failure> {
         inner.client.put_reader(&o.key, &mut f, o.len, &o.sha256)?;
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lag_is_journaled_once_when_passed_and_once_when_caught_up() {
+        // 10 s threshold.
+        assert_eq!(lag_change(false, None, 10), None);
+        assert_eq!(lag_change(false, Some(10_000), 10), None);
+        assert_eq!(
+            lag_change(false, Some(10_001), 10),
+            Some(LagChange::Lagging)
+        );
+        assert_eq!(lag_change(true, Some(50_000), 10), None);
+        assert_eq!(lag_change(true, Some(2_000), 10), Some(LagChange::CaughtUp));
+        assert_eq!(lag_change(true, None, 10), Some(LagChange::CaughtUp));
+        assert_eq!(lag_change(false, Some(u64::MAX), u64::MAX), None);
+    }
 }

@@ -1,6 +1,8 @@
 //! The S3 client against a real Ceph RADOS Gateway (scripts/ceph-cluster.sh): bucket creation,
-//! PUT/HEAD/GET, a body whose announced sha256 is wrong refused by the gateway, and the upload
-//! throughput of 4 MiB objects. Skipped (loudly) without Ceph unless BACKSTOP_REQUIRE_CEPH=1.
+//! PUT/HEAD/GET, a body whose announced sha256 is wrong refused by the gateway, the upload
+//! throughput of 4 MiB objects; listing (paged), DELETE and touch; remote retention and GC
+//! (mark-and-sweep with a grace period); wrong credentials (ERR_OFFSITE_DENIED) and a full
+//! bucket quota (ERR_OFFSITE_QUOTA_EXCEEDED); leases as compare-and-swap PUTs. Skipped (loudly) without Ceph unless BACKSTOP_REQUIRE_CEPH=1.
 #![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
@@ -108,6 +110,374 @@ fn the_client_talks_to_a_real_gateway() {
         s,
         64.0 / s
     );
+}
+
+fn config(c: &Cluster, bucket: &str, extra: &str, secret: Option<&str>) -> OffsiteConfig {
+    let text = format!(
+        "[offsite]\nendpoint = \"{}\"\nbucket = \"{bucket}\"\nprefix = \"t\"\nhost = \"a\"\n{extra}",
+        c.var("S3_ENDPOINT")
+    );
+    let ak = c.var("S3_ACCESS_KEY");
+    let sk = secret.map_or_else(|| c.var("S3_SECRET_KEY"), str::to_string);
+    let env = move |k: &str| match k {
+        backstop_offsite::config::ENV_ACCESS_KEY => Some(ak.clone()),
+        backstop_offsite::config::ENV_SECRET_KEY => Some(sk.clone()),
+        _ => None,
+    };
+    OffsiteConfig::from_file_text(&text, &env).unwrap().unwrap()
+}
+
+fn sha(b: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(b))
+}
+
+/// Puts a chunk (or layer) object; returns its digest.
+fn put_blob(client: &Client, dir: &str, body: &[u8]) -> String {
+    let d = sha(body);
+    client.put(&format!("t/{dir}/{d}"), body).unwrap();
+    d
+}
+
+/// Puts a synthetic snapshot of `host`: one index naming `chunks`, a manifest naming the index
+/// and `layers`, created `age_s` ago, and (if `signed`) a signature object.
+fn put_snapshot(
+    client: &Client,
+    host: &str,
+    id: &str,
+    age_s: i64,
+    chunks: &[&str],
+    layers: &[&str],
+    signed: bool,
+) {
+    let p = format!("t/hosts/{host}/snapshots/{id}");
+    let index = serde_json::json!({
+        "chunks": chunks.iter().map(|c| serde_json::json!({"sha256": c, "crc32": "00000000", "len": 5})).collect::<Vec<_>>(),
+        "total_bytes": 5 * chunks.len(),
+    });
+    client
+        .put(&format!("{p}/vmstate.index"), index.to_string().as_bytes())
+        .unwrap();
+    let created = time::OffsetDateTime::now_utc() - time::Duration::seconds(age_s);
+    let manifest = serde_json::json!({
+        "snapshot_id": id,
+        "created_at": backstop_common::time::rfc3339(created),
+        "payload_refs": [
+            {"name": "vmstate", "index": "vmstate.index", "layers": []},
+            {"name": "disk:data", "layers": layers.iter().map(|l| serde_json::json!({"sha256": l, "bytes": 5})).collect::<Vec<_>>()},
+        ],
+    });
+    client
+        .put(
+            &format!("{p}/manifest.json"),
+            manifest.to_string().as_bytes(),
+        )
+        .unwrap();
+    if signed {
+        client
+            .put(&format!("{p}/manifest.ed25519"), b"sig")
+            .unwrap();
+    }
+}
+
+fn keys(client: &Client, prefix: &str) -> Vec<String> {
+    client
+        .list(prefix)
+        .unwrap()
+        .into_iter()
+        .map(|o| o.key)
+        .collect()
+}
+
+#[test]
+fn remote_gc_sweeps_only_unreferenced_objects_past_the_grace() {
+    let Some(c) = Cluster::start() else { return };
+    let cfg = config(
+        &c,
+        "gc-test",
+        "[offsite.retention]\nkeep_last = 1\ngc_grace_s = 2\ngc_interval_s = 0\n",
+        None,
+    );
+    let client = Client::new(&cfg, Duration::from_secs(60));
+    client.ensure_bucket().unwrap();
+
+    // Listing pages: 1003 objects come back in two pages.
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for k in 0..4 {
+            let client = &client;
+            s.spawn(move || {
+                for i in (k..1003).step_by(4) {
+                    client.put(&format!("many/{i:04}"), b"x").unwrap();
+                }
+            });
+        }
+    });
+    let many = client.list("many/").unwrap();
+    assert_eq!(many.len(), 1003);
+    println!(
+        "rgw: 1003 PUTs and a 2-page listing in {} ms",
+        t.elapsed().as_millis()
+    );
+    client.delete("many/0000").unwrap();
+    client.delete("many/0000").unwrap(); // not there: not an error
+    assert_eq!(client.list("many/").unwrap().len(), 1002);
+
+    // Host a: an old snapshot s1 (chunks c1 c2, layer l1) and a new one s2 (c2 c3, l2); host b:
+    // an old one (c4) that host a's rule never touches; c5 referenced by nobody.
+    let ids = ["11".repeat(16), "22".repeat(16), "33".repeat(16)];
+    let c1 = put_blob(&client, "chunks", b"one..");
+    let c2 = put_blob(&client, "chunks", b"two..");
+    let c3 = put_blob(&client, "chunks", b"three");
+    let c4 = put_blob(&client, "chunks", b"four.");
+    let c5 = put_blob(&client, "chunks", b"five.");
+    let l1 = put_blob(&client, "layers", b"lay-1");
+    let l2 = put_blob(&client, "layers", b"lay-2");
+    put_snapshot(&client, "a", &ids[0], 7200, &[&c1, &c2], &[&l1], true);
+    put_snapshot(&client, "a", &ids[1], 10, &[&c2, &c3], &[&l2], true);
+    put_snapshot(&client, "b", &ids[2], 9000, &[&c4], &[], true);
+    std::thread::sleep(Duration::from_secs(3));
+    // An upload in progress: its chunk is there, its manifest not yet.
+    let c6 = put_blob(&client, "chunks", b"six..");
+
+    let dry = backstop_offsite::retention::run(&cfg, &client, true, &mut |_| {
+        panic!("a dry run deletes nothing")
+    })
+    .unwrap();
+    println!("rgw gc dry run: {dry:?}");
+    assert_eq!(dry.snapshots_pruned.len(), 1);
+    assert_eq!(dry.snapshots_pruned[0].snapshot_id, ids[0]);
+    assert_eq!(dry.snapshots_kept, 1);
+    assert_eq!((dry.objects_swept, dry.bytes_swept), (3, 15)); // c1 c5 l1
+    assert_eq!(dry.objects_in_grace, 1); // c6
+    assert_eq!(dry.objects_referenced, 4); // c2 c3 c4 l2
+    assert_eq!(keys(&client, "t/chunks/").len(), 6);
+
+    let mut pruned = Vec::new();
+    let r = backstop_offsite::retention::run(&cfg, &client, false, &mut |p| {
+        pruned.push(p.snapshot_id.clone())
+    })
+    .unwrap();
+    println!("rgw gc: {r:?}");
+    assert_eq!(pruned, [ids[0].clone()]);
+    assert_eq!((r.objects_swept, r.objects_in_grace), (3, 1));
+    assert!(keys(&client, &format!("t/hosts/a/snapshots/{}/", ids[0])).is_empty());
+    assert_eq!(
+        keys(&client, &format!("t/hosts/a/snapshots/{}/", ids[1])).len(),
+        3
+    );
+    assert_eq!(
+        keys(&client, &format!("t/hosts/b/snapshots/{}/", ids[2])).len(),
+        3
+    );
+    let left = |dir: &str| -> Vec<String> {
+        keys(&client, &format!("t/{dir}/"))
+            .into_iter()
+            .map(|k| k.rsplit('/').next().unwrap().to_string())
+            .collect()
+    };
+    let mut want = vec![c2.clone(), c3.clone(), c4.clone(), c6.clone()];
+    want.sort();
+    assert_eq!(left("chunks"), want);
+    assert!(!left("chunks").contains(&c1) && !left("chunks").contains(&c5));
+    assert_eq!(left("layers"), std::slice::from_ref(&l2));
+
+    // A chunk found already there by an upload is renewed (no bytes sent): it then counts as
+    // young, and a manifest uploaded meanwhile finds it.
+    let (_, before) = client
+        .head_meta(&format!("t/chunks/{c6}"))
+        .unwrap()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(3));
+    client.touch(&format!("t/chunks/{c6}")).unwrap();
+    let (len, after) = client
+        .head_meta(&format!("t/chunks/{c6}"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(len, 5);
+    assert!(
+        after > before,
+        "touch did not renew LastModified: {before} {after}"
+    );
+    assert_eq!(client.get(&format!("t/chunks/{c6}"), 5).unwrap(), b"six..");
+    let r = backstop_offsite::retention::run(&cfg, &client, false, &mut |_| {}).unwrap();
+    assert_eq!((r.objects_swept, r.objects_in_grace), (0, 1));
+    // Past the grace, still unreferenced: swept.
+    std::thread::sleep(Duration::from_secs(3));
+    let r = backstop_offsite::retention::run(&cfg, &client, false, &mut |_| {}).unwrap();
+    assert_eq!((r.objects_swept, r.objects_in_grace), (1, 0));
+    assert!(!left("chunks").contains(&c6));
+
+    // An upload that never finished (no signature), older than the grace: its rest goes.
+    put_snapshot(&client, "a", &"44".repeat(16), 0, &[&c2], &[], false);
+    std::thread::sleep(Duration::from_secs(3));
+    let r = backstop_offsite::retention::run(&cfg, &client, false, &mut |_| {}).unwrap();
+    assert_eq!(r.snapshots_pruned.len(), 1, "{r:?}");
+    assert!(keys(
+        &client,
+        &format!("t/hosts/a/snapshots/{}/", "44".repeat(16))
+    )
+    .is_empty());
+    assert_eq!(r.snapshots_kept, 1);
+}
+
+#[test]
+fn wrong_credentials_are_denied_and_a_full_bucket_says_quota_exceeded() {
+    let Some(c) = Cluster::start() else { return };
+    let good = Client::new(&config(&c, "quota-test", "", None), Duration::from_secs(60));
+    good.ensure_bucket().unwrap();
+    let bad = Client::new(
+        &config(&c, "quota-test", "", Some("not-the-secret")),
+        Duration::from_secs(60),
+    );
+    let e = bad.put("t/chunks/x", b"hello").unwrap_err();
+    println!("rgw: wrong secret: {e}");
+    assert_eq!(e.code().as_str(), "ERR_OFFSITE_DENIED", "{e}");
+    assert_eq!(
+        bad.head("t/chunks/x").unwrap_err().code().as_str(),
+        "ERR_OFFSITE_DENIED"
+    );
+
+    // A bucket quota of 1 MiB (RGW's own, radosgw-admin).
+    let admin = |args: &[&str]| {
+        let out = Command::new("radosgw-admin")
+            .arg("-c")
+            .arg(c.var("CEPH_CONF"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "radosgw-admin {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    admin(&[
+        "quota",
+        "set",
+        "--quota-scope=bucket",
+        "--bucket=quota-test",
+        "--max-size=1048576",
+    ]);
+    admin(&[
+        "quota",
+        "enable",
+        "--quota-scope=bucket",
+        "--bucket=quota-test",
+    ]);
+    let body = vec![7u8; 256 * 1024];
+    let t = Instant::now();
+    let mut refused = None;
+    for i in 0..40 {
+        match good.put(&format!("t/chunks/q{i}"), &body) {
+            Ok(()) => {}
+            Err(e) => {
+                refused = Some((i, e));
+                break;
+            }
+        }
+    }
+    let (i, e) = refused.expect("40 x 256 KiB accepted under a 1 MiB quota");
+    println!(
+        "rgw: quota 1 MiB: PUT {i} of 256 KiB refused after {} ms: {e}",
+        t.elapsed().as_millis()
+    );
+    assert_eq!(e.code().as_str(), "ERR_OFFSITE_QUOTA_EXCEEDED", "{e}");
+    assert!(i <= 5, "refused only at PUT {i}");
+    // Raised: accepted again.
+    admin(&[
+        "quota",
+        "set",
+        "--quota-scope=bucket",
+        "--bucket=quota-test",
+        "--max-size=104857600",
+    ]);
+    let start = Instant::now();
+    loop {
+        match good.put("t/chunks/after", &body) {
+            Ok(()) => break,
+            Err(e) => assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "still refused: {e}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    println!(
+        "rgw: quota raised: accepted after {} ms",
+        start.elapsed().as_millis()
+    );
+}
+
+#[test]
+fn the_uploader_runs_retention_and_gc_every_interval_and_journals_it() {
+    let Some(c) = Cluster::start() else { return };
+    let cfg = config(
+        &c,
+        "interval-test",
+        "[offsite.retention]\nkeep_last = 1\ngc_grace_s = 1\ngc_interval_s = 1\n",
+        None,
+    );
+    let client = Client::new(&cfg, Duration::from_secs(60));
+    client.ensure_bucket().unwrap();
+    let (old, new) = ("55".repeat(16), "66".repeat(16));
+    let c1 = put_blob(&client, "chunks", b"seven");
+    let c2 = put_blob(&client, "chunks", b"eight");
+    let orphan = put_blob(&client, "layers", b"nine.");
+    put_snapshot(&client, "a", &old, 600, &[&c1], &[], true);
+    put_snapshot(&client, "a", &new, 10, &[&c2], &[], true);
+    std::thread::sleep(Duration::from_secs(2));
+
+    let dir = tempfile::tempdir().unwrap();
+    let journal: std::sync::Arc<std::sync::Mutex<Vec<(String, String, serde_json::Value)>>> =
+        Default::default();
+    let sink = std::sync::Arc::clone(&journal);
+    let uploader = backstop_offsite::Uploader::start(
+        cfg,
+        &dir.path().join("queue.json"),
+        backstop_integrity::HostKey::from_bytes([1; 32]),
+        backstop_offsite::HostSigningKey::load_or_create(dir.path()).unwrap(),
+        Box::new(Vec::new),
+        Box::new(move |event, id, _result, fields| {
+            sink.lock()
+                .unwrap()
+                .push((event.as_str().to_string(), id.to_string(), fields));
+        }),
+    )
+    .unwrap();
+    let start = Instant::now();
+    let swept = loop {
+        let j = journal.lock().unwrap().clone();
+        if let Some(e) = j.iter().find(|e| e.0 == "offsite.gc.swept") {
+            break (j.clone(), e.2.clone());
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no pass journaled: {j:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    uploader.stop();
+    let (j, fields) = swept;
+    println!(
+        "rgw: interval pass after {} ms: {fields}",
+        start.elapsed().as_millis()
+    );
+    assert!(j
+        .iter()
+        .any(|e| e.0 == "offsite.retention.pruned" && e.1 == old));
+    assert_eq!(fields["trigger"], "interval");
+    assert_eq!(fields["objects_swept"], 2, "{fields}"); // c1 and the orphan layer
+    assert!(keys(&client, &format!("t/hosts/a/snapshots/{old}/")).is_empty());
+    assert_eq!(
+        keys(&client, &format!("t/hosts/a/snapshots/{new}/")).len(),
+        3
+    );
+    assert!(client
+        .head(&format!("t/layers/{orphan}"))
+        .unwrap()
+        .is_none());
+    assert!(client.head(&format!("t/chunks/{c2}")).unwrap().is_some());
 }
 
 /// The gateway's compare-and-swap on PUT, as the leases use it, then two hosts' lease keepers

@@ -499,6 +499,19 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
             let _ = conn.send(&reply);
             return;
         }
+        Request::OffsiteGc { dry_run } => {
+            let reply = match offsite {
+                Some(o) => o.gc(dry_run),
+                None => Reply::Failed {
+                    code: backstop_common::ErrorCode::OffsiteNotConfigured
+                        .as_str()
+                        .into(),
+                    message: "this daemon has no [offsite] table: no bucket to collect".into(),
+                },
+            };
+            let _ = conn.send(&reply);
+            return;
+        }
         _ => {}
     }
     let vm = match engine.route(envelope.vm.as_deref()) {
@@ -634,6 +647,9 @@ fn permitted(role: backstop_control::Role, request: &Request) -> Result<(), Stri
         }
         (backstop_control::Role::Policy, Request::SnapshotPull { .. }) => {
             Err("only a person at the console can pull a snapshot from another host".into())
+        }
+        (backstop_control::Role::Policy, Request::OffsiteGc { .. }) => {
+            Err("only a person at the console can collect the off-host bucket".into())
         }
         (backstop_control::Role::Policy, Request::Reload) => {
             Err("only a person at the console can reload the VM files".into())

@@ -8,13 +8,15 @@ use std::time::{Duration, Instant};
 
 use backstop_common::{AuditEvent, ErrorCode};
 use backstop_control::{
-    LeaseView, OffsiteView, PullReport, ReplicationView, Reply, Request, Response, StartedHere,
+    LeaseView, OffsiteGcReport, OffsitePruned, OffsiteView, PullReport, ReplicationView, Reply,
+    Request, Response, StartedHere,
 };
 use backstop_engine::supervisor::Supervisor;
 use backstop_engine::Caller;
 use backstop_integrity::HostKey;
 use backstop_offsite::lease::{LeaseError, LeaseKeeper};
 use backstop_offsite::pull::{self, PullError};
+use backstop_offsite::retention::DropReason;
 use backstop_offsite::s3::Client;
 use backstop_offsite::{EntryState, HostSigningKey, OffsiteConfig, TrustFile, Uploader, VmStore};
 use serde_json::json;
@@ -160,6 +162,42 @@ impl Offsite {
                     last_write_ms: l.last_write_ms,
                 })
                 .collect(),
+            oldest_pending_s: v.oldest_pending_s,
+            lagging: v.lagging,
+            lag_threshold_s: v.lag_threshold_s,
+        }
+    }
+
+    /// `offsite gc [--dry-run]`: remote retention and GC now (journaled by the uploader).
+    pub fn gc(&self, dry_run: bool) -> Reply {
+        match self.uploader.gc(dry_run) {
+            Ok(r) => Reply::Done(Response::OffsiteGc(OffsiteGcReport {
+                host: r.host,
+                dry_run: r.dry_run,
+                snapshots_pruned: r
+                    .snapshots_pruned
+                    .into_iter()
+                    .map(|p| OffsitePruned {
+                        snapshot_id: p.snapshot_id,
+                        reason: match p.reason {
+                            DropReason::Retention => "retention".into(),
+                            DropReason::Abandoned => "abandoned".into(),
+                        },
+                        objects: p.objects,
+                        bytes: p.bytes,
+                    })
+                    .collect(),
+                snapshots_kept: r.snapshots_kept,
+                objects_referenced: r.objects_referenced,
+                objects_in_grace: r.objects_in_grace,
+                objects_swept: r.objects_swept,
+                bytes_swept: r.bytes_swept,
+                total_ms: r.total_ms,
+            })),
+            Err(e) => Reply::Failed {
+                code: e.code.to_string(),
+                message: e.message,
+            },
         }
     }
 
