@@ -322,11 +322,40 @@ impl Client {
         len: u64,
         sha256_hex: &str,
     ) -> Result<(), S3Error> {
+        self.put_stream(key, reader, len, sha256_hex, false)
+            .map(|_| ())
+    }
+
+    /// [`Client::put_reader`] only if no object has the key (`If-None-Match: *`, which RGW 16
+    /// honours): `Ok(false)` if one has (the bytes went over the wire for nothing, but in one
+    /// round trip instead of a HEAD and a PUT — the uploader uses it for objects that are most
+    /// likely new).
+    pub fn put_reader_if_absent(
+        &self,
+        key: &str,
+        reader: &mut dyn Read,
+        len: u64,
+        sha256_hex: &str,
+    ) -> Result<bool, S3Error> {
+        self.put_stream(key, reader, len, sha256_hex, true)
+    }
+
+    fn put_stream(
+        &self,
+        key: &str,
+        reader: &mut dyn Read,
+        len: u64,
+        sha256_hex: &str,
+        if_absent: bool,
+    ) -> Result<bool, S3Error> {
         let path = self.path(key);
         let mut req = self
             .agent
             .put(self.url(&path))
             .header("content-length", len.to_string());
+        if if_absent {
+            req = req.header("if-none-match", "*");
+        }
         for (k, v) in self.sign("PUT", &path, "", sha256_hex, &[]) {
             req = req.header(k, v);
         }
@@ -339,10 +368,11 @@ impl Client {
             .map_err(|e| transport("PUT", key, e))?;
         let status = resp.status().as_u16();
         let mut body = resp.into_body();
-        if status != 200 {
-            return Err(status_error("PUT", key, status, &mut body));
+        match status {
+            200 => Ok(true),
+            412 if if_absent => Ok(false),
+            _ => Err(status_error("PUT", key, status, &mut body)),
         }
-        Ok(())
     }
 
     /// The object's bytes (at most `limit`) and its ETag (unquoted), or `None` if it is not

@@ -72,6 +72,20 @@ pub struct UploadStats {
     pub bytes_uploaded: u64,
     pub objects_uploaded: u64,
     pub objects_present: u64,
+    /// Bytes of objects PUT because they looked new (not in the parent snapshot) but that the
+    /// bucket had already (`If-None-Match` refused them): sent, not stored again.
+    pub bytes_resent: u64,
+}
+
+/// What [`put_object`] did with one object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Put {
+    /// Sent and stored.
+    Created,
+    /// Already there (found by HEAD, or remembered): nothing sent.
+    Present,
+    /// Already there, found out by sending it (`If-None-Match: *` refused it).
+    Resent,
 }
 
 /// A change of the replication lag worth a journal entry.
@@ -134,7 +148,15 @@ struct Inner {
     lagging_since_ms: AtomicU64,
     /// One remote GC pass at a time (the interval's and the console's).
     gc_lock: Mutex<()>,
+    /// Chunks and layers this uploader sent or found in the bucket, with the object's
+    /// `LastModified` then (unix s): one that is still young by the GC's measure is not asked
+    /// about again (see [`put_object`]).
+    known: Mutex<std::collections::HashMap<String, i64>>,
 }
+
+/// At most this many objects remembered in [`Inner::known`] (~100 bytes each); past it the
+/// memory starts again empty (every object is then asked about once more).
+const KNOWN_MAX: usize = 500_000;
 
 /// The running uploader (cheap to clone).
 #[derive(Clone)]
@@ -167,6 +189,7 @@ impl Uploader {
             stop: AtomicBool::new(false),
             lagging_since_ms: AtomicU64::new(0),
             gc_lock: Mutex::new(()),
+            known: Mutex::new(std::collections::HashMap::new()),
         });
         let run = Arc::clone(&inner);
         std::thread::Builder::new()
@@ -452,7 +475,7 @@ fn attempt(inner: &Inner, mut e: Entry) {
                 &e.snapshot_id,
                 "ok",
                 json!({"vm": e.vm, "host": inner.cfg.host, "bytes_uploaded": stats.bytes_uploaded,
-                    "objects_uploaded": stats.objects_uploaded, "objects_present": stats.objects_present,
+                    "objects_uploaded": stats.objects_uploaded, "objects_present": stats.objects_present, "bytes_resent": stats.bytes_resent,
                     "attempts": e.attempts, "upload_ms": ms}),
             );
             save_entry(inner, e);
@@ -501,6 +524,36 @@ struct Object {
     path: PathBuf,
     len: u64,
     sha256: String,
+    /// Not referenced by the snapshot's parent: most likely not in the bucket yet, so it is
+    /// PUT at once (`If-None-Match: *`) instead of HEAD first.
+    likely_new: bool,
+}
+
+/// What the parent snapshot of `manifest` references (chunks and layers by sha256), read from
+/// this store without verification — only a hint of what the bucket has already. `None` if
+/// there is no parent here or it cannot be read: then every object is asked about first.
+fn parent_refs(store: &Path, manifest: &Manifest) -> Option<BTreeSet<String>> {
+    let parent = manifest.lineage.as_ref()?.parent.as_deref()?;
+    let dir = store.join("snapshots").join(parent);
+    let bytes = std::fs::read(dir.join(MANIFEST_FILE)).ok()?;
+    let m: Value = serde_json::from_slice(&bytes).ok()?;
+    let mut refs = BTreeSet::new();
+    for p in m["payload_refs"].as_array()? {
+        if let Some(index) = p["index"].as_str() {
+            let b = std::fs::read(dir.join(index)).ok()?;
+            refs.extend(
+                ChunkIndex::parse(&b)
+                    .ok()?
+                    .chunks
+                    .into_iter()
+                    .map(|c| c.sha256),
+            );
+        }
+        for l in p["layers"].as_array().into_iter().flatten() {
+            refs.insert(l["sha256"].as_str()?.to_string());
+        }
+    }
+    Some(refs)
 }
 
 /// Uploads one snapshot; `Ok(None)` if it is no longer published here.
@@ -539,6 +592,8 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
     let mut objects = Vec::new();
     let mut seen = BTreeSet::new();
     let mut indexes = Vec::new();
+    let parent = parent_refs(store, &manifest);
+    let likely_new = |sha: &str| parent.as_ref().is_some_and(|p| !p.contains(sha));
     for p in &manifest.payload_refs {
         if let Some(index_name) = &p.index {
             let Some(bytes) = read(index_name, backstop_store::INDEX_MAX_BYTES)? else {
@@ -557,6 +612,7 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
                         path: store.join("chunks").join(&c.sha256[..2]).join(&c.sha256),
                         len: c.len,
                         sha256: c.sha256.clone(),
+                        likely_new: likely_new(&c.sha256),
                     });
                 }
             }
@@ -569,6 +625,7 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
                     path: l.path.clone(),
                     len: l.bytes,
                     sha256: l.sha256.clone(),
+                    likely_new: likely_new(&l.sha256),
                 });
             }
         }
@@ -580,6 +637,7 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
     let bytes = AtomicU64::new(0);
     let sent = AtomicU64::new(0);
     let present = AtomicU64::new(0);
+    let resent = AtomicU64::new(0);
     let threads = (cfg.max_concurrent_uploads as usize)
         .min(objects.len())
         .max(1);
@@ -592,13 +650,17 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
                 let i = next.fetch_add(1, Ordering::SeqCst);
                 let Some(o) = objects.get(i) else { return };
                 match put_object(inner, o) {
-                    Ok(true) => {
+                    Ok(Put::Created) => {
                         sent.fetch_add(1, Ordering::Relaxed);
                         bytes.fetch_add(o.len, Ordering::Relaxed);
                         inner.bytes_total.fetch_add(o.len, Ordering::Relaxed);
                     }
-                    Ok(false) => {
+                    Ok(Put::Present) => {
                         present.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(Put::Resent) => {
+                        present.fetch_add(1, Ordering::Relaxed);
+                        resent.fetch_add(o.len, Ordering::Relaxed);
                     }
                     Err(f) => {
                         lock(&failed).get_or_insert(f);
@@ -636,6 +698,7 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
         bytes_uploaded: bytes.load(Ordering::Relaxed) + small,
         objects_uploaded: sent.load(Ordering::Relaxed) + indexes.len() as u64 + 2,
         objects_present: present.load(Ordering::Relaxed),
+        bytes_resent: resent.load(Ordering::Relaxed),
     }))
 }
 
@@ -646,19 +709,30 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
 /// An object found there whose `LastModified` is older than half the remote GC's grace period
 /// is renewed (a server-side copy, no bytes sent): the manifest about to name it must find it
 /// (see `retention`).
-fn put_object(inner: &Inner, o: &Object) -> Result<bool, Failure> {
-    if let Some((len, modified)) = inner.client.head_meta(&o.key)? {
-        if len == o.len {
-            let age_s = (time::OffsetDateTime::now_utc() - modified).whole_seconds();
-            if age_s > (inner.cfg.retention.gc_grace_s / 2) as i64 {
-                inner.client.touch(&o.key)?;
-            }
-            return Ok(false);
+fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
+    let now = time::OffsetDateTime::now_utc().unix_timestamp();
+    // Young by the GC's measure: no GC deletes it before the manifest is up (see README,
+    // "Remote GC"), exactly as if a HEAD had just said so.
+    let young = |modified: i64| now - modified <= (inner.cfg.retention.gc_grace_s / 2) as i64;
+    let remember = |modified: i64| {
+        let mut k = lock(&inner.known);
+        if k.len() >= KNOWN_MAX {
+            k.clear();
+        }
+        k.insert(o.key.clone(), modified);
+    };
+    if lock(&inner.known).get(&o.key).is_some_and(|m| young(*m)) {
+        return Ok(Put::Present);
+    }
+    if !o.likely_new {
+        if let Some(present) = present_or_touched(inner, o, &young)? {
+            remember(present);
+            return Ok(Put::Present);
         }
     }
     let local =
         |e: std::io::Error| Failure::new(ErrorCode::StoreIo, format!("{}: {e}", o.path.display()));
-    if o.len <= u64::from(backstop_store::CHUNK_MAX_BYTES) {
+    let created = if o.len <= u64::from(backstop_store::CHUNK_MAX_BYTES) {
         let b = std::fs::read(&o.path).map_err(local)?;
         if b.len() as u64 != o.len || hex::encode(Sha256::digest(&b)) != o.sha256 {
             return Err(Failure::new(
@@ -670,14 +744,64 @@ fn put_object(inner: &Inner, o: &Object) -> Result<bool, Failure> {
             ));
         }
         inner.client.throttle.take(0);
-        inner
-            .client
-            .put_reader(&o.key, &mut &b[..], o.len, &o.sha256)?;
+        if o.likely_new {
+            inner
+                .client
+                .put_reader_if_absent(&o.key, &mut &b[..], o.len, &o.sha256)?
+        } else {
+            inner
+                .client
+                .put_reader(&o.key, &mut &b[..], o.len, &o.sha256)?;
+            true
+        }
     } else {
         let mut f = File::open(&o.path).map_err(local)?;
-        inner.client.put_reader(&o.key, &mut f, o.len, &o.sha256)?;
+        if o.likely_new {
+            inner
+                .client
+                .put_reader_if_absent(&o.key, &mut f, o.len, &o.sha256)?
+        } else {
+            inner.client.put_reader(&o.key, &mut f, o.len, &o.sha256)?;
+            true
+        }
+    };
+    if created {
+        remember(now);
+        return Ok(Put::Created);
     }
-    Ok(true)
+    // There after all (another host sent it, or it outlived a local prune): renewed if old.
+    match present_or_touched(inner, o, &young)? {
+        Some(modified) => {
+            remember(modified);
+            Ok(Put::Resent)
+        }
+        None => Err(Failure::new(
+            ErrorCode::OffsiteUnreachable,
+            format!("{}: refused as present, then not found", o.key),
+        )),
+    }
+}
+
+/// HEAD: `Some(LastModified)` if an object of the right length is there — renewed first (a
+/// server-side copy onto itself, no bytes sent) when it is older than half the GC grace, so a
+/// GC pass cannot delete it before the manifest naming it is up; `None` if it must be sent.
+fn present_or_touched(
+    inner: &Inner,
+    o: &Object,
+    young: &dyn Fn(i64) -> bool,
+) -> Result<Option<i64>, Failure> {
+    let Some((len, modified)) = inner.client.head_meta(&o.key)? else {
+        return Ok(None);
+    };
+    if len != o.len {
+        return Ok(None);
+    }
+    let modified = modified.unix_timestamp();
+    if young(modified) {
+        return Ok(Some(modified));
+    }
+    inner.client.touch(&o.key)?;
+    Ok(Some(time::OffsetDateTime::now_utc().unix_timestamp()))
 }
 
 #[cfg(test)]

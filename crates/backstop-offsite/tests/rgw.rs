@@ -95,6 +95,19 @@ fn the_client_talks_to_a_real_gateway() {
         .unwrap_err();
     assert!(e.to_string().contains("400"), "{e}");
     assert_eq!(client.head("chunks/two").unwrap(), None);
+    // A PUT only if absent (the uploader's one-request path for objects that look new): the
+    // gateway stores the first and refuses the second with 412, leaving the first in place.
+    let digest = |b: &[u8]| {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(b))
+    };
+    assert!(client
+        .put_reader_if_absent("chunks/three", &mut &b"first"[..], 5, &digest(b"first"))
+        .unwrap());
+    assert!(!client
+        .put_reader_if_absent("chunks/three", &mut &b"other"[..], 5, &digest(b"other"))
+        .unwrap());
+    assert_eq!(client.get("chunks/three", 5).unwrap(), b"first");
 
     // Throughput: 16 objects of 4 MiB, one after the other.
     let body: Vec<u8> = (0..4 * 1024 * 1024u32)
