@@ -402,6 +402,7 @@ def main():
     ap.add_argument("--threads", type=int, default=4, help="backstop's max_concurrent_uploads and the parallel peer's threads")
     ap.add_argument("--bin-dir", default=str(ROOT / "target" / "release"))
     ap.add_argument("--out", help="write the raw figures here (JSON)")
+    ap.add_argument("--keep", action="store_true", help="leave the work directory (daemon logs, state) in /var/tmp")
     args = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="bsoffsite-", dir="/var/tmp")
@@ -420,7 +421,10 @@ def main():
     finally:
         subprocess.run([str(ROOT / "scripts" / "ceph-cluster.sh"), "stop", str(cluster_dir)],
                        capture_output=True, timeout=300)
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            log(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     print(f"off-host replication: guest {args.memory_mib} MiB, {args.fill_mib} MiB resident random data, "
           f"{args.reps} rep(s), one gateway on loopback (memstore OSD)")
     print(report(records, args.threads))

@@ -355,7 +355,10 @@ impl Offsite {
                 .check_for_start(handle.name())
                 .map_err(lease_err)?;
         }
+        let t_fetch = Instant::now();
         let staged = pull::fetch(&self.cfg, &self.client, &trust, from, id, &self.staging)?;
+        tracing::info!(vm = %handle.name(), snapshot_id = %id, from, bytes = staged.bytes_fetched,
+            ms = t_fetch.elapsed().as_millis() as u64, "pull: fetched and checked in staging");
         // Taken (compare-and-swap) after the fetch and before anything is published: a host
         // that took it meanwhile wins, and this pull changes nothing.
         let lease = if for_start {
@@ -381,10 +384,13 @@ impl Offsite {
                 code: e.code(),
                 message: e.to_string(),
             })?;
+        let t_publish = Instant::now();
         let manifest = rx.recv().map_err(|_| PullError {
             code: ErrorCode::ShuttingDown,
             message: "the VM's actor stopped before publishing".into(),
         })??;
+        tracing::info!(vm = %handle.name(), snapshot_id = %manifest.snapshot_id,
+            ms = t_publish.elapsed().as_millis() as u64, "pull: published into the store");
         let summary = backstop_engine::orders::summary(&manifest);
         Ok((
             PullReport {
