@@ -49,6 +49,11 @@ struct Raw {
     max_upload_mib_per_s: u32,
     #[serde(default = "default_retry_max_s")]
     retry_max_s: u64,
+    ca_file: Option<PathBuf>,
+    #[serde(default = "default_multipart_threshold_mib")]
+    multipart_threshold_mib: u32,
+    #[serde(default = "default_multipart_part_mib")]
+    multipart_part_mib: u32,
 }
 
 fn default_region() -> String {
@@ -59,6 +64,12 @@ fn default_concurrency() -> u32 {
 }
 fn default_retry_max_s() -> u64 {
     60
+}
+fn default_multipart_threshold_mib() -> u32 {
+    64
+}
+fn default_multipart_part_mib() -> u32 {
+    16
 }
 
 /// The daemon's off-host target.
@@ -80,6 +91,14 @@ pub struct OffsiteConfig {
     pub max_upload_mib_per_s: u32,
     /// The longest wait between two attempts of one snapshot's upload.
     pub retry_max_s: u64,
+    /// A PEM bundle of CA certificates trusted for https (instead of the built-in roots).
+    pub ca_file: Option<PathBuf>,
+    /// Its certificates, read when the config was loaded (empty: the built-in roots).
+    pub ca_certs: Vec<ureq::tls::Certificate<'static>>,
+    /// Objects larger than this are uploaded in parts (S3 multipart upload).
+    pub multipart_threshold_mib: u32,
+    /// The size of one part (each held in memory while it is sent).
+    pub multipart_part_mib: u32,
 }
 
 #[derive(Clone)]
@@ -138,12 +157,6 @@ impl OffsiteConfig {
         if !endpoint.starts_with("http://") && !endpoint.starts_with("https://") {
             return Err(bad("endpoint", "must start with http:// or https://"));
         }
-        if endpoint.starts_with("https://") {
-            return Err(bad(
-                "endpoint",
-                "https is not built in yet: use a local gateway over http or a TLS-terminating proxy on loopback",
-            ));
-        }
         if raw.bucket.len() < 3
             || raw.bucket.len() > 63
             || !raw
@@ -200,6 +213,19 @@ impl OffsiteConfig {
                 return Err(bad("trust_file", "must be an absolute path"));
             }
         }
+        let ca_certs = match &raw.ca_file {
+            None => Vec::new(),
+            Some(p) if !p.is_absolute() => return Err(bad("ca_file", "must be an absolute path")),
+            Some(p) => crate::tls::read_ca_file(p).map_err(|e| bad("ca_file", e))?,
+        };
+        // S3: parts of 5 MiB..5 GiB, a single PUT of at most 5 GiB. Parts are held in memory,
+        // so they are capped lower than S3 allows.
+        if !(5..=1024).contains(&raw.multipart_part_mib) {
+            return Err(bad("multipart_part_mib", "must be 5..=1024"));
+        }
+        if !(5..=5120).contains(&raw.multipart_threshold_mib) {
+            return Err(bad("multipart_threshold_mib", "must be 5..=5120"));
+        }
         Ok(OffsiteConfig {
             endpoint,
             bucket: raw.bucket,
@@ -211,6 +237,10 @@ impl OffsiteConfig {
             max_concurrent_uploads: raw.max_concurrent_uploads,
             max_upload_mib_per_s: raw.max_upload_mib_per_s,
             retry_max_s: raw.retry_max_s,
+            ca_file: raw.ca_file,
+            ca_certs,
+            multipart_threshold_mib: raw.multipart_threshold_mib,
+            multipart_part_mib: raw.multipart_part_mib,
         })
     }
 
@@ -322,6 +352,8 @@ mod tests {
             "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"B\"\nhost = \"a\"\n",
             "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a/b\"\n",
             "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nmax_concurrent_uploads = 0\n",
+            "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nmultipart_part_mib = 4\n",
+            "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nmultipart_threshold_mib = 6000\n",
         ] {
             let e = OffsiteConfig::from_file_text(t, &env).unwrap_err();
             assert_eq!(e.code().as_str(), "ERR_CONFIG_INVALID", "{t}");
@@ -329,5 +361,31 @@ mod tests {
         assert!(OffsiteConfig::from_file_text("[daemon]\n", &env)
             .unwrap()
             .is_none());
+    }
+
+    #[test]
+    fn https_is_accepted_and_a_bad_ca_file_is_refused_at_load_naming_the_key() {
+        let env = |_: &str| Some("k".to_string());
+        let base =
+            "[offsite]\nendpoint = \"https://rgw.example:443\"\nbucket = \"bkt\"\nhost = \"a\"\n";
+        let c = OffsiteConfig::from_file_text(base, &env).unwrap().unwrap();
+        assert!(c.ca_certs.is_empty());
+        assert_eq!(c.multipart_threshold_mib, 64);
+        assert_eq!(c.multipart_part_mib, 16);
+        let mut notpem = tempfile::NamedTempFile::new().unwrap();
+        writeln!(notpem, "hello").unwrap();
+        for (ca, why) in [
+            ("/nonexistent/ca.pem".to_string(), "No such file"),
+            (notpem.path().display().to_string(), "no PEM certificate"),
+            ("ca.pem".to_string(), "absolute"),
+        ] {
+            let t = format!("{base}ca_file = \"{ca}\"\n");
+            let e = OffsiteConfig::from_file_text(&t, &env).unwrap_err();
+            assert_eq!(e.code().as_str(), "ERR_CONFIG_INVALID");
+            let line = e.to_string();
+            assert!(line.starts_with("offsite.ca_file: "), "{line}");
+            assert!(line.contains(why), "{line}");
+            assert!(!line.contains('\n'), "{line}");
+        }
     }
 }

@@ -29,6 +29,7 @@ pub mod keys;
 pub mod pull;
 pub mod queue;
 pub mod s3;
+pub mod tls;
 pub mod upload;
 
 pub use config::{Credentials, OffsiteConfig};

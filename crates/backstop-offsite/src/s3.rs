@@ -1,6 +1,7 @@
 //! A small S3 client: path-style requests signed with AWS Signature Version 4 (on the
 //! workspace's hmac/sha2), sent with `ureq`. Only what replication needs: HEAD, GET and PUT of
-//! objects, HEAD and PUT of the bucket.
+//! objects, HEAD and PUT of the bucket; multipart upload of large objects (`multipart.rs`).
+//! http or https (`crate::tls`).
 
 use std::io::Read;
 use std::sync::Mutex;
@@ -10,6 +11,8 @@ use hmac::{Hmac, KeyInit, Mac};
 use sha2::{Digest, Sha256};
 
 use crate::config::OffsiteConfig;
+
+mod multipart;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -33,6 +36,16 @@ pub enum S3Error {
     TooLarge { key: String, limit: u64 },
     #[error("{key}: reading the local file: {source}")]
     Local { key: String, source: std::io::Error },
+    /// The TLS handshake failed: the gateway's certificate is not trusted or not for its name.
+    #[error("{method} {key}: TLS: {reason} (offsite.ca_file must hold the CA that signed the gateway's certificate, and the certificate must name the endpoint's host)")]
+    Tls {
+        method: &'static str,
+        key: String,
+        reason: String,
+    },
+    /// A multipart upload's bytes did not hash to the digest the object is named by.
+    #[error("{key}: the uploaded bytes do not match sha256 {expected}; the upload was aborted")]
+    Digest { key: String, expected: String },
 }
 
 impl S3Error {
@@ -116,6 +129,7 @@ impl Client {
             .timeout_connect(Some(Duration::from_secs(5)))
             .timeout_global(Some(timeout))
             .http_status_as_error(false)
+            .tls_config(crate::tls::tls_config(&cfg.ca_certs))
             .build()
             .into();
         let host = cfg
@@ -146,6 +160,18 @@ impl Client {
 
     /// The SigV4 headers for one request (`payload_sha256`: hex digest of the body).
     fn sign(&self, method: &str, path: &str, payload_sha256: &str) -> Vec<(String, String)> {
+        self.sign_query(method, path, "", payload_sha256)
+    }
+
+    /// `sign` for a request with a query (`query`: SigV4's canonical query string, its
+    /// parameters sorted and encoded, `uploads=` for a bare `?uploads`).
+    fn sign_query(
+        &self,
+        method: &str,
+        path: &str,
+        query: &str,
+        payload_sha256: &str,
+    ) -> Vec<(String, String)> {
         let now = time::OffsetDateTime::now_utc();
         let date = format!(
             "{:04}{:02}{:02}",
@@ -160,7 +186,7 @@ impl Client {
             now.second()
         );
         let canonical = format!(
-            "{method}\n{path}\n\nhost:{}\nx-amz-content-sha256:{payload_sha256}\nx-amz-date:{amz_date}\n\nhost;x-amz-content-sha256;x-amz-date\n{payload_sha256}",
+            "{method}\n{path}\n{query}\nhost:{}\nx-amz-content-sha256:{payload_sha256}\nx-amz-date:{amz_date}\n\nhost;x-amz-content-sha256;x-amz-date\n{payload_sha256}",
             self.host
         );
         let scope = format!("{date}/{}/s3/aws4_request", self.region);
@@ -315,6 +341,13 @@ impl Client {
 }
 
 fn transport(method: &'static str, key: &str, e: ureq::Error) -> S3Error {
+    if let Some(reason) = crate::tls::tls_reason(&e) {
+        return S3Error::Tls {
+            method,
+            key: key.into(),
+            reason,
+        };
+    }
     S3Error::Transport {
         method,
         key: key.into(),

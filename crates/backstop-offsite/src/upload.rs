@@ -63,6 +63,7 @@ impl From<S3Error> for Failure {
     fn from(e: S3Error) -> Failure {
         let code = match e {
             S3Error::Local { .. } => ErrorCode::StoreIo,
+            S3Error::Digest { .. } => ErrorCode::SnapshotIntegrityCheckFailed,
             _ => ErrorCode::OffsiteUnreachable,
         };
         Failure::new(code, e.to_string())
@@ -121,6 +122,7 @@ impl Uploader {
         journal: JournalFn,
     ) -> Result<Uploader, String> {
         let queue = Queue::open(queue_path).map_err(|e| e.to_string())?;
+        crate::tls::warn_if_cleartext(&cfg.endpoint);
         let client = Client::new(&cfg, Duration::from_secs(300));
         let inner = Arc::new(Inner {
             cfg,
@@ -491,6 +493,13 @@ fn put_object(inner: &Inner, o: &Object) -> Result<bool, Failure> {
         inner
             .client
             .put_reader(&o.key, &mut &b[..], o.len, &o.sha256)?;
+    } else if o.len > u64::from(inner.cfg.multipart_threshold_mib) * 1024 * 1024 {
+        // In parts: past S3's 5 GiB single PUT, and a failed part is sent again alone.
+        let mut f = File::open(&o.path).map_err(local)?;
+        let part = u64::from(inner.cfg.multipart_part_mib) * 1024 * 1024;
+        inner
+            .client
+            .put_multipart(&o.key, &mut f, o.len, &o.sha256, part)?;
     } else {
         let mut f = File::open(&o.path).map_err(local)?;
         inner.client.put_reader(&o.key, &mut f, o.len, &o.sha256)?;
