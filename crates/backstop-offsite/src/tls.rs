@@ -92,10 +92,19 @@ pub fn tls_reason(e: &ureq::Error) -> Option<String> {
         ureq::Error::Io(io) => {
             // rustls reports a handshake failure through the stream as an io error wrapping
             // its own error.
-            let inner = io.get_ref()?;
-            let text = inner.to_string();
-            (text.contains("certificate") || text.contains("peer") || text.contains("TLS"))
-                .then_some(text)
+            // Only a custom error carries one (an OS error such as "connection reset by peer"
+            // has no inner error).
+            let text = io.get_ref()?.to_string();
+            [
+                "certificate",
+                "received fatal alert",
+                "peer is incompatible",
+                "peer misbehaved",
+                "handshake",
+            ]
+            .iter()
+            .any(|k| text.contains(k))
+            .then_some(text)
         }
         _ => None,
     }
