@@ -38,10 +38,16 @@ conf=$dir/ceph.conf
 
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# Below the kernel's ephemeral range (32768-60999 by default): a port there may be the local end
+# of some client's connection, or in TIME-WAIT, which no probe sees and which made the monitor's
+# bind fail (EADDRINUSE) while other tests hammered a gateway.
 free_port() {
-	local p
+	local p lo span
+	lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+	span=$((lo - 20000 - 2))
+	((span >= 1000)) || span=30000
 	for _ in $(seq 200); do
-		p=$((20000 + RANDOM % 30000))
+		p=$((20000 + RANDOM % span))
 		if ! port_busy "$p" && ! port_busy "$((p + 1))"; then
 			echo "$p"
 			return 0
