@@ -97,7 +97,7 @@ pub struct OffsiteConfig {
     pub ca_certs: Vec<ureq::tls::Certificate<'static>>,
     /// Objects larger than this are uploaded in parts (S3 multipart upload).
     pub multipart_threshold_mib: u32,
-    /// The size of one part (each held in memory while it is sent).
+    /// The size of one part (two per object being uploaded are held in memory).
     pub multipart_part_mib: u32,
 }
 

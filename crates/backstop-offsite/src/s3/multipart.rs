@@ -3,7 +3,8 @@
 //!
 //! CreateMultipartUpload, then UploadPart for each part (read into memory, its sha256 sent in
 //! `x-amz-content-sha256` and signed, so the gateway refuses a part whose bytes do not match;
-//! a part that fails is sent again up to `PART_ATTEMPTS` times), then CompleteMultipartUpload.
+//! a part that fails is sent again up to `PART_ATTEMPTS` times; `PARTS_IN_FLIGHT` parts are
+//! sent at once), then CompleteMultipartUpload.
 //! Any failure aborts the upload (AbortMultipartUpload), so no orphan parts stay in the bucket.
 //!
 //! Integrity of the whole object: neither RGW nor S3 checks a whole-object sha256 for a
@@ -13,6 +14,7 @@
 //! against the digest in the ed25519-signed manifest before anything is published.
 
 use std::io::Read;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -23,6 +25,8 @@ use super::{status_error, transport, uri_encode, Client, S3Error, Throttled, EMP
 const MAX_PARTS: u64 = 10_000;
 /// Attempts of one part before the upload is aborted.
 const PART_ATTEMPTS: u32 = 3;
+/// Parts of one object sent at once (each held in memory while it is sent).
+const PARTS_IN_FLIGHT: u64 = 2;
 
 /// An upload in progress, as ListMultipartUploads shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,7 +99,7 @@ impl Client {
     pub fn put_multipart(
         &self,
         key: &str,
-        reader: &mut dyn Read,
+        reader: &mut (dyn Read + Send),
         len: u64,
         sha256_hex: &str,
         part_bytes: u64,
@@ -123,50 +127,100 @@ impl Client {
         }
     }
 
-    /// Every part in order; their (number, ETag).
+    /// Every part; their (number, ETag) in order. `PARTS_IN_FLIGHT` threads each take the
+    /// next part from the reader (in turn, under a lock: the reader and the whole-object hash
+    /// see the bytes in order) and send it.
     fn send_parts(
         &self,
         key: &str,
         upload_id: &str,
-        reader: &mut dyn Read,
+        reader: &mut (dyn Read + Send),
         len: u64,
         sha256_hex: &str,
         part_bytes: u64,
     ) -> Result<Vec<(u32, String)>, S3Error> {
+        struct Next<'r> {
+            reader: &'r mut (dyn Read + Send),
+            whole: Sha256,
+            /// Bytes read so far.
+            read: u64,
+            number: u32,
+            stop: bool,
+        }
         let part_bytes = part_size(len, part_bytes);
-        let mut buf = vec![0u8; usize::try_from(part_bytes.min(len.max(1))).unwrap_or(usize::MAX)];
-        let mut whole = Sha256::new();
-        let mut parts = Vec::new();
-        let mut sent = 0u64;
-        let mut number = 1u32;
-        while sent < len || parts.is_empty() {
-            let want = usize::try_from((len - sent).min(part_bytes)).unwrap_or(buf.len());
-            let n = read_full(reader, &mut buf[..want]).map_err(|source| S3Error::Local {
-                key: key.into(),
-                source,
-            })?;
-            if n < want {
-                return Err(S3Error::Local {
-                    key: key.into(),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        format!("ended at byte {} of {len}", sent + n as u64),
-                    ),
+        let count = len.div_ceil(part_bytes).max(1);
+        let next = Mutex::new(Next {
+            reader,
+            whole: Sha256::new(),
+            read: 0,
+            number: 0,
+            stop: false,
+        });
+        let parts = Mutex::new(Vec::new());
+        let failed: Mutex<Option<S3Error>> = Mutex::new(None);
+        let fail = |e: S3Error| {
+            lock(&next).stop = true;
+            lock(&failed).get_or_insert(e);
+        };
+        std::thread::scope(|s| {
+            for _ in 0..count.min(PARTS_IN_FLIGHT) {
+                s.spawn(|| {
+                    let size = usize::try_from(part_bytes.min(len.max(1))).unwrap_or(usize::MAX);
+                    let mut buf = vec![0u8; size];
+                    loop {
+                        let (number, n) = {
+                            let mut g = lock(&next);
+                            if g.stop || (g.read >= len && g.number > 0) {
+                                return;
+                            }
+                            let want = usize::try_from((len - g.read).min(part_bytes))
+                                .unwrap_or(buf.len());
+                            let n = match read_full(g.reader, &mut buf[..want]) {
+                                Ok(n) if n == want => n,
+                                Ok(n) => {
+                                    let at = g.read + n as u64;
+                                    drop(g);
+                                    return fail(S3Error::Local {
+                                        key: key.into(),
+                                        source: std::io::Error::new(
+                                            std::io::ErrorKind::UnexpectedEof,
+                                            format!("ended at byte {at} of {len}"),
+                                        ),
+                                    });
+                                }
+                                Err(source) => {
+                                    drop(g);
+                                    return fail(S3Error::Local {
+                                        key: key.into(),
+                                        source,
+                                    });
+                                }
+                            };
+                            g.whole.update(&buf[..n]);
+                            g.read += n as u64;
+                            g.number += 1;
+                            (g.number, n)
+                        };
+                        match self.upload_part_retrying(key, upload_id, number, &buf[..n]) {
+                            Ok(etag) => lock(&parts).push((number, etag)),
+                            Err(e) => return fail(e),
+                        }
+                    }
                 });
             }
-            let body = &buf[..n];
-            whole.update(body);
-            let etag = self.upload_part_retrying(key, upload_id, number, body)?;
-            parts.push((number, etag));
-            sent += n as u64;
-            number += 1;
+        });
+        if let Some(e) = lock(&failed).take() {
+            return Err(e);
         }
+        let whole = next.into_inner().unwrap_or_else(|p| p.into_inner()).whole;
         if hex::encode(whole.finalize()) != sha256_hex {
             return Err(S3Error::Digest {
                 key: key.into(),
                 expected: sha256_hex.into(),
             });
         }
+        let mut parts = parts.into_inner().unwrap_or_else(|p| p.into_inner());
+        parts.sort();
         Ok(parts)
     }
 
@@ -353,6 +407,10 @@ impl Client {
             })
             .collect())
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn is_permanent(e: &S3Error) -> bool {
