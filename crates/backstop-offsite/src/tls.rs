@@ -1,8 +1,11 @@
 //! https to the gateway: rustls (ring provider) through ureq. The roots are Mozilla's
 //! (webpki-roots, built in: nothing read from the host) unless `[offsite] ca_file` names a PEM
 //! bundle, whose certificates are then the only roots (as `aws --ca-bundle` or `curl --cacert`
-//! do): a Ceph cluster with a private CA. The bundle is read and checked when the config is
-//! loaded, so a bad one stops the daemon before anything starts.
+//! do): a Ceph cluster with a private CA, or the system's bundle
+//! (`/etc/ssl/certs/ca-certificates.crt`). webpki-roots holds trust anchors, not certificates,
+//! so a private CA cannot be added beside them without another crate: replacing is the rule.
+//! The bundle is read and checked when the config is loaded, so a bad one stops the daemon
+//! before anything starts.
 //!
 //! A TLS failure (unknown CA, a certificate for another name, an expired one) is an
 //! `S3Error::Tls` saying so, which the uploader and the pull report as
@@ -125,6 +128,17 @@ mod tests {
         assert!(is_cleartext_to_network("http://rgw.example:7480"));
         assert!(is_cleartext_to_network("http://10.0.0.5"));
         assert!(!is_cleartext_to_network("https://rgw.example"));
+    }
+
+    #[test]
+    fn the_system_bundle_is_a_valid_ca_file() {
+        // Debian's bundle (update-ca-certificates adds a private CA to it).
+        let system = Path::new("/etc/ssl/certs/ca-certificates.crt");
+        if !system.exists() {
+            eprintln!("SKIPPED: no {}", system.display());
+            return;
+        }
+        assert!(read_ca_file(system).unwrap().len() > 50);
     }
 
     #[test]
