@@ -7,6 +7,11 @@
 #   ceph-cluster.sh start DIR       DIR must be empty or absent; free loopback ports are chosen.
 #                                   Prints KEY=VALUE lines: S3_ENDPOINT, S3_ACCESS_KEY,
 #                                   S3_SECRET_KEY, S3_REGION, CEPH_CONF, RGW_PORT.
+#                                   With CEPH_RGW_TLS_DIR=D (holding cert.pem, the server
+#                                   certificate chain, and key.pem, its key) the gateway also
+#                                   serves https on a second loopback port, and two more lines
+#                                   are printed: S3_TLS_ENDPOINT=https://127.0.0.1:PORT and
+#                                   RGW_TLS_PORT. The files are read where they are (keep D).
 #   ceph-cluster.sh stop-rgw DIR    stops only the gateway (the tests' "gateway down").
 #   ceph-cluster.sh start-rgw DIR   starts it again on the same port.
 #   ceph-cluster.sh stop DIR        stops every daemon started from DIR, then deletes DIR.
@@ -33,10 +38,16 @@ conf=$dir/ceph.conf
 
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# Below the kernel's ephemeral range (32768-60999 by default): a port there may be the local end
+# of some client's connection, or in TIME-WAIT, which no probe sees and which made the monitor's
+# bind fail (EADDRINUSE) while other tests hammered a gateway.
 free_port() {
-	local p
+	local p lo span
+	lo=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+	span=$((lo - 20000 - 2))
+	((span >= 1000)) || span=30000
 	for _ in $(seq 200); do
-		p=$((20000 + RANDOM % 30000))
+		p=$((20000 + RANDOM % span))
 		if ! port_busy "$p" && ! port_busy "$((p + 1))"; then
 			echo "$p"
 			return 0
@@ -89,6 +100,18 @@ start)
 	mon_port=$((rgw_port + 1))
 	port_busy "$rgw_port" && die "port $rgw_port is in use"
 	port_busy "$mon_port" && die "port $mon_port is in use"
+	frontends="beast endpoint=127.0.0.1:$rgw_port"
+	tls_dir=${CEPH_RGW_TLS_DIR:-}
+	if [[ -n $tls_dir ]]; then
+		[[ $tls_dir == /* ]] || tls_dir=$PWD/$tls_dir
+		[[ -r $tls_dir/cert.pem && -r $tls_dir/key.pem ]] ||
+			die "CEPH_RGW_TLS_DIR=$tls_dir must hold cert.pem and key.pem"
+		tls_port=$(free_port)
+		while [[ $tls_port == "$rgw_port" || $tls_port == "$mon_port" ]]; do tls_port=$(free_port); done
+		# beast (Ceph 16.2.15): ssl_endpoint beside the plain endpoint, one process.
+		frontends+=" ssl_endpoint=127.0.0.1:$tls_port ssl_certificate=$tls_dir/cert.pem"
+		frontends+=" ssl_private_key=$tls_dir/key.pem"
+	fi
 	mkdir -p "$dir"/{run,log,crash,mon.a,osd.0,rgw.a}
 	chmod 0700 "$dir"
 	fsid=$(uuidgen)
@@ -131,7 +154,7 @@ cluster addr = 127.0.0.1
 
 [client.rgw.a]
 rgw data = $dir/rgw.a
-rgw frontends = beast endpoint=127.0.0.1:$rgw_port
+rgw frontends = $frontends
 CONF
 	# One keyring for every entity: the monitor's mkfs imports them all.
 	kr=$dir/keyring
@@ -151,6 +174,15 @@ CONF
 	ceph-osd -c "$conf" -i 0 2>/dev/null
 	radosgw -c "$conf" -n client.rgw.a
 	wait_rgw "$rgw_port"
+	if [[ -n $tls_dir ]]; then
+		# The https side answers too (-k: the probe checks the listener, not the certificate).
+		for _ in $(seq 100); do
+			curl -fsk -o /dev/null "https://127.0.0.1:$tls_port/" && break
+			sleep 0.1
+		done
+		curl -fsk -o /dev/null "https://127.0.0.1:$tls_port/" ||
+			die "radosgw did not answer https on 127.0.0.1:$tls_port (see $dir/log)"
+	fi
 	access=$(od -An -N10 -tx1 /dev/urandom | tr -d ' \n')
 	secret=$(od -An -N20 -tx1 /dev/urandom | tr -d ' \n')
 	radosgw-admin -c "$conf" user create --uid=backstop --display-name="backstop tests" \
@@ -162,6 +194,10 @@ CONF
 	echo "S3_REGION=us-east-1"
 	echo "CEPH_CONF=$conf"
 	echo "RGW_PORT=$rgw_port"
+	if [[ -n $tls_dir ]]; then
+		echo "S3_TLS_ENDPOINT=https://127.0.0.1:$tls_port"
+		echo "RGW_TLS_PORT=$tls_port"
+	fi
 	;;
 stop-rgw)
 	stop_one client.rgw.a

@@ -55,6 +55,11 @@ struct Raw {
     lag_threshold_s: u64,
     #[serde(default)]
     retention: RawRetention,
+    ca_file: Option<PathBuf>,
+    #[serde(default = "default_multipart_threshold_mib")]
+    multipart_threshold_mib: u32,
+    #[serde(default = "default_multipart_part_mib")]
+    multipart_part_mib: u32,
 }
 
 #[derive(Debug, Deserialize)]
@@ -104,6 +109,12 @@ fn default_lease_ttl_s() -> u64 {
 
 /// The shortest and longest lease (renewed every third of it).
 pub const LEASE_TTL_RANGE_S: std::ops::RangeInclusive<u64> = 3..=3600;
+fn default_multipart_threshold_mib() -> u32 {
+    64
+}
+fn default_multipart_part_mib() -> u32 {
+    16
+}
 
 /// The daemon's off-host target.
 #[derive(Debug, Clone)]
@@ -130,6 +141,14 @@ pub struct OffsiteConfig {
     pub lag_threshold_s: u64,
     /// `[offsite.retention]`: what the bucket keeps of this host's snapshots, and its GC.
     pub retention: RemoteRetention,
+    /// A PEM bundle of CA certificates trusted for https (instead of the built-in roots).
+    pub ca_file: Option<PathBuf>,
+    /// Its certificates, read when the config was loaded (empty: the built-in roots).
+    pub ca_certs: Vec<ureq::tls::Certificate<'static>>,
+    /// Objects larger than this are uploaded in parts (S3 multipart upload).
+    pub multipart_threshold_mib: u32,
+    /// The size of one part (two per object being uploaded are held in memory).
+    pub multipart_part_mib: u32,
 }
 
 /// `[offsite.retention]`: the remote's own rule for this host's snapshots (`hosts/<host>/`
@@ -213,12 +232,6 @@ impl OffsiteConfig {
         let endpoint = raw.endpoint.trim_end_matches('/').to_string();
         if !endpoint.starts_with("http://") && !endpoint.starts_with("https://") {
             return Err(bad("endpoint", "must start with http:// or https://"));
-        }
-        if endpoint.starts_with("https://") {
-            return Err(bad(
-                "endpoint",
-                "https is not built in yet: use a local gateway over http or a TLS-terminating proxy on loopback",
-            ));
         }
         if raw.bucket.len() < 3
             || raw.bucket.len() > 63
@@ -315,6 +328,19 @@ impl OffsiteConfig {
                 return Err(bad("trust_file", "must be an absolute path"));
             }
         }
+        let ca_certs = match &raw.ca_file {
+            None => Vec::new(),
+            Some(p) if !p.is_absolute() => return Err(bad("ca_file", "must be an absolute path")),
+            Some(p) => crate::tls::read_ca_file(p).map_err(|e| bad("ca_file", e))?,
+        };
+        // S3: parts of 5 MiB..5 GiB, a single PUT of at most 5 GiB. Parts are held in memory,
+        // so they are capped lower than S3 allows.
+        if !(5..=1024).contains(&raw.multipart_part_mib) {
+            return Err(bad("multipart_part_mib", "must be 5..=1024"));
+        }
+        if !(5..=5120).contains(&raw.multipart_threshold_mib) {
+            return Err(bad("multipart_threshold_mib", "must be 5..=5120"));
+        }
         Ok(OffsiteConfig {
             endpoint,
             bucket: raw.bucket,
@@ -329,6 +355,10 @@ impl OffsiteConfig {
             lease_ttl_s: raw.lease_ttl_s,
             lag_threshold_s: raw.lag_threshold_s,
             retention,
+            ca_file: raw.ca_file,
+            ca_certs,
+            multipart_threshold_mib: raw.multipart_threshold_mib,
+            multipart_part_mib: raw.multipart_part_mib,
         })
     }
 
@@ -463,6 +493,8 @@ mod tests {
             "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nlease_ttl_s = 2\n",
             "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nlease_ttl_s = 3601\n",
             "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nlease_ttl_s = \"60s\"\n",
+            "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nmultipart_part_mib = 4\n",
+            "[offsite]\nendpoint = \"http://h:1\"\nbucket = \"bkt\"\nhost = \"a\"\nmultipart_threshold_mib = 6000\n",
         ] {
             let e = OffsiteConfig::from_file_text(t, &env).unwrap_err();
             assert_eq!(e.code().as_str(), "ERR_CONFIG_INVALID", "{t}");
@@ -499,5 +531,31 @@ mod tests {
         assert!(OffsiteConfig::from_file_text("[daemon]\n", &env)
             .unwrap()
             .is_none());
+    }
+
+    #[test]
+    fn https_is_accepted_and_a_bad_ca_file_is_refused_at_load_naming_the_key() {
+        let env = |_: &str| Some("k".to_string());
+        let base =
+            "[offsite]\nendpoint = \"https://rgw.example:443\"\nbucket = \"bkt\"\nhost = \"a\"\n";
+        let c = OffsiteConfig::from_file_text(base, &env).unwrap().unwrap();
+        assert!(c.ca_certs.is_empty());
+        assert_eq!(c.multipart_threshold_mib, 64);
+        assert_eq!(c.multipart_part_mib, 16);
+        let mut notpem = tempfile::NamedTempFile::new().unwrap();
+        writeln!(notpem, "hello").unwrap();
+        for (ca, why) in [
+            ("/nonexistent/ca.pem".to_string(), "No such file"),
+            (notpem.path().display().to_string(), "no PEM certificate"),
+            ("ca.pem".to_string(), "absolute"),
+        ] {
+            let t = format!("{base}ca_file = \"{ca}\"\n");
+            let e = OffsiteConfig::from_file_text(&t, &env).unwrap_err();
+            assert_eq!(e.code().as_str(), "ERR_CONFIG_INVALID");
+            let line = e.to_string();
+            assert!(line.starts_with("offsite.ca_file: "), "{line}");
+            assert!(line.contains(why), "{line}");
+            assert!(!line.contains('\n'), "{line}");
+        }
     }
 }

@@ -33,6 +33,7 @@ pub mod pull;
 pub mod queue;
 pub mod retention;
 pub mod s3;
+pub mod tls;
 pub mod upload;
 
 pub use config::{Credentials, OffsiteConfig};

@@ -1,6 +1,7 @@
 //! A small S3 client: path-style requests signed with AWS Signature Version 4 (on the
 //! workspace's hmac/sha2), sent with `ureq`. Only what replication needs: HEAD, GET and PUT of
-//! objects, HEAD and PUT of the bucket.
+//! objects, HEAD and PUT of the bucket; multipart upload of large objects (`multipart.rs`).
+//! http or https (`crate::tls`).
 
 use std::io::Read;
 use std::sync::Mutex;
@@ -13,6 +14,8 @@ use time::format_description::well_known::{Rfc2822, Rfc3339};
 use time::OffsetDateTime;
 
 use crate::config::OffsiteConfig;
+
+mod multipart;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -36,6 +39,16 @@ pub enum S3Error {
     TooLarge { key: String, limit: u64 },
     #[error("{key}: reading the local file: {source}")]
     Local { key: String, source: std::io::Error },
+    /// The TLS handshake failed: the gateway's certificate is not trusted or not for its name.
+    #[error("{method} {key}: TLS: {reason} (offsite.ca_file must hold the CA that signed the gateway's certificate, and the certificate must name the endpoint's host)")]
+    Tls {
+        method: &'static str,
+        key: String,
+        reason: String,
+    },
+    /// A multipart upload's bytes did not hash to the digest the object is named by.
+    #[error("{key}: the uploaded bytes do not match sha256 {expected}; the upload was aborted")]
+    Digest { key: String, expected: String },
 }
 
 impl S3Error {
@@ -150,6 +163,7 @@ impl Client {
             .timeout_connect(Some(Duration::from_secs(5)))
             .timeout_global(Some(timeout))
             .http_status_as_error(false)
+            .tls_config(crate::tls::tls_config(&cfg.ca_certs))
             .build()
             .into();
         let host = cfg
@@ -665,6 +679,13 @@ fn etag_of(headers: &ureq::http::HeaderMap) -> String {
 }
 
 fn transport(method: &'static str, key: &str, e: ureq::Error) -> S3Error {
+    if let Some(reason) = crate::tls::tls_reason(&e) {
+        return S3Error::Tls {
+            method,
+            key: key.into(),
+            reason,
+        };
+    }
     S3Error::Transport {
         method,
         key: key.into(),

@@ -62,7 +62,11 @@ impl Failure {
 
 impl From<S3Error> for Failure {
     fn from(e: S3Error) -> Failure {
-        Failure::new(e.code(), e.to_string())
+        let code = match e {
+            S3Error::Digest { .. } => ErrorCode::SnapshotIntegrityCheckFailed,
+            _ => e.code(),
+        };
+        Failure::new(code, e.to_string())
     }
 }
 
@@ -175,6 +179,7 @@ impl Uploader {
         journal: JournalFn,
     ) -> Result<Uploader, String> {
         let queue = Queue::open(queue_path).map_err(|e| e.to_string())?;
+        crate::tls::warn_if_cleartext(&cfg.endpoint);
         let client = Client::new(&cfg, Duration::from_secs(300));
         let inner = Arc::new(Inner {
             cfg,
@@ -754,6 +759,21 @@ fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
                 .put_reader(&o.key, &mut &b[..], o.len, &o.sha256)?;
             true
         }
+    } else if o.len > u64::from(inner.cfg.multipart_threshold_mib) * 1024 * 1024 {
+        // Too large to send just to find it there: asked about first even when it looks new.
+        if o.likely_new {
+            if let Some(present) = present_or_touched(inner, o, &young)? {
+                remember(present);
+                return Ok(Put::Present);
+            }
+        }
+        // In parts: past S3's 5 GiB single PUT, and a failed part is sent again alone.
+        let mut f = File::open(&o.path).map_err(local)?;
+        let part = u64::from(inner.cfg.multipart_part_mib) * 1024 * 1024;
+        inner
+            .client
+            .put_multipart(&o.key, &mut f, o.len, &o.sha256, part)?;
+        true
     } else {
         let mut f = File::open(&o.path).map_err(local)?;
         if o.likely_new {
