@@ -147,6 +147,12 @@ impl SnapshotBuilder {
     }
 
     /// Stores every chunk (dedup by content address) and writes the payload's index.
+    ///
+    /// Two stages on two threads: this one reads, cuts and hashes and decides what is new; a
+    /// writer thread creates and fills the new chunks' files in `pending/` (mostly kernel time:
+    /// inode allocation and the copy into the page cache), at most [`WRITE_QUEUE_CHUNKS`]
+    /// chunks behind. Every write has finished (or the first failure is returned) before the
+    /// index is written; durability is still [`publish`](SnapshotBuilder::publish)'s syncfs.
     fn store_payload(
         &mut self,
         name: &str,
@@ -154,23 +160,23 @@ impl SnapshotBuilder {
         chunks: &mut dyn Iterator<Item = Result<Vec<u8>, StoreError>>,
         progress: &mut dyn FnMut(u64),
     ) -> Result<PayloadRef, StoreError> {
-        let mut refs = Vec::new();
-        let mut total_bytes = 0u64;
-        let mut new_bytes = 0u64;
-        for data in chunks {
-            let data = data?;
-            let digests = digests_of(&data);
-            if self.store_chunk(&digests.sha256, &digests.crc32, &data)? {
-                new_bytes += digests.len;
-            }
-            total_bytes += digests.len;
-            refs.push(ChunkRef {
-                sha256: digests.sha256,
-                crc32: digests.crc32,
-                len: digests.len,
+        let pending_dir = self.dir.join(PENDING_DIR);
+        let (queue, queued) = std::sync::mpsc::sync_channel(WRITE_QUEUE_CHUNKS);
+        let (hashed, written) = std::thread::scope(|scope| {
+            let writer = scope.spawn(|| write_pending(&pending_dir, queued));
+            let hashed = self.hash_chunks(chunks, progress, queue);
+            let written = writer.join().unwrap_or_else(|_| {
+                Err(StoreError::Write {
+                    path: pending_dir.clone(),
+                    source: io::Error::other("the chunk writer thread panicked"),
+                })
             });
-            progress(total_bytes);
-        }
+            (hashed, written)
+        });
+        // A failed write is the cause when both failed: the hashing stage stops when the
+        // writer is gone.
+        written?;
+        let (refs, total_bytes, new_bytes) = hashed?;
 
         let index = ChunkIndex {
             chunks: refs,
@@ -398,39 +404,59 @@ impl SnapshotBuilder {
         Ok(())
     }
 
-    /// Stores one chunk unless it is already in the store (right length under its final name:
-    /// only complete, durable chunks ever get that name) or pending in this build. The bytes go
-    /// to `pending/<sha256>` without an fsync of their own; [`publish`] makes them durable in one
-    /// `syncfs`. Returns whether bytes were written.
+    /// Hashes every chunk, in order, and queues the new ones for the writer. Returns the
+    /// chunk refs, the total bytes and the new bytes.
+    fn hash_chunks(
+        &mut self,
+        chunks: &mut dyn Iterator<Item = Result<Vec<u8>, StoreError>>,
+        progress: &mut dyn FnMut(u64),
+        queue: std::sync::mpsc::SyncSender<(String, Vec<u8>)>,
+    ) -> Result<(Vec<ChunkRef>, u64, u64), StoreError> {
+        let mut refs = Vec::new();
+        let mut total_bytes = 0u64;
+        let mut new_bytes = 0u64;
+        for data in chunks {
+            let data = data?;
+            let digests = digests_of(&data);
+            if self.is_new_chunk(&digests.sha256, &digests.crc32, data.len() as u64)? {
+                new_bytes += digests.len;
+                if queue.send((digests.sha256.clone(), data)).is_err() {
+                    // The writer stopped on an error, which store_payload returns.
+                    break;
+                }
+            }
+            total_bytes += digests.len;
+            refs.push(ChunkRef {
+                sha256: digests.sha256,
+                crc32: digests.crc32,
+                len: digests.len,
+            });
+            progress(total_bytes);
+        }
+        Ok((refs, total_bytes, new_bytes))
+    }
+
+    /// Whether a chunk must be written: not already in the store (right length under its
+    /// final name: only complete, durable chunks ever get that name) nor pending in this build.
+    /// A new chunk is recorded as pending (its bytes go to `pending/<sha256>` without an fsync
+    /// of their own; [`publish`] makes them durable in one `syncfs`).
     ///
     /// [`publish`]: SnapshotBuilder::publish
-    fn store_chunk(&mut self, sha256: &str, crc32: &str, data: &[u8]) -> Result<bool, StoreError> {
+    fn is_new_chunk(&mut self, sha256: &str, crc32: &str, len: u64) -> Result<bool, StoreError> {
         if self.pending.contains_key(sha256) {
             return Ok(false);
         }
         let path = chunk_path(&self.paths.chunks, sha256);
         match fs::symlink_metadata(&path) {
-            Ok(meta) if meta.is_file() && meta.len() == data.len() as u64 => return Ok(false),
+            Ok(meta) if meta.is_file() && meta.len() == len => return Ok(false),
             // A chunk of the wrong length is damaged: publishing replaces it with the right bytes.
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(source) => return Err(StoreError::ReadChunk { path, source }),
         }
-        let pending_dir = self.dir.join(PENDING_DIR);
         if self.pending.is_empty() {
-            create_private_subdir(&pending_dir)?;
+            create_private_subdir(&self.dir.join(PENDING_DIR))?;
         }
-        let err = |source| StoreError::Write {
-            path: pending_dir.join(sha256),
-            source,
-        };
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(pending_dir.join(sha256))
-            .map_err(err)?;
-        file.write_all(data).map_err(err)?;
         self.pending.insert(sha256.to_string(), crc32.to_string());
         Ok(true)
     }
@@ -448,7 +474,7 @@ impl SnapshotBuilder {
             let from = pending_dir.join(&sha256);
             let to = chunk_path(&self.paths.chunks, &sha256);
             let dir = to.parent().map(Path::to_path_buf).unwrap_or_default();
-            if create_private_subdir(&dir)? {
+            if !dirty_dirs.contains(&dir) && create_private_subdir(&dir)? {
                 dirty_dirs.insert(self.paths.chunks.clone());
             }
             fs::rename(&from, &to).map_err(|source| StoreError::Rename {
@@ -474,6 +500,32 @@ impl SnapshotBuilder {
 
 /// Subdirectory of a build directory holding the chunks written by that build.
 const PENDING_DIR: &str = "pending";
+
+/// Most new chunks hashed but not yet written (≤ 4 MiB each; QEMU streams cut ~64 KiB).
+const WRITE_QUEUE_CHUNKS: usize = 8;
+
+/// The writer stage: each queued chunk into a new file `dir/<sha256>` (mode 0600), no fsync.
+/// Stops at the first failure (dropping the queue, which stops the hashing stage).
+fn write_pending(
+    dir: &Path,
+    queued: std::sync::mpsc::Receiver<(String, Vec<u8>)>,
+) -> Result<(), StoreError> {
+    for (sha256, data) in queued {
+        let path = dir.join(&sha256);
+        let err = |source| StoreError::Write {
+            path: path.clone(),
+            source,
+        };
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(err)?;
+        file.write_all(&data).map_err(err)?;
+    }
+    Ok(())
+}
 
 /// Flushes the whole file system holding `dir` (data and metadata) and waits for it: one call
 /// instead of an fsync per chunk. Linux reports writeback errors through it since 5.8.

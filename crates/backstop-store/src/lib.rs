@@ -188,6 +188,11 @@ impl Store {
         for dir in [&paths.root, &paths.chunks, &paths.tmp, &paths.snapshots] {
             create_private_dir(dir)?;
         }
+        // Each build directory (and the chunk files it creates) in a block group of its own,
+        // away from the inodes the last prune or sweep freed (see `spread_subdirs`).
+        if !fsutil::spread_subdirs(&paths.tmp) {
+            tracing::debug!(path = %paths.tmp.display(), "file system ignores the top-directory hint");
+        }
         let store = Store {
             paths: Arc::new(paths),
             keepalive: Arc::new(|| {}),

@@ -1095,6 +1095,69 @@ fn build_interrupted_by_a_crash_is_swept_at_open() {
     assert_eq!(fx.reopen(), SweepReport::default());
 }
 
+/// A crash inside `publish` after the syncfs and the chunk renames, before the build directory
+/// was renamed into `snapshots/`: the manifest rename is the commit point, so no snapshot
+/// exists, and the chunks that reached `chunks/` are referenced by nothing and collected at the
+/// next open (those an earlier snapshot shares stay).
+#[test]
+fn a_crash_after_the_chunks_moved_but_before_the_publishing_rename_leaves_no_snapshot() {
+    let mut fx = Fixture::new();
+    let shared = random_bytes(10, 2 * MIB);
+    let earlier = fx.snapshot(&shared, &[], "earlier");
+    let chunks_before = fx.chunk_files();
+
+    let mut b = fx.store.begin().unwrap();
+    let mut data = shared.clone();
+    data.extend(random_bytes(11, 3 * MIB));
+    let p = b
+        .write_chunked("vmstate", KIND_RAM_DEVICE, &mut &data[..], &mut |_| {})
+        .unwrap();
+    assert!(p.new_bytes > 0 && p.new_bytes < p.total_bytes);
+    // What publish does up to its last step: every pending chunk under its final name, the
+    // manifest and signature written in the build directory (copied from a real snapshot).
+    let pending = b.dir().join("pending");
+    let mut moved = 0;
+    for entry in fs::read_dir(&pending).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name().into_string().unwrap();
+        let to = fx.chunk_file(&name);
+        fs::create_dir_all(to.parent().unwrap()).unwrap();
+        fs::rename(entry.path(), &to).unwrap();
+        moved += 1;
+    }
+    assert!(moved > 0);
+    for name in [MANIFEST_FILE, SIGNATURE_FILE] {
+        fs::copy(
+            fx.snap_dir(&earlier.snapshot_id).join(name),
+            b.dir().join(name),
+        )
+        .unwrap();
+    }
+    std::mem::forget(b); // the process dies: no Drop
+    assert_eq!(fx.chunk_files(), chunks_before + moved);
+    assert_eq!(
+        fx.store.list().unwrap(),
+        vec![ListEntry::Valid(earlier.clone())],
+        "nothing is published before the rename"
+    );
+
+    let report = fx.reopen();
+    assert_eq!(report.tmp_removed, 1);
+    assert_eq!(report.chunks_removed, moved as u64);
+    assert_eq!(fx.chunk_files(), chunks_before);
+    assert_eq!(
+        fx.store.list().unwrap(),
+        vec![ListEntry::Valid(earlier.clone())]
+    );
+    fx.store
+        .verify(&earlier.snapshot_id, &VerifyOptions::default())
+        .unwrap();
+    // The same stream captured again is whole: the collected chunks are written anew.
+    let again = fx.snapshot(&data, &[], "again");
+    assert_eq!(again.bytes_stored, p.new_bytes);
+    assert_eq!(fx.read_back(&again.snapshot_id), data);
+}
+
 #[test]
 fn unreadable_published_index_stops_chunk_collection() {
     let mut fx = Fixture::new();
