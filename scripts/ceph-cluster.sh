@@ -21,6 +21,9 @@
 #   its pools one monitor command at a time, each otherwise waiting for a 1 s proposal.
 # - A port another cluster holds answers our readiness probe: the ports are checked free first
 #   and our radosgw's pid must still be alive once the probe answers.
+# - `mon data avail crit = 0`: the monitor refuses to start when its filesystem has less than
+#   that percentage free (default 5, 1% seen refusing on a 95%-full build disk); this
+#   monitor's data is a few MB, so only a truly full disk stops it.
 # - Stop one daemon at a time, gateway then OSD then monitor (SIGTERM, then SIGKILL after
 #   10 s); a signal goes only to a pid whose command line names DIR/ceph.conf.
 # - The keys are read with `od` from /dev/urandom (a `tr | head` pipeline dies of SIGPIPE
@@ -138,7 +141,7 @@ mon allow pool delete = true
 mon warn on pool no redundancy = false
 mon warn on insecure global id reclaim allowed = false
 mon data avail warn = 2
-mon data avail crit = 1
+mon data avail crit = 0
 
 [mon]
 mon data = $dir/\$name
