@@ -114,6 +114,7 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::Vms { vms } => vms_text(vms),
         Response::Drift(report) => drift_text(report),
         Response::Reloaded(r) => reloaded_text(r),
+        Response::VmAdded(r) => vm_added_text(r),
         Response::SnapshotDeleted(d) => format!(
             "snapshot {}{} deleted: {} chunk(s) and {} disk layer(s) freed\n",
             clean(&d.snapshot_id),
@@ -175,6 +176,34 @@ fn actions_text(actions: &[ActionView]) -> String {
         &["ACTION", "TIER", "KIND", "RISK", "SNAPSHOT", "OPENED", "BY"],
         &rows,
     )
+}
+
+/// `vm add`: the file written, how the VM started, and its line of `vms`.
+fn vm_added_text(r: &backstop_control::VmAddReport) -> String {
+    let mut text = format!("VM file {} written\n", clean(&r.file));
+    if let Some(p) = &r.from_snapshot {
+        let _ = writeln!(
+            text,
+            "snapshot {} published here: {}'s {} verified, {} fetched in {} ms",
+            clean(&p.snapshot_id),
+            clean(&p.from),
+            clean(&p.remote_snapshot_id),
+            human_bytes(p.bytes_fetched),
+            p.fetch_ms
+        );
+        let _ = writeln!(
+            text,
+            "lease taken until {}{}; VM started from it ({} ms)",
+            clean(&p.lease_expires_at),
+            p.taken_over_from
+                .as_deref()
+                .map(|h| format!(" (taken over from {}'s expired lease)", clean(h)))
+                .unwrap_or_default(),
+            p.start_ms
+        );
+    }
+    text.push_str(&vms_text(std::slice::from_ref(&r.vm)));
+    text
 }
 
 fn reloaded_text(r: &ReloadReport) -> String {

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use backstop_common::{AuditEvent, ErrorCode};
 use backstop_control::{
-    LeaseView, OffsiteView, PullReport, ReplicationView, Reply, Request, Response, StartedHere,
+    AddedFromSnapshot, LeaseView, OffsiteView, PullReport, ReplicationView, Reply, Request,
+    Response, StartedHere, VmAddReport,
 };
 use backstop_engine::supervisor::Supervisor;
 use backstop_engine::Caller;
@@ -266,6 +267,183 @@ impl Offsite {
         }
         report.total_ms = started.elapsed().as_millis() as u64;
         Reply::Done(Response::SnapshotPulled(report))
+    }
+
+    /// `vm add FILE --from-snapshot ID --from HOST`: the VM starts from that snapshot, never
+    /// cold-booted first. In order: the VM file checked (as `reload` would load it) and its
+    /// name free; the lease read (another host's live lease refuses it, nothing fetched);
+    /// the snapshot fetched and checked; its shape checked against the new VM's; the lease
+    /// taken; the snapshot published into the store the VM's actor will open
+    /// (`state_dir/vms/NAME/store`, its layers in `…/disks/pulled-ID/`); then the VM added,
+    /// whose first start restores it (the start-up path of a VM with snapshots). A failure
+    /// before the VM file is written leaves nothing behind: no file, no store, the lease
+    /// released if it was taken. Journaled `snapshot.pulled` (`for_start`, `vm_add`) or
+    /// `snapshot.pull.failed`, then `vm.added`.
+    pub fn add_from_snapshot(
+        &self,
+        engine: &Supervisor,
+        file_name: &str,
+        text: &str,
+        id: &str,
+        from: &str,
+    ) -> Reply {
+        let started = Instant::now();
+        let fail = |code: ErrorCode, message: String| Reply::Failed {
+            code: code.to_string(),
+            message,
+        };
+        let new = match engine.check_new_vm(file_name, text) {
+            Ok(n) => n,
+            Err((code, message)) => return fail(code, message),
+        };
+        let vm = new.cfg.vm.name.clone();
+        let result = self.pull_for_add(engine, &new, id, from);
+        let journaled = match &result {
+            Ok(p) => engine.journal_daemon_event(
+                AuditEvent::SnapshotPulled,
+                json!({"vm": vm, "from": from, "remote_snapshot_id": id,
+                    "snapshot_id": p.snapshot_id, "bytes_fetched": p.bytes_fetched,
+                    "for_start": true, "vm_add": true,
+                    "lease_expires_at": p.lease_expires_at, "result": "ok"}),
+            ),
+            Err(e) => engine.journal_daemon_event(
+                AuditEvent::SnapshotPullFailed,
+                json!({"vm": vm, "from": from, "remote_snapshot_id": id,
+                    "snapshot_id": id, "code": e.code.as_str(), "error": e.message,
+                    "for_start": true, "vm_add": true, "result": "failed"}),
+            ),
+        };
+        if let Err(e) = journaled {
+            tracing::error!(error = %e, "snapshot pull not journaled");
+        }
+        let mut pulled = match result {
+            Ok(p) => p,
+            Err(e) => return fail(e.code, e.message),
+        };
+        let t = Instant::now();
+        let added = engine.add_vm(
+            &new,
+            json!({"from_snapshot": {"snapshot_id": pulled.snapshot_id, "from": from,
+                "remote_snapshot_id": id}}),
+        );
+        pulled.start_ms = t.elapsed().as_millis() as u64;
+        // From here the lease follows whether the VM runs here.
+        self.leases.end_start(&vm);
+        match added {
+            Ok(summary) => {
+                tracing::info!(vm = %vm, from, remote = id, snapshot_id = %pulled.snapshot_id,
+                    state = %summary.state, ms = started.elapsed().as_millis() as u64,
+                    "VM added from another host's snapshot");
+                Reply::Done(Response::VmAdded(VmAddReport {
+                    vm: summary,
+                    file: new.dest.display().to_string(),
+                    from_snapshot: Some(pulled),
+                    total_ms: started.elapsed().as_millis() as u64,
+                }))
+            }
+            Err(e) => {
+                if !e.written {
+                    // Nothing of the VM is left: its store (with the pulled snapshot) and lease.
+                    let _ = std::fs::remove_dir_all(&new.cfg.daemon.state_dir);
+                    self.leases.release(&vm);
+                }
+                fail(e.code, e.message)
+            }
+        }
+    }
+
+    /// [`Self::add_from_snapshot`] up to the VM file: on error everything it made is undone.
+    fn pull_for_add(
+        &self,
+        engine: &Supervisor,
+        new: &backstop_engine::host::NewVmFile,
+        id: &str,
+        from: &str,
+    ) -> Result<AddedFromSnapshot, PullError> {
+        let cfg = &new.cfg;
+        let vm = cfg.vm.name.as_str();
+        let e = |code: ErrorCode, message: String| PullError { code, message };
+        let trust_path = self.cfg.trust_file.as_ref().ok_or_else(|| {
+            e(
+                ErrorCode::OffsiteNotConfigured,
+                "a pull needs offsite.trust_file (the fleet's public keys)".into(),
+            )
+        })?;
+        let trust = TrustFile::load(trust_path).map_err(|x| e(x.code(), x.to_string()))?;
+        if cfg.vm.libvirt.is_some() {
+            return Err(e(
+                ErrorCode::BadRequest,
+                format!("VM {vm} is a libvirt domain: `vm add --from-snapshot` starts QEMU and KVM VMs only"),
+            ));
+        }
+        // The state directory its actor will use: it must hold nothing (the state of an
+        // earlier VM of that name would decide its start instead of the pulled snapshot).
+        let vm_dir = cfg.daemon.state_dir.clone();
+        let left = std::fs::read_dir(&vm_dir)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(false);
+        if left {
+            return Err(e(
+                ErrorCode::VmExists,
+                format!(
+                    "{} holds the state of an earlier VM named {vm}: move it away to start a new one from a snapshot; nothing changed",
+                    vm_dir.display()
+                ),
+            ));
+        }
+        let lease_err = |x: LeaseError| e(x.code, x.message);
+        // Before a byte is fetched: a VM another host runs is not started here.
+        self.leases.check_for_start(vm).map_err(lease_err)?;
+        let t = Instant::now();
+        let staged = pull::fetch(&self.cfg, &self.client, &trust, from, id, &self.staging)?;
+        let fetch_ms = t.elapsed().as_millis() as u64;
+        // The shape it was taken with must be the new VM's, or its first start could not
+        // restore it (and would halt): refused now, before anything is written.
+        let shape = engine.shape_of(cfg);
+        if shape.as_deref() != Some(staged.manifest.config_fingerprint.as_str()) {
+            return Err(e(
+                ErrorCode::SnapshotCompatibilityBlocked,
+                format!(
+                    "{from}'s snapshot {id} was taken of a VM of another shape (memory, disks, NICs, devices) than {}: nothing changed",
+                    new.dest.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()
+                ),
+            ));
+        }
+        let t = Instant::now();
+        self.leases.begin_start(vm);
+        let (lease, taken_over) = match self.leases.acquire_for_start(vm) {
+            Ok(l) => l,
+            Err(x) => {
+                self.leases.end_start(vm);
+                return Err(lease_err(x));
+            }
+        };
+        let lease_ms = t.elapsed().as_millis() as u64;
+        let published = (|| {
+            let (store, _) = backstop_store::Store::open(&vm_dir.join("store"), engine.host_key().clone())
+                .map_err(|x| e(x.code(), x.to_string()))?;
+            pull::publish(&staged, &store, vm, &cfg.layers_dir(), &cfg.vm.qemu_img)
+        })();
+        let manifest = match published {
+            Ok(m) => m,
+            Err(x) => {
+                let _ = std::fs::remove_dir_all(&vm_dir);
+                self.leases.end_start(vm);
+                self.leases.release(vm);
+                return Err(x);
+            }
+        };
+        Ok(AddedFromSnapshot {
+            snapshot_id: manifest.snapshot_id,
+            from: from.into(),
+            remote_snapshot_id: id.into(),
+            bytes_fetched: staged.bytes_fetched,
+            fetch_ms,
+            lease_expires_at: lease.expires_at,
+            taken_over_from: taken_over.map(|t| t.host),
+            lease_ms,
+            start_ms: 0,
+        })
     }
 
     fn pull_into(
