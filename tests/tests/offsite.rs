@@ -739,11 +739,22 @@ fn vm_add_from_snapshot_starts_a_vm_host_b_never_ran_at_host_a_s_snapshot_point(
 
     // A holds a live lease: refused in one line, nothing written on B.
     let t = Instant::now();
-    let out = b.cli(&["vm", "add", &file, "--from-snapshot", &id, "--from", "host-a"]);
+    let out = b.cli(&[
+        "vm",
+        "add",
+        &file,
+        "--from-snapshot",
+        &id,
+        "--from",
+        "host-a",
+    ]);
     let refused_ms = t.elapsed().as_millis();
     let (status, err) = refusal(&out);
     assert_eq!(status, Some(1), "{err}");
-    assert!(err.contains("ERR_OFFSITE_LEASE_HELD") && err.contains("host-a"), "{err}");
+    assert!(
+        err.contains("ERR_OFFSITE_LEASE_HELD") && err.contains("host-a"),
+        "{err}"
+    );
     assert!(files_in(&vms_dir).is_empty(), "{:?}", files_in(&vms_dir));
     assert!(!vm_dir.exists(), "a store was left behind");
     assert_eq!(lease_object(&c, "e2e").unwrap()["host"], "host-a");
@@ -751,7 +762,15 @@ fn vm_add_from_snapshot_starts_a_vm_host_b_never_ran_at_host_a_s_snapshot_point(
     // A stops cleanly (its lease is deleted); B adds the VM from A's snapshot.
     a.stop();
     assert!(lease_object(&c, "e2e").is_none());
-    let added = b.ok(&["vm", "add", &file, "--from-snapshot", &id, "--from", "host-a"]);
+    let added = b.ok(&[
+        "vm",
+        "add",
+        &file,
+        "--from-snapshot",
+        &id,
+        "--from",
+        "host-a",
+    ]);
     let from = &added["from_snapshot"];
     println!(
         "vm add: fetched {} bytes in {} ms, lease write {} ms, start {} ms, total {} ms (refused while A ran: {refused_ms} ms)",
@@ -814,21 +833,41 @@ fn vm_add_from_snapshot_starts_a_vm_host_b_never_ran_at_host_a_s_snapshot_point(
         "B's VM was booted: {own:?}"
     );
     assert!(own.iter().any(|e| e["event"] == "rollback.completed"
-        && e["snapshot_id"].as_str().or(e["fields"]["snapshot_id"].as_str()) == Some(local.as_str())));
+        && e["snapshot_id"]
+            .as_str()
+            .or(e["fields"]["snapshot_id"].as_str())
+            == Some(local.as_str())));
 
     // Bad input: one line with a code; nothing changed.
     let bad = b.dir.path().join("bad.toml");
     std::fs::write(&bad, "[vm]\nname = \"bad\"\nmemory_mib = ").unwrap();
     let never = "0".repeat(32);
     for (args, code) in [
-        (vec!["vm", "add", bad.to_str().unwrap()], "ERR_CONFIG_INVALID"),
+        (
+            vec!["vm", "add", bad.to_str().unwrap()],
+            "ERR_CONFIG_INVALID",
+        ),
         (vec!["vm", "add", &file], "ERR_VM_EXISTS"),
         (
-            vec!["vm", "add", &file, "--from-snapshot", &id, "--from", "host-a"],
+            vec![
+                "vm",
+                "add",
+                &file,
+                "--from-snapshot",
+                &id,
+                "--from",
+                "host-a",
+            ],
             "ERR_VM_EXISTS",
         ),
         (
-            vec!["vm", "add", bad.to_str().unwrap(), "--from-snapshot", &never],
+            vec![
+                "vm",
+                "add",
+                bad.to_str().unwrap(),
+                "--from-snapshot",
+                &never,
+            ],
             "ERR_BAD_REQUEST",
         ),
     ] {

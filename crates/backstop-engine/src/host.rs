@@ -271,9 +271,15 @@ pub fn check_new_vm_file(
     text: &str,
 ) -> Result<NewVmFile, (ErrorCode, String)> {
     let invalid = |m: String| (ErrorCode::ConfigInvalid, m);
-    let name_ok = Path::new(file_name).file_name().map(|n| n.to_string_lossy().into_owned())
+    let name_ok = Path::new(file_name)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
         == Some(file_name.to_string());
-    if !name_ok || file_name.starts_with('.') || !file_name.ends_with(".toml") || file_name.len() <= 5 {
+    if !name_ok
+        || file_name.starts_with('.')
+        || !file_name.ends_with(".toml")
+        || file_name.len() <= 5
+    {
         return Err(invalid(format!(
             "{file_name:?}: a VM file is named NAME.toml (NAME its vm.name)"
         )));
@@ -310,7 +316,9 @@ pub fn check_new_vm_file(
     cfg.check_files()
         .map_err(|e| (e.code(), format!("{file_name}: {e}")))?;
     for d in &cfg.devices {
-        let Some(claim) = d.host_claim() else { continue };
+        let Some(claim) = d.host_claim() else {
+            continue;
+        };
         let other = host.ready().find(|c| {
             c.devices
                 .iter()

@@ -420,10 +420,7 @@ impl Supervisor {
         if new.dest.exists() {
             return Err(before((
                 ErrorCode::VmExists,
-                format!(
-                    "{} appeared meanwhile: nothing changed",
-                    new.dest.display()
-                ),
+                format!("{} appeared meanwhile: nothing changed", new.dest.display()),
             )));
         }
         crate::host::write_new_vm_file(&new.dest, &new.text).map_err(|e| {

@@ -420,8 +420,9 @@ impl Offsite {
         };
         let lease_ms = t.elapsed().as_millis() as u64;
         let published = (|| {
-            let (store, _) = backstop_store::Store::open(&vm_dir.join("store"), engine.host_key().clone())
-                .map_err(|x| e(x.code(), x.to_string()))?;
+            let (store, _) =
+                backstop_store::Store::open(&vm_dir.join("store"), engine.host_key().clone())
+                    .map_err(|x| e(x.code(), x.to_string()))?;
             pull::publish(&staged, &store, vm, &cfg.layers_dir(), &cfg.vm.qemu_img)
         })();
         let manifest = match published {
