@@ -878,5 +878,29 @@ fn vm_add_from_snapshot_starts_a_vm_host_b_never_ran_at_host_a_s_snapshot_point(
     assert!(!b.vm_state_dir("bad").exists());
     assert_eq!(b.ok(&["vms"])["vms"].as_array().unwrap().len(), 1);
     assert_eq!(lease_object(&c, "e2e").unwrap()["host"], "host-b");
+
+    // Without --from-snapshot: what writing the file and `reload` do (a cold boot and a
+    // baseline), answered with the new VM's line; the other VM is not touched.
+    let second = b.dir.path().join("e2f.toml");
+    std::fs::write(
+        &second,
+        std::fs::read_to_string(&file)
+            .unwrap()
+            .replace("name = \"e2e\"", "name = \"e2f\"")
+            .replace("scratch.qcow2", "scratch-f.qcow2"),
+    )
+    .unwrap();
+    let t = Instant::now();
+    let plain = b.ok(&["vm", "add", second.to_str().unwrap()]);
+    println!("vm add (cold boot): {} ms", t.elapsed().as_millis());
+    assert_eq!(plain["vm"]["name"], "e2f", "{plain}");
+    assert_eq!(plain["vm"]["state"], "running", "{plain}");
+    assert!(plain["from_snapshot"].is_null(), "{plain}");
+    assert_eq!(files_in(&vms_dir), ["e2e.toml", "e2f.toml"]);
+    assert!(b
+        .vm_journal("e2f")
+        .iter()
+        .any(|e| e["event"] == "vm.started"));
+    assert_eq!(b.ok_vm("e2e", &["status"])["epoch"], st["epoch"]);
     println!("vm add: e2e took {:.1} s", started.elapsed().as_secs_f64());
 }

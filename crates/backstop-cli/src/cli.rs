@@ -803,6 +803,49 @@ mod tests {
     }
 
     #[test]
+    fn vm_add_sends_the_file_whole_and_from_snapshot_needs_from() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("web.toml");
+        std::fs::write(&file, "[vm]\nname = \"web\"\n").unwrap();
+        let path = file.to_str().unwrap();
+        assert_eq!(
+            request(&["vm", "add", path]),
+            Request::VmAdd {
+                file_name: "web.toml".into(),
+                text: "[vm]\nname = \"web\"\n".into(),
+                from_snapshot: None,
+                from: None,
+            }
+        );
+        let id = "a".repeat(32);
+        let both = request(&[
+            "vm",
+            "add",
+            path,
+            "--from-snapshot",
+            &id,
+            "--from",
+            "host-a",
+        ]);
+        assert!(crate::precheck(&both, false).is_none());
+        for args in [
+            vec!["vm", "add", path, "--from-snapshot", id.as_str()],
+            vec!["vm", "add", path, "--from", "host-a"],
+        ] {
+            let out = crate::precheck(&request(&args), false).unwrap();
+            assert!(
+                out.stderr.starts_with("backstop: ERR_BAD_REQUEST: "),
+                "{}",
+                out.stderr
+            );
+            assert_eq!(out.stderr.trim().lines().count(), 1);
+            assert_ne!(out.exit_code, 0);
+        }
+        // A file that cannot be read is a usage error before anything is sent.
+        assert!(parse(&["vm", "add", "/nonexistent-backstop/web.toml"]).is_err());
+    }
+
+    #[test]
     fn snapshot_show_is_a_summary_unless_full() {
         use crate::render::Detail;
         let detail = |args: &[&str]| parse(args).unwrap().command.detail();
