@@ -409,6 +409,20 @@ impl Supervisor {
     /// and `vm.added` journaled with `fields`. Returns the VM's line of `vms`. An error before
     /// the file is written leaves nothing; `written` says whether it was.
     pub fn add_vm(&self, new: &NewVmFile, fields: Value) -> Result<VmSummary, AddVmError> {
+        self.add_vm_prepared(new, fields, &mut || Ok(Value::Null))
+    }
+
+    /// [`Self::add_vm`], with `prepare` run under the reload lock once the name is checked
+    /// free again and before the file is written (`vm add --from-snapshot` puts the pulled
+    /// snapshot into the new VM's store there: no reload or other add can start a VM of that
+    /// name meanwhile). An error of `prepare` is returned as it is, nothing written; what it
+    /// returns (an object) is added to the fields of `vm.added`.
+    pub fn add_vm_prepared(
+        &self,
+        new: &NewVmFile,
+        fields: Value,
+        prepare: &mut dyn FnMut() -> Result<Value, (ErrorCode, String)>,
+    ) -> Result<VmSummary, AddVmError> {
         let _one = self.reloading.lock().unwrap_or_else(|p| p.into_inner());
         let name = new.cfg.vm.name.clone();
         let before = |(code, message)| AddVmError {
@@ -423,6 +437,7 @@ impl Supervisor {
                 format!("{} appeared meanwhile: nothing changed", new.dest.display()),
             )));
         }
+        let prepared = prepare().map_err(before)?;
         crate::host::write_new_vm_file(&new.dest, &new.text).map_err(|e| {
             let code = if e.kind() == std::io::ErrorKind::AlreadyExists {
                 ErrorCode::VmExists
@@ -442,6 +457,9 @@ impl Supervisor {
             Value::Object(m) => m,
             _ => Map::new(),
         };
+        if let Value::Object(more) = prepared {
+            f.extend(more);
+        }
         f.insert("vm".into(), name.clone().into());
         f.insert("file".into(), new.dest.display().to_string().into());
         f.insert(

@@ -272,13 +272,14 @@ impl Offsite {
     /// `vm add FILE --from-snapshot ID --from HOST`: the VM starts from that snapshot, never
     /// cold-booted first. In order: the VM file checked (as `reload` would load it) and its
     /// name free; the lease read (another host's live lease refuses it, nothing fetched);
-    /// the snapshot fetched and checked; its shape checked against the new VM's; the lease
-    /// taken; the snapshot published into the store the VM's actor will open
-    /// (`state_dir/vms/NAME/store`, its layers in `…/disks/pulled-ID/`); then the VM added,
-    /// whose first start restores it (the start-up path of a VM with snapshots). A failure
-    /// before the VM file is written leaves nothing behind: no file, no store, the lease
-    /// released if it was taken. Journaled `snapshot.pulled` (`for_start`, `vm_add`) or
-    /// `snapshot.pull.failed`, then `vm.added`.
+    /// the snapshot fetched and checked; its shape checked against the new VM's; then, under
+    /// the supervisor's reload lock, the lease taken and the snapshot published into the store
+    /// the VM's actor will open (`state_dir/vms/NAME/store`, its layers in
+    /// `…/disks/pulled-ID/`); then the VM file written and the VM started, whose first start
+    /// restores it (the start-up path of a VM with snapshots). A failure before the VM file is
+    /// written leaves nothing behind: no file, no store, the lease released if it was taken.
+    /// Journaled `snapshot.pulled` (`for_start`, `vm_add`) or `snapshot.pull.failed`, then
+    /// `vm.added` (`from_snapshot`).
     pub fn add_from_snapshot(
         &self,
         engine: &Supervisor,
@@ -297,69 +298,125 @@ impl Offsite {
             Err((code, message)) => return fail(code, message),
         };
         let vm = new.cfg.vm.name.clone();
-        let result = self.pull_for_add(engine, &new, id, from);
-        let journaled = match &result {
-            Ok(p) => engine.journal_daemon_event(
-                AuditEvent::SnapshotPulled,
-                json!({"vm": vm, "from": from, "remote_snapshot_id": id,
-                    "snapshot_id": p.snapshot_id, "bytes_fetched": p.bytes_fetched,
-                    "for_start": true, "vm_add": true,
-                    "lease_expires_at": p.lease_expires_at, "result": "ok"}),
-            ),
-            Err(e) => engine.journal_daemon_event(
+        let pull_failed = |e: &PullError| {
+            let journaled = engine.journal_daemon_event(
                 AuditEvent::SnapshotPullFailed,
                 json!({"vm": vm, "from": from, "remote_snapshot_id": id,
                     "snapshot_id": id, "code": e.code.as_str(), "error": e.message,
                     "for_start": true, "vm_add": true, "result": "failed"}),
-            ),
+            );
+            if let Err(e) = journaled {
+                tracing::error!(error = %e, "snapshot pull not journaled");
+            }
         };
-        if let Err(e) = journaled {
-            tracing::error!(error = %e, "snapshot pull not journaled");
-        }
-        let mut pulled = match result {
-            Ok(p) => p,
-            Err(e) => return fail(e.code, e.message),
+        let (staged, fetch_ms) = match self.fetch_for_add(engine, &new, id, from) {
+            Ok(s) => s,
+            Err(e) => {
+                pull_failed(&e);
+                return fail(e.code, e.message);
+            }
         };
-        let t = Instant::now();
-        let added = engine.add_vm(
-            &new,
-            json!({"from_snapshot": {"snapshot_id": pulled.snapshot_id, "from": from,
-                "remote_snapshot_id": id}}),
-        );
-        pulled.start_ms = t.elapsed().as_millis() as u64;
+        // Under the reload lock, just before the VM file is written.
+        let mut pulled: Option<AddedFromSnapshot> = None;
+        let mut published = false;
+        let mut prepared_at = None;
+        let mut prepare = || -> Result<serde_json::Value, (ErrorCode, String)> {
+            let r = self.publish_for_add(&new, &staged, engine);
+            match r {
+                Ok((manifest, lease, taken_over, lease_ms)) => {
+                    published = true;
+                    let journaled = engine.journal_daemon_event(
+                        AuditEvent::SnapshotPulled,
+                        json!({"vm": vm, "from": from, "remote_snapshot_id": id,
+                            "snapshot_id": manifest.snapshot_id, "bytes_fetched": staged.bytes_fetched,
+                            "for_start": true, "vm_add": true,
+                            "lease_expires_at": lease.expires_at, "result": "ok"}),
+                    );
+                    if let Err(e) = journaled {
+                        tracing::error!(error = %e, "snapshot pull not journaled");
+                    }
+                    let fields = json!({"from_snapshot": {"snapshot_id": manifest.snapshot_id,
+                        "from": from, "remote_snapshot_id": id}});
+                    pulled = Some(AddedFromSnapshot {
+                        snapshot_id: manifest.snapshot_id,
+                        from: from.into(),
+                        remote_snapshot_id: id.into(),
+                        bytes_fetched: staged.bytes_fetched,
+                        fetch_ms,
+                        lease_expires_at: lease.expires_at,
+                        taken_over_from: taken_over.map(|t| t.host),
+                        lease_ms,
+                        start_ms: 0,
+                    });
+                    prepared_at = Some(Instant::now());
+                    Ok(fields)
+                }
+                Err(e) => {
+                    pull_failed(&e);
+                    Err((e.code, e.message))
+                }
+            }
+        };
+        let added = engine.add_vm_prepared(&new, json!({}), &mut prepare);
         // From here the lease follows whether the VM runs here.
         self.leases.end_start(&vm);
-        match added {
-            Ok(summary) => {
-                tracing::info!(vm = %vm, from, remote = id, snapshot_id = %pulled.snapshot_id,
-                    state = %summary.state, ms = started.elapsed().as_millis() as u64,
-                    "VM added from another host's snapshot");
-                Reply::Done(Response::VmAdded(VmAddReport {
-                    vm: summary,
-                    file: new.dest.display().to_string(),
-                    from_snapshot: Some(pulled),
-                    total_ms: started.elapsed().as_millis() as u64,
-                }))
-            }
+        let summary = match added {
+            Ok(summary) => summary,
             Err(e) => {
-                if !e.written {
-                    // Nothing of the VM is left: its store (with the pulled snapshot) and lease.
+                if !e.written && published {
+                    // Nothing of the VM is left: its store (with the pulled snapshot), its lease.
                     let _ = std::fs::remove_dir_all(&new.cfg.daemon.state_dir);
                     self.leases.release(&vm);
                 }
-                fail(e.code, e.message)
+                return fail(e.code, e.message);
             }
-        }
+        };
+        let Some(mut pulled) = pulled else {
+            return fail(
+                ErrorCode::ControlInternal,
+                format!("VM {vm} was added but its snapshot was not published"),
+            );
+        };
+        pulled.start_ms = prepared_at.map_or(0, |t| t.elapsed().as_millis() as u64);
+        tracing::info!(vm = %vm, from, remote = id, snapshot_id = %pulled.snapshot_id,
+            state = %summary.state, ms = started.elapsed().as_millis() as u64,
+            "VM added from another host's snapshot");
+        Reply::Done(Response::VmAdded(VmAddReport {
+            vm: summary,
+            file: new.dest.display().to_string(),
+            from_snapshot: Some(pulled),
+            total_ms: started.elapsed().as_millis() as u64,
+        }))
     }
 
-    /// [`Self::add_from_snapshot`] up to the VM file: on error everything it made is undone.
-    fn pull_for_add(
+    /// The VM's state directory: it must hold nothing (the state of an earlier VM of that
+    /// name would decide its start instead of the pulled snapshot).
+    fn refuse_leftover_state(vm: &str, vm_dir: &std::path::Path) -> Result<(), PullError> {
+        let left = std::fs::read_dir(vm_dir)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(false);
+        if left {
+            return Err(PullError {
+                code: ErrorCode::VmExists,
+                message: format!(
+                    "{} holds the state of an earlier VM named {vm}: move it away to start a new one from a snapshot; nothing changed",
+                    vm_dir.display()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`Self::add_from_snapshot`] up to the fetch: the checks that touch nothing, the lease
+    /// read, the fetch into staging, the shape. Returns the staged snapshot and the fetch's
+    /// milliseconds.
+    fn fetch_for_add(
         &self,
         engine: &Supervisor,
         new: &backstop_engine::host::NewVmFile,
         id: &str,
         from: &str,
-    ) -> Result<AddedFromSnapshot, PullError> {
+    ) -> Result<(pull::Staged, u64), PullError> {
         let cfg = &new.cfg;
         let vm = cfg.vm.name.as_str();
         let e = |code: ErrorCode, message: String| PullError { code, message };
@@ -376,31 +433,17 @@ impl Offsite {
                 format!("VM {vm} is a libvirt domain: `vm add --from-snapshot` starts QEMU and KVM VMs only"),
             ));
         }
-        // The state directory its actor will use: it must hold nothing (the state of an
-        // earlier VM of that name would decide its start instead of the pulled snapshot).
-        let vm_dir = cfg.daemon.state_dir.clone();
-        let left = std::fs::read_dir(&vm_dir)
-            .map(|mut d| d.next().is_some())
-            .unwrap_or(false);
-        if left {
-            return Err(e(
-                ErrorCode::VmExists,
-                format!(
-                    "{} holds the state of an earlier VM named {vm}: move it away to start a new one from a snapshot; nothing changed",
-                    vm_dir.display()
-                ),
-            ));
-        }
-        let lease_err = |x: LeaseError| e(x.code, x.message);
+        Self::refuse_leftover_state(vm, &cfg.daemon.state_dir)?;
         // Before a byte is fetched: a VM another host runs is not started here.
-        self.leases.check_for_start(vm).map_err(lease_err)?;
+        self.leases
+            .check_for_start(vm)
+            .map_err(|x| e(x.code, x.message))?;
         let t = Instant::now();
         let staged = pull::fetch(&self.cfg, &self.client, &trust, from, id, &self.staging)?;
         let fetch_ms = t.elapsed().as_millis() as u64;
         // The shape it was taken with must be the new VM's, or its first start could not
         // restore it (and would halt): refused now, before anything is written.
-        let shape = engine.shape_of(cfg);
-        if shape.as_deref() != Some(staged.manifest.config_fingerprint.as_str()) {
+        if engine.shape_of(cfg).as_deref() != Some(staged.manifest.config_fingerprint.as_str()) {
             return Err(e(
                 ErrorCode::SnapshotCompatibilityBlocked,
                 format!(
@@ -409,42 +452,60 @@ impl Offsite {
                 ),
             ));
         }
+        Ok((staged, fetch_ms))
+    }
+
+    /// Under the reload lock: the lease taken (compare-and-swap: a host that took it since the
+    /// check wins), then the staged snapshot published into the new VM's store. On error
+    /// everything this made is undone (the store, the lease). Returns the manifest, the lease,
+    /// the expired lease taken over and the lease write's milliseconds.
+    #[allow(clippy::type_complexity)]
+    fn publish_for_add(
+        &self,
+        new: &backstop_engine::host::NewVmFile,
+        staged: &pull::Staged,
+        engine: &Supervisor,
+    ) -> Result<
+        (
+            backstop_store::Manifest,
+            backstop_offsite::lease::Lease,
+            Option<backstop_offsite::lease::Lease>,
+            u64,
+        ),
+        PullError,
+    > {
+        let cfg = &new.cfg;
+        let vm = cfg.vm.name.as_str();
+        let vm_dir = cfg.daemon.state_dir.clone();
+        Self::refuse_leftover_state(vm, &vm_dir)?;
         let t = Instant::now();
         self.leases.begin_start(vm);
-        let (lease, taken_over) = match self.leases.acquire_for_start(vm) {
-            Ok(l) => l,
-            Err(x) => {
-                self.leases.end_start(vm);
-                return Err(lease_err(x));
+        let (lease, taken_over) = self.leases.acquire_for_start(vm).map_err(|x| {
+            self.leases.end_start(vm);
+            PullError {
+                code: x.code,
+                message: x.message,
             }
-        };
+        })?;
         let lease_ms = t.elapsed().as_millis() as u64;
-        let published = (|| {
-            let (store, _) =
-                backstop_store::Store::open(&vm_dir.join("store"), engine.host_key().clone())
-                    .map_err(|x| e(x.code(), x.to_string()))?;
-            pull::publish(&staged, &store, vm, &cfg.layers_dir(), &cfg.vm.qemu_img)
-        })();
-        let manifest = match published {
-            Ok(m) => m,
+        let published =
+            backstop_store::Store::open(&vm_dir.join("store"), engine.host_key().clone())
+                .map_err(|x| PullError {
+                    code: x.code(),
+                    message: x.to_string(),
+                })
+                .and_then(|(store, _)| {
+                    pull::publish(staged, &store, vm, &cfg.layers_dir(), &cfg.vm.qemu_img)
+                });
+        match published {
+            Ok(m) => Ok((m, lease, taken_over, lease_ms)),
             Err(x) => {
                 let _ = std::fs::remove_dir_all(&vm_dir);
                 self.leases.end_start(vm);
                 self.leases.release(vm);
-                return Err(x);
+                Err(x)
             }
-        };
-        Ok(AddedFromSnapshot {
-            snapshot_id: manifest.snapshot_id,
-            from: from.into(),
-            remote_snapshot_id: id.into(),
-            bytes_fetched: staged.bytes_fetched,
-            fetch_ms,
-            lease_expires_at: lease.expires_at,
-            taken_over_from: taken_over.map(|t| t.host),
-            lease_ms,
-            start_ms: 0,
-        })
+        }
     }
 
     fn pull_into(
