@@ -762,6 +762,33 @@ fn vm_add_from_snapshot_starts_a_vm_host_b_never_ran_at_host_a_s_snapshot_point(
     // A stops cleanly (its lease is deleted); B adds the VM from A's snapshot.
     a.stop();
     assert!(lease_object(&c, "e2e").is_none());
+    // A VM file of another shape: fetched, then refused before the lease or any write (its
+    // first start could not restore the snapshot); staging emptied.
+    let other = b.dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    let other_file = other.join("e2e.toml");
+    std::fs::write(
+        &other_file,
+        std::fs::read_to_string(&file)
+            .unwrap()
+            .replace("memory_mib = 256", "memory_mib = 192"),
+    )
+    .unwrap();
+    let out = b.cli(&[
+        "vm",
+        "add",
+        other_file.to_str().unwrap(),
+        "--from-snapshot",
+        &id,
+        "--from",
+        "host-a",
+    ]);
+    let (_, err) = refusal(&out);
+    assert!(err.contains("ERR_SNAPSHOT_COMPATIBILITY_BLOCKED"), "{err}");
+    assert!(files_in(&vms_dir).is_empty(), "{:?}", files_in(&vms_dir));
+    assert!(!vm_dir.exists(), "a store was left behind");
+    assert!(files_in(&b.state_dir().join("offsite/staging")).is_empty());
+    assert!(lease_object(&c, "e2e").is_none());
     let added = b.ok(&[
         "vm",
         "add",

@@ -2227,6 +2227,61 @@ mod tests {
     }
 
     #[test]
+    fn vm_add_says_where_the_file_went_and_how_the_vm_started() {
+        let vm = VmSummary {
+            name: "web".into(),
+            backend: "qemu".into(),
+            state: "running".into(),
+            epoch: 1,
+            snapshots: 1,
+            newest_snapshot_at: None,
+            heartbeat_age_ms: None,
+            reason: None,
+            last_rollback: None,
+            links: Vec::new(),
+            granted_devices: Vec::new(),
+        };
+        let mut r = backstop_control::VmAddReport {
+            vm,
+            file: "/etc/backstop/vms.d/web.toml".into(),
+            from_snapshot: None,
+            total_ms: 900,
+        };
+        let ask = Request::VmAdd {
+            file_name: "web.toml".into(),
+            text: String::new(),
+            from_snapshot: None,
+            from: None,
+        };
+        let plain = human(&ask, &Response::VmAdded(r.clone()));
+        assert!(
+            plain.starts_with("VM file /etc/backstop/vms.d/web.toml written\n"),
+            "{plain}"
+        );
+        assert!(
+            plain.contains("web") && plain.contains("running"),
+            "{plain}"
+        );
+        r.from_snapshot = Some(backstop_control::AddedFromSnapshot {
+            snapshot_id: "b".repeat(32),
+            from: "host-a".into(),
+            remote_snapshot_id: "a".repeat(32),
+            bytes_fetched: 78 << 20,
+            fetch_ms: 9000,
+            lease_expires_at: "2026-11-25T08:00:00Z".into(),
+            taken_over_from: None,
+            lease_ms: 4,
+            start_ms: 400,
+        });
+        let text = human(&ask, &Response::VmAdded(r));
+        assert!(text.contains("host-a's aaaa"), "{text}");
+        assert!(
+            text.contains("lease taken until 2026-11-25T08:00:00Z; VM started from it (400 ms)"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn names_show_where_snapshots_are_named_and_nowhere_else() {
         let mut named = summary("aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "r1");
         named.name = Some("before-upgrade".into());
