@@ -728,6 +728,19 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<nix::fcntl::Flock<std::fs::Fi
 mod tests {
     use super::*;
 
+    /// Adding a VM changes the set of VMs: a person at the console only, as reload.
+    #[test]
+    fn only_the_console_may_add_a_vm() {
+        let add = Request::VmAdd {
+            file_name: "web.toml".into(),
+            text: String::new(),
+            from_snapshot: None,
+            from: None,
+        };
+        assert!(permitted(backstop_control::Role::Policy, &add).is_err());
+        assert!(permitted(backstop_control::Role::Console, &add).is_ok());
+    }
+
     /// The state directory's lock is held for as long as its guard lives, and refuses a second
     /// holder (flock locks belong to the open file, so a second open in this process conflicts
     /// as another daemon's would).
