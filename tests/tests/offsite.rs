@@ -758,6 +758,11 @@ fn vm_add_from_snapshot_starts_a_vm_host_b_never_ran_at_host_a_s_snapshot_point(
     assert!(files_in(&vms_dir).is_empty(), "{:?}", files_in(&vms_dir));
     assert!(!vm_dir.exists(), "a store was left behind");
     assert_eq!(lease_object(&c, "e2e").unwrap()["host"], "host-a");
+    // Nor is it cold-booted here by a plain add.
+    let (_, err) = refusal(&b.cli(&["vm", "add", &file]));
+    assert!(err.contains("ERR_OFFSITE_LEASE_HELD"), "{err}");
+    assert!(files_in(&vms_dir).is_empty(), "{:?}", files_in(&vms_dir));
+    assert!(!vm_dir.exists());
 
     // A stops cleanly (its lease is deleted); B adds the VM from A's snapshot.
     a.stop();

@@ -573,6 +573,11 @@ fn vm_add(
                 Ok(n) => n,
                 Err((code, message)) => return fail(code, message),
             };
+            // A VM another host runs is not cold-booted here too.
+            if let Some(Err((code, message))) = offsite.map(|o| o.check_plain_add(&new.cfg.vm.name))
+            {
+                return fail(code, message);
+            }
             match engine.add_vm(&new, serde_json::json!({})) {
                 Ok(vm) => Reply::Done(Response::VmAdded(backstop_control::VmAddReport {
                     vm,

@@ -389,6 +389,20 @@ impl Offsite {
         }))
     }
 
+    /// A plain `vm add` (a cold boot): refused while another host holds a live lease on the
+    /// VM (or the lease object is not a lease). A gateway that cannot be read does not stop it
+    /// (adding a VM never depends on the gateway; its renewer reports the lease later).
+    pub fn check_plain_add(&self, vm: &str) -> Result<(), (ErrorCode, String)> {
+        match self.leases.check_for_start(vm) {
+            Err(e) if e.code == ErrorCode::OffsiteLeaseHeld => Err((e.code, e.message)),
+            Err(e) => {
+                tracing::warn!(vm, error = %e, "vm add: the lease could not be read; the VM is added");
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+        }
+    }
+
     /// The VM's state directory: it must hold nothing (the state of an earlier VM of that
     /// name would decide its start instead of the pulled snapshot).
     fn refuse_leftover_state(vm: &str, vm_dir: &std::path::Path) -> Result<(), PullError> {
