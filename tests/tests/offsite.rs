@@ -1002,3 +1002,296 @@ fn a_pull_for_start_is_refused_while_host_a_holds_the_lease_and_starts_the_vm_on
     assert_eq!(lease_object(&c, &vm).unwrap()["host"], "host-b");
     println!("lease: e2e took {:.1} s", started.elapsed().as_secs_f64());
 }
+
+/// B: a daemon with `vms_dir` (empty: it guards no VM yet) and the same `[offsite]` as the
+/// lease tests; waits until its socket answers.
+fn vms_dir_daemon(name: &str, host: &str, c: &Cluster, creds_dir: &Path, ttl_s: u64) -> Daemon {
+    let creds = creds_dir.join(format!("{host}.credentials"));
+    std::fs::write(
+        &creds,
+        format!(
+            "access_key_id = \"{}\"\nsecret_access_key = \"{}\"\n",
+            c.access, c.secret
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&creds, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let trust = creds_dir.join("fleet-trust.toml");
+    let endpoint = c.endpoint.clone();
+    let mut d = Daemon::prepare_custom(
+        name,
+        &|state, run| {
+            let vms_dir = state.parent().unwrap().join("vms.d");
+            std::fs::create_dir_all(&vms_dir).unwrap();
+            format!(
+                "[daemon]\nstate_dir = \"{}\"\nrun_dir = \"{}\"\nvms_dir = \"{}\"\n\n[offsite]\nendpoint = \"{endpoint}\"\nbucket = \"fleet\"\nprefix = \"e2e\"\nhost = \"{host}\"\ncredentials_file = \"{}\"\ntrust_file = \"{}\"\nlease_ttl_s = {ttl_s}\n",
+                state.display(),
+                run.display(),
+                vms_dir.display(),
+                creds.display(),
+                trust.display()
+            )
+        },
+        &[],
+    );
+    d.launch_answering();
+    d
+}
+
+/// The error line of a failed console call: (exit status, code, the one line).
+fn refusal(out: &std::process::Output) -> (Option<i32>, String) {
+    let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    assert!(!out.status.success(), "succeeded: {err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    (out.status.code(), err)
+}
+
+/// The files of a directory, sorted (hidden ones too).
+fn files_in(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+#[test]
+fn vm_add_from_snapshot_starts_a_vm_host_b_never_ran_at_host_a_s_snapshot_point() {
+    let test = "vm_add_from_snapshot_starts_a_vm_host_b_never_ran_at_host_a_s_snapshot_point";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let Some(c) = Cluster::start(test) else {
+        return;
+    };
+    let started = Instant::now();
+    let keys = tempfile::tempdir().unwrap();
+    let mut a = lease_daemon("vmadd-a", "host-a", &c, keys.path(), 6);
+    let b = vms_dir_daemon("vmadd-b", "host-b", &c, keys.path(), 6);
+    write_trust(keys.path(), &[("host-a", &a), ("host-b", &b)]);
+    let vms_dir = b.dir.path().join("vms.d");
+    let vm_dir = b.vm_state_dir("e2e");
+    // B's VM file: A's `[vm]` tables as they are (the same shape), its excluded disk on B.
+    let a_config = std::fs::read_to_string(&a.config_path).unwrap();
+    let vm_tables = &a_config[a_config.find("[vm]").unwrap()..a_config.find("[offsite]").unwrap()];
+    let file = b.dir.path().join("e2e.toml");
+    std::fs::write(
+        &file,
+        vm_tables.replace(
+            &a.state_dir().display().to_string(),
+            &b.dir.path().display().to_string(),
+        ),
+    )
+    .unwrap();
+    let file = file.to_str().unwrap().to_string();
+    assert_eq!(b.ok(&["vms"])["vms"], serde_json::json!([]));
+
+    a.wait_tick(0, 3, BOOT);
+    let id = snapshot_create(&a, "vm add: the point B starts from");
+    let snap_disk = disk_sector0(&snapshot_disk_top(&a, &id));
+    wait_replicated(&a, &id);
+    wait_lease(&a, "held");
+
+    // A holds a live lease: refused in one line, nothing written on B.
+    let t = Instant::now();
+    let out = b.cli(&[
+        "vm",
+        "add",
+        &file,
+        "--from-snapshot",
+        &id,
+        "--from",
+        "host-a",
+    ]);
+    let refused_ms = t.elapsed().as_millis();
+    let (status, err) = refusal(&out);
+    assert_eq!(status, Some(1), "{err}");
+    assert!(
+        err.contains("ERR_OFFSITE_LEASE_HELD") && err.contains("host-a"),
+        "{err}"
+    );
+    assert!(files_in(&vms_dir).is_empty(), "{:?}", files_in(&vms_dir));
+    assert!(!vm_dir.exists(), "a store was left behind");
+    assert_eq!(lease_object(&c, "e2e").unwrap()["host"], "host-a");
+    // Nor is it cold-booted here by a plain add.
+    let (_, err) = refusal(&b.cli(&["vm", "add", &file]));
+    assert!(err.contains("ERR_OFFSITE_LEASE_HELD"), "{err}");
+    assert!(files_in(&vms_dir).is_empty(), "{:?}", files_in(&vms_dir));
+    assert!(!vm_dir.exists());
+
+    // A stops cleanly (its lease is deleted); B adds the VM from A's snapshot.
+    a.stop();
+    assert!(lease_object(&c, "e2e").is_none());
+    // A VM file of another shape: fetched, then refused before the lease or any write (its
+    // first start could not restore the snapshot); staging emptied.
+    let other = b.dir.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    let other_file = other.join("e2e.toml");
+    std::fs::write(
+        &other_file,
+        std::fs::read_to_string(&file)
+            .unwrap()
+            .replace("memory_mib = 256", "memory_mib = 192"),
+    )
+    .unwrap();
+    let out = b.cli(&[
+        "vm",
+        "add",
+        other_file.to_str().unwrap(),
+        "--from-snapshot",
+        &id,
+        "--from",
+        "host-a",
+    ]);
+    let (_, err) = refusal(&out);
+    assert!(err.contains("ERR_SNAPSHOT_COMPATIBILITY_BLOCKED"), "{err}");
+    assert!(files_in(&vms_dir).is_empty(), "{:?}", files_in(&vms_dir));
+    assert!(!vm_dir.exists(), "a store was left behind");
+    assert!(files_in(&b.state_dir().join("offsite/staging")).is_empty());
+    assert!(lease_object(&c, "e2e").is_none());
+    let added = b.ok(&[
+        "vm",
+        "add",
+        &file,
+        "--from-snapshot",
+        &id,
+        "--from",
+        "host-a",
+    ]);
+    let from = &added["from_snapshot"];
+    println!(
+        "vm add: fetched {} bytes in {} ms, lease write {} ms, start {} ms, total {} ms (refused while A ran: {refused_ms} ms)",
+        from["bytes_fetched"], from["fetch_ms"], from["lease_ms"], from["start_ms"], added["total_ms"]
+    );
+    assert_eq!(added["vm"]["name"], "e2e", "{added}");
+    assert_eq!(added["vm"]["state"], "running", "{added}");
+    assert_eq!(from["remote_snapshot_id"], id.as_str());
+    let local = from["snapshot_id"].as_str().unwrap().to_string();
+    assert_eq!(files_in(&vms_dir), ["e2e.toml"]);
+
+    // The guest's very first ticks on B are A's snapshot point: it was never cold-booted.
+    let deadline = Instant::now() + STEP;
+    let ticks = loop {
+        let ticks = backstop_e2e::parse_ticks(&b.vm_serial("e2e"));
+        if ticks.len() >= 2 {
+            break ticks;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no ticks from B's guest: {}\n{}",
+            b.vm_serial("e2e"),
+            backstop_e2e::tail(&b.log(), 20)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let t0 = ticks[0];
+    assert!(
+        t0.ram == snap_disk || t0.ram == snap_disk + 1,
+        "B's first tick {t0:?}, A's snapshot disk {snap_disk}"
+    );
+    assert!(ticks.iter().all(|t| t.ram >= snap_disk), "{ticks:?}");
+
+    // B holds the lease; its journals have the pull, the add and the start from the snapshot.
+    assert_eq!(lease_object(&c, "e2e").unwrap()["host"], "host-b");
+    let st = b.ok_vm("e2e", &["status"]);
+    let lease = st["offsite"]["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["vm"] == "e2e")
+        .cloned()
+        .unwrap();
+    assert_eq!(lease["state"], "held", "{lease}");
+    let daemon = b.daemon_journal();
+    assert!(daemon.iter().any(|e| e["event"] == "snapshot.pulled"
+        && e["fields"]["for_start"] == true
+        && e["fields"]["vm_add"] == true
+        && e["fields"]["remote_snapshot_id"] == id.as_str()
+        && e["fields"]["snapshot_id"] == local.as_str()));
+    assert!(daemon.iter().any(|e| e["event"] == "vm.added"
+        && e["fields"]["vm"] == "e2e"
+        && e["fields"]["from_snapshot"]["snapshot_id"] == local.as_str()));
+    assert!(daemon
+        .iter()
+        .any(|e| e["event"] == "offsite.lease.acquired" && e["fields"]["host"] == "host-b"));
+    let own = b.vm_journal("e2e");
+    assert!(
+        !own.iter().any(|e| e["event"] == "vm.started"),
+        "B's VM was booted: {own:?}"
+    );
+    assert!(own.iter().any(|e| e["event"] == "rollback.completed"
+        && e["snapshot_id"]
+            .as_str()
+            .or(e["fields"]["snapshot_id"].as_str())
+            == Some(local.as_str())));
+
+    // Bad input: one line with a code; nothing changed.
+    let bad = b.dir.path().join("bad.toml");
+    std::fs::write(&bad, "[vm]\nname = \"bad\"\nmemory_mib = ").unwrap();
+    let never = "0".repeat(32);
+    for (args, code) in [
+        (
+            vec!["vm", "add", bad.to_str().unwrap()],
+            "ERR_CONFIG_INVALID",
+        ),
+        (vec!["vm", "add", &file], "ERR_VM_EXISTS"),
+        (
+            vec![
+                "vm",
+                "add",
+                &file,
+                "--from-snapshot",
+                &id,
+                "--from",
+                "host-a",
+            ],
+            "ERR_VM_EXISTS",
+        ),
+        (
+            vec![
+                "vm",
+                "add",
+                bad.to_str().unwrap(),
+                "--from-snapshot",
+                &never,
+            ],
+            "ERR_BAD_REQUEST",
+        ),
+    ] {
+        let (_, err) = refusal(&b.cli(&args));
+        assert!(err.contains(code), "{args:?}: {err}");
+    }
+    assert_eq!(files_in(&vms_dir), ["e2e.toml"]);
+    assert!(!b.vm_state_dir("bad").exists());
+    assert_eq!(b.ok(&["vms"])["vms"].as_array().unwrap().len(), 1);
+    assert_eq!(lease_object(&c, "e2e").unwrap()["host"], "host-b");
+
+    // Without --from-snapshot: what writing the file and `reload` do (a cold boot and a
+    // baseline), answered with the new VM's line; the other VM is not touched.
+    let second = b.dir.path().join("e2f.toml");
+    std::fs::write(
+        &second,
+        std::fs::read_to_string(&file)
+            .unwrap()
+            .replace("name = \"e2e\"", "name = \"e2f\"")
+            .replace("scratch.qcow2", "scratch-f.qcow2"),
+    )
+    .unwrap();
+    let t = Instant::now();
+    let plain = b.ok(&["vm", "add", second.to_str().unwrap()]);
+    println!("vm add (cold boot): {} ms", t.elapsed().as_millis());
+    assert_eq!(plain["vm"]["name"], "e2f", "{plain}");
+    assert_eq!(plain["vm"]["state"], "running", "{plain}");
+    assert!(plain["from_snapshot"].is_null(), "{plain}");
+    assert_eq!(files_in(&vms_dir), ["e2e.toml", "e2f.toml"]);
+    assert!(b
+        .vm_journal("e2f")
+        .iter()
+        .any(|e| e["event"] == "vm.started"));
+    assert_eq!(b.ok_vm("e2e", &["status"])["epoch"], st["epoch"]);
+    println!("vm add: e2e took {:.1} s", started.elapsed().as_secs_f64());
+}

@@ -67,6 +67,9 @@ pub enum Command {
     /// Re-read the VM files (daemon.vms_dir): start new VMs, stop removed ones cleanly; the
     /// other VMs are not disturbed.
     Reload,
+    /// Add a VM to the daemon (daemon.vms_dir).
+    #[command(subcommand)]
+    Vm(VmCommand),
     /// Notifications, in journal order: snapshot_published, rollback_started,
     /// rollback_completed, rollback_halted, vm_halted, halt_cleared — each with its VM's
     /// journal seq. Without --vm: every VM.
@@ -396,6 +399,53 @@ pub enum AuditCommand {
     },
 }
 
+#[derive(Debug, Subcommand)]
+pub enum VmCommand {
+    /// Check FILE (NAME.toml) as backstopd loads a VM file, write it into daemon.vms_dir
+    /// (atomically, never over a file) and start the VM as `reload` would. With
+    /// --from-snapshot ID --from HOST ([offsite]): the VM starts from that snapshot of HOST,
+    /// never cold-booted first (refused while another host holds a live lease on it; fetched
+    /// and verified before anything is written; this host takes the lease).
+    Add {
+        /// The VM file (NAME.toml: `[vm]` and its tables, no `[daemon]`).
+        #[arg(value_parser = vm_file)]
+        file: VmFileArg,
+        /// The snapshot's full id on the host that took it.
+        #[arg(long, value_name = "ID", value_parser = non_empty)]
+        from_snapshot: Option<String>,
+        /// That host's name in the fleet (the trust file's key).
+        #[arg(long, value_name = "HOST", value_parser = non_empty)]
+        from: Option<String>,
+    },
+}
+
+/// A VM file as read by the console: its file name and text (sent whole: the daemon may not
+/// see the console's files).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VmFileArg {
+    pub file_name: String,
+    pub text: String,
+}
+
+fn vm_file(path: &str) -> Result<VmFileArg, String> {
+    use std::io::Read;
+    let max = backstop_control::VM_FILE_MAX_BYTES;
+    let f = std::fs::File::open(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let mut bytes = Vec::new();
+    f.take(max as u64 + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("cannot read {path}: {e}"))?;
+    if bytes.len() > max {
+        return Err(format!("{path} is larger than {max} bytes"));
+    }
+    let text = String::from_utf8(bytes).map_err(|_| format!("{path} is not UTF-8 text"))?;
+    let file_name = std::path::Path::new(path)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| format!("{path} names no file"))?;
+    Ok(VmFileArg { file_name, text })
+}
+
 /// `audit replay --mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ReplayModeArg {
@@ -436,6 +486,16 @@ impl Command {
             Command::Status => Request::Status,
             Command::Vms { .. } => Request::Vms,
             Command::Reload => Request::Reload,
+            Command::Vm(VmCommand::Add {
+                file,
+                from_snapshot,
+                from,
+            }) => Request::VmAdd {
+                file_name: file.file_name.clone(),
+                text: file.text.clone(),
+                from_snapshot: from_snapshot.clone(),
+                from: from.clone(),
+            },
             Command::Events {
                 since,
                 types,
@@ -759,6 +819,49 @@ mod tests {
 
     fn request(args: &[&str]) -> Request {
         parse(args).unwrap().command.request()
+    }
+
+    #[test]
+    fn vm_add_sends_the_file_whole_and_from_snapshot_needs_from() {
+        let d = tempfile::tempdir().unwrap();
+        let file = d.path().join("web.toml");
+        std::fs::write(&file, "[vm]\nname = \"web\"\n").unwrap();
+        let path = file.to_str().unwrap();
+        assert_eq!(
+            request(&["vm", "add", path]),
+            Request::VmAdd {
+                file_name: "web.toml".into(),
+                text: "[vm]\nname = \"web\"\n".into(),
+                from_snapshot: None,
+                from: None,
+            }
+        );
+        let id = "a".repeat(32);
+        let both = request(&[
+            "vm",
+            "add",
+            path,
+            "--from-snapshot",
+            &id,
+            "--from",
+            "host-a",
+        ]);
+        assert!(crate::precheck(&both, false).is_none());
+        for args in [
+            vec!["vm", "add", path, "--from-snapshot", id.as_str()],
+            vec!["vm", "add", path, "--from", "host-a"],
+        ] {
+            let out = crate::precheck(&request(&args), false).unwrap();
+            assert!(
+                out.stderr.starts_with("backstop: ERR_BAD_REQUEST: "),
+                "{}",
+                out.stderr
+            );
+            assert_eq!(out.stderr.trim().lines().count(), 1);
+            assert_ne!(out.exit_code, 0);
+        }
+        // A file that cannot be read is a usage error before anything is sent.
+        assert!(parse(&["vm", "add", "/nonexistent-backstop/web.toml"]).is_err());
     }
 
     #[test]

@@ -21,15 +21,27 @@ pub fn command() -> clap::Command {
 /// What the console refuses itself before sending `request`, as the daemon would refuse it (the
 /// same code, one line, exit 2): a `--name` that breaks the naming rule. `None`: send it.
 pub fn precheck(request: &Request, json: bool) -> Option<Outcome> {
-    let Request::SnapshotCreate {
-        name: Some(name), ..
-    } = request
-    else {
-        return None;
+    let (code, message) = match request {
+        Request::SnapshotCreate {
+            name: Some(name), ..
+        } => {
+            let why = backstop_common::names::check_snapshot_name(name).err()?;
+            (
+                backstop_common::ErrorCode::SnapshotNameInvalid,
+                format!("--name {name:?}: {why}"),
+            )
+        }
+        // Both or neither: a start from a snapshot names the host it comes from.
+        Request::VmAdd {
+            from_snapshot,
+            from,
+            ..
+        } if from_snapshot.is_some() != from.is_some() => (
+            backstop_common::ErrorCode::BadRequest,
+            "--from-snapshot ID and --from HOST go together: nothing changed".to_string(),
+        ),
+        _ => return None,
     };
-    let why = backstop_common::names::check_snapshot_name(name).err()?;
-    let code = backstop_common::ErrorCode::SnapshotNameInvalid;
-    let message = format!("--name {name:?}: {why}");
     Some(Outcome {
         stdout: if json {
             render::error_json(code.as_str(), &message)

@@ -115,6 +115,7 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::Vms { vms } => vms_text(vms),
         Response::Drift(report) => drift_text(report),
         Response::Reloaded(r) => reloaded_text(r),
+        Response::VmAdded(r) => vm_added_text(r),
         Response::SnapshotDeleted(d) => format!(
             "snapshot {}{} deleted: {} chunk(s) and {} disk layer(s) freed\n",
             clean(&d.snapshot_id),
@@ -176,6 +177,34 @@ fn actions_text(actions: &[ActionView]) -> String {
         &["ACTION", "TIER", "KIND", "RISK", "SNAPSHOT", "OPENED", "BY"],
         &rows,
     )
+}
+
+/// `vm add`: the file written, how the VM started, and its line of `vms`.
+fn vm_added_text(r: &backstop_control::VmAddReport) -> String {
+    let mut text = format!("VM file {} written\n", clean(&r.file));
+    if let Some(p) = &r.from_snapshot {
+        let _ = writeln!(
+            text,
+            "snapshot {} published here: {}'s {} verified, {} fetched in {} ms",
+            clean(&p.snapshot_id),
+            clean(&p.from),
+            clean(&p.remote_snapshot_id),
+            human_bytes(p.bytes_fetched),
+            p.fetch_ms
+        );
+        let _ = writeln!(
+            text,
+            "lease taken until {}{}; VM started from it ({} ms)",
+            clean(&p.lease_expires_at),
+            p.taken_over_from
+                .as_deref()
+                .map(|h| format!(" (taken over from {}'s expired lease)", clean(h)))
+                .unwrap_or_default(),
+            p.start_ms
+        );
+    }
+    text.push_str(&vms_text(std::slice::from_ref(&r.vm)));
+    text
 }
 
 fn reloaded_text(r: &ReloadReport) -> String {
@@ -2293,6 +2322,61 @@ mod tests {
         assert_eq!(
             human(&Request::Reload, &Response::Reloaded(r)),
             "added: d\nremoved: -\nchanged, not applied: a\nrefused x: bad file\n"
+        );
+    }
+
+    #[test]
+    fn vm_add_says_where_the_file_went_and_how_the_vm_started() {
+        let vm = VmSummary {
+            name: "web".into(),
+            backend: "qemu".into(),
+            state: "running".into(),
+            epoch: 1,
+            snapshots: 1,
+            newest_snapshot_at: None,
+            heartbeat_age_ms: None,
+            reason: None,
+            last_rollback: None,
+            links: Vec::new(),
+            granted_devices: Vec::new(),
+        };
+        let mut r = backstop_control::VmAddReport {
+            vm,
+            file: "/etc/backstop/vms.d/web.toml".into(),
+            from_snapshot: None,
+            total_ms: 900,
+        };
+        let ask = Request::VmAdd {
+            file_name: "web.toml".into(),
+            text: String::new(),
+            from_snapshot: None,
+            from: None,
+        };
+        let plain = human(&ask, &Response::VmAdded(r.clone()));
+        assert!(
+            plain.starts_with("VM file /etc/backstop/vms.d/web.toml written\n"),
+            "{plain}"
+        );
+        assert!(
+            plain.contains("web") && plain.contains("running"),
+            "{plain}"
+        );
+        r.from_snapshot = Some(backstop_control::AddedFromSnapshot {
+            snapshot_id: "b".repeat(32),
+            from: "host-a".into(),
+            remote_snapshot_id: "a".repeat(32),
+            bytes_fetched: 78 << 20,
+            fetch_ms: 9000,
+            lease_expires_at: "2026-11-25T08:00:00Z".into(),
+            taken_over_from: None,
+            lease_ms: 4,
+            start_ms: 400,
+        });
+        let text = human(&ask, &Response::VmAdded(r));
+        assert!(text.contains("host-a's aaaa"), "{text}");
+        assert!(
+            text.contains("lease taken until 2026-11-25T08:00:00Z; VM started from it (400 ms)"),
+            "{text}"
         );
     }
 

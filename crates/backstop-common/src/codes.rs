@@ -136,6 +136,8 @@ error_codes! {
         "no VM of that name is guarded by this daemon (`backstop vms` lists them)";
     VmNotNamed = "ERR_VM_NOT_NAMED", Failed,
         "this daemon guards more than one VM: name one with --vm";
+    VmExists = "ERR_VM_EXISTS", Failed,
+        "a VM of that name is already configured on this daemon (`vm add` never replaces one)";
     VmNotRunning = "ERR_VM_NOT_RUNNING", Failed,
         "the VM does not run: its config was refused or it could not start";
     SnapshotNameInvalid = "ERR_SNAPSHOT_NAME_INVALID", Usage,

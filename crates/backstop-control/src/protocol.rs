@@ -157,6 +157,21 @@ pub enum Request {
     /// Re-read the VM files (`daemon.vms_dir`): start new VMs, stop removed ones; the others
     /// are not disturbed (answered by the daemon).
     Reload,
+    /// Add a VM (answered by the daemon, console only): `text` is the VM file `file_name`
+    /// (`NAME.toml`), checked exactly as a reload would load it from `daemon.vms_dir`, written
+    /// there atomically (never over a file), and the VM started as a reload starts a new one.
+    /// With `from_snapshot` and `from` (needs `[offsite]`): the VM starts from that snapshot of
+    /// host `from`, never cold-booted first — refused (`ERR_OFFSITE_LEASE_HELD`, nothing
+    /// written) while another host holds a live lease on it; otherwise fetched and verified
+    /// into the new VM's store, the lease taken, then the VM added.
+    VmAdd {
+        file_name: String,
+        text: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        from_snapshot: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        from: Option<String>,
+    },
     /// Verify the daemon journal, and that every VM journal still holds the entries the daemon
     /// journal anchored (answered by the daemon).
     DaemonAuditVerify,
@@ -437,6 +452,14 @@ enum StrictRequest {
     SnapshotPrune {},
     Vms {},
     Reload {},
+    VmAdd {
+        file_name: String,
+        text: String,
+        #[serde(default)]
+        from_snapshot: Option<String>,
+        #[serde(default)]
+        from: Option<String>,
+    },
     DaemonAuditVerify {},
     AuditReplay(ReplayAsk),
     Events {
@@ -542,6 +565,17 @@ impl From<StrictRequest> for Request {
             StrictRequest::SnapshotPrune {} => Request::SnapshotPrune,
             StrictRequest::Vms {} => Request::Vms,
             StrictRequest::Reload {} => Request::Reload,
+            StrictRequest::VmAdd {
+                file_name,
+                text,
+                from_snapshot,
+                from,
+            } => Request::VmAdd {
+                file_name,
+                text,
+                from_snapshot,
+                from,
+            },
             StrictRequest::DaemonAuditVerify {} => Request::DaemonAuditVerify,
             StrictRequest::AuditReplay(ask) => Request::AuditReplay(ask),
             StrictRequest::Events {
@@ -586,6 +620,7 @@ impl Request {
             Request::SnapshotPrune => "snapshot prune",
             Request::Vms => "vms",
             Request::Reload => "reload",
+            Request::VmAdd { .. } => "vm add",
             Request::DaemonAuditVerify => "audit verify --daemon",
             Request::AuditReplay(_) => "audit replay",
             Request::Events { .. } => "events",
@@ -664,6 +699,8 @@ pub enum Response {
     },
     /// What a reload changed.
     Reloaded(ReloadReport),
+    /// `vm add`: the VM added and how it started.
+    VmAdded(VmAddReport),
     /// How `audit replay` ended.
     Replayed(ReplayReport),
     /// The lineage tree (`snapshot tree`).
@@ -954,6 +991,43 @@ pub struct ReloadReport {
     pub applied: Vec<String>,
     /// Files refused (name, reason); a VM already running under that name keeps running.
     pub refused: Vec<(String, String)>,
+}
+
+/// The largest VM file `vm add` takes (a VM file is a few KiB).
+pub const VM_FILE_MAX_BYTES: usize = 1 << 20;
+
+/// What `vm add` did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VmAddReport {
+    /// The VM's line of `vms` once started.
+    pub vm: VmSummary,
+    /// The VM file written (`daemon.vms_dir/NAME.toml`).
+    pub file: String,
+    /// `--from-snapshot`: what was pulled, the lease taken, how the VM started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<AddedFromSnapshot>,
+    pub total_ms: u64,
+}
+
+/// How `vm add --from-snapshot` started the VM.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AddedFromSnapshot {
+    /// The snapshot's id in this host's store (the VM's first start restored it).
+    pub snapshot_id: String,
+    pub from: String,
+    pub remote_snapshot_id: String,
+    pub bytes_fetched: u64,
+    /// Fetching and checking it, milliseconds.
+    pub fetch_ms: u64,
+    /// The lease now names this host until then (RFC 3339).
+    pub lease_expires_at: String,
+    /// The host whose expired lease was taken over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taken_over_from: Option<String>,
+    /// Reading and writing the lease, milliseconds.
+    pub lease_ms: u64,
+    /// Starting the VM (its actor's start: the restore of the snapshot), milliseconds.
+    pub start_ms: u64,
 }
 
 /// One line of `backstop vms`.

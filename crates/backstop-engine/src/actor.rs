@@ -163,13 +163,14 @@ impl VmActor {
         let state_dir = cfg.daemon.state_dir.clone();
         let records = Records::new(&state_dir);
         records.ensure_reserve();
-        let vm = records
-            .load_vm()
-            .map_err(|source| EngineError::Io {
-                step: "read vm-state.json",
-                source,
-            })?
-            .unwrap_or_default();
+        let vm = records.load_vm().map_err(|source| EngineError::Io {
+            step: "read vm-state.json",
+            source,
+        })?;
+        // Never ran here: a snapshot in its store was put there for its first start (`vm add
+        // --from-snapshot`).
+        let first_start = vm.is_none();
+        let vm = vm.unwrap_or_default();
         let layers = Layers {
             dir: cfg.layers_dir(),
             qemu_img: cfg.vm.qemu_img.clone(),
@@ -237,7 +238,7 @@ impl VmActor {
             f.extend(a.details.clone());
             engine.journal(AuditEvent::VmAdopted, Value::Object(f))?;
         }
-        engine.reconcile()?;
+        engine.reconcile(first_start)?;
         Ok(engine)
     }
 
@@ -287,7 +288,7 @@ impl VmActor {
         self.ids.next_id()
     }
 
-    fn reconcile(&mut self) -> Result<(), EngineError> {
+    fn reconcile(&mut self, first_start: bool) -> Result<(), EngineError> {
         if let Some(h) = self.records.halted().map_err(|source| EngineError::Io {
             step: "read halted.json",
             source,
@@ -359,10 +360,15 @@ impl VmActor {
         if has_snapshot {
             // The previous daemon's QEMU died with it (PDEATHSIG): its RAM is gone. The only
             // consistent state to come back to is a snapshot (a rollback may start from Booting).
-            let plan = RollbackPlan::emergency(
-                TriggerKind::SupervisorRestart,
-                "backstopd started: the previous run's VM state is gone",
-            );
+            // A VM that never ran here whose store already holds a snapshot (pulled from
+            // another host by `vm add --from-snapshot`) starts from it the same way: never
+            // cold-booted first.
+            let reason = if first_start {
+                "first start on this host: from the snapshot placed in its store (vm add --from-snapshot)"
+            } else {
+                "backstopd started: the previous run's VM state is gone"
+            };
+            let plan = RollbackPlan::emergency(TriggerKind::SupervisorRestart, reason);
             match self.rollback(&mut ctx, plan) {
                 Ok(_) => Ok(()),
                 Err(e) if self.state == VmState::Halted => {

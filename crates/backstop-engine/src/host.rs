@@ -65,6 +65,11 @@ impl HostConfig {
     /// itself, fails the whole load (nothing can start without it); a broken VM file in
     /// `vms_dir` only makes that VM invalid.
     pub fn parse(text: &str) -> Result<HostConfig, ConfigError> {
+        Self::parse_with_daemon_table(text).map(|(host, _)| host)
+    }
+
+    /// [`Self::parse`], and the daemon table as written (what every VM file is parsed with).
+    fn parse_with_daemon_table(text: &str) -> Result<(HostConfig, toml::Value), ConfigError> {
         let raw: toml::Value =
             toml::from_str(text).map_err(|e| ConfigError::Parse(one_line(&e.to_string())))?;
         let table = raw
@@ -109,7 +114,7 @@ impl HostConfig {
         refuse_duplicates(&mut vms);
         vms.sort_by(|a, b| a.name().cmp(b.name()));
         refuse_shared_host_devices(&mut vms);
-        Ok(HostConfig { daemon, vms })
+        Ok((HostConfig { daemon, vms }, daemon_raw))
     }
 
     /// A VM whose files (binaries, kernel, images) are missing becomes invalid with the reason
@@ -181,10 +186,32 @@ fn load_vms_dir(
 
 /// One VM file: parsed with the daemon's table added, strictly; its stem must be its name.
 pub fn load_vm_file(file: &Path, daemon: &DaemonConfig, daemon_raw: &toml::Value) -> VmSlot {
-    let stem = file
-        .file_stem()
+    match std::fs::read_to_string(file) {
+        Ok(text) => vm_file_from_text(file, &text, daemon, daemon_raw),
+        Err(e) => VmSlot::Invalid(InvalidVm {
+            name: file_stem(file),
+            file: file.to_path_buf(),
+            code: ErrorCode::ConfigInvalid,
+            reason: format!("cannot read {}: {e}", file.display()),
+        }),
+    }
+}
+
+fn file_stem(file: &Path) -> String {
+    file.file_stem()
         .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// The text of VM file `file` (which need not exist yet: `vm add` checks a file before it is
+/// written), parsed as [`load_vm_file`] parses it.
+fn vm_file_from_text(
+    file: &Path,
+    text: &str,
+    daemon: &DaemonConfig,
+    daemon_raw: &toml::Value,
+) -> VmSlot {
+    let stem = file_stem(file);
     let invalid = |reason: String| {
         VmSlot::Invalid(InvalidVm {
             name: stem.clone(),
@@ -193,11 +220,7 @@ pub fn load_vm_file(file: &Path, daemon: &DaemonConfig, daemon_raw: &toml::Value
             reason,
         })
     };
-    let text = match std::fs::read_to_string(file) {
-        Ok(t) => t,
-        Err(e) => return invalid(format!("cannot read {}: {e}", file.display())),
-    };
-    let mut raw: toml::Value = match toml::from_str(&text) {
+    let mut raw: toml::Value = match toml::from_str(text) {
         Ok(v) => v,
         Err(e) => return invalid(one_line(&e.to_string())),
     };
@@ -208,7 +231,7 @@ pub fn load_vm_file(file: &Path, daemon: &DaemonConfig, daemon_raw: &toml::Value
         return invalid("a VM file has no [daemon] table (it belongs in the daemon file)".into());
     }
     table.insert("daemon".into(), daemon_raw.clone());
-    let mut cfg = match Config::from_value(raw, &text) {
+    let mut cfg = match Config::from_value(raw, text) {
         Ok(c) => c,
         Err(e) => return invalid(e.to_string()),
     };
@@ -223,6 +246,128 @@ pub fn load_vm_file(file: &Path, daemon: &DaemonConfig, daemon_raw: &toml::Value
     cfg.daemon.key_path = Some(daemon.key_path());
     cfg.daemon.state_dir = daemon.state_dir.join("vms").join(&cfg.vm.name);
     VmSlot::Ready(Box::new(cfg))
+}
+
+/// A VM file `vm add` is to write: where it goes and the VM it describes.
+#[derive(Debug, Clone)]
+pub struct NewVmFile {
+    /// `daemon.vms_dir/NAME.toml`.
+    pub dest: PathBuf,
+    pub text: String,
+    pub cfg: Box<Config>,
+}
+
+pub use backstop_control::VM_FILE_MAX_BYTES;
+
+/// `vm add`: the VM file `file_name` with `text`, checked exactly as a load of `daemon_file`
+/// would check it once it sits in `daemon.vms_dir` (the same strict parser, the stem equal to
+/// `vm.name`, the files it names present, no host device another VM has), and its name free
+/// (no VM of that name, no `NAME.toml` in `vms_dir`). Writes nothing. Errors: a code and one
+/// line (`ERR_CONFIG_INVALID` naming the problem, `ERR_VM_EXISTS`, `ERR_BAD_REQUEST` when the
+/// daemon has no `vms_dir`).
+pub fn check_new_vm_file(
+    daemon_file: &Path,
+    file_name: &str,
+    text: &str,
+) -> Result<NewVmFile, (ErrorCode, String)> {
+    let invalid = |m: String| (ErrorCode::ConfigInvalid, m);
+    let name_ok = Path::new(file_name)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        == Some(file_name.to_string());
+    if !name_ok
+        || file_name.starts_with('.')
+        || !file_name.ends_with(".toml")
+        || file_name.len() <= 5
+    {
+        return Err(invalid(format!(
+            "{file_name:?}: a VM file is named NAME.toml (NAME its vm.name)"
+        )));
+    }
+    if text.len() > VM_FILE_MAX_BYTES {
+        return Err(invalid(format!(
+            "{file_name}: larger than {VM_FILE_MAX_BYTES} bytes"
+        )));
+    }
+    let daemon_text = read_config(daemon_file).map_err(|e| (e.code(), e.to_string()))?;
+    let (host, daemon_raw) = HostConfig::parse_with_daemon_table(&daemon_text)
+        .map_err(|e| (e.code(), format!("the daemon file: {e}")))?;
+    let Some(dir) = host.daemon.vms_dir.clone() else {
+        return Err((
+            ErrorCode::BadRequest,
+            "this daemon has no daemon.vms_dir: `vm add` writes VM files there (set it in the daemon file and restart backstopd)".into(),
+        ));
+    };
+    let dest = dir.join(file_name);
+    let stem = file_stem(&dest);
+    if host.vms.iter().any(|v| v.name() == stem) || dest.exists() {
+        return Err((
+            ErrorCode::VmExists,
+            format!(
+                "a VM named {stem:?} is already configured ({}): nothing changed",
+                dest.display()
+            ),
+        ));
+    }
+    let cfg = match vm_file_from_text(&dest, text, &host.daemon, &daemon_raw) {
+        VmSlot::Ready(cfg) => cfg,
+        VmSlot::Invalid(i) => return Err((i.code, format!("{file_name}: {}", i.reason))),
+    };
+    cfg.check_files()
+        .map_err(|e| (e.code(), format!("{file_name}: {e}")))?;
+    for d in &cfg.devices {
+        let Some(claim) = d.host_claim() else {
+            continue;
+        };
+        let other = host.ready().find(|c| {
+            c.devices
+                .iter()
+                .any(|o| o.host_claim().as_deref() == Some(claim.as_str()))
+        });
+        if let Some(other) = other {
+            return Err(invalid(format!(
+                "{file_name}: device {}: host device {claim} is already configured for VM {}; a host device can be given to at most one VM",
+                d.id, other.vm.name
+            )));
+        }
+    }
+    Ok(NewVmFile {
+        dest,
+        text: text.to_string(),
+        cfg,
+    })
+}
+
+/// Writes a new VM file durably and never over another: the text goes to a hidden temporary
+/// file in the same directory (skipped by every load), is fsynced, then linked to its name (a
+/// link fails if the name exists: no overwrite, even racing another writer), the temporary
+/// name removed and the directory fsynced.
+pub fn write_new_vm_file(dest: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = dest
+        .parent()
+        .ok_or_else(|| std::io::Error::other("a VM file path without a directory"))?;
+    let name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let mut rnd = [0u8; 6];
+    getrandom::fill(&mut rnd).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let tmp = dir.join(format!(".{name}.add-{}.tmp", hex::encode(rnd)));
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&tmp)?;
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        std::fs::hard_link(&tmp, dest)
+    })();
+    let _ = std::fs::remove_file(&tmp);
+    written?;
+    backstop_common::durable::fsync_dir(dir)
 }
 
 /// A second VM with a name already taken is refused (the first one keeps it).
@@ -405,6 +550,130 @@ mod tests {
             "{}",
             i.reason
         );
+    }
+
+    /// A daemon file on `vms_dir` (written into `dir`), returned with its path.
+    fn daemon_file_at(dir: &Path, vms_dir: &Path, with_own_vm: bool) -> PathBuf {
+        let path = dir.join("backstop.toml");
+        std::fs::write(&path, daemon_file(vms_dir, with_own_vm)).unwrap();
+        path
+    }
+
+    /// The files in `dir`, sorted (hidden ones too: nothing may be left behind).
+    fn listing(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_new_vm_file_is_checked_as_a_load_would_and_its_name_must_be_free() {
+        let d = tempfile::tempdir().unwrap();
+        let vms = d.path().join("vms.d");
+        std::fs::create_dir(&vms).unwrap();
+        std::fs::write(vms.join("a.toml"), vm_file("a")).unwrap();
+        let daemon = daemon_file_at(d.path(), &vms, true);
+        // (The default config's files need not exist for the parse; `check_files` is what
+        // refuses missing ones, so the good case gets files that exist.)
+        let bin = std::env::current_exe().unwrap();
+        let exists = |name: &str| {
+            vm_file(name)
+                .lines()
+                .map(|l| {
+                    let key = l.split('=').next().unwrap_or("").trim();
+                    if ["kernel", "initrd", "path"].contains(&key) {
+                        format!("{key} = \"{}\"", bin.display())
+                    } else if key == "name" {
+                        format!(
+                            "{l}\nqemu_binary = \"{b}\"\nqemu_img = \"{b}\"",
+                            b = bin.display()
+                        )
+                    } else {
+                        l.to_string()
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        let new = check_new_vm_file(&daemon, "web.toml", &exists("web")).unwrap();
+        assert_eq!(new.dest, vms.join("web.toml"));
+        assert_eq!(new.cfg.vm.name, "web");
+        assert_eq!(new.cfg.daemon.state_dir, Path::new("/tmp/bs-state/vms/web"));
+        let refused = |file: &str, text: &str| {
+            let (code, msg) = check_new_vm_file(&daemon, file, text).unwrap_err();
+            assert!(!msg.contains('\n'), "{msg}");
+            (code, msg)
+        };
+        // Each problem, one line, the daemon's own code; nothing written.
+        let (code, msg) = refused("web.toml", "[vm]\nname = \"web\"\nmemory_mib = ");
+        assert_eq!(code, ErrorCode::ConfigInvalid);
+        assert!(msg.starts_with("web.toml: "), "{msg}");
+        let (code, msg) = refused("web.toml", &vm_file("other"));
+        assert_eq!(code, ErrorCode::ConfigInvalid);
+        assert!(msg.contains("must be the same"), "{msg}");
+        let (code, msg) = refused(
+            "web.toml",
+            &(vm_file("web") + "\n[extra]\nwatchdog_enabled = false\n"),
+        );
+        assert_eq!(code, ErrorCode::ConfigInvalid);
+        assert!(msg.contains("cannot be disabled"), "{msg}");
+        let (code, msg) = refused(
+            "web.toml",
+            &("[daemon]\nstate_dir = \"/\"\nrun_dir = \"/\"\n".to_string() + &vm_file("web")),
+        );
+        assert_eq!(code, ErrorCode::ConfigInvalid);
+        assert!(msg.contains("[daemon]"), "{msg}");
+        let (code, _) = refused("web.conf", &vm_file("web"));
+        assert_eq!(code, ErrorCode::ConfigInvalid);
+        let (code, _) = refused("../web.toml", &vm_file("web"));
+        assert_eq!(code, ErrorCode::ConfigInvalid);
+        // A file the VM needs that does not exist.
+        let no_kernel = exists("web").replace(
+            &format!("kernel = \"{}\"", bin.display()),
+            "kernel = \"/nonexistent-backstop/vmlinuz\"",
+        );
+        let (code, msg) = refused("web.toml", &no_kernel);
+        assert_eq!(code, ErrorCode::ConfigInvalid, "{msg}");
+        assert!(msg.contains("vm.kernel"), "{msg}");
+        // Names taken: a VM file of vms_dir, and the daemon file's own VM.
+        let (code, msg) = refused("a.toml", &exists("a"));
+        assert_eq!(code, ErrorCode::VmExists);
+        assert!(msg.contains("\"a\""), "{msg}");
+        let (code, _) = refused("own.toml", &exists("own"));
+        assert_eq!(code, ErrorCode::VmExists);
+        assert_eq!(listing(&vms), ["a.toml"]);
+        // A daemon without vms_dir has nowhere to put it.
+        let single = d.path().join("single.toml");
+        std::fs::write(&single, crate::config::DEFAULT_CONFIG).unwrap();
+        let (code, msg) = check_new_vm_file(&single, "web.toml", &exists("web")).unwrap_err();
+        assert_eq!(code, ErrorCode::BadRequest);
+        assert!(msg.contains("vms_dir"), "{msg}");
+    }
+
+    #[test]
+    fn a_new_vm_file_is_written_whole_and_never_over_another() {
+        let d = tempfile::tempdir().unwrap();
+        let dest = d.path().join("web.toml");
+        write_new_vm_file(&dest, "[vm]\nname = \"web\"\n").unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&dest).unwrap(),
+            "[vm]\nname = \"web\"\n"
+        );
+        // A second write of the name fails and leaves the first, and no temporary file.
+        let e = write_new_vm_file(&dest, "other").unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::AlreadyExists);
+        assert_eq!(
+            std::fs::read_to_string(&dest).unwrap(),
+            "[vm]\nname = \"web\"\n"
+        );
+        assert_eq!(listing(d.path()), ["web.toml"]);
+        // A directory that is not there: an error, nothing made.
+        let e = write_new_vm_file(&d.path().join("absent/x.toml"), "x").unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::NotFound);
+        assert_eq!(listing(d.path()), ["web.toml"]);
     }
 
     #[test]

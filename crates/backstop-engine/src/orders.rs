@@ -205,6 +205,7 @@ impl VmActor {
             // Answered by the supervisor, which knows every VM; an actor knows only its own.
             Request::Vms
             | Request::Reload
+            | Request::VmAdd { .. }
             | Request::DaemonAuditVerify
             | Request::SnapshotPull { .. }
             | Request::OffsiteGc { .. }

@@ -18,7 +18,7 @@ use backstop_journal::Journal;
 
 use crate::config::Config;
 use crate::error::EngineError;
-use crate::host::{HostConfig, VmSlot};
+use crate::host::{HostConfig, NewVmFile, VmSlot};
 use crate::mailbox::{Shared, VmHandle};
 use crate::services::backend_for;
 
@@ -48,6 +48,14 @@ enum Member {
         reason: String,
         backend: String,
     },
+}
+
+/// Why `vm add` failed: a code, one line, and whether the VM file was written by then.
+#[derive(Debug, Clone)]
+pub struct AddVmError {
+    pub code: ErrorCode,
+    pub message: String,
+    pub written: bool,
 }
 
 /// Where a running VM keeps its snapshots ([`Supervisor::vm_stores`]).
@@ -350,6 +358,137 @@ impl Supervisor {
             }
         }
         Ok(report)
+    }
+
+    /// `vm add` (first half): the VM file checked as a reload would load it from
+    /// `daemon.vms_dir` (see [`crate::host::check_new_vm_file`]), and its name free here too
+    /// (no VM of that name in the set). Writes nothing.
+    pub fn check_new_vm(
+        &self,
+        file_name: &str,
+        text: &str,
+    ) -> Result<NewVmFile, (ErrorCode, String)> {
+        let Some(path) = &self.config_path else {
+            return Err((
+                ErrorCode::BadRequest,
+                "backstopd runs on the embedded default config: there is no daemon.vms_dir to add a VM file to".into(),
+            ));
+        };
+        let new = crate::host::check_new_vm_file(path, file_name, text)?;
+        self.refuse_taken(&new.cfg.vm.name)?;
+        Ok(new)
+    }
+
+    fn refuse_taken(&self, name: &str) -> Result<(), (ErrorCode, String)> {
+        if self.members().contains_key(name) {
+            return Err((
+                ErrorCode::VmExists,
+                format!("this daemon already guards a VM named {name:?}: nothing changed"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The shape (config fingerprint) the VM of `cfg` would launch with, as its snapshots
+    /// record it (`None`: its backend cannot be built).
+    pub fn shape_of(&self, cfg: &Config) -> Option<String> {
+        backend_for(cfg, &self.key)
+            .ok()
+            .map(|b| b.config_fingerprint())
+    }
+
+    /// The host key every VM of this daemon signs its store with.
+    pub fn host_key(&self) -> &HostKey {
+        &self.key
+    }
+
+    /// `vm add` (second half), what `reload` does for one new file: under the reload lock, the
+    /// name checked free again, the file written durably into `vms_dir` (never over another),
+    /// the VM started (its actor reconciles as at any start: with a verified snapshot already
+    /// in its store it starts from the newest, otherwise it cold-boots and takes a baseline)
+    /// and `vm.added` journaled with `fields`. Returns the VM's line of `vms`. An error before
+    /// the file is written leaves nothing; `written` says whether it was.
+    pub fn add_vm(&self, new: &NewVmFile, fields: Value) -> Result<VmSummary, AddVmError> {
+        self.add_vm_prepared(new, fields, &mut || Ok(Value::Null))
+    }
+
+    /// [`Self::add_vm`], with `prepare` run under the reload lock once the name is checked
+    /// free again and before the file is written (`vm add --from-snapshot` puts the pulled
+    /// snapshot into the new VM's store there: no reload or other add can start a VM of that
+    /// name meanwhile). An error of `prepare` is returned as it is, nothing written; what it
+    /// returns (an object) is added to the fields of `vm.added`.
+    pub fn add_vm_prepared(
+        &self,
+        new: &NewVmFile,
+        fields: Value,
+        prepare: &mut dyn FnMut() -> Result<Value, (ErrorCode, String)>,
+    ) -> Result<VmSummary, AddVmError> {
+        let _one = self.reloading.lock().unwrap_or_else(|p| p.into_inner());
+        let name = new.cfg.vm.name.clone();
+        let before = |(code, message)| AddVmError {
+            code,
+            message,
+            written: false,
+        };
+        self.refuse_taken(&name).map_err(before)?;
+        if new.dest.exists() {
+            return Err(before((
+                ErrorCode::VmExists,
+                format!("{} appeared meanwhile: nothing changed", new.dest.display()),
+            )));
+        }
+        let prepared = prepare().map_err(before)?;
+        crate::host::write_new_vm_file(&new.dest, &new.text).map_err(|e| {
+            let code = if e.kind() == std::io::ErrorKind::AlreadyExists {
+                ErrorCode::VmExists
+            } else {
+                ErrorCode::Io
+            };
+            before((code, format!("{}: {e}", new.dest.display())))
+        })?;
+        tracing::info!(vm = %name, file = %new.dest.display(), "VM file added");
+        let m = self.spawn(&new.cfg);
+        let down = match &m {
+            Member::Down { code, reason, .. } => Some((*code, reason.clone())),
+            Member::Running(..) => None,
+        };
+        self.members_mut().insert(name.clone(), m);
+        let mut f = match fields {
+            Value::Object(m) => m,
+            _ => Map::new(),
+        };
+        if let Value::Object(more) = prepared {
+            f.extend(more);
+        }
+        f.insert("vm".into(), name.clone().into());
+        f.insert("file".into(), new.dest.display().to_string().into());
+        f.insert(
+            "result".into(),
+            if down.is_some() { "failed" } else { "ok" }.into(),
+        );
+        if let Some((code, reason)) = &down {
+            f.insert("code".into(), code.as_str().into());
+            f.insert("error".into(), reason.clone().into());
+        }
+        let _ = self.journal(AuditEvent::VmAdded, Value::Object(f));
+        if let Some((code, reason)) = down {
+            return Err(AddVmError {
+                code,
+                message: format!(
+                    "{} was written but VM {name} could not start: {reason}",
+                    new.dest.display()
+                ),
+                written: true,
+            });
+        }
+        self.vms()
+            .into_iter()
+            .find(|v| v.name == name)
+            .ok_or_else(|| AddVmError {
+                code: ErrorCode::ControlInternal,
+                message: format!("VM {name} was added but is not listed"),
+                written: true,
+            })
     }
 
     /// Journals a daemon-level event from outside the engine (off-host replication and pulls),

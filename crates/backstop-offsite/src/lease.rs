@@ -267,6 +267,10 @@ struct Inner {
     leases: Mutex<BTreeMap<String, VmLease>>,
     /// Serialises writes of lease objects between the renewer and a pull-for-start.
     op: Mutex<()>,
+    /// VMs being added here (`vm add --from-snapshot`): their lease is taken before their actor
+    /// runs, so the renewer keeps (renews) it rather than releasing a lease of a VM it does
+    /// not see running yet.
+    starting: Mutex<std::collections::BTreeSet<String>>,
     stop: AtomicBool,
 }
 
@@ -303,6 +307,7 @@ impl LeaseKeeper {
                 journal,
                 leases: Mutex::new(BTreeMap::new()),
                 op: Mutex::new(()),
+                starting: Mutex::new(Default::default()),
                 stop: AtomicBool::new(false),
             }),
         };
@@ -320,7 +325,14 @@ impl LeaseKeeper {
         let mut bucket_ok = false;
         while !self.inner.stop.load(Ordering::SeqCst) {
             let started = Instant::now();
-            let vms = (self.inner.vms)();
+            let mut vms = (self.inner.vms)();
+            vms.extend(
+                lock(&self.inner.starting)
+                    .iter()
+                    .filter(|v| !vms.contains(v))
+                    .cloned()
+                    .collect::<Vec<_>>(),
+            );
             if !bucket_ok && !vms.is_empty() {
                 bucket_ok = self.inner.client.ensure_bucket().is_ok();
             }
@@ -572,6 +584,17 @@ impl LeaseKeeper {
             }),
             Decision::Unreadable { error } => Err(unreadable(vm, &error)),
         }
+    }
+
+    /// `vm` is being added here and does not run yet: its lease (taken with
+    /// [`Self::acquire_for_start`]) is renewed, not released, until [`Self::end_start`].
+    pub fn begin_start(&self, vm: &str) {
+        lock(&self.inner.starting).insert(vm.to_string());
+    }
+
+    /// The add of `vm` is over: from now on the lease follows whether the VM runs here.
+    pub fn end_start(&self, vm: &str) {
+        lock(&self.inner.starting).remove(vm);
     }
 
     /// Deletes `vm`'s lease if it is still ours (read, check, delete: DELETE has no

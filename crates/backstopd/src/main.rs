@@ -475,6 +475,22 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
             let _ = conn.send(&reply);
             return;
         }
+        Request::VmAdd {
+            file_name,
+            text,
+            from_snapshot,
+            from,
+        } => {
+            let _ = conn.send(&vm_add(
+                engine,
+                offsite,
+                &file_name,
+                &text,
+                from_snapshot.as_deref(),
+                from.as_deref(),
+            ));
+            return;
+        }
         Request::SnapshotPull {
             id,
             from,
@@ -540,6 +556,56 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
         o.annotate(vm.name(), response);
     }
     let _ = conn.send(&reply);
+}
+
+/// `vm add FILE [--from-snapshot ID --from HOST]`: the daemon's own (it changes the set of VMs).
+fn vm_add(
+    engine: &Supervisor,
+    offsite: Option<&offsite::Offsite>,
+    file_name: &str,
+    text: &str,
+    from_snapshot: Option<&str>,
+    from: Option<&str>,
+) -> Reply {
+    use backstop_common::ErrorCode;
+    let fail = |code: ErrorCode, message: String| Reply::Failed {
+        code: code.to_string(),
+        message,
+    };
+    match (from_snapshot, from) {
+        (Some(id), Some(host)) => match offsite {
+            Some(o) => o.add_from_snapshot(engine, file_name, text, id, host),
+            None => fail(
+                ErrorCode::OffsiteNotConfigured,
+                "this daemon has no [offsite] table: there is no snapshot to start from".into(),
+            ),
+        },
+        (None, None) => {
+            let started = std::time::Instant::now();
+            let new = match engine.check_new_vm(file_name, text) {
+                Ok(n) => n,
+                Err((code, message)) => return fail(code, message),
+            };
+            // A VM another host runs is not cold-booted here too.
+            if let Some(Err((code, message))) = offsite.map(|o| o.check_plain_add(&new.cfg.vm.name))
+            {
+                return fail(code, message);
+            }
+            match engine.add_vm(&new, serde_json::json!({})) {
+                Ok(vm) => Reply::Done(Response::VmAdded(backstop_control::VmAddReport {
+                    vm,
+                    file: new.dest.display().to_string(),
+                    from_snapshot: None,
+                    total_ms: started.elapsed().as_millis() as u64,
+                })),
+                Err(e) => fail(e.code, e.message),
+            }
+        }
+        _ => fail(
+            ErrorCode::BadRequest,
+            "--from-snapshot ID and --from HOST go together: nothing changed".into(),
+        ),
+    }
 }
 
 /// An `events` subscription, on this connection's thread: it reads the VMs' journals back
@@ -654,6 +720,9 @@ fn permitted(role: backstop_control::Role, request: &Request) -> Result<(), Stri
         (backstop_control::Role::Policy, Request::Reload) => {
             Err("only a person at the console can reload the VM files".into())
         }
+        (backstop_control::Role::Policy, Request::VmAdd { .. }) => {
+            Err("only a person at the console can add a VM".into())
+        }
         _ => Ok(()),
     }
 }
@@ -679,6 +748,19 @@ fn lock_state_dir(dir: &std::path::Path) -> Result<nix::fcntl::Flock<std::fs::Fi
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// Adding a VM changes the set of VMs: a person at the console only, as reload.
+    #[test]
+    fn only_the_console_may_add_a_vm() {
+        let add = Request::VmAdd {
+            file_name: "web.toml".into(),
+            text: String::new(),
+            from_snapshot: None,
+            from: None,
+        };
+        assert!(permitted(backstop_control::Role::Policy, &add).is_err());
+        assert!(permitted(backstop_control::Role::Console, &add).is_ok());
+    }
 
     /// The state directory's lock is held for as long as its guard lives, and refuses a second
     /// holder (flock locks belong to the open file, so a second open in this process conflicts

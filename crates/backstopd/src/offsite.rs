@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use backstop_common::{AuditEvent, ErrorCode};
 use backstop_control::{
-    LeaseView, OffsiteGcReport, OffsitePruned, OffsiteView, PullReport, ReplicationView, Reply,
-    Request, Response, StartedHere,
+    AddedFromSnapshot, LeaseView, OffsiteGcReport, OffsitePruned, OffsiteView, PullReport,
+    ReplicationView, Reply, Request, Response, StartedHere, VmAddReport,
 };
 use backstop_engine::supervisor::Supervisor;
 use backstop_engine::Caller;
@@ -304,6 +304,259 @@ impl Offsite {
         }
         report.total_ms = started.elapsed().as_millis() as u64;
         Reply::Done(Response::SnapshotPulled(report))
+    }
+
+    /// `vm add FILE --from-snapshot ID --from HOST`: the VM starts from that snapshot, never
+    /// cold-booted first. In order: the VM file checked (as `reload` would load it) and its
+    /// name free; the lease read (another host's live lease refuses it, nothing fetched);
+    /// the snapshot fetched and checked; its shape checked against the new VM's; then, under
+    /// the supervisor's reload lock, the lease taken and the snapshot published into the store
+    /// the VM's actor will open (`state_dir/vms/NAME/store`, its layers in
+    /// `…/disks/pulled-ID/`); then the VM file written and the VM started, whose first start
+    /// restores it (the start-up path of a VM with snapshots). A failure before the VM file is
+    /// written leaves nothing behind: no file, no store, the lease released if it was taken.
+    /// Journaled `snapshot.pulled` (`for_start`, `vm_add`) or `snapshot.pull.failed`, then
+    /// `vm.added` (`from_snapshot`).
+    pub fn add_from_snapshot(
+        &self,
+        engine: &Supervisor,
+        file_name: &str,
+        text: &str,
+        id: &str,
+        from: &str,
+    ) -> Reply {
+        let started = Instant::now();
+        let fail = |code: ErrorCode, message: String| Reply::Failed {
+            code: code.to_string(),
+            message,
+        };
+        let new = match engine.check_new_vm(file_name, text) {
+            Ok(n) => n,
+            Err((code, message)) => return fail(code, message),
+        };
+        let vm = new.cfg.vm.name.clone();
+        let pull_failed = |e: &PullError| {
+            let journaled = engine.journal_daemon_event(
+                AuditEvent::SnapshotPullFailed,
+                json!({"vm": vm, "from": from, "remote_snapshot_id": id,
+                    "snapshot_id": id, "code": e.code.as_str(), "error": e.message,
+                    "for_start": true, "vm_add": true, "result": "failed"}),
+            );
+            if let Err(e) = journaled {
+                tracing::error!(error = %e, "snapshot pull not journaled");
+            }
+        };
+        let (staged, fetch_ms) = match self.fetch_for_add(engine, &new, id, from) {
+            Ok(s) => s,
+            Err(e) => {
+                pull_failed(&e);
+                return fail(e.code, e.message);
+            }
+        };
+        // Under the reload lock, just before the VM file is written.
+        let mut pulled: Option<AddedFromSnapshot> = None;
+        let mut published = false;
+        let mut prepared_at = None;
+        let mut prepare = || -> Result<serde_json::Value, (ErrorCode, String)> {
+            let r = self.publish_for_add(&new, &staged, engine);
+            match r {
+                Ok((manifest, lease, taken_over, lease_ms)) => {
+                    published = true;
+                    let journaled = engine.journal_daemon_event(
+                        AuditEvent::SnapshotPulled,
+                        json!({"vm": vm, "from": from, "remote_snapshot_id": id,
+                            "snapshot_id": manifest.snapshot_id, "bytes_fetched": staged.bytes_fetched,
+                            "for_start": true, "vm_add": true,
+                            "lease_expires_at": lease.expires_at, "result": "ok"}),
+                    );
+                    if let Err(e) = journaled {
+                        tracing::error!(error = %e, "snapshot pull not journaled");
+                    }
+                    let fields = json!({"from_snapshot": {"snapshot_id": manifest.snapshot_id,
+                        "from": from, "remote_snapshot_id": id}});
+                    pulled = Some(AddedFromSnapshot {
+                        snapshot_id: manifest.snapshot_id,
+                        from: from.into(),
+                        remote_snapshot_id: id.into(),
+                        bytes_fetched: staged.bytes_fetched,
+                        fetch_ms,
+                        lease_expires_at: lease.expires_at,
+                        taken_over_from: taken_over.map(|t| t.host),
+                        lease_ms,
+                        start_ms: 0,
+                    });
+                    prepared_at = Some(Instant::now());
+                    Ok(fields)
+                }
+                Err(e) => {
+                    pull_failed(&e);
+                    Err((e.code, e.message))
+                }
+            }
+        };
+        let added = engine.add_vm_prepared(&new, json!({}), &mut prepare);
+        // From here the lease follows whether the VM runs here.
+        self.leases.end_start(&vm);
+        let summary = match added {
+            Ok(summary) => summary,
+            Err(e) => {
+                if !e.written && published {
+                    // Nothing of the VM is left: its store (with the pulled snapshot), its lease.
+                    let _ = std::fs::remove_dir_all(&new.cfg.daemon.state_dir);
+                    self.leases.release(&vm);
+                }
+                return fail(e.code, e.message);
+            }
+        };
+        let Some(mut pulled) = pulled else {
+            return fail(
+                ErrorCode::ControlInternal,
+                format!("VM {vm} was added but its snapshot was not published"),
+            );
+        };
+        pulled.start_ms = prepared_at.map_or(0, |t| t.elapsed().as_millis() as u64);
+        tracing::info!(vm = %vm, from, remote = id, snapshot_id = %pulled.snapshot_id,
+            state = %summary.state, ms = started.elapsed().as_millis() as u64,
+            "VM added from another host's snapshot");
+        Reply::Done(Response::VmAdded(VmAddReport {
+            vm: summary,
+            file: new.dest.display().to_string(),
+            from_snapshot: Some(pulled),
+            total_ms: started.elapsed().as_millis() as u64,
+        }))
+    }
+
+    /// A plain `vm add` (a cold boot): refused while another host holds a live lease on the
+    /// VM (or the lease object is not a lease). A gateway that cannot be read does not stop it
+    /// (adding a VM never depends on the gateway; its renewer reports the lease later).
+    pub fn check_plain_add(&self, vm: &str) -> Result<(), (ErrorCode, String)> {
+        match self.leases.check_for_start(vm) {
+            Err(e) if e.code == ErrorCode::OffsiteLeaseHeld => Err((e.code, e.message)),
+            Err(e) => {
+                tracing::warn!(vm, error = %e, "vm add: the lease could not be read; the VM is added");
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+        }
+    }
+
+    /// The VM's state directory: it must hold nothing (the state of an earlier VM of that
+    /// name would decide its start instead of the pulled snapshot).
+    fn refuse_leftover_state(vm: &str, vm_dir: &std::path::Path) -> Result<(), PullError> {
+        let left = std::fs::read_dir(vm_dir)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(false);
+        if left {
+            return Err(PullError {
+                code: ErrorCode::VmExists,
+                message: format!(
+                    "{} holds the state of an earlier VM named {vm}: move it away to start a new one from a snapshot; nothing changed",
+                    vm_dir.display()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`Self::add_from_snapshot`] up to the fetch: the checks that touch nothing, the lease
+    /// read, the fetch into staging, the shape. Returns the staged snapshot and the fetch's
+    /// milliseconds.
+    fn fetch_for_add(
+        &self,
+        engine: &Supervisor,
+        new: &backstop_engine::host::NewVmFile,
+        id: &str,
+        from: &str,
+    ) -> Result<(pull::Staged, u64), PullError> {
+        let cfg = &new.cfg;
+        let vm = cfg.vm.name.as_str();
+        let e = |code: ErrorCode, message: String| PullError { code, message };
+        let trust_path = self.cfg.trust_file.as_ref().ok_or_else(|| {
+            e(
+                ErrorCode::OffsiteNotConfigured,
+                "a pull needs offsite.trust_file (the fleet's public keys)".into(),
+            )
+        })?;
+        let trust = TrustFile::load(trust_path).map_err(|x| e(x.code(), x.to_string()))?;
+        if cfg.vm.libvirt.is_some() {
+            return Err(e(
+                ErrorCode::BadRequest,
+                format!("VM {vm} is a libvirt domain: `vm add --from-snapshot` starts QEMU and KVM VMs only"),
+            ));
+        }
+        Self::refuse_leftover_state(vm, &cfg.daemon.state_dir)?;
+        // Before a byte is fetched: a VM another host runs is not started here.
+        self.leases
+            .check_for_start(vm)
+            .map_err(|x| e(x.code, x.message))?;
+        let t = Instant::now();
+        let staged = pull::fetch(&self.cfg, &self.client, &trust, from, id, &self.staging)?;
+        let fetch_ms = t.elapsed().as_millis() as u64;
+        // The shape it was taken with must be the new VM's, or its first start could not
+        // restore it (and would halt): refused now, before anything is written.
+        if engine.shape_of(cfg).as_deref() != Some(staged.manifest.config_fingerprint.as_str()) {
+            return Err(e(
+                ErrorCode::SnapshotCompatibilityBlocked,
+                format!(
+                    "{from}'s snapshot {id} was taken of a VM of another shape (memory, disks, NICs, devices) than {}: nothing changed",
+                    new.dest.file_name().map(|n| n.to_string_lossy()).unwrap_or_default()
+                ),
+            ));
+        }
+        Ok((staged, fetch_ms))
+    }
+
+    /// Under the reload lock: the lease taken (compare-and-swap: a host that took it since the
+    /// check wins), then the staged snapshot published into the new VM's store. On error
+    /// everything this made is undone (the store, the lease). Returns the manifest, the lease,
+    /// the expired lease taken over and the lease write's milliseconds.
+    #[allow(clippy::type_complexity)]
+    fn publish_for_add(
+        &self,
+        new: &backstop_engine::host::NewVmFile,
+        staged: &pull::Staged,
+        engine: &Supervisor,
+    ) -> Result<
+        (
+            backstop_store::Manifest,
+            backstop_offsite::lease::Lease,
+            Option<backstop_offsite::lease::Lease>,
+            u64,
+        ),
+        PullError,
+    > {
+        let cfg = &new.cfg;
+        let vm = cfg.vm.name.as_str();
+        let vm_dir = cfg.daemon.state_dir.clone();
+        Self::refuse_leftover_state(vm, &vm_dir)?;
+        let t = Instant::now();
+        self.leases.begin_start(vm);
+        let (lease, taken_over) = self.leases.acquire_for_start(vm).map_err(|x| {
+            self.leases.end_start(vm);
+            PullError {
+                code: x.code,
+                message: x.message,
+            }
+        })?;
+        let lease_ms = t.elapsed().as_millis() as u64;
+        let published =
+            backstop_store::Store::open(&vm_dir.join("store"), engine.host_key().clone())
+                .map_err(|x| PullError {
+                    code: x.code(),
+                    message: x.to_string(),
+                })
+                .and_then(|(store, _)| {
+                    pull::publish(staged, &store, vm, &cfg.layers_dir(), &cfg.vm.qemu_img)
+                });
+        match published {
+            Ok(m) => Ok((m, lease, taken_over, lease_ms)),
+            Err(x) => {
+                let _ = std::fs::remove_dir_all(&vm_dir);
+                self.leases.end_start(vm);
+                self.leases.release(vm);
+                Err(x)
+            }
+        }
     }
 
     fn pull_into(
