@@ -345,7 +345,10 @@ def one_rep(args, cluster, work, rep, s3):
         r[f"put_loop_{args.threads}_ms"] = secs * 1e3
         if shutil.which("aws"):
             r["aws_cp_ms"] = aws_cp(cluster, added, f"peer-aws-{rep}", work) * 1e3
-        # Host B: pull, then start from it.
+        # Host B: pull, then start from it. Host A is stopped first (the case a pull is for: A
+        # is gone), so A's guest does not compete for the CPUs with B's pull.
+        if args.stop_a:
+            a.stop()
         t0 = time.monotonic()
         pulled = b.cli("snapshot", "pull", sid, "--from", a.host)
         t1 = time.monotonic()
@@ -402,6 +405,8 @@ def main():
     ap.add_argument("--threads", type=int, default=4, help="backstop's max_concurrent_uploads and the parallel peer's threads")
     ap.add_argument("--bin-dir", default=str(ROOT / "target" / "release"))
     ap.add_argument("--out", help="write the raw figures here (JSON)")
+    ap.add_argument("--keep-a-running", dest="stop_a", action="store_false",
+                    help="leave host A and its guest running during B's pull (default: stopped first)")
     ap.add_argument("--keep", action="store_true", help="leave the work directory (daemon logs, state) in /var/tmp")
     args = ap.parse_args()
 

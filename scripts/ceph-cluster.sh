@@ -103,7 +103,10 @@ start)
 	mon_port=$((rgw_port + 1))
 	port_busy "$rgw_port" && die "port $rgw_port is in use"
 	port_busy "$mon_port" && die "port $mon_port is in use"
-	frontends="beast endpoint=127.0.0.1:$rgw_port"
+	# tcp_nodelay=1: without it beast holds the tail of every response past 64 KiB until the
+	# client ACKs the head (Nagle against delayed ACK): a GET of a 30-180 KB object took 26-31 ms
+	# instead of 0.8 ms, and a pull of 172 MB 22 s.
+	frontends="beast endpoint=127.0.0.1:$rgw_port tcp_nodelay=1"
 	tls_dir=${CEPH_RGW_TLS_DIR:-}
 	if [[ -n $tls_dir ]]; then
 		[[ $tls_dir == /* ]] || tls_dir=$PWD/$tls_dir
