@@ -272,16 +272,7 @@ impl Client {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.parse().ok())),
             404 => Ok(None),
-            status => Err(S3Error::Status {
-                method: "HEAD",
-                key: if key.is_empty() {
-                    "(bucket)".into()
-                } else {
-                    key.into()
-                },
-                status,
-                body: String::new(),
-            }),
+            status => Err(head_error(key, status)),
         }
     }
 
@@ -504,16 +495,7 @@ impl Client {
                 Ok(Some((len, modified)))
             }
             404 => Ok(None),
-            status => Err(S3Error::Status {
-                method: "HEAD",
-                key: if key.is_empty() {
-                    "(bucket)".into()
-                } else {
-                    key.into()
-                },
-                status,
-                body: String::new(),
-            }),
+            status => Err(head_error(key, status)),
         }
     }
 
@@ -728,6 +710,20 @@ pub fn uri_encode(key: &str) -> String {
         }
     }
     out
+}
+
+/// A HEAD's unexpected status (a HEAD has no body to quote).
+fn head_error(key: &str, status: u16) -> S3Error {
+    S3Error::Status {
+        method: "HEAD",
+        key: if key.is_empty() {
+            "(bucket)".into()
+        } else {
+            key.into()
+        },
+        status,
+        body: String::new(),
+    }
 }
 
 #[cfg(test)]
