@@ -15,6 +15,7 @@ memstore OSD, one RADOS Gateway on a loopback port):
             the payload's sha256 (as `aws s3 cp` does), keep-alive connections, on 1 thread and
             on as many threads as backstop's `max_concurrent_uploads` (4). If `aws` is on PATH,
             `aws s3 cp --recursive` of the same files too.
+            Then an idle second snapshot: the bytes its upload sends, against the first's.
   host B    a second backstopd (its own state dir, the same VM shape, already running its own
             guest): `snapshot pull ID --from host-a`, then `rollback --to` the pulled snapshot.
             Figure: pull + rollback = request to B's guest running at A's point.
@@ -345,6 +346,12 @@ def one_rep(args, cluster, work, rep, s3):
         r[f"put_loop_{args.threads}_ms"] = secs * 1e3
         if shutil.which("aws"):
             r["aws_cp_ms"] = aws_cp(cluster, added, f"peer-aws-{rep}", work) * 1e3
+        # The idle guest's second snapshot: what replication sends for it (remote dedup).
+        snap2 = a.cli("snapshot", "create", "--reason", "bench: offsite, idle second")
+        sid2 = snap2["summary"]["snapshot_id"]
+        f2 = (a.wait("the second snapshot's upload", lambda: replicated(a, sid2), 1800).get("fields") or {})
+        r.update({"idle_second_bytes": f2.get("bytes_uploaded"), "idle_second_ms": f2.get("upload_ms")})
+        log(f"rep {rep}: idle second snapshot uploaded {f2.get('bytes_uploaded')} bytes")
         # Host B: pull, then start from it. Host A is stopped first (the case a pull is for: A
         # is gone), so A's guest does not compete for the CPUs with B's pull.
         if args.stop_a:
@@ -388,6 +395,8 @@ def report(records, threads):
         rows.append((f"{label} (MB/s)", fmt(vals), f"backstop = {statistics.median(ratios):.2f}x" if ratios else ""))
     rows.append(("bytes backstop sent / store added", fmt([r["backstop_bytes"] / 1e6 for r in records], " MB"),
                  fmt([r["peer_bytes"] / 1e6 for r in records], " MB")))
+    rows.append(("idle second snapshot uploaded / first's", fmt([100.0 * r["idle_second_bytes"] / r["backstop_bytes"]
+                                                                  for r in records if r.get("idle_second_bytes")], " %"), ""))
     rows.append(("pull on host B (ms)", fmt([r["pull_ms"] for r in records]), ""))
     rows.append(("rollback to it on B (ms)", fmt([r["rollback_ms"] for r in records]), ""))
     rows.append(("pull -> guest running on B (ms)", fmt([r["pull_to_running_ms"] for r in records]), ""))
