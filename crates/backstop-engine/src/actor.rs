@@ -11,7 +11,7 @@ use tracing::{info, warn};
 
 use backstop_common::ids::IdSource;
 use backstop_common::{AuditEvent, ErrorCode, Role, TriggerKind};
-use backstop_control::{HaltView, LinkView, Progress, StatusView};
+use backstop_control::{LinkView, Progress, StatusView};
 use backstop_hypervisor::{BootMode, DiskAttachment, VmBackend};
 use backstop_integrity::HostKey;
 use backstop_journal::Journal;
@@ -685,11 +685,7 @@ impl VmActor {
             snapshots: snapshots.len(),
             newest_snapshot: snapshots.last().map(|m| m.snapshot_id.clone()),
             newest_snapshot_name: snapshots.last().and_then(|m| m.name.clone()),
-            halted: self.halt.as_ref().map(|h| HaltView {
-                reason: h.reason.clone(),
-                code: h.code.clone(),
-                since: h.since.clone(),
-            }),
+            halted: self.halt_view(),
             session_id: self.session_id.clone(),
             newest_snapshot_at: snapshots.last().map(|m| m.created_at.clone()),
             heartbeat_age_ms: self

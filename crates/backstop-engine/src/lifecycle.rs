@@ -169,17 +169,22 @@ impl VmActor {
     /// view (snapshots, links, …) is still published after each turn by [`VmActor::publish`];
     /// this is the cheap part of it.
     pub(crate) fn publish_state(&mut self) {
-        let halted = self.halt.as_ref().map(|h| backstop_control::HaltView {
-            reason: h.reason.clone(),
-            code: h.code.clone(),
-            since: h.since.clone(),
-        });
+        let halted = self.halt_view();
         if let Some(out) = &self.status_out {
             let mut g = out.lock().unwrap_or_else(|p| p.into_inner());
             g.state = self.state.as_str().into();
             g.epoch = self.vm.epoch;
             g.halted = halted;
         }
+    }
+
+    /// The HALTED record as `status` shows it.
+    pub(crate) fn halt_view(&self) -> Option<backstop_control::HaltView> {
+        self.halt.as_ref().map(|h| backstop_control::HaltView {
+            reason: h.reason.clone(),
+            code: h.code.clone(),
+            since: h.since.clone(),
+        })
     }
 
     /// The journal entry of a state change already made.

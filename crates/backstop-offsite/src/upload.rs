@@ -1,9 +1,9 @@
 //! The per-daemon uploader: one thread that finds every published snapshot of this daemon's
 //! VMs (a scan of each store's `snapshots/` once a second, so a snapshot published while the
 //! daemon was down, or just before a crash, is found too), records it in the durable queue and
-//! uploads it: chunks and disk layers first, content-addressed (HEAD before PUT: an object
-//! already there is not sent), on `max_concurrent_uploads` threads through one bandwidth cap;
-//! then the indexes, the manifest and its ed25519 signature last. A failed attempt is retried
+//! uploads it: chunks and disk layers first, content-addressed (an object already there is not
+//! sent again: see `put_object`), on `max_concurrent_uploads` threads through one bandwidth
+//! cap; then the indexes, the manifest and its ed25519 signature last. A failed attempt is retried
 //! with backoff. It reads only published, immutable files: nothing local ever waits on it.
 
 use std::collections::BTreeSet;
@@ -707,9 +707,10 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
     }))
 }
 
-/// HEAD, then PUT unless an object of the right length is there; true if sent. A chunk is
-/// checked against its name before it leaves (a damaged local chunk is not replicated); a
-/// layer's digest goes with the PUT and the gateway refuses bytes that do not match it.
+/// Makes sure the object is in the bucket, asking it as little as possible: an object this run
+/// sent or found and still young by the remote GC's measure is taken as there; one the
+/// snapshot's parent references (or too large to send blind) is asked about first (HEAD); one
+/// that looks new is PUT at once with `If-None-Match: *`, a 412 meaning it was there after all.
 ///
 /// An object found there whose `LastModified` is older than half the remote GC's grace period
 /// is renewed (a server-side copy, no bytes sent): the manifest about to name it must find it
@@ -729,7 +730,11 @@ fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
     if lock(&inner.known).get(&o.key).is_some_and(|m| young(*m)) {
         return Ok(Put::Present);
     }
-    if !o.likely_new {
+    // In parts past the threshold (S3's single PUT stops at 5 GiB, and a failed part is sent
+    // again alone); too large to send just to find it there, so asked about first even when it
+    // looks new.
+    let multipart = o.len > u64::from(inner.cfg.multipart_threshold_mib) * 1024 * 1024;
+    if !o.likely_new || multipart {
         if let Some(present) = present_or_touched(inner, o, &young)? {
             remember(present);
             return Ok(Put::Present);
@@ -737,37 +742,7 @@ fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
     }
     let local =
         |e: std::io::Error| Failure::new(ErrorCode::StoreIo, format!("{}: {e}", o.path.display()));
-    let created = if o.len <= u64::from(backstop_store::CHUNK_MAX_BYTES) {
-        let b = std::fs::read(&o.path).map_err(local)?;
-        if b.len() as u64 != o.len || hex::encode(Sha256::digest(&b)) != o.sha256 {
-            return Err(Failure::new(
-                ErrorCode::SnapshotIntegrityCheckFailed,
-                format!(
-                    "{}: does not match its digest; not uploaded",
-                    o.path.display()
-                ),
-            ));
-        }
-        inner.client.throttle.take(0);
-        if o.likely_new {
-            inner
-                .client
-                .put_reader_if_absent(&o.key, &mut &b[..], o.len, &o.sha256)?
-        } else {
-            inner
-                .client
-                .put_reader(&o.key, &mut &b[..], o.len, &o.sha256)?;
-            true
-        }
-    } else if o.len > u64::from(inner.cfg.multipart_threshold_mib) * 1024 * 1024 {
-        // Too large to send just to find it there: asked about first even when it looks new.
-        if o.likely_new {
-            if let Some(present) = present_or_touched(inner, o, &young)? {
-                remember(present);
-                return Ok(Put::Present);
-            }
-        }
-        // In parts: past S3's 5 GiB single PUT, and a failed part is sent again alone.
+    let created = if multipart {
         let mut f = File::open(&o.path).map_err(local)?;
         let part = u64::from(inner.cfg.multipart_part_mib) * 1024 * 1024;
         inner
@@ -775,13 +750,33 @@ fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
             .put_multipart(&o.key, &mut f, o.len, &o.sha256, part)?;
         true
     } else {
-        let mut f = File::open(&o.path).map_err(local)?;
+        let (mut chunk, mut file);
+        let reader: &mut dyn std::io::Read = if o.len <= u64::from(backstop_store::CHUNK_MAX_BYTES)
+        {
+            // A chunk is checked against its name before it leaves: a damaged local chunk is
+            // not replicated. (A layer's digest goes with the PUT; the gateway checks it.)
+            let b = std::fs::read(&o.path).map_err(local)?;
+            if b.len() as u64 != o.len || hex::encode(Sha256::digest(&b)) != o.sha256 {
+                return Err(Failure::new(
+                    ErrorCode::SnapshotIntegrityCheckFailed,
+                    format!(
+                        "{}: does not match its digest; not uploaded",
+                        o.path.display()
+                    ),
+                ));
+            }
+            chunk = std::io::Cursor::new(b);
+            &mut chunk
+        } else {
+            file = File::open(&o.path).map_err(local)?;
+            &mut file
+        };
         if o.likely_new {
             inner
                 .client
-                .put_reader_if_absent(&o.key, &mut f, o.len, &o.sha256)?
+                .put_reader_if_absent(&o.key, reader, o.len, &o.sha256)?
         } else {
-            inner.client.put_reader(&o.key, &mut f, o.len, &o.sha256)?;
+            inner.client.put_reader(&o.key, reader, o.len, &o.sha256)?;
             true
         }
     };
