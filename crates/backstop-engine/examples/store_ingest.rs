@@ -151,9 +151,12 @@ fn ingest(stream: &Path, root: &Path) -> Result<(), String> {
     let mut builder = store.begin().map_err(|e| e.to_string())?;
     let cutter = MigrationCutter { page_size: 4096 };
     let mut cut = cutter.cut(Box::new(open(stream)?));
+    let t = Instant::now();
     builder
         .write_chunks("vmstate", "ram+device", &mut cut, &mut |_| {})
         .map_err(|e| e.to_string())?;
+    let chunked = t.elapsed();
+    let t = Instant::now();
     builder
         .publish(ManifestInput {
             created_by: "operator:bench".into(),
@@ -168,6 +171,11 @@ fn ingest(stream: &Path, root: &Path) -> Result<(), String> {
             name: None,
         })
         .map_err(|e| e.to_string())?;
+    eprintln!(
+        "  ingest: cut, hash and write {} ms, publish (syncfs, renames) {} ms",
+        chunked.as_millis(),
+        t.elapsed().as_millis()
+    );
     Ok(())
 }
 

@@ -469,33 +469,71 @@ impl SnapshotBuilder {
         }
         let pending_dir = self.dir.join(PENDING_DIR);
         syncfs(&pending_dir)?;
-        let mut dirty_dirs = BTreeSet::new();
-        for (sha256, crc32) in std::mem::take(&mut self.pending) {
-            let from = pending_dir.join(&sha256);
-            let to = chunk_path(&self.paths.chunks, &sha256);
-            let dir = to.parent().map(Path::to_path_buf).unwrap_or_default();
-            if !dirty_dirs.contains(&dir) && create_private_subdir(&dir)? {
-                dirty_dirs.insert(self.paths.chunks.clone());
+        // Thousands of renames (one per new chunk) are most of a publish: two threads share
+        // them, each over its own part of the sorted list (so mostly its own directories).
+        let pending: Vec<(String, String)> =
+            std::mem::take(&mut self.pending).into_iter().collect();
+        let per = pending.len().div_ceil(RENAME_THREADS).max(1);
+        let (paths, pending_dir) = (&*self.paths, &pending_dir);
+        let touched = std::thread::scope(|scope| {
+            let workers: Vec<_> = pending
+                .chunks(per)
+                .map(|part| scope.spawn(move || move_chunks(paths, pending_dir, part)))
+                .collect();
+            let mut touched = BTreeSet::new();
+            for w in workers {
+                let dirs = w.join().unwrap_or_else(|_| {
+                    Err(StoreError::Write {
+                        path: pending_dir.clone(),
+                        source: io::Error::other("a chunk rename thread panicked"),
+                    })
+                })?;
+                touched.extend(dirs);
             }
-            fs::rename(&from, &to).map_err(|source| StoreError::Rename {
-                from,
-                to: to.clone(),
-                source,
-            })?;
-            // Written from bytes hashed in memory, made durable by the syncfs above: checked
-            // (recorded after the rename, which moves ctime).
-            self.paths.checked.record_path(&to, &sha256, &crc32);
-            dirty_dirs.insert(dir);
-        }
-        fs::remove_dir(&pending_dir).map_err(|source| StoreError::Write {
+            Ok::<_, StoreError>(touched)
+        })?;
+        fs::remove_dir(pending_dir).map_err(|source| StoreError::Write {
             path: pending_dir.clone(),
             source,
         })?;
-        for dir in &dirty_dirs {
+        for dir in &touched {
             fsync_dir(dir)?;
         }
         Ok(())
     }
+}
+
+/// Threads sharing a publish's chunk renames (435 MB stream, ~6,600 new chunks: 155 → 95 ms;
+/// ext4 serialises renames across directories, so more threads add little).
+pub(crate) const RENAME_THREADS: usize = 2;
+
+/// Moves each `(sha256, crc32)` chunk from `pending_dir` to its final name (creating its
+/// directory when missing) and records it as checked. Returns the directories whose entries
+/// changed (the chunks root too, when a chunk directory was created).
+fn move_chunks(
+    paths: &Paths,
+    pending_dir: &Path,
+    part: &[(String, String)],
+) -> Result<BTreeSet<PathBuf>, StoreError> {
+    let mut touched = BTreeSet::new();
+    for (sha256, crc32) in part {
+        let from = pending_dir.join(sha256);
+        let to = chunk_path(&paths.chunks, sha256);
+        let dir = to.parent().map(Path::to_path_buf).unwrap_or_default();
+        if !touched.contains(&dir) && create_private_subdir(&dir)? {
+            touched.insert(paths.chunks.clone());
+        }
+        fs::rename(&from, &to).map_err(|source| StoreError::Rename {
+            from,
+            to: to.clone(),
+            source,
+        })?;
+        // Written from bytes hashed in memory, made durable by the syncfs before: checked
+        // (recorded after the rename, which moves ctime).
+        paths.checked.record_path(&to, sha256, crc32);
+        touched.insert(dir);
+    }
+    Ok(touched)
 }
 
 /// Subdirectory of a build directory holding the chunks written by that build.
@@ -510,21 +548,46 @@ fn write_pending(
     dir: &Path,
     queued: std::sync::mpsc::Receiver<(String, Vec<u8>)>,
 ) -> Result<(), StoreError> {
-    for (sha256, data) in queued {
-        let path = dir.join(&sha256);
-        let err = |source| StoreError::Write {
-            path: path.clone(),
-            source,
-        };
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(err)?;
-        file.write_all(&data).map_err(err)?;
-    }
-    Ok(())
+    let (written, to_flush) = std::sync::mpsc::sync_channel::<File>(FLUSH_QUEUE_FILES);
+    std::thread::scope(|scope| {
+        scope.spawn(move || {
+            for file in to_flush {
+                start_writeback(&file);
+            }
+        });
+        for (sha256, data) in queued {
+            let path = dir.join(&sha256);
+            let err = |source| StoreError::Write {
+                path: path.clone(),
+                source,
+            };
+            let mut file = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(err)?;
+            file.write_all(&data).map_err(err)?;
+            let _ = written.send(file);
+        }
+        // The flusher ends when its queue does; the scope waits for it.
+        drop(written);
+        Ok(())
+    })
+}
+
+/// Files written but not yet handed to the disk, at most (each holds a descriptor).
+const FLUSH_QUEUE_FILES: usize = 64;
+
+/// Starts the disk write of a chunk file just written, without waiting for it
+/// (`sync_file_range` with `SYNC_FILE_RANGE_WRITE` only), on the writer's flusher thread: the
+/// bytes go out while the next chunks are hashed and written, so `publish`'s syncfs finds little
+/// left to do (measured on a 435 MB stream: syncfs 220 ms → 10 ms). Not a durability step —
+/// that is still the syncfs — so a file system that refuses it loses only the overlap.
+fn start_writeback(file: &File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: sync_file_range only reads the descriptor, which `file` keeps open for the call.
+    let _ = unsafe { libc::sync_file_range(file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
 }
 
 /// Flushes the whole file system holding `dir` (data and metadata) and waits for it: one call

@@ -1540,3 +1540,60 @@ fn a_disk_layer_seen_before_and_unchanged_is_not_read_again_by_the_next_snapshot
         .verify(&m3.snapshot_id, &VerifyOptions::default())
         .is_ok());
 }
+
+/// A publish moves its new chunks to their final names on two threads: every one of them
+/// lands under its name (and reads back), and one that cannot fails the publish with the
+/// rename named, nothing published.
+#[test]
+fn chunk_renames_shared_by_threads_all_land_or_the_publish_fails() {
+    let fx = Fixture::new();
+    let data = random_bytes(30, 6 * MIB);
+    let m = fx.snapshot(&data, &[], "many chunks");
+    let index =
+        ChunkIndex::parse(&fs::read(fx.snap_dir(&m.snapshot_id).join("vmstate.index")).unwrap())
+            .unwrap();
+    use crate::builder::RENAME_THREADS;
+    assert!(
+        index.chunks.len() >= 2 * RENAME_THREADS,
+        "{} chunks",
+        index.chunks.len()
+    );
+    for c in &index.chunks {
+        assert!(
+            fx.chunk_file(&c.sha256).is_file(),
+            "chunk {} not under its name",
+            c.sha256
+        );
+    }
+    assert_eq!(fx.read_back(&m.snapshot_id), data);
+    assert!(!fx.snap_dir(&m.snapshot_id).join("pending").exists());
+
+    // The next build's chunks: one whose directory is taken by a plain file cannot move.
+    let more = random_bytes(31, 6 * MIB);
+    let mut b = fx.store.begin().unwrap();
+    b.write_chunked("vmstate", KIND_RAM_DEVICE, &mut &more[..], &mut |_| {})
+        .unwrap();
+    let pending: Vec<String> = fs::read_dir(b.dir().join("pending"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert!(
+        pending.len() >= 2 * RENAME_THREADS,
+        "{} new chunks",
+        pending.len()
+    );
+    let blocked = pending
+        .iter()
+        .map(|sha| fx.root().join("chunks").join(&sha[..2]))
+        .find(|d| !d.exists())
+        .expect("a chunk whose directory does not exist yet");
+    fs::write(&blocked, b"not a directory").unwrap();
+    let err = b.publish(input("blocked")).unwrap_err();
+    assert!(matches!(err, StoreError::Rename { .. }), "{err}");
+    assert_code(&err, "ERR_STORE_IO");
+    assert_eq!(
+        fx.store.list().unwrap(),
+        vec![ListEntry::Valid(m.clone())],
+        "nothing published"
+    );
+}
