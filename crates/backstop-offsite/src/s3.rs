@@ -253,6 +253,22 @@ impl Client {
         out
     }
 
+    /// `req` with the signature's headers (see [`sign`](Self::sign)) set on it.
+    fn signed<B>(
+        &self,
+        mut req: ureq::RequestBuilder<B>,
+        method: &str,
+        path: &str,
+        query: &str,
+        payload_sha256: &str,
+        extra: &[(&str, &str)],
+    ) -> ureq::RequestBuilder<B> {
+        for (k, v) in self.sign(method, path, query, payload_sha256, extra) {
+            req = req.header(k, v);
+        }
+        req
+    }
+
     fn url(&self, path: &str) -> String {
         format!("{}{path}", self.endpoint)
     }
@@ -261,9 +277,7 @@ impl Client {
     pub fn head(&self, key: &str) -> Result<Option<u64>, S3Error> {
         let path = self.path(key);
         let mut req = self.agent.head(self.url(&path));
-        for (k, v) in self.sign("HEAD", &path, "", EMPTY_SHA256, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "HEAD", &path, "", EMPTY_SHA256, &[]);
         let resp = req.call().map_err(|e| transport("HEAD", key, e))?;
         match resp.status().as_u16() {
             200 => Ok(resp
@@ -292,9 +306,7 @@ impl Client {
     ) -> Result<u64, S3Error> {
         let path = self.path(key);
         let mut req = self.agent.get(self.url(&path));
-        for (k, v) in self.sign("GET", &path, "", EMPTY_SHA256, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "GET", &path, "", EMPTY_SHA256, &[]);
         let resp = req.call().map_err(|e| transport("GET", key, e))?;
         let status = resp.status().as_u16();
         let mut body = resp.into_body();
@@ -361,9 +373,7 @@ impl Client {
         if if_absent {
             req = req.header("if-none-match", "*");
         }
-        for (k, v) in self.sign("PUT", &path, "", sha256_hex, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "PUT", &path, "", sha256_hex, &[]);
         let mut body = Throttled {
             inner: reader.take(len),
             throttle: &self.throttle,
@@ -389,9 +399,7 @@ impl Client {
     ) -> Result<Option<(Vec<u8>, String)>, S3Error> {
         let path = self.path(key);
         let mut req = self.agent.get(self.url(&path));
-        for (k, v) in self.sign("GET", &path, "", EMPTY_SHA256, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "GET", &path, "", EMPTY_SHA256, &[]);
         let resp = req.call().map_err(|e| transport("GET", key, e))?;
         let status = resp.status().as_u16();
         let etag = etag_of(resp.headers());
@@ -431,9 +439,7 @@ impl Client {
             PutCondition::Absent => req.header("if-none-match", "*"),
             PutCondition::ETag(e) => req.header("if-match", e.trim_matches('"')),
         };
-        for (k, v) in self.sign("PUT", &path, "", &sha, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "PUT", &path, "", &sha, &[]);
         let resp = req.send(body).map_err(|e| transport("PUT", key, e))?;
         let status = resp.status().as_u16();
         let etag = etag_of(resp.headers());
@@ -451,9 +457,7 @@ impl Client {
         }
         let path = self.path("");
         let mut req = self.agent.put(self.url(&path));
-        for (k, v) in self.sign("PUT", &path, "", EMPTY_SHA256, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "PUT", &path, "", EMPTY_SHA256, &[]);
         let resp = req
             .send_empty()
             .map_err(|e| transport("PUT", "(bucket)", e))?;
@@ -469,9 +473,7 @@ impl Client {
     pub fn head_meta(&self, key: &str) -> Result<Option<(u64, OffsetDateTime)>, S3Error> {
         let path = self.path(key);
         let mut req = self.agent.head(self.url(&path));
-        for (k, v) in self.sign("HEAD", &path, "", EMPTY_SHA256, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "HEAD", &path, "", EMPTY_SHA256, &[]);
         let resp = req.call().map_err(|e| transport("HEAD", key, e))?;
         match resp.status().as_u16() {
             200 => {
@@ -517,9 +519,7 @@ impl Client {
                 .collect::<Vec<_>>()
                 .join("&");
             let mut req = self.agent.get(format!("{}?{query}", self.url(&path)));
-            for (k, v) in self.sign("GET", &path, &query, EMPTY_SHA256, &[]) {
-                req = req.header(k, v);
-            }
+            req = self.signed(req, "GET", &path, &query, EMPTY_SHA256, &[]);
             let key = format!("(list {prefix})");
             let resp = req.call().map_err(|e| transport("GET", &key, e))?;
             let status = resp.status().as_u16();
@@ -550,9 +550,7 @@ impl Client {
     pub fn delete(&self, key: &str) -> Result<(), S3Error> {
         let path = self.path(key);
         let mut req = self.agent.delete(self.url(&path));
-        for (k, v) in self.sign("DELETE", &path, "", EMPTY_SHA256, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "DELETE", &path, "", EMPTY_SHA256, &[]);
         let resp = req.call().map_err(|e| transport("DELETE", key, e))?;
         let status = resp.status().as_u16();
         let mut body = resp.into_body();
@@ -573,9 +571,7 @@ impl Client {
             ("x-amz-metadata-directive", "REPLACE"),
         ];
         let mut req = self.agent.put(self.url(&path));
-        for (k, v) in self.sign("PUT", &path, "", EMPTY_SHA256, &extra) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "PUT", &path, "", EMPTY_SHA256, &extra);
         let resp = req.send_empty().map_err(|e| transport("PUT", key, e))?;
         let status = resp.status().as_u16();
         let mut body = resp.into_body();

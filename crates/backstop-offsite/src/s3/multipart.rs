@@ -252,9 +252,7 @@ impl Client {
     pub fn create_multipart(&self, key: &str) -> Result<String, S3Error> {
         let path = self.path(key);
         let mut req = self.agent.post(format!("{}?uploads", self.url(&path)));
-        for (k, v) in self.sign("POST", &path, "uploads=", EMPTY_SHA256, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "POST", &path, "uploads=", EMPTY_SHA256, &[]);
         let resp = req.send_empty().map_err(|e| transport("POST", key, e))?;
         let status = resp.status().as_u16();
         let mut body = resp.into_body();
@@ -289,9 +287,7 @@ impl Client {
             .agent
             .put(format!("{}?{query}", self.url(&path)))
             .header("content-length", body.len().to_string());
-        for (k, v) in self.sign("PUT", &path, &query, sha256_hex, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "PUT", &path, &query, sha256_hex, &[]);
         let mut reader = Throttled {
             inner: body,
             throttle: &self.throttle,
@@ -336,9 +332,7 @@ impl Client {
         xml.push_str("</CompleteMultipartUpload>");
         let sha = hex::encode(Sha256::digest(xml.as_bytes()));
         let mut req = self.agent.post(format!("{}?{query}", self.url(&path)));
-        for (k, v) in self.sign("POST", &path, &query, &sha, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "POST", &path, &query, &sha, &[]);
         let resp = req
             .send(xml.as_bytes())
             .map_err(|e| transport("POST", key, e))?;
@@ -366,9 +360,7 @@ impl Client {
         let path = self.path(key);
         let query = format!("uploadId={}", query_encode(upload_id));
         let mut req = self.agent.delete(format!("{}?{query}", self.url(&path)));
-        for (k, v) in self.sign("DELETE", &path, &query, EMPTY_SHA256, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "DELETE", &path, &query, EMPTY_SHA256, &[]);
         let resp = req.call().map_err(|e| transport("DELETE", key, e))?;
         let status = resp.status().as_u16();
         let mut body = resp.into_body();
@@ -387,9 +379,7 @@ impl Client {
             self.url(&path),
             query_encode(prefix)
         ));
-        for (k, v) in self.sign("GET", &path, &query, EMPTY_SHA256, &[]) {
-            req = req.header(k, v);
-        }
+        req = self.signed(req, "GET", &path, &query, EMPTY_SHA256, &[]);
         let resp = req.call().map_err(|e| transport("GET", "(uploads)", e))?;
         let status = resp.status().as_u16();
         let mut body = resp.into_body();
