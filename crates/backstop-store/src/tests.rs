@@ -1597,3 +1597,33 @@ fn chunk_renames_shared_by_threads_all_land_or_the_publish_fails() {
         "nothing published"
     );
 }
+
+/// A chunk file the writer cannot create ends the payload with that write's error — the
+/// writer, its flusher and the hashing stage all stop (no hang) — and the build leaves nothing.
+#[test]
+fn a_chunk_the_writer_cannot_create_fails_the_payload_and_leaves_nothing() {
+    let fx = Fixture::new();
+    let chunks: Vec<Vec<u8>> = (0..40u64).map(|i| random_bytes(200 + i, 70_000)).collect();
+    let mut b = fx.store.begin().unwrap();
+    // The writer creates each new chunk with create_new: a name already taken cannot be.
+    let pending = b.dir().join("pending");
+    fs::create_dir(&pending).unwrap();
+    let taken = backstop_integrity::sha256_hex(&chunks[25]);
+    fs::write(pending.join(&taken), b"in the way").unwrap();
+    let err = b
+        .write_chunks(
+            "vmstate",
+            KIND_RAM_DEVICE,
+            &mut chunks.clone().into_iter().map(Ok),
+            &mut |_| {},
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Write { path, .. } if path.ends_with(&taken)),
+        "{err}"
+    );
+    drop(b);
+    assert_eq!(fx.chunk_files(), 0);
+    assert_eq!(fx.tmp_entries(), 0);
+    assert!(fx.store.list().unwrap().is_empty());
+}
