@@ -151,7 +151,7 @@ impl SnapshotBuilder {
     /// Two stages on two threads: this one reads, cuts and hashes and decides what is new; a
     /// writer thread creates and fills the new chunks' files in `pending/` (mostly kernel time:
     /// inode allocation and the copy into the page cache), at most [`WRITE_QUEUE_CHUNKS`]
-    /// chunks behind. Every write has finished (or the first failure is returned) before the
+    /// chunks behind, and has their disk writes started by a flusher ([`start_writeback`]). Every write has finished (or the first failure is returned) before the
     /// index is written; durability is still [`publish`](SnapshotBuilder::publish)'s syncfs.
     fn store_payload(
         &mut self,
