@@ -15,8 +15,10 @@ way round that, with a bare QMP client on the bench guest, and checks the guest 
   4. "Rollback": a fresh overlay over A's frozen layer is opened (`blockdev-add`), the filter's
      child is swapped to it (`blockdev-reopen`), the placeholder removed, the state loaded
      (`migrate-incoming`), `cont`.
-  5. B's guest must go on ticking where A stopped: ram counter +1, disk value the last one A
-     wrote, and its new writes land in the fresh overlay (it grows), not in A's.
+  5. B's guest must go on ticking where A stopped: its RAM counter the next one, what A wrote
+     readable through B's chain, its new writes in the fresh overlay only.
+  6. The next snapshot's disk switch (backstop's `blockdev-snapshot` transaction on the top
+     qcow2 node, here under the filter) must move the guest's writes to the newer overlay.
 
 Prints each step's time and PASS/FAIL per check; exits 1 on any FAIL.
 
@@ -72,7 +74,7 @@ def sector(img, k):
                          capture_output=True, text=True, check=True).stdout
     raw = bytes(int(h, 16) for line in out.splitlines() if re.match(r"^[0-9a-f]{8}:", line)
                 for h in line.split(":", 1)[1].split("  ")[1].split())
-    return raw.split(b"\n", 1)[0].decode(errors="replace")
+    return raw.split(b"\n", 1)[0].rstrip(b"\0").decode(errors="replace")
 
 
 def main():
@@ -190,9 +192,28 @@ def main():
               f"guest RAM continues: A's last tick ram={last_a[0]}, B's first ram={first[0]}")
         check(all(r == d for r, d in got),
               f"B's guest reads back what it writes: {got[:3]}")
+        # The next snapshot's disk switch, as backstop's capture does it: a fresh overlay with
+        # no backing opened, then one transaction of blockdev-snapshot on the top qcow2 node —
+        # here under the filter, whose child it must replace.
+        oc = work / "c.qcow2"
+        C.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", str(ob), "-F", "qcow2", str(oc), str(vsize)])
+        qb.execute("blockdev-add", {"driver": "qcow2", "node-name": "next-top", "backing": None,
+                                    "file": {"driver": "file", "filename": str(oc)}})
+        qb.execute("stop")
+        qb.execute("transaction", {"actions": [
+            {"type": "blockdev-snapshot", "data": {"node": "chain-top", "overlay": "next-top"}}]})
+        n_before = len(ticks(serial_b))
+        qb.execute("cont")
+        after = wait_ticks(serial_b, n_before + 2, 60)[-1]
         qb.execute("quit")
         qb.close()
         pb.wait(timeout=30)
+        k2 = after[0]
+        check(sector(oc, k2) == str(k2) and sector(ob, k2) != str(k2),
+              f"after a disk switch under the filter, tick {k2} landed in the new overlay only "
+              f"(c: {sector(oc, k2)!r}, b: {sector(ob, k2)!r})")
+        check(sector(oc, third[0]) == str(third[0]),
+              f"the new overlay reads the older ticks through its backing (tick {third[0]})")
         check(allocated(oa) == a_size, f"A's frozen overlay unchanged ({a_size} B)")
         olds = {k: sector(ob, k) for k in range(1, last_a[0] + 1)}
         check(all(v == str(k) for k, v in olds.items()),
