@@ -184,7 +184,7 @@ def main():
         block = qb.execute("query-block")
         node = next((b.get("inserted", {}) for b in block if b.get("qdev", "").endswith("dev-data")
                      or b.get("device") == ""), {})
-        print(f"the device's node: {node.get('node-name')} over {node.get('file')}")
+        print("inserted:", json.dumps({k: node.get(k) for k in ("node-name", "drv", "file", "image")})[:1500])
 
         got = wait_ticks(serial_b, 3, 60)
         first, third = got[0], got[2]

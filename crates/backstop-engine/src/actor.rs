@@ -488,7 +488,19 @@ impl VmActor {
             progress: ctx.progress,
         };
         self.baseline_or_halt(&mut baseline_ctx, "baseline after cold boot");
+        self.refresh_standby();
         Ok(())
+    }
+
+    /// With `[rollback] standby`: makes sure a standby QEMU waits for the next rollback (one is
+    /// started when there is none). A failure only costs that rollback its head start: logged.
+    pub(crate) fn refresh_standby(&mut self) {
+        if !self.cfg.rollback.standby || self.state != VmState::Running {
+            return;
+        }
+        if let Err(e) = self.backend.prepare_standby() {
+            tracing::warn!(error = %e, "no standby QEMU for the next rollback");
+        }
     }
 
     /// A VM that already ran (adopted by the backend at start, journaled `vm.adopted`), first
@@ -797,6 +809,7 @@ impl VmActor {
             _ => None,
         };
         let _ = self.backend.terminate();
+        self.backend.discard_standby();
         let sid = self.session_id.clone();
         let _ = self.journal(
             AuditEvent::DaemonStopped,

@@ -258,6 +258,7 @@ impl VmActor {
                     "timestamp": now_rfc3339(), "revoked": report.revoked, "epoch": report.epoch,
                     "total_ms": report.total_ms, "phases_ms": clock.as_json(),
                     "forensic_snapshot_id": forensic,
+                    "launched_from_standby": self.backend.launched_from_standby(),
                 }))?;
                 self.mark_rolled_back(&snapshot_id, rollback_type, &trace);
                 self.tally.last_rollback = Some(backstop_control::LastRollbackView {
@@ -272,7 +273,10 @@ impl VmActor {
                     .rollbacks_by_trigger
                     .entry(report.trigger.clone())
                     .or_default() += 1;
-                info!(snapshot_id = %snapshot_id, total_ms = report.total_ms, restore_ms, epoch = report.epoch, "rolled back");
+                info!(snapshot_id = %snapshot_id, total_ms = report.total_ms, restore_ms, epoch = report.epoch,
+                    from_standby = self.backend.launched_from_standby(), "rolled back");
+                // The next rollback's standby, now that this one's guest runs.
+                self.refresh_standby();
                 Ok(report)
             }
             Err((step, detail)) => {

@@ -253,8 +253,27 @@ pub trait VmBackend: Send {
     /// Takes every grantable device away from the guest: courteous removal first, bounded by
     /// `bound`. Ending the process (`terminate`) is the final revocation.
     fn revoke_devices(&mut self, bound: Duration) -> Result<RevocationReport>;
-    /// Ends the hypervisor process. Idempotent.
+    /// Ends the hypervisor process. Idempotent. A standby (see [`prepare_standby`]) is kept:
+    /// a rollback ends the old process, then launches on the standby.
+    ///
+    /// [`prepare_standby`]: VmBackend::prepare_standby
     fn terminate(&mut self) -> Result<()>;
+
+    /// Starts a standby hypervisor process for the next rollback, unless one is alive: shaped
+    /// like the running VM, waiting for state, so that the next [`BootMode::Incoming`] launch
+    /// takes it instead of starting a process (`docs/standby.md`). Does not wait for it to be
+    /// ready. Backends without standbys do nothing.
+    fn prepare_standby(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Ends the standby process, if any (the VM stops or halts). Idempotent.
+    fn discard_standby(&mut self) {}
+
+    /// Whether the last [`launch`](VmBackend::launch) took a standby process.
+    fn launched_from_standby(&self) -> bool {
+        false
+    }
 
     /// On a VM launched with [`BootMode::Incoming`]: returns the sink to write the captured
     /// state into. Close (drop) it at the end of the stream.

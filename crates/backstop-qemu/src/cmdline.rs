@@ -43,6 +43,47 @@ pub(crate) fn qga_socket(cfg: &QemuConfig) -> PathBuf {
 }
 
 pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) -> Vec<String> {
+    command_line_with(cfg, disks, mode, None)
+}
+
+/// Node name of the filter a standby's disk device sits on (see [`standby_command_line`]).
+pub(crate) fn standby_filter_node(disk_id: &str) -> String {
+    format!("standby-{disk_id}")
+}
+
+/// Node name of a standby's placeholder under that filter, until the rollback's chain replaces it.
+pub(crate) fn standby_placeholder_node(disk_id: &str) -> String {
+    format!("standby-{disk_id}-placeholder")
+}
+
+/// The throttle group (no limits) of a standby's disk filters.
+pub(crate) const STANDBY_THROTTLE_GROUP: &str = "standby-tg";
+
+/// A standby QEMU's command line (`docs/standby.md`): the VM's own, in `cfg.run_dir` (the
+/// standby's directory), waiting for state (`-incoming defer`), with each disk device on a
+/// `throttle` filter (no limits) over a `null-co` placeholder of the disk's size (`sizes`: disk
+/// id → virtual size in bytes) — a rollback swaps the filter's child for the chain it chose —
+/// and, on pc/q35 machines, its guest RAM preallocated (`pc.ram`, the name `-m` gives it).
+pub(crate) fn standby_command_line(
+    cfg: &QemuConfig,
+    disks: &[DiskAttachment],
+    sizes: &std::collections::BTreeMap<String, u64>,
+) -> Vec<String> {
+    command_line_with(cfg, disks, BootMode::Incoming, Some(sizes))
+}
+
+/// Whether guest RAM is the `pc.ram` block on this machine type (so a memory backend of that
+/// id matches a stream saved by a `-m` QEMU).
+pub(crate) fn ram_is_pc_ram(machine: &str) -> bool {
+    machine.starts_with("pc") || machine.starts_with("q35")
+}
+
+fn command_line_with(
+    cfg: &QemuConfig,
+    disks: &[DiskAttachment],
+    mode: BootMode,
+    standby: Option<&std::collections::BTreeMap<String, u64>>,
+) -> Vec<String> {
     let run = &cfg.run_dir;
     let mut a: Vec<String> = Vec::new();
     let mut push = |parts: &[&str]| a.extend(parts.iter().map(|s| s.to_string()));
@@ -55,10 +96,35 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
         ),
         None => String::new(),
     };
+    let prealloc = standby.is_some() && ram_is_pc_ram(&cfg.machine);
+    let ram_backend = if prealloc {
+        ",memory-backend=pc.ram"
+    } else {
+        ""
+    };
     push(&[
         "-machine",
-        &format!("{},accel={}{flash}", cfg.machine, cfg.accel.as_str()),
+        &format!(
+            "{},accel={}{flash}{ram_backend}",
+            cfg.machine,
+            cfg.accel.as_str()
+        ),
     ]);
+    if prealloc {
+        push(&[
+            "-object",
+            &format!(
+                "memory-backend-ram,id=pc.ram,size={}M,prealloc=on",
+                cfg.memory_mib
+            ),
+        ]);
+    }
+    if standby.is_some() {
+        push(&[
+            "-object",
+            &format!("throttle-group,id={STANDBY_THROTTLE_GROUP}"),
+        ]);
+    }
     if let Some(code) = &cfg.ovmf_code {
         push(&[
             "-blockdev",
@@ -126,14 +192,36 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
     }
     let mut boot_disk = !kernel_boot;
     for d in disks {
-        push(&[
-            "-blockdev",
-            &format!(
-                "driver=qcow2,node-name={},file.driver=file,file.filename={}",
-                node_name(&d.id),
-                d.active.display()
-            ),
-        ]);
+        let drive = match standby {
+            None => {
+                push(&[
+                    "-blockdev",
+                    &format!(
+                        "driver=qcow2,node-name={},file.driver=file,file.filename={}",
+                        node_name(&d.id),
+                        d.active.display()
+                    ),
+                ]);
+                node_name(&d.id)
+            }
+            Some(sizes) => {
+                push(&[
+                    "-blockdev",
+                    &format!(
+                        "driver=null-co,node-name={},size={},read-zeroes=on",
+                        standby_placeholder_node(&d.id),
+                        sizes.get(&d.id).copied().unwrap_or(0)
+                    ),
+                    "-blockdev",
+                    &format!(
+                        "driver=throttle,node-name={},throttle-group={STANDBY_THROTTLE_GROUP},file={}",
+                        standby_filter_node(&d.id),
+                        standby_placeholder_node(&d.id)
+                    ),
+                ]);
+                standby_filter_node(&d.id)
+            }
+        };
         if d.id == crate::UEFI_VARS_DISK && cfg.ovmf_code.is_some() {
             continue; // the flash device of `-machine pflash1=…`
         }
@@ -145,8 +233,7 @@ pub fn command_line(cfg: &QemuConfig, disks: &[DiskAttachment], mode: BootMode) 
         push(&[
             "-device",
             &format!(
-                "virtio-blk-pci,drive={},id={}{bootindex}",
-                node_name(&d.id),
+                "virtio-blk-pci,drive={drive},id={}{bootindex}",
                 device_id(&d.id)
             ),
         ]);

@@ -648,7 +648,13 @@ pub(crate) fn parse_query_block(reply: &Value) -> Vec<ActiveLayer> {
         let Some(disk) = name.strip_prefix("dev-") else {
             continue;
         };
-        let Some(file) = b.pointer("/inserted/file").and_then(Value::as_str) else {
+        // A VM restored into a standby has its disk device on a `throttle` filter node
+        // (`standby.rs`): its active layer is the filter's child, the first image below it.
+        let pointer = match b.pointer("/inserted/drv").and_then(Value::as_str) {
+            Some("throttle") => "/inserted/image/backing-image/filename",
+            _ => "/inserted/file",
+        };
+        let Some(file) = b.pointer(pointer).and_then(Value::as_str) else {
             continue;
         };
         out.push(ActiveLayer {
@@ -667,6 +673,29 @@ mod tests {
         let mut c = crate::cmdline::tests_support::cfg();
         c.devices = shape;
         c
+    }
+
+    #[test]
+    fn query_block_sees_through_a_standbys_filter_to_the_active_layer() {
+        // As QEMU 7.2 and 10.0 answer for a disk device on the standby's throttle filter.
+        let reply = json!([{
+            "device": "", "qdev": "/machine/peripheral/dev-data/virtio-backend",
+            "inserted": {
+                "node-name": "standby-data", "drv": "throttle",
+                "file": "json:{\"throttle-group\": \"standby-tg\", \"driver\": \"throttle\", \"file\": {\"driver\": \"qcow2\", \"file\": {\"driver\": \"file\", \"filename\": \"/s/top.qcow2\"}}}",
+                "image": {
+                    "filename": "json:{}",
+                    "backing-image": {
+                        "filename": "/s/top.qcow2", "format": "qcow2",
+                        "backing-image": {"filename": "/s/base.qcow2", "format": "qcow2"}
+                    }
+                }
+            }
+        }]);
+        let seen = parse_query_block(&reply);
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].disk, "data");
+        assert_eq!(seen[0].active, PathBuf::from("/s/top.qcow2"));
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub mod devices;
 pub mod qga;
 pub mod qmp;
 mod serial_log;
+mod standby;
 pub mod stream_chunks;
 pub mod version;
 #[macro_use]
@@ -213,6 +214,10 @@ pub struct QemuBackend {
     disks: Vec<DiskAttachment>,
     /// QEMU node name of each captured disk's active (writable) layer.
     active_nodes: std::collections::BTreeMap<String, String>,
+    /// A QEMU started for the next rollback (`standby.rs`), when the engine asked for one.
+    standby: Option<standby::Standby>,
+    /// Whether the running QEMU was a standby when it was launched.
+    from_standby: bool,
     /// Test-only: the capture step that fails next (feature `fault-injection`).
     #[cfg(feature = "fault-injection")]
     fault: pause::Fault,
@@ -226,6 +231,8 @@ impl QemuBackend {
             serial: None,
             disks: Vec::new(),
             active_nodes: Default::default(),
+            standby: None,
+            from_standby: false,
             #[cfg(feature = "fault-injection")]
             fault: None,
         }
@@ -410,6 +417,28 @@ impl QemuBackend {
             })?;
             self.serial = Some(serial);
         }
+        let args = command_line(&self.cfg, &self.disks, mode);
+        let mut child = self.start_process(&args)?;
+        let exited = || match child.try_wait() {
+            Ok(Some(status)) => Some(format!("exited ({status})")),
+            _ => None,
+        };
+        let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(10), exited) {
+            Ok(q) => q,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(BackendError::Launch(format!(
+                    "{e}; qemu said: {}",
+                    log_tail(&self.cfg.run_dir.join("qemu.log"))
+                )));
+            }
+        };
+        self.running_from(child, qmp, mode)
+    }
+
+    /// Starts QEMU with `args`, its output appended to `qemu.log`, dying with this thread.
+    fn start_process(&self, args: &[String]) -> Result<Child> {
         let run = &self.cfg.run_dir;
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -423,12 +452,8 @@ impl QemuBackend {
             step: "open qemu.log",
             source,
         })?;
-        let args = command_line(&self.cfg, &self.disks, mode);
         let mut cmd = Command::new(&self.cfg.binary);
-        cmd.args(&args)
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(log2);
+        cmd.args(args).stdin(Stdio::null()).stdout(log).stderr(log2);
         // SAFETY: the closure runs in the child between fork and exec and only calls
         // sigemptyset(3), pthread_sigmask(3) and prctl(2), which are async-signal-safe; the
         // sigset lives on the child's stack.
@@ -445,25 +470,14 @@ impl QemuBackend {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|e| {
+        cmd.spawn().map_err(|e| {
             BackendError::Launch(format!("cannot start {}: {e}", self.cfg.binary.display()))
-        })?;
-        let exited = || match child.try_wait() {
-            Ok(Some(status)) => Some(format!("exited ({status})")),
-            _ => None,
-        };
-        let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(10), exited) {
-            Ok(q) => q,
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(BackendError::Launch(format!(
-                    "{e}; qemu said: {}",
-                    log_tail(&run.join("qemu.log"))
-                )));
-            }
-        };
-        let mut qmp = qmp;
+        })
+    }
+
+    /// The running VM from a started QEMU whose monitor answers: probed (an unsupported QEMU is
+    /// ended and refused), its agent and qemu-ga channels connected at the VM's own paths.
+    fn running_from(&self, mut child: Child, mut qmp: Qmp, mode: BootMode) -> Result<Running> {
         let plan = match probe(&mut qmp, self.cfg.qmp_timeout) {
             Ok(plan) => plan,
             Err(e) => {
@@ -473,7 +487,8 @@ impl QemuBackend {
             }
         };
         tracing::info!(qemu = %plan.version, resume = ?plan.resume, "qemu probed");
-        let agent = agent::AgentChannel::connect(&agent_path);
+        let agent = agent::AgentChannel::connect(&self.cfg.run_dir.join("agent.sock"));
+        let qga_path = cmdline::qga_socket(&self.cfg);
         // A restored guest's clock is the snapshot's: set it once its agent answers.
         let qga = (self.cfg.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa)
             .then(|| qga::QgaChannel::connect(&qga_path, mode == BootMode::Incoming));
@@ -571,7 +586,30 @@ impl VmBackend for QemuBackend {
             .iter()
             .map(|d| (d.id.clone(), cmdline::node_name(&d.id)))
             .collect();
-        let mut running = self.spawn(mode)?;
+        // A restore takes the standby when there is one (its RAM already allocated, no process
+        // to start); one that cannot be taken is ended, and a fresh QEMU launched as always.
+        let standby = match mode {
+            BootMode::Incoming => self.standby.take(),
+            BootMode::Cold => None,
+        };
+        self.from_standby = false;
+        let taken = standby.map(|sb| {
+            let t = self.cfg.qmp_timeout;
+            sb.take(disks, &self.cfg.run_dir, t)
+                .and_then(|(child, qmp)| self.running_from(child, qmp, mode))
+        });
+        let mut running = match taken {
+            Some(Ok(r)) => {
+                self.from_standby = true;
+                tracing::info!(pid = r.child.id(), "restoring into the standby QEMU");
+                r
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "the standby QEMU could not be taken: starting a fresh one");
+                self.spawn(mode)?
+            }
+            None => self.spawn(mode)?,
+        };
         let t = self.cfg.qmp_timeout;
         let caps: Vec<Value> = match mode {
             BootMode::Cold => vec![
@@ -1094,6 +1132,32 @@ impl VmBackend for QemuBackend {
             source,
         })?;
         Ok(())
+    }
+
+    fn prepare_standby(&mut self) -> Result<()> {
+        if let Some(sb) = self.standby.as_mut() {
+            if sb.alive() {
+                return Ok(());
+            }
+            tracing::warn!("the standby QEMU had ended: starting another");
+            self.standby = None;
+        }
+        if self.running.is_none() {
+            return Err(BackendError::NotRunning {
+                step: "prepare a standby",
+            });
+        }
+        let sb = standby::Standby::start(&self.cfg, &self.disks, |args| self.start_process(args))?;
+        self.standby = Some(sb);
+        Ok(())
+    }
+
+    fn discard_standby(&mut self) {
+        self.standby = None;
+    }
+
+    fn launched_from_standby(&self) -> bool {
+        self.from_standby
     }
 
     /// The paused, revoked QEMU is let go of (see [`abandoned`]): its pid file renamed aside so

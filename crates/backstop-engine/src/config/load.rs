@@ -213,6 +213,36 @@ impl Config {
         Ok(())
     }
 
+    /// Why this VM cannot have a standby QEMU (`rollback.standby`), if it cannot: a second
+    /// QEMU cannot open what the first holds (VFIO devices, tap NICs, a disk snapshots exclude:
+    /// the same file in both), and the UEFI variable store's flash device is not yet proven
+    /// on the standby's filter nodes.
+    fn standby_refused(&self) -> Option<String> {
+        let vm = &self.vm;
+        if vm.backend != "qemu" {
+            return Some("for the qemu backend only".into());
+        }
+        if self.devices.iter().any(|d| d.vfio().is_some()) {
+            return Some("not with VFIO devices (one process holds them)".into());
+        }
+        if !vm.tap_nics.is_empty() {
+            return Some("not with tap NICs (one process can open a tap)".into());
+        }
+        if vm
+            .disks
+            .iter()
+            .any(|d| d.snapshot != super::DiskSnapshotMode::Capture)
+        {
+            return Some(
+                "not with disks snapshots exclude (both QEMUs would open the same file)".into(),
+            );
+        }
+        if vm.firmware != super::Firmware::Seabios {
+            return Some("not with firmware = \"ovmf\" yet".into());
+        }
+        None
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         let bad = |key: &str, message: &str| {
             Err(ConfigError::Invalid {
@@ -350,6 +380,11 @@ impl Config {
                     &format!("rollback.forensic_ram_for[{i}]"),
                     "one of \"console\", \"policy\", \"emergency\", \"watchdog\"",
                 );
+            }
+        }
+        if self.rollback.standby {
+            if let Some(why) = self.standby_refused() {
+                return bad("rollback.standby", &why);
             }
         }
         let mut seen = std::collections::BTreeSet::new();

@@ -594,6 +594,13 @@ pub struct RollbackConfig {
     /// expiry). `[]` keeps none.
     #[serde(default = "default_forensic_ram_for")]
     pub forensic_ram_for: Vec<String>,
+    /// Keep a standby QEMU for this VM (`docs/standby.md`): started after each boot and
+    /// rollback, paused and waiting for state with its guest RAM already allocated, it takes
+    /// the place of the fresh QEMU a rollback would launch. Costs a second guest-sized
+    /// allocation. QEMU backend only, and not with VFIO devices, tap NICs, disks snapshots
+    /// exclude, or UEFI firmware.
+    #[serde(default)]
+    pub standby: bool,
 }
 
 impl Default for RollbackConfig {
@@ -602,6 +609,7 @@ impl Default for RollbackConfig {
             revoke_timeout_ms: default_revoke_ms(),
             forensic_ram_budget: default_forensic_ram_budget(),
             forensic_ram_for: default_forensic_ram_for(),
+            standby: false,
         }
     }
 }

@@ -585,3 +585,46 @@ fn the_forensic_ram_keys_default_and_refuse_bad_values_by_name() {
         .to_string();
     assert!(err.contains("forensic_ram_budget"), "{err}");
 }
+
+#[test]
+fn a_standby_is_off_by_default_and_refused_where_a_second_qemu_cannot_work() {
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert!(!cfg.rollback.standby);
+    // The default config excludes a disk from snapshots: both QEMUs would open it.
+    let standby = |text: &str| text.replace("[rollback]", "[rollback]\nstandby = true");
+    let err = Config::parse(&standby(DEFAULT_CONFIG))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rollback.standby") && err.contains("exclude"),
+        "{err}"
+    );
+    // Without it, a standby is accepted.
+    let captured_only = {
+        let start = DEFAULT_CONFIG
+            .find("[[vm.disks]]\nid = \"scratch\"")
+            .unwrap();
+        let end = DEFAULT_CONFIG[start..].find("[rollback]").unwrap() + start;
+        format!("{}{}", &DEFAULT_CONFIG[..start], &DEFAULT_CONFIG[end..])
+    };
+    assert!(
+        Config::parse(&standby(&captured_only))
+            .unwrap()
+            .rollback
+            .standby
+    );
+    let with_vm = |extra: &str| {
+        standby(&captured_only).replace("memory_mib = 256", &format!("memory_mib = 256\n{extra}"))
+    };
+    for (extra, why) in [
+        ("tap_nics = [{ id = \"lan\", ifname = \"bs-tap0\" }]", "tap"),
+        ("firmware = \"ovmf\"", "ovmf"),
+    ] {
+        let err = Config::parse(&with_vm(extra)).unwrap_err().to_string();
+        assert!(
+            err.contains("rollback.standby") && err.contains(why),
+            "{extra}: {err}"
+        );
+        assert!(!err.contains('\n'), "{err}");
+    }
+}

@@ -1,0 +1,222 @@
+//! `[rollback] standby = true`: a standby QEMU waits beside the VM, and a rollback restores
+//! into it instead of starting a process (`docs/standby.md`). Proven on the guest's own output:
+//! RAM and disk at the snapshot point after rollbacks into standbys, a snapshot taken on a
+//! VM restored into a standby (its disk switch under the standby's filter node) rolled back to,
+//! a standby that died replaced by a fresh launch, and nothing left when the daemon stops.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use backstop_e2e::{guest_dir, qemu_binary, skip_unless_ready, Daemon, Tick};
+
+const BOOT: Duration = Duration::from_secs(90);
+const STEP: Duration = Duration::from_secs(60);
+
+fn config(state: &Path, run: &Path) -> String {
+    let g = guest_dir();
+    format!(
+        r#"[daemon]
+state_dir = "{state}"
+run_dir = "{run}"
+
+[vm]
+name = "e2e"
+qemu_binary = "{qemu}"
+accel = "auto"
+memory_mib = 256
+kernel = "{g}/vmlinuz"
+initrd = "{g}/initrd.img"
+append = "console=ttyS0 quiet panic=-1 no_timer_check"
+nics = ["net0"]
+watchdog_device = true
+
+[[vm.disks]]
+id = "data"
+path = "{g}/disk-base.qcow2"
+snapshot = "capture"
+
+[rollback]
+standby = true
+
+[drift]
+reconcile_minutes = 0.05
+"#,
+        state = state.display(),
+        run = run.display(),
+        g = g.display(),
+        qemu = qemu_binary(),
+    )
+}
+
+/// The pids of QEMU processes started as this daemon's standby (their monitor socket is in a
+/// `standby` directory under the daemon's run directory).
+fn standby_pids(run_dir: &Path) -> Vec<u64> {
+    let marker = format!("{}/", run_dir.display());
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u64>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if cmdline.contains("qemu-system")
+            && cmdline.contains(&marker)
+            && cmdline.contains("/standby/qmp.sock")
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Waits for exactly one standby other than `not` (the one a rollback just took).
+fn wait_standby(d: &Daemon, not: &[u64]) -> u64 {
+    let deadline = Instant::now() + STEP;
+    loop {
+        let pids: Vec<u64> = standby_pids(&d.run_dir)
+            .into_iter()
+            .filter(|p| !not.contains(p))
+            .collect();
+        if pids.len() == 1 {
+            return pids[0];
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no single standby QEMU (found {pids:?}); daemon log:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A snapshot: its id, the last tick the guest had printed before it, and where the serial log
+/// was then.
+fn snapshot(d: &Daemon, reason: &str) -> (String, u64, usize) {
+    let pos = d.serial_len();
+    let at = d.last_tick().map(|t| t.ram).unwrap_or(0);
+    let v = d.ok(&["snapshot", "create", "--reason", reason]);
+    let id = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    (id, at, pos)
+}
+
+/// Rolls back to `id` (taken when the guest had printed tick `at`) once the guest has moved
+/// past it, and checks the restored guest: first tick back at the snapshot point, RAM == disk.
+fn rollback_and_check(d: &Daemon, (id, at, pos): &(String, u64, usize)) -> serde_json::Value {
+    let (id, at) = (id.as_str(), *at);
+    d.wait_tick(*pos, at + 4, STEP);
+    let before = d.serial_len();
+    let rb = d.ok(&["rollback", "--to", id, "--reason", "test: standby"]);
+    assert_eq!(rb["snapshot_id"], id);
+    let ticks: Vec<Tick> = d
+        .wait_ticks_until(before, STEP, "restored guest ticking", |t| {
+            t.iter().skip_while(|t| t.ram > at + 2).count() >= 2
+        })
+        .into_iter()
+        .skip_while(|t| t.ram > at + 2)
+        .collect();
+    let first = ticks[0];
+    assert!(
+        first.ram >= at && first.ram <= at + 2,
+        "first restored tick {first:?}, snapshot taken after tick {at}"
+    );
+    for t in &ticks {
+        assert_eq!(t.ram, t.disk, "RAM and disk disagree after rollback: {t:?}");
+    }
+    rb
+}
+
+fn completed_from_standby(d: &Daemon) -> Vec<bool> {
+    d.journal()
+        .iter()
+        .filter(|e| e["event"] == "rollback.completed")
+        .map(|e| e["fields"]["launched_from_standby"] == true)
+        .collect()
+}
+
+#[test]
+fn rollbacks_restore_into_the_standby_and_a_new_one_takes_its_place() {
+    if skip_unless_ready("rollbacks_restore_into_the_standby_and_a_new_one_takes_its_place") {
+        return;
+    }
+    let mut d = Daemon::prepare_custom("standby", &config, &[]);
+    d.launch();
+    d.wait_tick(0, 3, BOOT);
+    let vm_pid = d.status()["pid"].as_u64().unwrap();
+    let first = wait_standby(&d, &[]);
+    assert_ne!(first, vm_pid, "the standby is a process of its own");
+
+    // 1. A rollback restores into the standby: the VM's process is the standby's now.
+    rollback_and_check(&d, &snapshot(&d, "standby: first"));
+    assert_eq!(
+        d.status()["pid"].as_u64().unwrap(),
+        first,
+        "the restored VM is not the standby's process"
+    );
+    assert_eq!(completed_from_standby(&d), [true]);
+    let second = wait_standby(&d, &[first]);
+
+    // 2. A snapshot of that VM (its disk switch under the standby's filter node), changed,
+    //    rolled back to, into the next standby.
+    rollback_and_check(&d, &snapshot(&d, "standby: on a restored standby"));
+    assert_eq!(d.status()["pid"].as_u64().unwrap(), second);
+    assert_eq!(completed_from_standby(&d), [true, true]);
+    // Drift detection looks at a VM restored into a standby like at any other (its disk under
+    // the filter is the layer backstop expects): two passes, nothing detected.
+    for _ in 0..2 {
+        let last = d.ok(&["drift"])["last_reconcile_at"].clone();
+        let deadline = Instant::now() + STEP;
+        while d.ok(&["drift"])["last_reconcile_at"] == last {
+            assert!(Instant::now() < deadline, "no drift pass within {STEP:?}");
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+    let drift: Vec<_> = d
+        .journal()
+        .into_iter()
+        .filter(|e| e["event"] == "DriftDetectedEvent")
+        .collect();
+    assert!(drift.is_empty(), "drift detected: {drift:?}");
+
+    // 3. A standby that died is not used: the rollback launches a fresh QEMU, and the daemon
+    //    starts another standby after it.
+    let third = wait_standby(&d, &[first, second]);
+    let taken = snapshot(&d, "standby: the standby dies");
+    nix_kill(third);
+    rollback_and_check(&d, &taken);
+    let pid = d.status()["pid"].as_u64().unwrap();
+    assert!(![first, second, third].contains(&pid), "pid {pid}");
+    assert_eq!(completed_from_standby(&d), [true, true, false]);
+    let fourth = wait_standby(&d, &[first, second, third]);
+
+    // 4. Stopping the daemon ends the standby too.
+    d.stop();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{fourth}")).exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        standby_pids(&d.run_dir).is_empty(),
+        "a standby outlived the daemon"
+    );
+}
+
+fn nix_kill(pid: u64) {
+    let ok = std::process::Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -9 {pid}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{pid}/cmdline")).exists()
+        && std::fs::read(format!("/proc/{pid}/cmdline"))
+            .map(|c| !c.is_empty())
+            .unwrap_or(false)
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
