@@ -938,4 +938,45 @@ layers_dir = "{self.vdir / 'layers'}"
         shutil.rmtree(self.vdir, ignore_errors=True)
 
 
-CONTENDERS = {c.name: c for c in (Backstop, BackstopLibvirt, Virsh, StopCopy)}
+class BackstopStandby(Backstop):
+    """backstopd with `[rollback] standby = true` (issue 21, docs/standby.md): a standby QEMU,
+    its RAM preallocated, waits beside the VM and a rollback restores into it. Everything else
+    as the backstop contender."""
+
+    name = "bsstandby"
+    label = "backstop + standby"
+
+    def __init__(self, env, rep):
+        Backstop.__init__(self, env, rep)
+        self.run_dir = Path(f"/tmp/bss-{os.getpid()}-{rep}")
+
+    def daemon_table(self):
+        return Backstop.daemon_table(self) + "standby = true\n"
+
+    def ready(self):
+        # The standby starts after the boot's baseline snapshot: the rollback should find it.
+        deadline = time.monotonic() + 120
+        while not any("/standby/qmp.sock" in " ".join(a) for a in _cmdlines_under(self.run_dir)):
+            if time.monotonic() > deadline:
+                raise BenchError("no standby QEMU within 120 s")
+            time.sleep(0.2)
+        Backstop.ready(self)
+
+
+def _cmdlines_under(run_dir):
+    """Argument lists of the processes whose command line mentions `run_dir`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in args if a]
+        if any(str(run_dir) in a for a in args):
+            out.append(args)
+    return out
+
+
+CONTENDERS = {c.name: c for c in (Backstop, BackstopLibvirt, BackstopStandby, Virsh, StopCopy)}

@@ -296,9 +296,10 @@ def main(argv=None):
     ap.add_argument("--fill-mib", type=int, help="random data kept resident in the guest (default 400; 100 with --quick)")
     ap.add_argument("--dirty-pct", type=int, default=10, help="share of guest RAM the writer rewrites per burst (default 10)")
     ap.add_argument("--dirty-every", type=int, help="seconds between writer bursts (default 25; 15 with --quick)")
-    ap.add_argument("--contenders", default="backstop,bslibvirt,virsh,stopcopy",
-                    help="comma-separated subset of backstop,bslibvirt (backstop guarding a "
-                         "libvirt domain),virsh,stopcopy")
+    ap.add_argument("--contenders",
+                    help="comma-separated subset of backstop,bsstandby (backstop with a standby "
+                         "QEMU),bslibvirt (backstop guarding a libvirt domain),virsh,stopcopy "
+                         "(default: all; --quick leaves bsstandby out)")
     ap.add_argument("--qemu", action="append", metavar="BINARY",
                     help="a QEMU to run every contender on (repeat for several; default: the "
                          "system qemu-system-x86_64 and $BENCH_QEMU10, which scripts/bench.sh sets "
@@ -354,7 +355,9 @@ def main(argv=None):
         f" backstop.fill_mib={env.fill_mib} backstop.dirty_mib={env.dirty_mib}"
         f" backstop.dirty_every={env.dirty_every}"
     )
-    names = [n.strip() for n in a.contenders.split(",") if n.strip()]
+    contenders = a.contenders or ("backstop,bslibvirt,virsh,stopcopy" if a.quick
+                                  else "backstop,bsstandby,bslibvirt,virsh,stopcopy")
+    names = [n.strip() for n in contenders.split(",") if n.strip()]
     for n in names:
         if n not in C.CONTENDERS:
             ap.error(f"unknown contender {n!r}")
@@ -363,7 +366,7 @@ def main(argv=None):
     for f in ("vmlinuz", "initrd.img", "disk-base.qcow2"):
         if not (env.guest / f).exists():
             ap.error(f"guest file {env.guest / f} missing (scripts/setup.sh builds it)")
-    if ("backstop" in names or "bslibvirt" in names) and not env.backstopd.exists():
+    if {"backstop", "bsstandby", "bslibvirt"} & set(names) and not env.backstopd.exists():
         ap.error(f"{env.backstopd} missing (cargo build --release -p backstopd -p backstop-cli)")
 
     t_run = time.monotonic()
