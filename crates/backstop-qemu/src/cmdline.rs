@@ -386,6 +386,48 @@ mod tests {
     }
 
     #[test]
+    fn a_standbys_disks_sit_on_filters_over_placeholders_and_its_ram_is_preallocated() {
+        let disks = vec![DiskAttachment {
+            id: "data".into(),
+            active: PathBuf::from("/l/1.qcow2"),
+            captured: true,
+        }];
+        let mut c = cfg();
+        c.machine = "q35".into();
+        c.run_dir = "/run/x/standby".into();
+        let sizes = std::collections::BTreeMap::from([("data".to_string(), 64u64 << 20)]);
+        let line = standby_command_line(&c, &disks, &sizes).join(" ");
+        for want in [
+            "-object throttle-group,id=standby-tg",
+            "-blockdev driver=null-co,node-name=standby-data-placeholder,size=67108864,read-zeroes=on",
+            "-blockdev driver=throttle,node-name=standby-data,throttle-group=standby-tg,file=standby-data-placeholder",
+            "virtio-blk-pci,drive=standby-data,id=dev-data",
+            "-machine q35,accel=tcg,memory-backend=pc.ram",
+            "-object memory-backend-ram,id=pc.ram,size=256M,prealloc=on",
+            "unix:/run/x/standby/qmp.sock,server=on,wait=off",
+            "-pidfile /run/x/standby/qemu.pid",
+            "-incoming defer -S",
+        ] {
+            assert!(line.contains(want), "{want:?} not in {line}");
+        }
+        // The disk's layer is not opened: the rollback's chain is swapped in later.
+        assert!(!line.contains("/l/1.qcow2"), "{line}");
+        // The VM's own QEMU is as it always was.
+        let own = command_line(&c, &disks, BootMode::Incoming).join(" ");
+        assert!(own.contains(
+            "driver=qcow2,node-name=disk-data,file.driver=file,file.filename=/l/1.qcow2"
+        ));
+        assert!(
+            !own.contains("throttle") && !own.contains("prealloc"),
+            "{own}"
+        );
+        // Guest RAM not called pc.ram elsewhere: no backend that would not match the stream.
+        c.machine = "microvm".into();
+        let other = standby_command_line(&c, &disks, &sizes).join(" ");
+        assert!(!other.contains("memory-backend"), "{other}");
+    }
+
+    #[test]
     fn fingerprint_comes_from_config_shape_alone() {
         // Known before launch (a restarted daemon must match its earlier snapshots)...
         assert_eq!(fingerprint(&cfg()), fingerprint(&cfg()));
