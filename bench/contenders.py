@@ -956,27 +956,11 @@ class BackstopStandby(Backstop):
     def ready(self):
         # The standby starts after the boot's baseline snapshot: the rollback should find it.
         deadline = time.monotonic() + 120
-        while not any("/standby/qmp.sock" in " ".join(a) for a in _cmdlines_under(self.run_dir)):
+        while not qemu_pids_using(f"{self.run_dir}/standby/"):
             if time.monotonic() > deadline:
                 raise BenchError("no standby QEMU within 120 s")
             time.sleep(0.2)
         Backstop.ready(self)
-
-
-def _cmdlines_under(run_dir):
-    """Argument lists of the processes whose command line mentions `run_dir`."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        args = [a.decode(errors="replace") for a in args if a]
-        if any(str(run_dir) in a for a in args):
-            out.append(args)
-    return out
 
 
 CONTENDERS = {c.name: c for c in (Backstop, BackstopLibvirt, BackstopStandby, Virsh, StopCopy)}
