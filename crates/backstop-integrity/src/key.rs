@@ -144,9 +144,19 @@ impl HostKey {
         hex::encode(mac.finalize().into_bytes())
     }
 
-    /// Constant-time check of a hex HMAC over `data`. Malformed hex is simply `false`.
+    /// Constant-time check of a hex HMAC over `data`. Only the exact form [`sign_hex`] writes
+    /// (lower-case hex, nothing around it) verifies: a decoder alone would take `AB…` for `ab…`,
+    /// so a changed byte in a sealed line or file could still verify. Anything else is `false`.
+    ///
+    /// [`sign_hex`]: HostKey::sign_hex
     pub fn verify_hex(&self, data: &[u8], mac_hex: &str) -> bool {
-        let Ok(tag) = hex::decode(mac_hex.trim()) else {
+        if !mac_hex
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            return false;
+        }
+        let Ok(tag) = hex::decode(mac_hex) else {
             return false;
         };
         let mut mac = self.mac();
@@ -222,6 +232,9 @@ mod tests {
         assert!(key.verify_hex(b"payload", &tag));
         assert!(!key.verify_hex(b"paylobd", &tag));
         assert!(!key.verify_hex(b"payload", "zz"));
+        // The same tag in capitals or with a space around it is not what was written.
+        assert!(!key.verify_hex(b"payload", &tag.to_ascii_uppercase()));
+        assert!(!key.verify_hex(b"payload", &format!("{tag} ")));
         let other = HostKey::from_bytes([8; KEY_LEN]);
         assert!(!other.verify_hex(b"payload", &tag));
     }

@@ -74,6 +74,7 @@ impl Entry {
             Ok(h) if h == self.hash => {}
             _ => return Err("hash mismatch (entry edited)"),
         }
+        // `verify_hex` takes only the lower-case hex the writer put there.
         if !key.verify_hex(self.hash.as_bytes(), &self.mac) {
             return Err("mac mismatch");
         }
@@ -259,6 +260,22 @@ mod tests {
             sample().check_seal(&HostKey::from_bytes([4; KEY_LEN])),
             Err("mac mismatch")
         );
+    }
+
+    #[test]
+    fn a_mac_in_upper_case_does_not_verify() {
+        // Found by tamper_prop in CI: flipping bit 5 of a hex letter in `mac` kept the same
+        // bytes after decoding, and the line verified.
+        let mut e = sample();
+        assert_eq!(e.check_seal(&key()), Ok(()));
+        let at = e
+            .mac
+            .find(|c: char| c.is_ascii_lowercase())
+            .expect("a hex letter");
+        let mut upper = e.mac.clone().into_bytes();
+        upper[at] ^= 0x20;
+        e.mac = String::from_utf8(upper).unwrap();
+        assert_eq!(e.check_seal(&key()), Err("mac mismatch"));
     }
 
     #[test]
