@@ -956,7 +956,7 @@ class BackstopStandby(Backstop):
     def ready(self):
         # The standby starts after the boot's baseline snapshot: the rollback should find it.
         deadline = time.monotonic() + 120
-        while not qemu_pids_using(f"{self.run_dir}/standby/"):
+        while not qemu_pids_using(f"{self.run_dir}/bench/standby/"):
             if time.monotonic() > deadline:
                 raise BenchError("no standby QEMU within 120 s")
             time.sleep(0.2)
