@@ -235,6 +235,7 @@ impl VmActor {
         );
         match self.replace_vm(ctx, &target, resume, ram_wanted, &mut clock) {
             Ok((revoked, restore_ms, forensic)) => {
+                let from_standby = self.backend.launched_from_standby();
                 let report = RollbackReport {
                     snapshot_id: snapshot_id.clone(),
                     rollback_type: rollback_type.as_str().into(),
@@ -258,7 +259,7 @@ impl VmActor {
                     "timestamp": now_rfc3339(), "revoked": report.revoked, "epoch": report.epoch,
                     "total_ms": report.total_ms, "phases_ms": clock.as_json(),
                     "forensic_snapshot_id": forensic,
-                    "launched_from_standby": self.backend.launched_from_standby(),
+                    "launched_from_standby": from_standby,
                 }))?;
                 self.mark_rolled_back(&snapshot_id, rollback_type, &trace);
                 self.tally.last_rollback = Some(backstop_control::LastRollbackView {
@@ -274,7 +275,7 @@ impl VmActor {
                     .entry(report.trigger.clone())
                     .or_default() += 1;
                 info!(snapshot_id = %snapshot_id, total_ms = report.total_ms, restore_ms, epoch = report.epoch,
-                    from_standby = self.backend.launched_from_standby(), "rolled back");
+                    from_standby, "rolled back");
                 // The next rollback's standby, now that this one's guest runs.
                 self.refresh_standby();
                 Ok(report)

@@ -150,10 +150,7 @@ impl HostKey {
     ///
     /// [`sign_hex`]: HostKey::sign_hex
     pub fn verify_hex(&self, data: &[u8], mac_hex: &str) -> bool {
-        if !mac_hex
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-        {
+        if !crate::is_lower_hex(mac_hex) {
             return false;
         }
         let Ok(tag) = hex::decode(mac_hex) else {

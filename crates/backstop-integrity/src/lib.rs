@@ -16,6 +16,12 @@ pub use key::{HostKey, KeyError, KEY_LEN};
 
 use sha2::{Digest, Sha256};
 
+/// `s` is lower-case hex digits only (the form every digest and tag here is written in).
+pub fn is_lower_hex(s: &str) -> bool {
+    s.bytes()
+        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 /// Lower-case hex sha256 of `bytes`.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))

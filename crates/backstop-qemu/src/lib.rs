@@ -419,11 +419,7 @@ impl QemuBackend {
         }
         let args = command_line(&self.cfg, &self.disks, mode);
         let mut child = self.start_process(&args)?;
-        let exited = || match child.try_wait() {
-            Ok(Some(status)) => Some(format!("exited ({status})")),
-            _ => None,
-        };
-        let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(10), exited) {
+        let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(10), || exited(&mut child)) {
             Ok(q) => q,
             Err(e) => {
                 let _ = child.kill();
@@ -525,6 +521,14 @@ fn probe(qmp: &mut Qmp, t: Duration) -> Result<CapturePlan> {
         .filter_map(|c| c.get("capability").and_then(Value::as_str))
         .collect();
     capture_plan(v, &names).map_err(BackendError::Launch)
+}
+
+/// How a started QEMU ended, if it has (for "exited before its monitor answered" errors).
+pub(crate) fn exited(child: &mut Child) -> Option<String> {
+    match child.try_wait() {
+        Ok(Some(status)) => Some(format!("exited ({status})")),
+        _ => None,
+    }
 }
 
 fn log_tail(path: &Path) -> String {

@@ -128,11 +128,9 @@ impl Standby {
         let Some(child) = self.child.as_mut() else {
             return Err(BackendError::Launch("the standby was already taken".into()));
         };
-        let exited = || match child.try_wait() {
-            Ok(Some(status)) => Some(format!("exited ({status})")),
-            _ => None,
-        };
-        let mut qmp = Qmp::connect(&self.dir.join("qmp.sock"), READY_TIMEOUT, exited)?;
+        let mut qmp = Qmp::connect(&self.dir.join("qmp.sock"), READY_TIMEOUT, || {
+            crate::exited(child)
+        })?;
         for d in disks {
             qmp.execute(
                 "blockdev-add",

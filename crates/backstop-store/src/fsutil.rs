@@ -180,9 +180,7 @@ pub(crate) fn digests_of_reader(
 
 /// `s` is exactly `len` lower-case hex digits.
 pub(crate) fn is_lower_hex(s: &str, len: usize) -> bool {
-    s.len() == len
-        && s.bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    s.len() == len && backstop_integrity::is_lower_hex(s)
 }
 
 #[cfg(test)]
