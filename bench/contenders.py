@@ -195,6 +195,7 @@ snapshot = "capture"
 [daemon]
 state_dir = "{self.state}"
 run_dir = "{self.run_dir}"
+chunk_hash = "{getattr(self.env, 'chunk_hash', 'blake3')}"
 
 [rollback]
 forensic_ram_for = []

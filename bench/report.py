@@ -623,7 +623,8 @@ def headline_table(summary):
     m = summary["meta"]
     lines = [f"backstop per QEMU version: {m['memory_mib']} MiB guest, {m['fill_mib']} MiB data, "
              f"{m['reps']} repetition(s)" + (" [--quick]" if m.get("quick") else "")
-             + f", watchdog {m.get('watchdog_reps', '-')} expiry(ies) per QEMU"]
+             + f", watchdog {m.get('watchdog_reps', '-')} expiry(ies) per QEMU"
+             + f", backstop's chunks named by {m.get('chunk_hash', 'sha256')}"]
     h = m.get("host") or {}
     lines.append(f"commit {m.get('git_commit') or '-'}; CPU {h.get('cpu_model') or '-'} x{h.get('nproc')}; "
                  f"kernel {h.get('kernel')}; accel {m.get('accel')}")

@@ -315,6 +315,8 @@ def main(argv=None):
     ap.add_argument("--workdir", help="where guests, stores and images live during the run "
                     "(default a fresh dir under /var/tmp; dd is measured there)")
     ap.add_argument("--keep-logs", action="store_true", help="copy serial and daemon logs into the results")
+    ap.add_argument("--chunk-hash", choices=["blake3", "sha256"], default="blake3",
+                    help="backstop's [daemon] chunk_hash (default blake3, what the shipped configs set)")
     ap.add_argument("--guest-dir", default=os.environ.get("BACKSTOP_GUEST_DIR") or
                     str(Path.home() / ".cache/backstop/guest"))
     # cargo puts binaries under $CARGO_TARGET_DIR when it is set, else ./target.
@@ -350,6 +352,7 @@ def main(argv=None):
     env.qemu, env.qemu_label = env.qemus[0]["binary"], env.qemus[0]["label"]
     env.watchdog_reps = env.reps if a.watchdog_reps is None else a.watchdog_reps
     env.keep_logs = a.keep_logs
+    env.chunk_hash = a.chunk_hash
     env.append = (
         "console=ttyS0 quiet panic=-1 backstop.stallmeter=1"
         f" backstop.fill_mib={env.fill_mib} backstop.dirty_mib={env.dirty_mib}"
@@ -384,7 +387,7 @@ def main(argv=None):
         "quick": env.quick, "reps": env.reps, "memory_mib": env.memory_mib,
         "fill_mib": env.fill_mib, "dirty_mib": env.dirty_mib, "dirty_pct": env.dirty_pct,
         "dirty_every_s": env.dirty_every, "accel": env.accel, "contenders": names,
-        "append": env.append, "workdir": str(env.work),
+        "append": env.append, "workdir": str(env.work), "chunk_hash": env.chunk_hash,
         "host": {"nproc": os.cpu_count(), "kernel": os.uname().release,
                  "kernel_version": os.uname().version, "cpu_model": cpu_model()},
         "git_commit": git_commit(root),

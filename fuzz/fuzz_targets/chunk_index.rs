@@ -1,6 +1,6 @@
 //! A payload's chunk index, `ChunkIndex::parse`.
 //!
-//! Asserts: an accepted index keeps its documented bounds (64-hex sha256, 8-hex crc32, chunk
+//! Asserts: an accepted index keeps its documented bounds (64-hex digest, 8-hex crc32, chunk
 //! lengths 1..=CHUNK_MAX_BYTES, total = sum of lengths) and re-encodes to canonical bytes that
 //! parse to the same index.
 #![no_main]
@@ -18,7 +18,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let mut sum = 0u64;
     for c in &index.chunks {
-        assert!(lower_hex(&c.sha256, 64) && lower_hex(&c.crc32, 8), "{c:?}");
+        assert!(lower_hex(&c.digest, 64) && lower_hex(&c.crc32, 8), "{c:?}");
         assert!((1..=u64::from(CHUNK_MAX_BYTES)).contains(&c.len), "{c:?}");
         sum = sum
             .checked_add(c.len)

@@ -44,7 +44,9 @@ impl Services {
         let (store, sweep) =
             Store::open(&state_dir.join("store"), key.clone()).map_err(EngineError::Store)?;
         // Opened on the actor's thread: the store's long work keeps this actor looking alive.
-        let store = store.with_keepalive(crate::systemd::keepalive_for_this_actor());
+        let store = store
+            .with_keepalive(crate::systemd::keepalive_for_this_actor())
+            .with_chunk_hash(cfg.daemon.chunk_hash);
         let journal_path = journal_path(cfg);
         let journal = Journal::open(&journal_path, key.clone())?;
         Ok(Services {

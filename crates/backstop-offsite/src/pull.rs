@@ -16,8 +16,8 @@ use std::process::Command;
 
 use backstop_common::ErrorCode;
 use backstop_store::{
-    decode_manifest, is_snapshot_id, ChunkIndex, Lineage, Manifest, ManifestInput, Store,
-    VerifyOptions, DISK_PAYLOAD_PREFIX, MANIFEST_FILE, MANIFEST_MAX_BYTES,
+    decode_manifest, is_snapshot_id, ChunkHash, ChunkIndex, Lineage, Manifest, ManifestInput,
+    Store, VerifyOptions, DISK_PAYLOAD_PREFIX, MANIFEST_FILE, MANIFEST_MAX_BYTES,
 };
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -199,8 +199,8 @@ pub fn fetch(
             let mut wanted = Vec::new();
             let mut seen = std::collections::HashSet::new();
             for c in &index.chunks {
-                let path = chunks_dir.join(&c.sha256);
-                if !path.exists() && seen.insert(c.sha256.as_str()) {
+                let path = chunks_dir.join(&c.digest);
+                if !path.exists() && seen.insert(c.digest.as_str()) {
                     wanted.push(c);
                 }
                 chunks.push(path);
@@ -274,18 +274,24 @@ fn fetch_chunks(
     let bytes = AtomicU64::new(0);
     let first_error = std::sync::Mutex::new(None);
     let one = |c: &backstop_store::ChunkRef| -> Result<u64, PullError> {
-        let path = chunks_dir.join(&c.sha256);
-        let tmp = chunks_dir.join(format!("{}.part", c.sha256));
+        let path = chunks_dir.join(&c.digest);
+        let tmp = chunks_dir.join(format!("{}.part", c.digest));
         let (len, sha, crc) = get_hashed(
             client,
-            &cfg.key(&format!("chunks/{}", c.sha256)),
+            &cfg.key(&format!("chunks/{}", c.digest)),
             c.len,
             &tmp,
         )?;
-        if len != c.len || sha != c.sha256 || crc != c.crc32 {
+        let matches = match c.hash {
+            ChunkHash::Sha256 => len == c.len && sha == c.digest && crc == c.crc32,
+            // Hashed while it was written for sha256 only: a chunk named by BLAKE3 (at most
+            // 4 MiB, still in the page cache) is read back and checked whole.
+            ChunkHash::Blake3 => fs::read(&tmp).is_ok_and(|b| c.matches(&b)),
+        };
+        if !matches {
             return Err(integrity(format!(
                 "{from}/{id}: chunk {} in the bucket does not match the signed digest (got sha256 {sha}, {len} bytes); nothing published",
-                c.sha256
+                c.digest
             )));
         }
         fs::rename(&tmp, &path)

@@ -290,7 +290,7 @@ pub fn run(
                 code: ErrorCode::SnapshotIntegrityCheckFailed,
                 message: format!("{}: {e}; nothing swept", o.key),
             })?;
-            referenced.extend(index.chunks.into_iter().map(|c| c.sha256));
+            referenced.extend(index.chunks.into_iter().map(|c| c.digest));
         }
     }
     report.objects_referenced = candidates

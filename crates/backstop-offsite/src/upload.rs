@@ -16,8 +16,8 @@ use std::time::Duration;
 use backstop_common::{AuditEvent, ErrorCode};
 use backstop_integrity::HostKey;
 use backstop_store::{
-    check_signature, decode_manifest, is_snapshot_id, ChunkIndex, Manifest, VerifyOptions,
-    MANIFEST_FILE, MANIFEST_MAX_BYTES, SIGNATURE_FILE,
+    check_signature, decode_manifest, is_snapshot_id, ChunkHash, ChunkIndex, ChunkRef, Manifest,
+    VerifyOptions, MANIFEST_FILE, MANIFEST_MAX_BYTES, SIGNATURE_FILE,
 };
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -528,7 +528,11 @@ struct Object {
     key: String,
     path: PathBuf,
     len: u64,
-    sha256: String,
+    /// The body's sha256 (S3 signs it): a layer's, or a chunk's own name where sha256 names it;
+    /// `None` for a chunk named by BLAKE3, hashed from its bytes when it is sent.
+    sha256: Option<String>,
+    /// A chunk's reference: its bytes are checked against it before they leave.
+    chunk: Option<ChunkRef>,
     /// Not referenced by the snapshot's parent: most likely not in the bucket yet, so it is
     /// PUT at once (`If-None-Match: *`) instead of HEAD first.
     likely_new: bool,
@@ -551,7 +555,7 @@ fn parent_refs(store: &Path, manifest: &Manifest) -> Option<BTreeSet<String>> {
                     .ok()?
                     .chunks
                     .into_iter()
-                    .map(|c| c.sha256),
+                    .map(|c| c.digest),
             );
         }
         for l in p["layers"].as_array().into_iter().flatten() {
@@ -611,13 +615,14 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
                 )
             })?;
             for c in &index.chunks {
-                if seen.insert(c.sha256.clone()) {
+                if seen.insert(c.digest.clone()) {
                     objects.push(Object {
-                        key: cfg.key(&format!("chunks/{}", c.sha256)),
-                        path: store.join("chunks").join(&c.sha256[..2]).join(&c.sha256),
+                        key: cfg.key(&format!("chunks/{}", c.digest)),
+                        path: store.join("chunks").join(&c.digest[..2]).join(&c.digest),
                         len: c.len,
-                        sha256: c.sha256.clone(),
-                        likely_new: likely_new(&c.sha256),
+                        sha256: (c.hash == ChunkHash::Sha256).then(|| c.digest.clone()),
+                        chunk: Some(c.clone()),
+                        likely_new: likely_new(&c.digest),
                     });
                 }
             }
@@ -629,7 +634,8 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
                     key: cfg.key(&format!("layers/{}", l.sha256)),
                     path: l.path.clone(),
                     len: l.bytes,
-                    sha256: l.sha256.clone(),
+                    sha256: Some(l.sha256.clone()),
+                    chunk: None,
                     likely_new: likely_new(&l.sha256),
                 });
             }
@@ -715,6 +721,23 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
 /// An object found there whose `LastModified` is older than half the remote GC's grace period
 /// is renewed (a server-side copy, no bytes sent): the manifest about to name it must find it
 /// (see `retention`).
+/// One PUT of `o`'s body: `If-None-Match: *` when it is likely new (false: it was there).
+fn put(
+    inner: &Inner,
+    o: &Object,
+    body: &mut dyn std::io::Read,
+    sha256: &str,
+) -> Result<bool, Failure> {
+    if o.likely_new {
+        Ok(inner
+            .client
+            .put_reader_if_absent(&o.key, body, o.len, sha256)?)
+    } else {
+        inner.client.put_reader(&o.key, body, o.len, sha256)?;
+        Ok(true)
+    }
+}
+
 fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
     let now = time::OffsetDateTime::now_utc().unix_timestamp();
     // Young by the GC's measure: no GC deletes it before the manifest is up (see README,
@@ -733,7 +756,9 @@ fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
     // In parts past the threshold (S3's single PUT stops at 5 GiB, and a failed part is sent
     // again alone); too large to send just to find it there, so asked about first even when it
     // looks new.
-    let multipart = o.len > u64::from(inner.cfg.multipart_threshold_mib) * 1024 * 1024;
+    // A chunk (at most 4 MiB) is never sent in parts: the threshold is at least 5 MiB.
+    let multipart =
+        o.chunk.is_none() && o.len > u64::from(inner.cfg.multipart_threshold_mib) * 1024 * 1024;
     if !o.likely_new || multipart {
         if let Some(present) = present_or_touched(inner, o, &young)? {
             remember(present);
@@ -742,42 +767,43 @@ fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
     }
     let local =
         |e: std::io::Error| Failure::new(ErrorCode::StoreIo, format!("{}: {e}", o.path.display()));
-    let created = if multipart {
-        let mut f = File::open(&o.path).map_err(local)?;
-        let part = u64::from(inner.cfg.multipart_part_mib) * 1024 * 1024;
-        inner
-            .client
-            .put_multipart(&o.key, &mut f, o.len, &o.sha256, part)?;
-        true
-    } else {
-        let (mut chunk, mut file);
-        let reader: &mut dyn std::io::Read = if o.len <= u64::from(backstop_store::CHUNK_MAX_BYTES)
-        {
-            // A chunk is checked against its name before it leaves: a damaged local chunk is
-            // not replicated. (A layer's digest goes with the PUT; the gateway checks it.)
-            let b = std::fs::read(&o.path).map_err(local)?;
-            if b.len() as u64 != o.len || hex::encode(Sha256::digest(&b)) != o.sha256 {
-                return Err(Failure::new(
-                    ErrorCode::SnapshotIntegrityCheckFailed,
-                    format!(
-                        "{}: does not match its digest; not uploaded",
-                        o.path.display()
-                    ),
-                ));
+    let created = if o.chunk.is_some() || o.len <= u64::from(backstop_store::CHUNK_MAX_BYTES) {
+        // A chunk (or a layer as small as one) is checked against its digests before it
+        // leaves: a damaged local chunk is not replicated.
+        let b = std::fs::read(&o.path).map_err(local)?;
+        let sha256 = match (&o.chunk, &o.sha256) {
+            (Some(c), _) if !c.matches(&b) => None,
+            (Some(_), Some(known)) => Some(known.clone()),
+            (Some(_), None) => Some(hex::encode(Sha256::digest(&b))),
+            (None, Some(known)) => {
+                let ok = b.len() as u64 == o.len && hex::encode(Sha256::digest(&b)) == *known;
+                ok.then(|| known.clone())
             }
-            chunk = std::io::Cursor::new(b);
-            &mut chunk
-        } else {
-            file = File::open(&o.path).map_err(local)?;
-            &mut file
+            (None, None) => None,
         };
-        if o.likely_new {
+        let Some(sha256) = sha256 else {
+            return Err(Failure::new(
+                ErrorCode::SnapshotIntegrityCheckFailed,
+                format!(
+                    "{}: does not match its digest; not uploaded",
+                    o.path.display()
+                ),
+            ));
+        };
+        let mut reader = std::io::Cursor::new(b);
+        put(inner, o, &mut reader, &sha256)?
+    } else {
+        // A layer's digest goes with the PUT; the gateway checks it.
+        let sha256 = o.sha256.clone().unwrap_or_default();
+        let mut f = File::open(&o.path).map_err(local)?;
+        if multipart {
+            let part = u64::from(inner.cfg.multipart_part_mib) * 1024 * 1024;
             inner
                 .client
-                .put_reader_if_absent(&o.key, reader, o.len, &o.sha256)?
-        } else {
-            inner.client.put_reader(&o.key, reader, o.len, &o.sha256)?;
+                .put_multipart(&o.key, &mut f, o.len, &sha256, part)?;
             true
+        } else {
+            put(inner, o, &mut f, &sha256)?
         }
     };
     if created {

@@ -11,9 +11,12 @@ use fastcdc::v2020::{Error as CdcError, StreamCDC};
 
 use crate::error::StoreError;
 use crate::fsutil::{
-    create_private_subdir, digests_of, digests_of_reader, fsync_dir, write_new_synced, Digests,
+    crc32_hex, create_private_subdir, digests_of, digests_of_reader, fsync_dir, write_new_synced,
+    Digests,
 };
-use crate::index::{ChunkIndex, ChunkRef, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES, CHUNK_MIN_BYTES};
+use crate::index::{
+    ChunkHash, ChunkIndex, ChunkRef, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES, CHUNK_MIN_BYTES,
+};
 use crate::manifest::{
     decode_manifest, index_file_name, is_valid_kind, is_valid_name, layer_ref, now_rfc3339_ms,
     seal, signature_file, Checksum, DiskLayer, Manifest, ManifestInput, PayloadRef, VerifyOptions,
@@ -37,6 +40,8 @@ pub struct SnapshotBuilder {
     pending: BTreeMap<String, String>,
     published: bool,
     keepalive: crate::Keepalive,
+    /// The hash that names the chunks this builder writes (the store's, see [`ChunkHash`]).
+    chunk_hash: ChunkHash,
 }
 
 impl std::fmt::Debug for SnapshotBuilder {
@@ -49,7 +54,12 @@ impl std::fmt::Debug for SnapshotBuilder {
 }
 
 impl SnapshotBuilder {
-    pub(crate) fn new(paths: Arc<Paths>, dir: PathBuf, keepalive: crate::Keepalive) -> Self {
+    pub(crate) fn new(
+        paths: Arc<Paths>,
+        dir: PathBuf,
+        keepalive: crate::Keepalive,
+        chunk_hash: ChunkHash,
+    ) -> Self {
         Self {
             paths,
             dir,
@@ -58,6 +68,7 @@ impl SnapshotBuilder {
             pending: BTreeMap::new(),
             published: false,
             keepalive,
+            chunk_hash,
         }
     }
 
@@ -350,7 +361,13 @@ impl SnapshotBuilder {
             created_at: now_rfc3339_ms()?,
             created_by: input.created_by,
             schema_version: SCHEMA_VERSION.into(),
-            index_version: INDEX_VERSION.into(),
+            // Index 1.1 only where it names BLAKE3 chunks: a snapshot of sha256 chunks (or of
+            // disks alone) stays readable by a build that knows 1.0 only.
+            index_version: if self.payloads.iter().any(|p| p.index.is_some()) {
+                self.chunk_hash.index_version().into()
+            } else {
+                INDEX_VERSION.into()
+            },
             scope: input.scope,
             reason: input.reason,
             checksums: std::mem::take(&mut self.checksums),
@@ -415,22 +432,24 @@ impl SnapshotBuilder {
         let mut refs = Vec::new();
         let mut total_bytes = 0u64;
         let mut new_bytes = 0u64;
+        let hash = self.chunk_hash;
         for data in chunks {
             let data = data?;
-            let digests = digests_of(&data);
-            if self.is_new_chunk(&digests.sha256, &digests.crc32, data.len() as u64)? {
-                new_bytes += digests.len;
-                if queue.send((digests.sha256.clone(), data)).is_err() {
+            let chunk = ChunkRef {
+                hash,
+                digest: hash.hex(&data),
+                crc32: crc32_hex(&data),
+                len: data.len() as u64,
+            };
+            if self.is_new_chunk(&chunk.digest, &chunk.crc32, chunk.len)? {
+                new_bytes += chunk.len;
+                if queue.send((chunk.digest.clone(), data)).is_err() {
                     // The writer stopped on an error, which store_payload returns.
                     break;
                 }
             }
-            total_bytes += digests.len;
-            refs.push(ChunkRef {
-                sha256: digests.sha256,
-                crc32: digests.crc32,
-                len: digests.len,
-            });
+            total_bytes += chunk.len;
+            refs.push(chunk);
             progress(total_bytes);
         }
         Ok((refs, total_bytes, new_bytes))
@@ -442,11 +461,11 @@ impl SnapshotBuilder {
     /// of their own; [`publish`] makes them durable in one `syncfs`).
     ///
     /// [`publish`]: SnapshotBuilder::publish
-    fn is_new_chunk(&mut self, sha256: &str, crc32: &str, len: u64) -> Result<bool, StoreError> {
-        if self.pending.contains_key(sha256) {
+    fn is_new_chunk(&mut self, name: &str, crc32: &str, len: u64) -> Result<bool, StoreError> {
+        if self.pending.contains_key(name) {
             return Ok(false);
         }
-        let path = chunk_path(&self.paths.chunks, sha256);
+        let path = chunk_path(&self.paths.chunks, name);
         match fs::symlink_metadata(&path) {
             Ok(meta) if meta.is_file() && meta.len() == len => return Ok(false),
             // A chunk of the wrong length is damaged: publishing replaces it with the right bytes.
@@ -457,7 +476,7 @@ impl SnapshotBuilder {
         if self.pending.is_empty() {
             create_private_subdir(&self.dir.join(PENDING_DIR))?;
         }
-        self.pending.insert(sha256.to_string(), crc32.to_string());
+        self.pending.insert(name.to_string(), crc32.to_string());
         Ok(true)
     }
 

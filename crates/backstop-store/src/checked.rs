@@ -54,7 +54,7 @@ impl Identity {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Entry {
     identity: Identity,
-    sha256: String,
+    digest: String,
     crc32: String,
 }
 
@@ -66,7 +66,7 @@ pub(crate) struct CheckedFiles {
 
 impl CheckedFiles {
     /// Records that `path`, as `meta` describes it now, holds bytes with these digests.
-    pub(crate) fn record(&self, path: &Path, meta: &Metadata, sha256: &str, crc32: &str) {
+    pub(crate) fn record(&self, path: &Path, meta: &Metadata, digest: &str, crc32: &str) {
         let mut files = self.files.lock().unwrap_or_else(|p| p.into_inner());
         if files.len() >= MAX_ENTRIES {
             files.clear();
@@ -75,17 +75,17 @@ impl CheckedFiles {
             path.to_path_buf(),
             Entry {
                 identity: Identity::of(meta),
-                sha256: sha256.to_string(),
+                digest: digest.to_string(),
                 crc32: crc32.to_string(),
             },
         );
     }
 
     /// Stats `path` and records it (for a file just written from bytes hashed in memory).
-    pub(crate) fn record_path(&self, path: &Path, sha256: &str, crc32: &str) {
+    pub(crate) fn record_path(&self, path: &Path, digest: &str, crc32: &str) {
         if let Ok(meta) = std::fs::symlink_metadata(path) {
             if meta.is_file() {
-                self.record(path, &meta, sha256, crc32);
+                self.record(path, &meta, digest, crc32);
             }
         }
     }
@@ -102,11 +102,11 @@ impl CheckedFiles {
         &self,
         path: &Path,
         meta: &Metadata,
-        sha256: &str,
+        digest: &str,
         crc32: &str,
     ) -> bool {
         self.digests_if_unchanged(path, meta)
-            .is_some_and(|(s, c)| s == sha256 && c == crc32)
+            .is_some_and(|(s, c)| s == digest && c == crc32)
     }
 
     /// The digests `path` was checked against, if it is unchanged since (as `meta` describes
@@ -120,7 +120,7 @@ impl CheckedFiles {
         files
             .get(path)
             .filter(|e| e.identity == Identity::of(meta))
-            .map(|e| (e.sha256.clone(), e.crc32.clone()))
+            .map(|e| (e.digest.clone(), e.crc32.clone()))
     }
 
     #[cfg(test)]

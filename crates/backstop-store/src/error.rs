@@ -131,12 +131,13 @@ pub enum StoreError {
     },
     #[error("snapshot {id}: checksum mismatch in {what}")]
     ChecksumMismatch { id: String, what: String },
-    #[error("snapshot {id}: chunk {sha256} is missing")]
-    ChunkMissing { id: String, sha256: String },
-    #[error("snapshot {id}: chunk {sha256} has {found} bytes, expected {expected}")]
+    /// `chunk` is the chunk's name (its digest, sha256 or BLAKE3 as its index says).
+    #[error("snapshot {id}: chunk {chunk} is missing")]
+    ChunkMissing { id: String, chunk: String },
+    #[error("snapshot {id}: chunk {chunk} has {found} bytes, expected {expected}")]
     ChunkSizeMismatch {
         id: String,
-        sha256: String,
+        chunk: String,
         expected: u64,
         found: u64,
     },

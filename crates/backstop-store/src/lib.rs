@@ -13,7 +13,7 @@
 //! Layout under the root (directories 0700, files 0600):
 //!
 //! ```text
-//! chunks/<first 2 hex>/<sha256 hex>               chunk files, shared by all snapshots
+//! chunks/<first 2 hex>/<digest hex>               chunk files, shared by all snapshots (sha256 or BLAKE3)
 //! tmp/<random>/                                   snapshots being built; swept at open
 //! snapshots/<snapshot_id>/manifest.json           canonical JSON
 //! snapshots/<snapshot_id>/manifest.sig            HMAC-SHA256 of manifest.json, hex + "\n"
@@ -47,7 +47,9 @@ use crate::fsutil::{
     create_private_dir, digests_of, digests_of_reader, fsync_dir, random_hex, read_capped,
     read_capped_from, Capped,
 };
-pub use crate::index::{ChunkIndex, ChunkRef, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES, CHUNK_MIN_BYTES};
+pub use crate::index::{
+    ChunkHash, ChunkIndex, ChunkRef, CHUNK_AVG_BYTES, CHUNK_MAX_BYTES, CHUNK_MIN_BYTES,
+};
 use crate::manifest::parse_created_at;
 pub use crate::manifest::{
     check_signature, decode_manifest, is_snapshot_id, parse_version, Checksum, DiskLayer, Lineage,
@@ -162,6 +164,9 @@ pub struct Store {
     paths: Arc<Paths>,
     /// Called during long work (a no-op unless [`Store::with_keepalive`] set one).
     keepalive: Keepalive,
+    /// The hash naming the chunks new snapshots write (sha256 unless
+    /// [`Store::with_chunk_hash`] chose another); chunks of either are read.
+    chunk_hash: ChunkHash,
 }
 
 impl std::fmt::Debug for Store {
@@ -196,6 +201,7 @@ impl Store {
         let store = Store {
             paths: Arc::new(paths),
             keepalive: Arc::new(|| {}),
+            chunk_hash: ChunkHash::default(),
         };
         let tmp_removed = store.sweep_tmp()?;
         let chunks_removed = store.collect_chunks()?;
@@ -220,6 +226,18 @@ impl Store {
         self
     }
 
+    /// Names the chunks of the snapshots this store's builders write from now on by `hash`
+    /// (`[daemon] chunk_hash`). Snapshots already written keep theirs, and read as before.
+    pub fn with_chunk_hash(mut self, hash: ChunkHash) -> Store {
+        self.chunk_hash = hash;
+        self
+    }
+
+    /// The hash naming the chunks new snapshots write.
+    pub fn chunk_hash(&self) -> ChunkHash {
+        self.chunk_hash
+    }
+
     /// The store's root directory.
     pub fn root(&self) -> &Path {
         &self.paths.root
@@ -239,6 +257,7 @@ impl Store {
             Arc::clone(&self.paths),
             dir,
             self.keepalive.clone(),
+            self.chunk_hash,
         ))
     }
 
@@ -342,7 +361,7 @@ impl Store {
     /// Verifies snapshot `id` completely, in this order: manifest size cap → signature over the
     /// raw bytes → required fields → versions → id (directory name and content hash) →
     /// consistency → every index file's sha256 and crc32 → every chunk (presence, length,
-    /// sha256, crc32) → every disk layer (size, sha256, crc32).
+    /// digest under the index's hash, crc32) → every disk layer (size, sha256, crc32).
     pub fn verify(&self, id: &str, opts: &VerifyOptions) -> Result<VerifiedSnapshot, StoreError> {
         self.verify_with(id, opts, Trust::Nothing)
     }
@@ -368,19 +387,13 @@ impl Store {
         trust: Trust,
     ) -> Result<VerifiedSnapshot, StoreError> {
         let manifest = self.load_manifest(id, opts)?;
-        let dir = self.paths.snapshots.join(id);
-        let checksums: BTreeMap<&str, &Checksum> = manifest
-            .checksums
-            .iter()
-            .map(|c| (c.reference.as_str(), c))
-            .collect();
         let mut report = VerifyReport::default();
         let mut indexes = BTreeMap::new();
         let mut seen_chunks: HashSet<String> = HashSet::new();
 
         for payload in &manifest.payload_refs {
             let Some(file) = &payload.index else { continue };
-            let index = self.verify_index(id, &dir, file, checksums.get(file.as_str()).copied())?;
+            let index = self.verify_index(&manifest, file)?;
             if index.total_bytes != payload.total_bytes
                 || index.chunks.len() as u64 != payload.chunks
             {
@@ -393,7 +406,7 @@ impl Store {
             let unique: Vec<&ChunkRef> = index
                 .chunks
                 .iter()
-                .filter(|c| seen_chunks.insert(c.sha256.clone()))
+                .filter(|c| seen_chunks.insert(c.digest.clone()))
                 .collect();
             let trusted = self.verify_chunks(id, &unique, trust)?;
             report.chunks_checked += unique.len() as u64;
@@ -454,28 +467,22 @@ impl Store {
                 allow_newer_minor: true,
             },
         )?;
-        let dir = self.paths.snapshots.join(id);
-        let checksums: BTreeMap<&str, &Checksum> = manifest
-            .checksums
-            .iter()
-            .map(|c| (c.reference.as_str(), c))
-            .collect();
         let mut seen: HashSet<String> = HashSet::new();
         let mut out = Vec::new();
         for payload in &manifest.payload_refs {
             let Some(file) = &payload.index else { continue };
-            let index = self.verify_index(id, &dir, file, checksums.get(file.as_str()).copied())?;
+            let index = self.verify_index(&manifest, file)?;
             out.extend(
                 index
                     .chunks
                     .into_iter()
-                    .filter(|c| seen.insert(c.sha256.clone())),
+                    .filter(|c| seen.insert(c.digest.clone())),
             );
         }
         Ok(out)
     }
 
-    /// Checks one chunk of snapshot `id` (presence, length, sha256, crc32), as [`Store::verify`]
+    /// Checks one chunk of snapshot `id` (presence, length, digest, crc32), as [`Store::verify`]
     /// does for each.
     pub fn check_chunk(&self, id: &str, chunk: &ChunkRef) -> Result<(), StoreError> {
         self.verify_chunk(id, chunk, Trust::Nothing).map(|_| ())
@@ -486,17 +493,17 @@ impl Store {
     /// snapshot: the builders dedup by the chunk's name and length, so a fresh capture of the
     /// same bytes would refer to the damaged file instead of writing a good one. Snapshots that
     /// name it then fail with `ChunkMissing` rather than a mismatch: they were unusable anyway.
-    pub fn quarantine_chunk(&self, sha256: &str) -> Result<PathBuf, StoreError> {
-        if !fsutil::is_lower_hex(sha256, 64) {
+    pub fn quarantine_chunk(&self, name: &str) -> Result<PathBuf, StoreError> {
+        if !fsutil::is_lower_hex(name, 64) {
             return Err(StoreError::Chunker {
-                name: sha256.into(),
+                name: name.into(),
                 message: "not a chunk name".into(),
             });
         }
         let dir = self.paths.root.join("quarantine");
         create_private_dir(&dir)?;
-        let from = chunk_path(&self.paths.chunks, sha256);
-        let to = dir.join(sha256);
+        let from = chunk_path(&self.paths.chunks, name);
+        let to = dir.join(name);
         fs::rename(&from, &to).map_err(|source| StoreError::Rename {
             from: from.clone(),
             to: to.clone(),
@@ -563,14 +570,13 @@ impl Store {
         decode_manifest(id, &bytes, opts)
     }
 
-    fn verify_index(
-        &self,
-        id: &str,
-        dir: &Path,
-        file: &str,
-        expected: Option<&Checksum>,
-    ) -> Result<ChunkIndex, StoreError> {
-        let path = dir.join(file);
+    /// Reads the index file `file` of `manifest`'s snapshot, checks it against the manifest's
+    /// checksum of it, parses it, and checks its chunks' hash is one the index version names.
+    fn verify_index(&self, manifest: &Manifest, file: &str) -> Result<ChunkIndex, StoreError> {
+        let id = manifest.snapshot_id.as_str();
+        let index_version = manifest.index_version.as_str();
+        let expected = manifest.checksums.iter().find(|c| c.reference == file);
+        let path = self.paths.snapshots.join(id).join(file);
         let bytes = match read_capped(&path, INDEX_MAX_BYTES) {
             Ok(Capped::Bytes(b)) => b,
             Ok(Capped::TooLarge) => {
@@ -598,11 +604,20 @@ impl Store {
                 })
             }
         }
-        ChunkIndex::parse(&bytes).map_err(|reason| StoreError::IndexInvalid {
+        let index = ChunkIndex::parse(&bytes).map_err(|reason| StoreError::IndexInvalid {
             id: id.into(),
             file: file.into(),
             reason,
-        })
+        })?;
+        // Index 1.0 names chunks by sha256 only (see `ChunkHash`).
+        match index.hash() {
+            Some(hash) if !hash.allowed_in(index_version) => Err(StoreError::IndexInvalid {
+                id: id.into(),
+                file: file.into(),
+                reason: format!("{hash} chunks in a manifest of index version {index_version}"),
+            }),
+            _ => Ok(index),
+        }
     }
 
     /// Checks `chunks` on up to 4 threads (hashing dominates; a QEMU stream is ~8,000 chunks per
@@ -665,14 +680,14 @@ impl Store {
         trust: Trust,
     ) -> Result<Checked, StoreError> {
         (self.keepalive)();
-        let path = chunk_path(&self.paths.chunks, &chunk.sha256);
+        let path = chunk_path(&self.paths.chunks, &chunk.digest);
         let file = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 self.paths.checked.forget(&path);
                 return Err(StoreError::ChunkMissing {
                     id: id.into(),
-                    sha256: chunk.sha256.clone(),
+                    chunk: chunk.digest.clone(),
                 });
             }
             Err(source) => return Err(StoreError::ReadChunk { path, source }),
@@ -685,14 +700,14 @@ impl Store {
             && self
                 .paths
                 .checked
-                .unchanged(&path, &meta, &chunk.sha256, &chunk.crc32)
+                .unchanged(&path, &meta, &chunk.digest, &chunk.crc32)
         {
             return Ok(Checked::Trusted);
         }
         self.paths.checked.forget(&path);
         let size_err = |found: u64| StoreError::ChunkSizeMismatch {
             id: id.into(),
-            sha256: chunk.sha256.clone(),
+            chunk: chunk.digest.clone(),
             expected: chunk.len,
             found,
         };
@@ -707,16 +722,15 @@ impl Store {
             }
             Err(source) => return Err(StoreError::ReadChunk { path, source }),
         };
-        let digests = digests_of(&bytes);
-        if digests.sha256 != chunk.sha256 || digests.crc32 != chunk.crc32 {
+        if !chunk.matches(&bytes) {
             return Err(StoreError::ChecksumMismatch {
                 id: id.into(),
-                what: format!("chunk {}", chunk.sha256),
+                what: format!("chunk {}", chunk.digest),
             });
         }
         self.paths
             .checked
-            .record(&path, &meta, &chunk.sha256, &chunk.crc32);
+            .record(&path, &meta, &chunk.digest, &chunk.crc32);
         Ok(Checked::Read)
     }
 
@@ -851,16 +865,16 @@ impl Store {
                     );
                     return Ok(None);
                 };
-                live.extend(index.chunks.into_iter().map(|c| c.sha256));
+                live.extend(index.chunks.into_iter().map(|c| c.digest));
             }
         }
         Ok(Some(live))
     }
 }
 
-/// `chunks/<first 2 hex>/<sha256>`.
-pub(crate) fn chunk_path(chunks: &Path, sha256: &str) -> PathBuf {
-    chunks.join(sha256.get(..2).unwrap_or("xx")).join(sha256)
+/// `chunks/<first 2 hex>/<digest>`.
+pub(crate) fn chunk_path(chunks: &Path, digest: &str) -> PathBuf {
+    chunks.join(digest.get(..2).unwrap_or("xx")).join(digest)
 }
 
 /// Checks a disk layer's length and digests; the file's metadata as it was when it was read.

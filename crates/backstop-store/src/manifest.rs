@@ -15,13 +15,14 @@ use crate::fsutil::is_lower_hex;
 
 /// Schema version written into new manifests.
 pub const SCHEMA_VERSION: &str = "1.0";
-/// Index version written into new manifests.
+/// Index version written into new manifests whose chunks are named by sha256 (BLAKE3: 1.1, see
+/// [`crate::ChunkHash`]).
 pub const INDEX_VERSION: &str = "1.0";
 /// Schema version this build reads: same major, minor at most this (newer minor only with
 /// [`VerifyOptions::allow_newer_minor`]).
 pub const SUPPORTED_SCHEMA: (u32, u32) = (1, 0);
 /// Index version this build reads (same rule as [`SUPPORTED_SCHEMA`]).
-pub const SUPPORTED_INDEX: (u32, u32) = (1, 0);
+pub const SUPPORTED_INDEX: (u32, u32) = (1, 1);
 /// The only scope spec/001 defines so far.
 pub const SCOPE_FULL: &str = "full";
 /// Kind of the RAM + device state payload.

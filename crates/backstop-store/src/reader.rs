@@ -56,11 +56,11 @@ impl PayloadReader {
                 io::ErrorKind::InvalidData,
                 format!(
                     "chunk {} {what} since the snapshot was verified",
-                    chunk.sha256
+                    chunk.digest
                 ),
             )
         };
-        let path = chunk_path(&self.chunks_dir, &chunk.sha256);
+        let path = chunk_path(&self.chunks_dir, &chunk.digest);
         let file = match File::open(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(invalid("vanished")),

@@ -283,7 +283,7 @@ fn layout_is_private_and_manifest_is_canonical_and_signed() {
         assert_eq!(mode, 0o700, "{dir}");
     }
     let chunk = fx.first_chunk(&m.snapshot_id);
-    let mode = fs::metadata(fx.chunk_file(&chunk.sha256))
+    let mode = fs::metadata(fx.chunk_file(&chunk.digest))
         .unwrap()
         .permissions()
         .mode()
@@ -522,11 +522,11 @@ fn flipped_byte_in_chunk_fails() {
     let fx = Fixture::new();
     let id = fx.small_snapshot().snapshot_id;
     let chunk = fx.first_chunk(&id);
-    flip_byte(&fx.chunk_file(&chunk.sha256), 12_345);
+    flip_byte(&fx.chunk_file(&chunk.digest), 12_345);
     let err = fx.verify_err(&id);
     assert_code(&err, INTEGRITY);
     assert!(
-        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunk.sha256)),
+        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunk.digest)),
         "{err}"
     );
 }
@@ -540,13 +540,13 @@ fn with_several_bad_chunks_verify_names_the_first_in_stream_order() {
     let chunks = ChunkIndex::parse(&bytes).unwrap().chunks;
     assert!(chunks.len() >= 6, "{} chunks", chunks.len());
     for c in &chunks[2..] {
-        fs::remove_file(fx.chunk_file(&c.sha256)).unwrap();
+        fs::remove_file(fx.chunk_file(&c.digest)).unwrap();
     }
-    flip_byte(&fx.chunk_file(&chunks[1].sha256), 100);
+    flip_byte(&fx.chunk_file(&chunks[1].digest), 100);
     for _ in 0..5 {
         let err = fx.verify_err(&m.snapshot_id);
         assert!(
-            matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunks[1].sha256)),
+            matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunks[1].digest)),
             "{err}"
         );
     }
@@ -557,10 +557,10 @@ fn deleted_chunk_fails() {
     let fx = Fixture::new();
     let id = fx.small_snapshot().snapshot_id;
     let chunk = fx.first_chunk(&id);
-    fs::remove_file(fx.chunk_file(&chunk.sha256)).unwrap();
+    fs::remove_file(fx.chunk_file(&chunk.digest)).unwrap();
     let err = fx.verify_err(&id);
     assert_code(&err, INTEGRITY);
-    assert!(matches!(&err, StoreError::ChunkMissing { sha256, .. } if *sha256 == chunk.sha256));
+    assert!(matches!(&err, StoreError::ChunkMissing { chunk: name, .. } if *name == chunk.digest));
 }
 
 #[test]
@@ -568,7 +568,7 @@ fn truncated_or_extended_chunk_fails() {
     let fx = Fixture::new();
     let id = fx.small_snapshot().snapshot_id;
     let chunk = fx.first_chunk(&id);
-    let path = fx.chunk_file(&chunk.sha256);
+    let path = fx.chunk_file(&chunk.digest);
     let original = fs::read(&path).unwrap();
     fs::write(&path, &original[..original.len() - 1]).unwrap();
     let err = fx.verify_err(&id);
@@ -800,7 +800,7 @@ fn payload_reader_rechecks_chunks_changed_after_verify() {
     let id = fx.snapshot(&data, &[], "stream").snapshot_id;
     let v = fx.store.verify(&id, &VerifyOptions::default()).unwrap();
     let chunk = fx.first_chunk(&id);
-    flip_byte(&fx.chunk_file(&chunk.sha256), 77);
+    flip_byte(&fx.chunk_file(&chunk.digest), 77);
     let mut back = Vec::new();
     let err = fx
         .store
@@ -814,7 +814,7 @@ fn payload_reader_rechecks_chunks_changed_after_verify() {
         "no byte of a changed chunk may be returned"
     );
 
-    fs::remove_file(fx.chunk_file(&chunk.sha256)).unwrap();
+    fs::remove_file(fx.chunk_file(&chunk.digest)).unwrap();
     let err = fx
         .store
         .open_payload(&v, "vmstate")
@@ -1341,12 +1341,12 @@ fn a_snapshot_rechecked_chunk_by_chunk_finds_the_damaged_one_and_quarantines_it(
         fx.store.check_chunk(&id, c).unwrap();
     }
     let bad = chunks[0].clone();
-    flip_byte(&fx.chunk_file(&bad.sha256), 7);
+    flip_byte(&fx.chunk_file(&bad.digest), 7);
     let err = fx.store.check_chunk(&id, &bad).unwrap_err();
     assert!(matches!(err, StoreError::ChecksumMismatch { .. }), "{err}");
-    let to = fx.store.quarantine_chunk(&bad.sha256).unwrap();
+    let to = fx.store.quarantine_chunk(&bad.digest).unwrap();
     assert!(to.starts_with(fx.store.root().join("quarantine")));
-    assert!(!fx.chunk_file(&bad.sha256).exists());
+    assert!(!fx.chunk_file(&bad.digest).exists());
     let err = fx.store.check_chunk(&id, &bad).unwrap_err();
     assert!(matches!(err, StoreError::ChunkMissing { .. }), "{err}");
     // Not a chunk name: refused, nothing moved.
@@ -1381,15 +1381,15 @@ fn what_the_builder_wrote_is_trusted_until_a_file_changes() {
     // A chunk changed behind the store's back (same length): read again, and it fails.
     let chunk = fx.first_chunk(id);
     std::thread::sleep(std::time::Duration::from_millis(20)); // a later clock tick (checked.rs)
-    flip_byte(&fx.chunk_file(&chunk.sha256), 7);
+    flip_byte(&fx.chunk_file(&chunk.digest), 7);
     let err = verify_trusting(&fx, id).unwrap_err();
     assert_code(&err, INTEGRITY);
     assert!(
-        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunk.sha256)),
+        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunk.digest)),
         "{err}"
     );
     // Put back byte for byte, it verifies again (read, not trusted: its ctime moved).
-    flip_byte(&fx.chunk_file(&chunk.sha256), 7);
+    flip_byte(&fx.chunk_file(&chunk.digest), 7);
     let v = verify_trusting(&fx, id).unwrap();
     assert_eq!(v.report.bytes_checked, chunk.len, "{:?}", v.report);
     // ...and from then on it is trusted again.
@@ -1439,9 +1439,9 @@ fn a_reopened_store_trusts_nothing_and_a_deleted_chunk_is_missing() {
         "checked once, trusted after"
     );
     let chunk = fx.first_chunk(&id);
-    fs::remove_file(fx.chunk_file(&chunk.sha256)).unwrap();
+    fs::remove_file(fx.chunk_file(&chunk.digest)).unwrap();
     let err = verify_trusting(&fx, &id).unwrap_err();
-    assert!(matches!(&err, StoreError::ChunkMissing { sha256, .. } if *sha256 == chunk.sha256));
+    assert!(matches!(&err, StoreError::ChunkMissing { chunk: name, .. } if *name == chunk.digest));
 }
 
 #[test]
@@ -1560,9 +1560,9 @@ fn chunk_renames_shared_by_threads_all_land_or_the_publish_fails() {
     );
     for c in &index.chunks {
         assert!(
-            fx.chunk_file(&c.sha256).is_file(),
+            fx.chunk_file(&c.digest).is_file(),
             "chunk {} not under its name",
-            c.sha256
+            c.digest
         );
     }
     assert_eq!(fx.read_back(&m.snapshot_id), data);
@@ -1626,4 +1626,88 @@ fn a_chunk_the_writer_cannot_create_fails_the_payload_and_leaves_nothing() {
     assert_eq!(fx.chunk_files(), 0);
     assert_eq!(fx.tmp_entries(), 0);
     assert!(fx.store.list().unwrap().is_empty());
+}
+
+/// `[daemon] chunk_hash = "blake3"` (issue 21): chunks named by BLAKE3, index version 1.1; the
+/// bytes read back, each chunk's file is its BLAKE3 digest, and a flipped byte is caught by
+/// verification as with sha256.
+#[test]
+fn a_blake3_store_names_chunks_by_blake3_and_verifies_them() {
+    let mut fx = Fixture::new();
+    fx.store = fx.store.clone().with_chunk_hash(ChunkHash::Blake3);
+    assert_eq!(fx.store.chunk_hash(), ChunkHash::Blake3);
+    let data = random_bytes(31, 3 * MIB);
+    let m = fx.snapshot(&data, &fx.layers(31), "blake3");
+    assert_eq!(m.index_version, "1.1");
+    let text = fs::read_to_string(fx.snap_dir(&m.snapshot_id).join("vmstate.index")).unwrap();
+    assert!(
+        text.contains(r#""blake3":""#) && !text.contains("sha256"),
+        "{text}"
+    );
+    let index = ChunkIndex::parse(text.as_bytes()).unwrap();
+    assert_eq!(index.hash(), Some(ChunkHash::Blake3));
+    let mut offset = 0usize;
+    for c in &index.chunks {
+        let bytes = fs::read(fx.chunk_file(&c.digest)).unwrap();
+        assert_eq!(bytes, data[offset..offset + c.len as usize]);
+        assert_eq!(c.digest, blake3::hash(&bytes).to_hex().to_string());
+        offset += c.len as usize;
+    }
+    assert_eq!(offset, data.len());
+    assert_eq!(fx.read_back(&m.snapshot_id), data);
+
+    let chunk = fx.first_chunk(&m.snapshot_id);
+    flip_byte(&fx.chunk_file(&chunk.digest), 4_321);
+    let err = fx.verify_err(&m.snapshot_id);
+    assert!(
+        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunk.digest)),
+        "{err}"
+    );
+}
+
+/// A store that switches hash keeps every snapshot readable: the sha256 snapshot written before
+/// and the BLAKE3 one after both verify and read back; the same bytes are stored once per hash
+/// (the namespaces never meet); removing the older snapshot collects exactly its chunks, and a
+/// reopen (the startup sweep) collects nothing of either.
+#[test]
+fn sha256_and_blake3_snapshots_live_side_by_side() {
+    let mut fx = Fixture::new();
+    let data = random_bytes(41, 2 * MIB);
+    let old = fx.snapshot(&data, &[], "sha256");
+    assert_eq!(old.index_version, "1.0");
+    let old_chunks = fx.chunk_files();
+    fx.store = fx.store.clone().with_chunk_hash(ChunkHash::Blake3);
+    let new = fx.snapshot(&data, &[], "blake3");
+    assert_eq!(new.index_version, "1.1");
+    assert_eq!(fx.chunk_files(), 2 * old_chunks, "one copy per hash");
+    assert_eq!(fx.reopen(), SweepReport::default());
+    fx.store = fx.store.clone().with_chunk_hash(ChunkHash::Blake3);
+    assert_eq!(fx.read_back(&old.snapshot_id), data);
+    assert_eq!(fx.read_back(&new.snapshot_id), data);
+    let report = fx
+        .store
+        .remove_snapshots(std::slice::from_ref(&old.snapshot_id))
+        .unwrap();
+    assert_eq!(report.chunks_removed, old_chunks as u64);
+    assert_eq!(fx.chunk_files(), old_chunks);
+    assert_eq!(fx.read_back(&new.snapshot_id), data);
+    // A disks-only snapshot stays index 1.0 whatever the store's hash: nothing in it needs 1.1.
+    let mut b = fx.store.begin().unwrap();
+    b.add_disk_chain("root", &fx.layers(42)).unwrap();
+    assert_eq!(b.publish(input("disks")).unwrap().index_version, "1.0");
+}
+
+/// An index of BLAKE3 chunks under a manifest that claims index 1.0 (which names chunks by
+/// sha256 only) is refused, though the signature and every checksum are good.
+#[test]
+fn blake3_chunks_under_index_version_1_0_are_refused() {
+    let mut fx = Fixture::new();
+    fx.store = fx.store.clone().with_chunk_hash(ChunkHash::Blake3);
+    let m = fx.snapshot(&random_bytes(51, MIB), &[], "blake3");
+    let id = fx.reseal(&m.snapshot_id, true, |v| v["index_version"] = json!("1.0"));
+    let err = fx.verify_err(&id);
+    assert!(
+        matches!(&err, StoreError::IndexInvalid { reason, .. } if reason.contains("blake3 chunks in a manifest of index version 1.0")),
+        "{err}"
+    );
 }

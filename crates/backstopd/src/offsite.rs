@@ -546,6 +546,7 @@ impl Offsite {
                     message: x.to_string(),
                 })
                 .and_then(|(store, _)| {
+                    let store = store.with_chunk_hash(cfg.daemon.chunk_hash);
                     pull::publish(staged, &store, vm, &cfg.layers_dir(), &cfg.vm.qemu_img)
                 });
         match published {

@@ -628,3 +628,40 @@ fn a_standby_is_off_by_default_and_refused_where_a_second_qemu_cannot_work() {
         assert!(!err.contains('\n'), "{err}");
     }
 }
+
+#[test]
+fn the_chunk_hash_is_sha256_unless_blake3_is_asked_for_and_nothing_else() {
+    use backstop_store::ChunkHash;
+    // The shipped configs set it (below); without the key it is sha256.
+    let without = DEFAULT_CONFIG.replace("\nchunk_hash = \"blake3\"", "\n");
+    assert_eq!(
+        Config::parse(&without).unwrap().daemon.chunk_hash,
+        ChunkHash::Sha256
+    );
+    let with = |v: &str| without.replace("[daemon]\n", &format!("[daemon]\nchunk_hash = {v}\n"));
+    assert_eq!(
+        Config::parse(&with("\"blake3\""))
+            .unwrap()
+            .daemon
+            .chunk_hash,
+        ChunkHash::Blake3
+    );
+    for bad in ["\"md5\"", "\"BLAKE3\"", "3"] {
+        let err = Config::parse(&with(bad)).unwrap_err().to_string();
+        assert!(err.contains("chunk_hash"), "{bad}: {err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+    }
+}
+
+/// What a new install runs (the demo's embedded config and the packaged daemon file) names
+/// chunks by BLAKE3; the built-in default stays sha256 for configs written before it.
+#[test]
+fn the_shipped_configs_name_chunks_by_blake3() {
+    use backstop_store::ChunkHash;
+    assert_eq!(
+        Config::parse(DEFAULT_CONFIG).unwrap().daemon.chunk_hash,
+        ChunkHash::Blake3
+    );
+    let packaged = include_str!("../../../../vmm-config/backstopd.toml");
+    assert!(packaged.contains("\nchunk_hash = \"blake3\""), "{packaged}");
+}

@@ -428,7 +428,7 @@ impl VmActor {
                 Ok(chunks) => {
                     for c in chunks {
                         owners
-                            .entry(c.sha256.clone())
+                            .entry(c.digest.clone())
                             .or_insert_with(|| (c, Vec::new()))
                             .1
                             .push(id.clone());
@@ -463,7 +463,7 @@ impl VmActor {
                     if failed.insert(id.clone()) && *id != newest {
                         seen.push(SnapshotSeen {
                             snapshot_id: id.clone(),
-                            failure: Some(format!("chunk {}: {e}", chunk.sha256)),
+                            failure: Some(format!("chunk {}: {e}", chunk.digest)),
                         });
                     }
                 }
@@ -658,12 +658,12 @@ impl VmActor {
             if let Err(StoreError::ChecksumMismatch { .. } | StoreError::ChunkSizeMismatch { .. }) =
                 self.store.check_chunk(snapshot_id, &c)
             {
-                match self.store.quarantine_chunk(&c.sha256) {
+                match self.store.quarantine_chunk(&c.digest) {
                     Ok(to) => {
                         moved += 1;
-                        info!(chunk = %c.sha256, to = %to.display(), "drift: damaged chunk quarantined");
+                        info!(chunk = %c.digest, to = %to.display(), "drift: damaged chunk quarantined");
                     }
-                    Err(e) => warn!(error = %e, chunk = %c.sha256, "drift: chunk not quarantined"),
+                    Err(e) => warn!(error = %e, chunk = %c.digest, "drift: chunk not quarantined"),
                 }
             }
         }
