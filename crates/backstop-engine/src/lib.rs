@@ -45,6 +45,7 @@ pub mod orders;
 pub mod policy;
 pub mod records;
 pub mod replay;
+mod restore_feed;
 pub mod rollback;
 pub mod services;
 pub mod snapshot;

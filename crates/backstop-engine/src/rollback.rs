@@ -10,7 +10,6 @@
 //! 5. New epoch recorded, guest resumed, marker removed, guest told the epoch (never the reason).
 
 use backstop_common::AuditEvent;
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -31,6 +30,7 @@ use crate::forensic::{ForensicRam, RamJob};
 use crate::lifecycle::Transition;
 use crate::policy::RestoreRequest;
 use crate::records::InflightRecord;
+use crate::restore_feed::{Feed, Sink};
 
 /// Where a rollback's time goes, phase by phase (journaled with it and shown by the console).
 pub(crate) struct PhaseClock {
@@ -593,10 +593,13 @@ impl VmActor {
             .map_err(|e| ("launch fresh vm", e.to_string()))?;
         clock.done("launch");
         let load_started = Instant::now();
-        let mut sink = self
-            .backend
-            .begin_restore()
-            .map_err(|e| ("start state load", e.to_string()))?;
+        // A loader reading a pipe is handed the buffers' pages (`restore_feed.rs`).
+        let sink = match self.backend.begin_restore_pipe() {
+            Ok(Some(pipe)) => Ok(Sink::Pipe(pipe)),
+            Ok(None) => self.backend.begin_restore().map(Sink::Writer),
+            Err(e) => Err(e),
+        }
+        .map_err(|e| ("start state load", e.to_string()))?;
         if self.fault == Some(Fault::KillDuringRestoreLoad) {
             if let Some(pid) = self.backend.pid() {
                 let _ = nix::sys::signal::kill(
@@ -612,7 +615,9 @@ impl VmActor {
         // One thread reads (and re-checks) chunks while this one feeds QEMU, so reading the
         // store and QEMU's loading overlap instead of taking turns.
         // The buffers go round between the two (allocated once: a fresh zeroed MiB per step
-        // cost a page fault per 4 KiB of the stream).
+        // cost a page fault per 4 KiB of the stream); a spliced one comes back only once the
+        // pipe can no longer hold its pages.
+        let mut feed = Feed::new(sink);
         std::thread::scope(|scope| -> Result<(), (&'static str, String)> {
             const BUFFERS: usize = 8;
             let (tx, rx) = std::sync::mpsc::sync_channel::<std::io::Result<Vec<u8>>>(BUFFERS);
@@ -641,23 +646,28 @@ impl VmActor {
                 if buf.is_empty() {
                     break;
                 }
-                sink.write_all(&buf)
-                    .map_err(|e| ("load state", e.to_string()))?;
-                done += buf.len() as u64;
-                if done % (64 << 20) < buf.len() as u64 {
+                let len = buf.len() as u64;
+                let free = feed.push(buf).map_err(|e| ("load state", e.to_string()))?;
+                done += len;
+                if done % (64 << 20) < len {
                     ctx.step("restore", "loading RAM and device state", Some(done));
                 }
-                let _ = give_back.send(buf);
+                for b in free {
+                    let _ = give_back.send(b);
+                }
             }
             Ok(())
         })?;
-        sink.flush().map_err(|e| ("load state", e.to_string()))?;
-        drop(sink);
+        let spliced = feed.splices();
+        // Pages still in the pipe stay as they are until QEMU has read the whole stream.
+        let held = feed.finish().map_err(|e| ("load state", e.to_string()))?;
+        tracing::debug!(spliced, "state stream handed to the loader");
         clock.done("load");
         let rr = self
             .backend
             .finish_restore()
             .map_err(|e| ("check restored vm", e.to_string()))?;
+        drop(held);
         clock.done("check");
         let restore_ms = load_started.elapsed().as_millis() as u64;
         if !self.cfg.vm.all_nics().is_empty() {

@@ -278,6 +278,13 @@ pub trait VmBackend: Send {
     /// On a VM launched with [`BootMode::Incoming`]: returns the sink to write the captured
     /// state into. Close (drop) it at the end of the stream.
     fn begin_restore(&mut self) -> Result<Box<dyn Write + Send>>;
+    /// [`begin_restore`](VmBackend::begin_restore) for a backend that loads the state from a
+    /// pipe: its write end, so the caller may hand the loader whole pages (`vmsplice`) instead
+    /// of copying them into the pipe. `None`: this backend has no such pipe; call
+    /// `begin_restore` instead.
+    fn begin_restore_pipe(&mut self) -> Result<Option<std::fs::File>> {
+        Ok(None)
+    }
     /// Waits for the load to complete and checks the result: paused, no grantable device,
     /// shape matches. Leaves the VM paused.
     fn finish_restore(&mut self) -> Result<RestoreReport>;

@@ -1200,6 +1200,14 @@ impl VmBackend for QemuBackend {
     }
 
     fn begin_restore(&mut self) -> Result<Box<dyn Write + Send>> {
+        let pipe = self
+            .begin_restore_pipe()?
+            .ok_or(BackendError::NotRunning { step: "restore" })?;
+        Ok(Box::new(pipe))
+    }
+
+    /// The state goes in through a pipe QEMU reads with `migrate-incoming fd:`.
+    fn begin_restore_pipe(&mut self) -> Result<Option<File>> {
         let t = self.cfg.qmp_timeout;
         let (reader, writer) = pipe()?;
         let r = self.running_mut("restore")?;
@@ -1216,7 +1224,7 @@ impl VmBackend for QemuBackend {
             t,
         )?;
         r.restore = Some(Instant::now());
-        Ok(Box::new(writer))
+        Ok(Some(writer))
     }
 
     fn finish_restore(&mut self) -> Result<RestoreReport> {

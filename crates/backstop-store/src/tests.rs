@@ -1711,3 +1711,42 @@ fn blake3_chunks_under_index_version_1_0_are_refused() {
         "{err}"
     );
 }
+
+/// The reader hands out the same bytes whatever the caller's buffer: a byte at a time (through
+/// its own buffer), or several MiB (whole chunks read from their files straight into it); and
+/// with a big buffer a changed chunk still fails, after exactly the chunks before it.
+#[test]
+fn payload_reader_gives_the_same_bytes_at_any_read_size_and_rechecks_direct_reads() {
+    let fx = Fixture::new();
+    let data = random_bytes(61, 5 * MIB);
+    let id = fx.snapshot(&data, &[], "sizes").snapshot_id;
+    let v = fx.store.verify(&id, &VerifyOptions::default()).unwrap();
+    let read_with = |size: usize| -> (Vec<u8>, io::Result<()>) {
+        let mut r = fx.store.open_payload(&v, "vmstate").unwrap();
+        let mut buf = vec![0u8; size];
+        let mut back = Vec::new();
+        loop {
+            match r.read(&mut buf) {
+                Ok(0) => return (back, Ok(())),
+                Ok(n) => back.extend_from_slice(&buf[..n]),
+                Err(e) => return (back, Err(e)),
+            }
+        }
+    };
+    for size in [1, 4096, MIB, 4 * MIB + 1, 9 * MIB] {
+        let (back, res) = read_with(size);
+        res.unwrap();
+        assert!(back == data, "read size {size}: payload differs");
+    }
+    let index =
+        ChunkIndex::parse(&fs::read(fx.snap_dir(&id).join("vmstate.index")).unwrap()).unwrap();
+    assert!(index.chunks.len() >= 3, "{}", index.chunks.len());
+    let bad = &index.chunks[2];
+    flip_byte(&fx.chunk_file(&bad.digest), 9);
+    let before: u64 = index.chunks[..2].iter().map(|c| c.len).sum();
+    for size in [4096, 9 * MIB] {
+        let (back, res) = read_with(size);
+        assert_eq!(res.unwrap_err().kind(), io::ErrorKind::InvalidData);
+        assert_eq!(back.len() as u64, before, "read size {size}");
+    }
+}
