@@ -1,4 +1,5 @@
-//! Disk layers: qcow2 overlays created with `qemu-img` on top of immutable layers.
+//! Disk layers: qcow2 overlays (written directly, `qcow2.rs`, or by `qemu-img`) on top of
+//! immutable layers.
 //!
 //! A captured disk is a chain: the configured base image (never written), then one layer per
 //! snapshot interval. At a capture the writable top layer is frozen (QEMU switches the guest to a
@@ -29,6 +30,11 @@ impl Layers {
         backing: &Path,
         backing_fmt: &str,
     ) -> Result<(), EngineError> {
+        if let Some(size) = crate::qcow2::backing_size(backing, backing_fmt) {
+            if self.write_overlay(path, backing, backing_fmt, size)? {
+                return Ok(());
+            }
+        }
         let args: [&std::ffi::OsStr; 4] = [
             "-F".as_ref(),
             backing_fmt.as_ref(),
@@ -36,6 +42,31 @@ impl Layers {
             backing.as_os_str(),
         ];
         self.qemu_img_create(path, &args, &[], "qemu-img create overlay")
+    }
+
+    /// Writes the overlay itself (`qcow2.rs`: no qemu-img process); false where that does not
+    /// apply (or a file is in the way, which qemu-img replaces as it always did).
+    fn write_overlay(
+        &self,
+        path: &Path,
+        backing: &Path,
+        backing_fmt: &str,
+        size: u64,
+    ) -> Result<bool, EngineError> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
+                step: "create layer dir",
+                source,
+            })?;
+        }
+        match crate::qcow2::create_overlay(path, backing, backing_fmt, size) {
+            Ok(done) => Ok(done),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(source) => Err(EngineError::Io {
+                step: "write qcow2 overlay",
+                source,
+            }),
+        }
     }
 
     /// Creates an empty qcow2 overlay on `active`, the layer a running QEMU writes to: the
@@ -47,6 +78,9 @@ impl Layers {
         active: &Path,
         size_bytes: u64,
     ) -> Result<(), EngineError> {
+        if self.write_overlay(path, active, "qcow2", size_bytes)? {
+            return Ok(());
+        }
         let size = size_bytes.to_string();
         let before: [&std::ffi::OsStr; 5] = [
             "-u".as_ref(),
