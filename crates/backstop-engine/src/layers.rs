@@ -53,12 +53,7 @@ impl Layers {
         backing_fmt: &str,
         size: u64,
     ) -> Result<bool, EngineError> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
-                step: "create layer dir",
-                source,
-            })?;
-        }
+        create_parent(path)?;
         match crate::qcow2::create_overlay(path, backing, backing_fmt, size) {
             Ok(done) => Ok(done),
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
@@ -129,12 +124,7 @@ impl Layers {
         after: &[&std::ffi::OsStr],
         step: &'static str,
     ) -> Result<(), EngineError> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
-                step: "create layer dir",
-                source,
-            })?;
-        }
+        create_parent(path)?;
         let out = Command::new(&self.qemu_img)
             .args(["create", "-q", "-f", "qcow2"])
             .args(before)
@@ -175,6 +165,17 @@ fn check_output(out: std::process::Output, step: &'static str) -> Result<(), Eng
         step,
         source: std::io::Error::other(String::from_utf8_lossy(&out.stderr).trim().to_string()),
     })
+}
+
+/// Creates the directory a layer goes into.
+fn create_parent(path: &Path) -> Result<(), EngineError> {
+    match path.parent() {
+        Some(dir) => std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
+            step: "create layer dir",
+            source,
+        }),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -14,9 +14,10 @@
 //! Anything outside what this covers (an L1 table longer than a cluster, i.e. a disk over
 //! 4 TiB; a backing file name longer than fits, or relative — qemu-img resolves those against
 //! the overlay's directory; a backing format other than qcow2 or raw, whose size this does not
-//! read) goes to `qemu-img` as before. The images are checked by `qemu-img
-//! check`, read and written through `qemu-io` in the unit tests, and used by every end-to-end
-//! rollback and capture.
+//! read) goes to `qemu-img` as before. The unit tests compare the file byte for byte with
+//! `qemu-img create`'s own (but for where the backing name sits), check it with `qemu-img
+//! check`, read and write through it with `qemu-io`; every end-to-end rollback and capture
+//! uses it.
 
 use std::fs::File;
 use std::io::Read;
@@ -34,8 +35,15 @@ const L1_ENTRY_SPAN: u64 = CLUSTER * (CLUSTER / 8);
 const BACKING_FORMAT_EXT: u32 = 0xe279_2aca;
 
 /// The bytes of cluster 0 of an empty overlay over `backing` (format `backing_fmt`) of
-/// `size` bytes; `None` where this writer does not apply (see the module doc).
-pub(crate) fn overlay_header(size: u64, backing: &[u8], backing_fmt: &str) -> Option<Vec<u8>> {
+/// `size` bytes, and the file's length (up to the end of its L1 table); `None` where this writer
+/// does not apply (see the module doc).
+pub(crate) fn overlay_header(
+    size: u64,
+    backing: &[u8],
+    backing_fmt: &str,
+) -> Option<(Vec<u8>, u64)> {
+    // QEMU sizes block devices in 512-byte sectors: qemu-img rounds a size up to one.
+    let size = size.checked_next_multiple_of(512)?;
     let l1_size = size.div_ceil(L1_ENTRY_SPAN);
     if l1_size * 8 > CLUSTER || backing.is_empty() || backing_fmt.is_empty() {
         return None;
@@ -77,7 +85,8 @@ pub(crate) fn overlay_header(size: u64, backing: &[u8], backing_fmt: &str) -> Op
     h.resize(HEADER_LEN, 0);
     h.extend_from_slice(&ext);
     h.extend_from_slice(backing);
-    Some(h)
+    // The L1 table is zeros: the file's length covers it (a hole).
+    Some((h, L1 + l1_size.max(1) * 8))
 }
 
 /// The virtual size of `backing` as format `fmt` sees it, for the formats this reads: qcow2
@@ -111,10 +120,10 @@ pub(crate) fn create_overlay(
     if !backing.is_absolute() {
         return Ok(false);
     }
-    let Some(header) = overlay_header(size, backing.as_os_str().as_bytes(), backing_fmt) else {
+    let Some((header, len)) = overlay_header(size, backing.as_os_str().as_bytes(), backing_fmt)
+    else {
         return Ok(false);
     };
-    let l1_size = size.div_ceil(L1_ENTRY_SPAN);
     let file = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -124,8 +133,7 @@ pub(crate) fn create_overlay(
         file.write_all_at(&header, 0)?;
         file.write_all_at(&REFBLOCK.to_be_bytes(), REFTABLE)?;
         file.write_all_at(&[0, 1, 0, 1, 0, 1, 0, 1], REFBLOCK)?;
-        // The L1 table is zeros: the file's length covers it (a hole).
-        file.set_len(L1 + l1_size.max(1) * 8)
+        file.set_len(len)
     })();
     if let Err(e) = written {
         drop(file);
@@ -164,11 +172,11 @@ mod tests {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// Cluster 0 is byte for byte what qemu-img 7.2 writes, up to the feature name table
-    /// qemu-img adds (optional: names for error messages) and so the backing name's offset.
+    /// The header's fields, read back by offset as the qcow2 spec places them.
     #[test]
     fn the_header_fields_are_qcow2_v3_with_the_backing_file_and_format() {
-        let h = overlay_header(1 << 30, b"/tmp/b.qcow2", "qcow2").unwrap();
+        let (h, len) = overlay_header(1 << 30, b"/tmp/b.qcow2", "qcow2").unwrap();
+        assert_eq!(len, L1 + 16);
         let be32 = |o: usize| u32::from_be_bytes(h[o..o + 4].try_into().unwrap());
         let be64 = |o: usize| u64::from_be_bytes(h[o..o + 8].try_into().unwrap());
         assert_eq!(&h[..4], b"QFI\xfb");
@@ -188,6 +196,65 @@ mod tests {
         assert!(overlay_header(4 << 40, b"/b", "qcow2").is_some());
         assert!(overlay_header((4 << 40) + 1, b"/b", "qcow2").is_none());
         assert!(overlay_header(1 << 30, &[b'x'; 1000], "qcow2").is_none());
+    }
+
+    /// The file is laid out as `qemu-img create -f qcow2 -u -F qcow2 -b B O SIZE` lays it out:
+    /// the same 112-byte header but for where the backing name sits (qemu-img adds an optional
+    /// feature-name table before it), the same backing format extension, refcount table,
+    /// refcount block and L1 table, and the same length.
+    #[test]
+    fn the_layout_is_qemu_imgs_own() {
+        if !have("qemu-img") {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("base.qcow2");
+        for size in [1u64 << 30, 3 << 30, (5 << 30) + 12345] {
+            let (ours, theirs) = (dir.path().join("ours"), dir.path().join("theirs"));
+            let _ = std::fs::remove_file(&ours);
+            let _ = std::fs::remove_file(&theirs);
+            let size_arg = size.to_string();
+            run(
+                "qemu-img",
+                &[
+                    "create",
+                    "-q",
+                    "-f",
+                    "qcow2",
+                    "-u",
+                    "-F",
+                    "qcow2",
+                    "-b",
+                    base.to_str().unwrap(),
+                    theirs.to_str().unwrap(),
+                    &size_arg,
+                ],
+            );
+            assert!(create_overlay(&ours, &base, "qcow2", size).unwrap());
+            let (a, b) = (
+                std::fs::read(&ours).unwrap(),
+                std::fs::read(&theirs).unwrap(),
+            );
+            assert_eq!(a.len(), b.len(), "size {size}");
+            // The header, but for backing_file_offset (bytes 8..16).
+            assert_eq!(a[..8], b[..8]);
+            assert_eq!(a[16..HEADER_LEN], b[16..HEADER_LEN], "size {size}");
+            // The backing format extension comes first in both.
+            assert_eq!(
+                a[HEADER_LEN..HEADER_LEN + 16],
+                b[HEADER_LEN..HEADER_LEN + 16]
+            );
+            // Both name the same backing file, each where its header says.
+            let name = |h: &[u8]| {
+                let off = u64::from_be_bytes(h[8..16].try_into().unwrap()) as usize;
+                let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+                h[off..off + len].to_vec()
+            };
+            assert_eq!(name(&a), name(&b));
+            // Clusters 1 to 3 (refcount table, refcount block, L1 table) are identical.
+            let tail = CLUSTER as usize;
+            assert_eq!(a[tail..], b[tail..], "size {size}");
+        }
     }
 
     /// The overlays QEMU's own tools accept: `qemu-img check` finds no error or leak, `info`

@@ -26,7 +26,9 @@ pub(crate) enum Sink {
 }
 
 /// Buffers whose pages may still be in the pipe: drop only after the loader finished.
-pub(crate) struct Held(#[allow(dead_code)] VecDeque<(u64, Vec<u8>)>);
+pub(crate) struct Held {
+    _buffers: VecDeque<(u64, Vec<u8>)>,
+}
 
 pub(crate) struct Feed {
     sink: Sink,
@@ -116,7 +118,9 @@ impl Feed {
                 drop(w);
             }
         }
-        Ok(Held(self.in_pipe))
+        Ok(Held {
+            _buffers: self.in_pipe,
+        })
     }
 }
 

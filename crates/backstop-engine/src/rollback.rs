@@ -549,8 +549,8 @@ impl VmActor {
             .join()
             .unwrap_or_else(|_| Err("the overlay thread panicked".into()));
         // From here an early return drops a save in flight, which waits for it (bounded by
-        // the budget) and ends the abandoned VM.
-        // An early return from here drops an ending in flight: its thread still reaps the process.
+        // the budget) and ends the abandoned VM, or an ending in flight, whose thread still
+        // reaps the process.
         let (ram, ending) = ended?;
         made.map_err(|e| ("disk overlays", e))?;
         // The disks the ended VM was writing are kept as they are (issue 15: forensic capture);
@@ -824,11 +824,11 @@ impl VmActor {
                     .into(),
             );
         }
-        // The policy's reason (no RAM wanted) comes first, as before; then what forced the end.
-        let keep_ram = keep_ram.and(must_end.clone().map_or(Ok(()), Err));
+        // Why no RAM is kept: the policy's reason first, as before; then what forced the end.
         let mut ending = None;
         let ram = match (keep_ram, must_end) {
-            (Ok(()), _) => match self.backend.keep_abandoned() {
+            (Ok(()), Some(why)) | (Err(why), Some(_)) => ForensicRam::Skipped(why),
+            (Ok(()), None) => match self.backend.keep_abandoned() {
                 Err(e) => ForensicRam::Skipped(e.to_string()),
                 Ok(vm) => {
                     let budget = self.cfg.rollback.forensic_ram_budget();
@@ -849,7 +849,6 @@ impl VmActor {
                 }
                 ForensicRam::Skipped(why)
             }
-            (Err(why), Some(_)) => ForensicRam::Skipped(why),
         };
         if matches!(ram, ForensicRam::Saving(_)) {
             revoked.push(

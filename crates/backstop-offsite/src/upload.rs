@@ -14,13 +14,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use backstop_common::{AuditEvent, ErrorCode};
-use backstop_integrity::HostKey;
+use backstop_integrity::{sha256_hex, HostKey};
 use backstop_store::{
     check_signature, decode_manifest, is_snapshot_id, ChunkHash, ChunkIndex, ChunkRef, Manifest,
     VerifyOptions, MANIFEST_FILE, MANIFEST_MAX_BYTES, SIGNATURE_FILE,
 };
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 
 use crate::config::OffsiteConfig;
 use crate::keys::HostSigningKey;
@@ -528,14 +527,30 @@ struct Object {
     key: String,
     path: PathBuf,
     len: u64,
-    /// The body's sha256 (S3 signs it): a layer's, or a chunk's own name where sha256 names it;
-    /// `None` for a chunk named by BLAKE3, hashed from its bytes when it is sent.
-    sha256: Option<String>,
-    /// A chunk's reference: its bytes are checked against it before they leave.
-    chunk: Option<ChunkRef>,
+    body: Body,
     /// Not referenced by the snapshot's parent: most likely not in the bucket yet, so it is
     /// PUT at once (`If-None-Match: *`) instead of HEAD first.
     likely_new: bool,
+}
+
+/// What an object holds, and what its bytes are checked against before they leave.
+enum Body {
+    /// A chunk (at most 4 MiB): its reference (length, digest under its hash, crc32).
+    Chunk(ChunkRef),
+    /// A disk layer: its sha256, which S3 also gets with the PUT and checks.
+    Layer { sha256: String },
+}
+
+impl Body {
+    /// The body's sha256 where it is known without reading it: a layer's, or the name of a
+    /// chunk named by sha256. (S3 signs every body's sha256.)
+    fn known_sha256(&self) -> Option<&str> {
+        match self {
+            Body::Layer { sha256 } => Some(sha256),
+            Body::Chunk(c) if c.hash == ChunkHash::Sha256 => Some(&c.digest),
+            Body::Chunk(_) => None,
+        }
+    }
 }
 
 /// What the parent snapshot of `manifest` references (chunks and layers by sha256), read from
@@ -620,8 +635,7 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
                         key: cfg.key(&format!("chunks/{}", c.digest)),
                         path: store.join("chunks").join(&c.digest[..2]).join(&c.digest),
                         len: c.len,
-                        sha256: (c.hash == ChunkHash::Sha256).then(|| c.digest.clone()),
-                        chunk: Some(c.clone()),
+                        body: Body::Chunk(c.clone()),
                         likely_new: likely_new(&c.digest),
                     });
                 }
@@ -634,8 +648,9 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
                     key: cfg.key(&format!("layers/{}", l.sha256)),
                     path: l.path.clone(),
                     len: l.bytes,
-                    sha256: Some(l.sha256.clone()),
-                    chunk: None,
+                    body: Body::Layer {
+                        sha256: l.sha256.clone(),
+                    },
                     likely_new: likely_new(&l.sha256),
                 });
             }
@@ -713,14 +728,6 @@ fn upload_snapshot(inner: &Inner, store: &Path, id: &str) -> Result<Option<Uploa
     }))
 }
 
-/// Makes sure the object is in the bucket, asking it as little as possible: an object this run
-/// sent or found and still young by the remote GC's measure is taken as there; one the
-/// snapshot's parent references (or too large to send blind) is asked about first (HEAD); one
-/// that looks new is PUT at once with `If-None-Match: *`, a 412 meaning it was there after all.
-///
-/// An object found there whose `LastModified` is older than half the remote GC's grace period
-/// is renewed (a server-side copy, no bytes sent): the manifest about to name it must find it
-/// (see `retention`).
 /// One PUT of `o`'s body: `If-None-Match: *` when it is likely new (false: it was there).
 fn put(
     inner: &Inner,
@@ -738,6 +745,14 @@ fn put(
     }
 }
 
+/// Makes sure the object is in the bucket, asking it as little as possible: an object this run
+/// sent or found and still young by the remote GC's measure is taken as there; one the
+/// snapshot's parent references (or too large to send blind) is asked about first (HEAD); one
+/// that looks new is PUT at once with `If-None-Match: *`, a 412 meaning it was there after all.
+///
+/// An object found there whose `LastModified` is older than half the remote GC's grace period
+/// is renewed (a server-side copy, no bytes sent): the manifest about to name it must find it
+/// (see `retention`).
 fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
     let now = time::OffsetDateTime::now_utc().unix_timestamp();
     // Young by the GC's measure: no GC deletes it before the manifest is up (see README,
@@ -756,9 +771,7 @@ fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
     // In parts past the threshold (S3's single PUT stops at 5 GiB, and a failed part is sent
     // again alone); too large to send just to find it there, so asked about first even when it
     // looks new.
-    // A chunk (at most 4 MiB) is never sent in parts: the threshold is at least 5 MiB.
-    let multipart =
-        o.chunk.is_none() && o.len > u64::from(inner.cfg.multipart_threshold_mib) * 1024 * 1024;
+    let multipart = o.len > u64::from(inner.cfg.multipart_threshold_mib) * 1024 * 1024;
     if !o.likely_new || multipart {
         if let Some(present) = present_or_touched(inner, o, &young)? {
             remember(present);
@@ -767,21 +780,15 @@ fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
     }
     let local =
         |e: std::io::Error| Failure::new(ErrorCode::StoreIo, format!("{}: {e}", o.path.display()));
-    let created = if o.chunk.is_some() || o.len <= u64::from(backstop_store::CHUNK_MAX_BYTES) {
-        // A chunk (or a layer as small as one) is checked against its digests before it
-        // leaves: a damaged local chunk is not replicated.
+    let created = if o.len <= u64::from(backstop_store::CHUNK_MAX_BYTES) {
+        // A chunk (or a layer as small as one) is checked before it leaves: a damaged local
+        // chunk is not replicated. A chunk named by BLAKE3 gets its sha256 here, for S3.
         let b = std::fs::read(&o.path).map_err(local)?;
-        let sha256 = match (&o.chunk, &o.sha256) {
-            (Some(c), _) if !c.matches(&b) => None,
-            (Some(_), Some(known)) => Some(known.clone()),
-            (Some(_), None) => Some(hex::encode(Sha256::digest(&b))),
-            (None, Some(known)) => {
-                let ok = b.len() as u64 == o.len && hex::encode(Sha256::digest(&b)) == *known;
-                ok.then(|| known.clone())
-            }
-            (None, None) => None,
+        let ok = match &o.body {
+            Body::Chunk(c) => c.matches(&b),
+            Body::Layer { sha256 } => b.len() as u64 == o.len && sha256_hex(&b) == *sha256,
         };
-        let Some(sha256) = sha256 else {
+        if !ok {
             return Err(Failure::new(
                 ErrorCode::SnapshotIntegrityCheckFailed,
                 format!(
@@ -789,12 +796,16 @@ fn put_object(inner: &Inner, o: &Object) -> Result<Put, Failure> {
                     o.path.display()
                 ),
             ));
-        };
-        let mut reader = std::io::Cursor::new(b);
-        put(inner, o, &mut reader, &sha256)?
+        }
+        let sha256 = o
+            .body
+            .known_sha256()
+            .map_or_else(|| sha256_hex(&b), str::to_string);
+        put(inner, o, &mut std::io::Cursor::new(b), &sha256)?
     } else {
-        // A layer's digest goes with the PUT; the gateway checks it.
-        let sha256 = o.sha256.clone().unwrap_or_default();
+        // A layer's digest goes with the PUT; the gateway checks it. (Every chunk is at most
+        // CHUNK_MAX_BYTES, and the multipart threshold is at least 5 MiB.)
+        let sha256 = o.body.known_sha256().unwrap_or_default().to_string();
         let mut f = File::open(&o.path).map_err(local)?;
         if multipart {
             let part = u64::from(inner.cfg.multipart_part_mib) * 1024 * 1024;

@@ -224,6 +224,28 @@ pub struct QemuBackend {
 }
 
 impl QemuBackend {
+    /// The pipe a restore's state goes through: its read end handed to QEMU (`getfd`) and
+    /// `migrate-incoming fd:` started on it; the write end returned.
+    fn open_restore_pipe(&mut self) -> Result<File> {
+        let t = self.cfg.qmp_timeout;
+        let (reader, writer) = pipe()?;
+        let r = self.running_mut("restore")?;
+        r.qmp.execute_with_fd(
+            "getfd",
+            Some(json!({"fdname": "backstop-restore"})),
+            Some(reader.as_raw_fd()),
+            t,
+        )?;
+        drop(reader);
+        r.qmp.execute(
+            "migrate-incoming",
+            Some(json!({"uri": "fd:backstop-restore"})),
+            t,
+        )?;
+        r.restore = Some(Instant::now());
+        Ok(writer)
+    }
+
     pub fn new(cfg: QemuConfig) -> Self {
         Self {
             cfg,
@@ -1200,31 +1222,12 @@ impl VmBackend for QemuBackend {
     }
 
     fn begin_restore(&mut self) -> Result<Box<dyn Write + Send>> {
-        let pipe = self
-            .begin_restore_pipe()?
-            .ok_or(BackendError::NotRunning { step: "restore" })?;
-        Ok(Box::new(pipe))
+        Ok(Box::new(self.open_restore_pipe()?))
     }
 
     /// The state goes in through a pipe QEMU reads with `migrate-incoming fd:`.
     fn begin_restore_pipe(&mut self) -> Result<Option<File>> {
-        let t = self.cfg.qmp_timeout;
-        let (reader, writer) = pipe()?;
-        let r = self.running_mut("restore")?;
-        r.qmp.execute_with_fd(
-            "getfd",
-            Some(json!({"fdname": "backstop-restore"})),
-            Some(reader.as_raw_fd()),
-            t,
-        )?;
-        drop(reader);
-        r.qmp.execute(
-            "migrate-incoming",
-            Some(json!({"uri": "fd:backstop-restore"})),
-            t,
-        )?;
-        r.restore = Some(Instant::now());
-        Ok(Some(writer))
+        self.open_restore_pipe().map(Some)
     }
 
     fn finish_restore(&mut self) -> Result<RestoreReport> {

@@ -74,11 +74,10 @@ impl std::fmt::Display for ChunkHash {
 impl std::str::FromStr for ChunkHash {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "sha256" => Ok(ChunkHash::Sha256),
-            "blake3" => Ok(ChunkHash::Blake3),
-            other => Err(format!("{other:?} is not a chunk hash (sha256 or blake3)")),
-        }
+        [ChunkHash::Sha256, ChunkHash::Blake3]
+            .into_iter()
+            .find(|h| h.name() == s)
+            .ok_or_else(|| format!("{s:?} is not a chunk hash (sha256 or blake3)"))
     }
 }
 

@@ -78,7 +78,12 @@ fn read_chunk_into(chunks_dir: &Path, chunk: &ChunkRef, out: &mut [u8]) -> io::R
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(invalid("vanished")),
         Err(e) => return Err(e),
     };
-    if file.metadata()?.len() != chunk.len || out.len() as u64 != chunk.len {
+    debug_assert_eq!(
+        out.len() as u64,
+        chunk.len,
+        "callers size `out` to the chunk"
+    );
+    if file.metadata()?.len() != chunk.len {
         return Err(invalid("changed length"));
     }
     match file.read_exact(out) {
