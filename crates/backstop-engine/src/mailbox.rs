@@ -382,13 +382,14 @@ fn event_waker(tx: &std::sync::Weak<mpsc::Sender<Order>>) -> backstop_hypervisor
     })
 }
 
-/// Takes the next message: urgent jobs first, then in arrival order.
+/// Takes the next message: urgent jobs first, then in arrival order; waits at most `wait`.
 fn next_message(
     rx: &mpsc::Receiver<Order>,
     pending: &mut std::collections::VecDeque<Order>,
+    wait: Duration,
 ) -> Result<Order, RecvTimeoutError> {
     if pending.is_empty() {
-        pending.push_back(rx.recv_timeout(TICK)?);
+        pending.push_back(rx.recv_timeout(wait)?);
     }
     while let Ok(m) = rx.try_recv() {
         pending.push_back(m);
@@ -407,6 +408,7 @@ const STATUS_REFRESH: Duration = Duration::from_secs(2);
 fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>, retired: &AtomicBool) {
     let mut pending = std::collections::VecDeque::new();
     let mut last_publish = std::time::Instant::now();
+    let mut last_tick = std::time::Instant::now();
     loop {
         if retired.load(Ordering::SeqCst) {
             // The supervisor ended this VM's guest and recorded the halt while this actor was
@@ -416,7 +418,15 @@ fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>, retired: &AtomicBool) {
             return;
         }
         crate::systemd::beat();
-        match next_message(rx, &mut pending) {
+        // Idle, the engine looks at the VM every TICK, and just after the heartbeat
+        // watchdog's silence runs out: an expiry is acted on when it happens.
+        let wait = crate::watchdog::idle_wait(
+            std::time::Instant::now(),
+            engine.heartbeat_due(),
+            last_tick,
+            TICK,
+        );
+        match next_message(rx, &mut pending, wait) {
             Ok(Order::Trigger(job)) => {
                 // Whatever it preempted has stopped; the flag must not outlive this job (even
                 // if the job is refused, e.g. while HALTED).
@@ -438,6 +448,7 @@ fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>, retired: &AtomicBool) {
                 // on their own when they finish).
                 let before = (engine.state, engine.vm.epoch);
                 engine.tick();
+                last_tick = std::time::Instant::now();
                 if (engine.state, engine.vm.epoch) != before
                     || last_publish.elapsed() >= STATUS_REFRESH
                 {

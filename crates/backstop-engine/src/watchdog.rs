@@ -78,29 +78,46 @@ pub fn storm_decision(earlier_ms: &[i64], now_ms: i64) -> StormDecision {
     StormDecision { recent, halt }
 }
 
+/// When the heartbeat watchdog's silence runs out, pure: the instant after which
+/// [`heartbeat_verdict`] says the guest agent has been silent too long. Silence counts from the
+/// last valid heartbeat or from when this VM instance started running, whichever is later; the
+/// allowed silence is `heartbeat_timeout_s`, or `boot_grace_s` before the instance's first
+/// heartbeat. `None` when there is nothing to count from (no heartbeat, not running). The idle
+/// loop sleeps until it (see [`idle_wait`]) so that an expiry is noticed when it happens, not
+/// at the next tick.
+pub fn heartbeat_deadline(
+    hb: &HeartbeatStatus,
+    running_since: Option<Instant>,
+    watchdog: &WatchdogConfig,
+) -> Option<Instant> {
+    let since = match (hb.last, running_since) {
+        (Some(h), Some(r)) => h.max(r),
+        (h, r) => h.or(r)?,
+    };
+    Some(since + allowed_silence(hb, watchdog))
+}
+
+fn allowed_silence(hb: &HeartbeatStatus, watchdog: &WatchdogConfig) -> Duration {
+    Duration::from_secs(if hb.count == 0 {
+        watchdog.boot_grace_s
+    } else {
+        watchdog.heartbeat_timeout_s
+    })
+}
+
 /// The heartbeat watchdog's rule, pure: `Some(reason)` when at `now` the guest agent has been
-/// silent longer than allowed. Silence counts from the last valid heartbeat or from when this
-/// VM instance started running, whichever is later; the allowed silence is
-/// `heartbeat_timeout_s`, or `boot_grace_s` before the instance's first heartbeat. `None` also
-/// when there is nothing to count from (no heartbeat, not running). The idle tick and the watch
-/// kept during a capture ([`CaptureWatch`]) both decide with this.
+/// silent longer than allowed (past [`heartbeat_deadline`]). The idle tick and the watch kept
+/// during a capture ([`CaptureWatch`]) both decide with this.
 pub fn heartbeat_verdict(
     hb: &HeartbeatStatus,
     running_since: Option<Instant>,
     now: Instant,
     watchdog: &WatchdogConfig,
 ) -> Option<String> {
-    let timeout = Duration::from_secs(if hb.count == 0 {
-        watchdog.boot_grace_s
-    } else {
-        watchdog.heartbeat_timeout_s
-    });
-    let since = match (hb.last, running_since) {
-        (Some(h), Some(r)) => h.max(r),
-        (h, r) => h.or(r)?,
-    };
-    let silent = now.saturating_duration_since(since);
-    (silent > timeout).then(|| {
+    let deadline = heartbeat_deadline(hb, running_since, watchdog)?;
+    let timeout = allowed_silence(hb, watchdog);
+    (now > deadline).then(|| {
+        let silent = now.saturating_duration_since(deadline - timeout);
         format!(
             "no valid heartbeat for {} ms (timeout {} s; {} credited, {} rejected)",
             silent.as_millis(),
@@ -111,8 +128,29 @@ pub fn heartbeat_verdict(
     })
 }
 
-/// How often the watch kept during a capture evaluates the heartbeat (the idle tick's period
-/// is 250 ms; a capture's preemption check runs every read, or every 20 ms while stalled).
+/// How long an idle loop waits for its next message before it looks at the VM again, pure:
+/// `every` (its regular period), or less so that it looks just after `deadline` (the heartbeat
+/// watchdog's, [`heartbeat_deadline`]). A deadline already past is looked at at once — unless a
+/// look since then (`last_look`) found nothing to do about it (the VM was not running, say),
+/// when the regular period applies again and the loop never spins.
+pub fn idle_wait(
+    now: Instant,
+    deadline: Option<Instant>,
+    last_look: Instant,
+    every: Duration,
+) -> Duration {
+    // Just after: the verdict wants the silence strictly longer than allowed.
+    const PAST: Duration = Duration::from_millis(1);
+    match deadline.map(|d| d + PAST) {
+        Some(due) if due > now => every.min(due - now),
+        Some(due) if last_look < due => Duration::ZERO,
+        _ => every,
+    }
+}
+
+/// How often the watch kept during a capture evaluates the heartbeat, besides just after its
+/// deadline (the idle tick's period is 250 ms; a capture's preemption check runs every read, or
+/// every 20 ms while stalled).
 const CAPTURE_WATCH_EVERY: Duration = Duration::from_millis(100);
 
 /// The heartbeat watchdog while the actor is busy with a capture: a thread that evaluates
@@ -141,12 +179,20 @@ impl CaptureWatch {
         let thread = std::thread::Builder::new()
             .name(format!("wd-{vm}"))
             .spawn(move || {
-                // Until told to stop (a message, or the sender dropped).
-                while let Err(mpsc::RecvTimeoutError::Timeout) =
-                    stopped.recv_timeout(CAPTURE_WATCH_EVERY)
-                {
+                // Until told to stop (a message, or the sender dropped); looking every
+                // CAPTURE_WATCH_EVERY, and just after the silence runs out.
+                let mut last_look = Instant::now();
+                loop {
+                    let deadline = heartbeat_deadline(&probe(), running_since, &watchdog);
+                    let wait = idle_wait(Instant::now(), deadline, last_look, CAPTURE_WATCH_EVERY);
+                    if let Err(mpsc::RecvTimeoutError::Disconnected) | Ok(()) =
+                        stopped.recv_timeout(wait)
+                    {
+                        return;
+                    }
+                    last_look = Instant::now();
                     let Some(reason) =
-                        heartbeat_verdict(&probe(), running_since, Instant::now(), &watchdog)
+                        heartbeat_verdict(&probe(), running_since, last_look, &watchdog)
                     else {
                         continue;
                     };
@@ -285,6 +331,20 @@ impl VmActor {
             // Halted or rolled back by the job itself: nothing is left to do for it.
             self.watchdog_fired = None;
         }
+    }
+
+    /// When the idle loop must look at the VM again for the heartbeat watchdog (see
+    /// [`idle_wait`]): the end of the allowed silence while [`VmActor::watch`] would judge it
+    /// (running, not paused by the operator), else `None`.
+    pub(crate) fn heartbeat_due(&self) -> Option<Instant> {
+        if self.state != crate::lifecycle::VmState::Running || self.guest_paused {
+            return None;
+        }
+        heartbeat_deadline(
+            &self.backend.heartbeats(),
+            self.running_since,
+            &self.cfg.watchdog,
+        )
     }
 
     /// `Some(reason)` when the guest agent has been silent longer than the timeout.
@@ -582,6 +642,56 @@ mod verdict_tests {
         );
         // Heard from, not running (between instances): the heartbeat alone counts.
         assert!(heartbeat_verdict(&hb(1, Some(t0)), None, t0 + s(11), &w).is_some());
+    }
+
+    #[test]
+    fn the_deadline_is_where_the_verdict_turns() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        let w = rule(10, 60);
+        for (h, started) in [
+            (hb(3, Some(t0)), Some(t0)),
+            (hb(3, Some(t0)), Some(t0 + s(30))),
+            (hb(0, None), Some(t0)),
+            (hb(1, Some(t0 + s(2))), None),
+        ] {
+            let d = heartbeat_deadline(&h, started, &w).unwrap();
+            assert_eq!(heartbeat_verdict(&h, started, d, &w), None);
+            assert!(heartbeat_verdict(&h, started, d + ms(1), &w).is_some());
+        }
+        assert_eq!(
+            heartbeat_deadline(&hb(3, Some(t0)), Some(t0), &w),
+            Some(t0 + s(10))
+        );
+        assert_eq!(
+            heartbeat_deadline(&hb(0, None), Some(t0), &w),
+            Some(t0 + s(60))
+        );
+        assert_eq!(heartbeat_deadline(&hb(0, None), None, &w), None);
+    }
+
+    #[test]
+    fn the_idle_loop_looks_just_after_the_silence_runs_out_and_never_spins() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let every = ms(250);
+        // Nothing to wait for, or far off: the regular period.
+        assert_eq!(idle_wait(t0, None, t0, every), every);
+        assert_eq!(idle_wait(t0, Some(t0 + ms(5000)), t0, every), every);
+        // Due within the period: wake just after it (the verdict wants strictly longer).
+        assert_eq!(idle_wait(t0, Some(t0 + ms(40)), t0, every), ms(41));
+        assert_eq!(idle_wait(t0, Some(t0), t0, every), ms(1));
+        // Past, and not looked at since: at once.
+        assert_eq!(
+            idle_wait(t0 + ms(300), Some(t0 + ms(100)), t0 + ms(50), every),
+            Duration::ZERO
+        );
+        // Past, but a look since found nothing to do: the regular period, not a spin.
+        assert_eq!(
+            idle_wait(t0 + ms(300), Some(t0 + ms(100)), t0 + ms(200), every),
+            every
+        );
     }
 
     #[test]
