@@ -105,8 +105,10 @@ impl CheckedFiles {
         digest: &str,
         crc32: &str,
     ) -> bool {
-        self.digests_if_unchanged(path, meta)
-            .is_some_and(|(s, c)| s == digest && c == crc32)
+        let files = self.files.lock().unwrap_or_else(|p| p.into_inner());
+        files.get(path).is_some_and(|e| {
+            e.identity == Identity::of(meta) && e.digest == digest && e.crc32 == crc32
+        })
     }
 
     /// The digests `path` was checked against, if it is unchanged since (as `meta` describes

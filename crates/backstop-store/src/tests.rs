@@ -1445,6 +1445,35 @@ fn a_reopened_store_trusts_nothing_and_a_deleted_chunk_is_missing() {
 }
 
 #[test]
+fn a_trusted_chunk_swapped_for_another_file_or_a_symlink_is_read_again() {
+    let fx = Fixture::new();
+    let m = fx.small_snapshot();
+    let id = &m.snapshot_id;
+    assert_eq!(verify_trusting(&fx, id).unwrap().report.bytes_checked, 0);
+    let chunk = fx.first_chunk(id);
+    let path = fx.chunk_file(&chunk.digest);
+    // The same bytes in a new file renamed over it: another inode, so read (and it passes).
+    let copy = path.with_extension("copy");
+    fs::copy(&path, &copy).unwrap();
+    fs::rename(&copy, &path).unwrap();
+    let v = verify_trusting(&fx, id).unwrap();
+    assert_eq!(v.report.bytes_checked, chunk.len, "{:?}", v.report);
+    // A symlink to other bytes of the same length: the link is not the file that was
+    // checked, so the bytes it leads to are read, and they fail.
+    let other = fx.store.root().join("other-bytes");
+    let mut bytes = fs::read(&path).unwrap();
+    bytes[3] ^= 0xff;
+    fs::write(&other, &bytes).unwrap();
+    fs::remove_file(&path).unwrap();
+    std::os::unix::fs::symlink(&other, &path).unwrap();
+    let err = verify_trusting(&fx, id).unwrap_err();
+    assert!(
+        matches!(&err, StoreError::ChecksumMismatch { what, .. } if what.contains(&chunk.digest)),
+        "{err}"
+    );
+}
+
+#[test]
 fn resolve_tries_the_exact_id_then_the_name_then_a_unique_prefix() {
     let fx = Fixture::new();
     let publish = |name: Option<&str>, seed: u64| {
