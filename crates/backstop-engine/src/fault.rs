@@ -34,6 +34,21 @@ pub enum Fault {
     /// QEMU gets a second monitor (`test-qmp.sock` in the run directory) through which a test
     /// changes the VM behind backstop's back (drift detection's end-to-end test).
     SecondQmpMonitor,
+    /// The idle actor's regular look at the VM comes every [`SLOW_TICK`] instead of every
+    /// 250 ms: what it notices sooner came through a wake (QEMU's events monitor, a deadline).
+    SlowIdleTick,
+}
+
+/// The idle tick under [`Fault::SlowIdleTick`].
+pub const SLOW_TICK: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The idle actor's tick: `normal`, or [`SLOW_TICK`] with [`Fault::SlowIdleTick`] armed.
+pub fn idle_tick(fault: Option<Fault>, normal: std::time::Duration) -> std::time::Duration {
+    if fault == Some(Fault::SlowIdleTick) {
+        SLOW_TICK
+    } else {
+        normal
+    }
 }
 
 /// With [`Fault::FillDiskBeforePublish`] armed, takes every free byte of the filesystem of
@@ -146,6 +161,7 @@ fn parse(v: &str) -> Option<Fault> {
         "rollback.marker-fail" => Some(Fault::FailRollbackMarker),
         "baseline.fail" => Some(Fault::FailBaseline),
         "qmp.second-monitor" => Some(Fault::SecondQmpMonitor),
+        "tick.slow" => Some(Fault::SlowIdleTick),
         s => s
             .strip_prefix("capture.stall=")
             .and_then(|n| n.parse().ok())
@@ -186,6 +202,7 @@ mod tests {
             Some(Fault::WedgeOnSnapshot("b"))
         );
         assert_eq!(parse("actor.wedge-on-snapshot="), None);
+        assert_eq!(parse("tick.slow"), Some(Fault::SlowIdleTick));
         assert_eq!(parse("other"), None);
     }
 }

@@ -424,7 +424,7 @@ fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>, retired: &AtomicBool) {
             std::time::Instant::now(),
             engine.heartbeat_due(),
             last_tick,
-            TICK,
+            crate::fault::idle_tick(engine.fault, TICK),
         );
         match next_message(rx, &mut pending, wait) {
             Ok(Order::Trigger(job)) => {

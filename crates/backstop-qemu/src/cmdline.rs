@@ -260,6 +260,12 @@ fn command_line_with(
     push(&[
         "-qmp",
         &format!("unix:{},server=on,wait=off", run.join("qmp.sock").display()),
+        // Listen-only: its events wake the VM's actor at once (`events.rs`).
+        "-qmp",
+        &format!(
+            "unix:{},server=on,wait=off",
+            run.join(crate::events::EVENTS_SOCKET).display()
+        ),
     ]);
     // Test-only (feature `fault-injection`, armed by `BACKSTOP_FAULT_INJECT=qmp.second-monitor`):
     // a second monitor, `test-qmp.sock` in the run directory, through which an end-to-end test
@@ -405,6 +411,7 @@ mod tests {
             "-machine q35,accel=tcg,memory-backend=pc.ram",
             "-object memory-backend-ram,id=pc.ram,size=256M,prealloc=on",
             "unix:/run/x/standby/qmp.sock,server=on,wait=off",
+            "unix:/run/x/standby/events.sock,server=on,wait=off",
             "-pidfile /run/x/standby/qemu.pid",
             "-incoming defer -S",
         ] {

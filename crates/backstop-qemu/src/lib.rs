@@ -23,6 +23,7 @@ mod abandoned;
 mod agent;
 mod cmdline;
 pub mod devices;
+mod events;
 pub mod qga;
 pub mod qmp;
 mod serial_log;
@@ -179,6 +180,9 @@ struct Running {
     restore: Option<Instant>,
     /// How captures are driven on this QEMU (probed at launch).
     plan: CapturePlan,
+    /// Reads its listen-only events monitor and wakes the actor (`events.rs`); `None` until
+    /// the engine hands a waker, or if the monitor could not be read (the tick still looks).
+    events: Option<events::EventWatch>,
 }
 
 impl Running {
@@ -218,6 +222,8 @@ pub struct QemuBackend {
     standby: Option<standby::Standby>,
     /// Whether the running QEMU was a standby when it was launched.
     from_standby: bool,
+    /// Wakes the VM's actor when QEMU reports something on its own (`events.rs`).
+    waker: Option<backstop_hypervisor::EventWaker>,
     /// Test-only: the capture step that fails next (feature `fault-injection`).
     #[cfg(feature = "fault-injection")]
     fault: pause::Fault,
@@ -255,6 +261,7 @@ impl QemuBackend {
             active_nodes: Default::default(),
             standby: None,
             from_standby: false,
+            waker: None,
             #[cfg(feature = "fault-injection")]
             fault: None,
         }
@@ -518,7 +525,17 @@ impl QemuBackend {
             capture: None,
             restore: None,
             plan,
+            events: self.watch_events(),
         })
+    }
+
+    /// Starts reading the running QEMU's events monitor, if the engine handed a waker.
+    fn watch_events(&self) -> Option<events::EventWatch> {
+        let waker = self.waker.clone()?;
+        let path = self.cfg.run_dir.join(events::EVENTS_SOCKET);
+        events::EventWatch::start(&path, self.short_timeout(), waker)
+            .map_err(|e| tracing::warn!(error = %e, "QEMU's events are read at the next tick only"))
+            .ok()
     }
 
     /// Bound for the steps on the way to ending QEMU (abort, pause, revoke): a QEMU that does
@@ -699,6 +716,13 @@ impl VmBackend for QemuBackend {
             return Ok(Vec::new());
         };
         let mut out = Vec::new();
+        // Its events monitor closed: QEMU is ending; the process is reapable a moment later.
+        if r.events.as_ref().is_some_and(|w| w.take_closed()) {
+            let deadline = Instant::now() + Duration::from_millis(200);
+            while matches!(r.child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
         if let Ok(Some(status)) = r.child.try_wait() {
             out.push(VmEvent::Exited {
                 detail: format!("qemu exited: {status}"),
@@ -1141,6 +1165,8 @@ impl VmBackend for QemuBackend {
             return Ok(());
         };
         r.close_guest_channels();
+        // Ended on purpose: no wake for it.
+        r.events = None;
         let _ = r.qmp.execute("quit", None, Duration::from_millis(500));
         let deadline = Instant::now() + Duration::from_secs(2);
         loop {
@@ -1195,6 +1221,8 @@ impl VmBackend for QemuBackend {
             });
         };
         r.close_guest_channels();
+        // No longer the VM's: its end wakes nobody.
+        r.events = None;
         let pid = self.cfg.run_dir.join("qemu.pid");
         let aside = self
             .cfg
@@ -1357,6 +1385,19 @@ impl VmBackend for QemuBackend {
                 std::sync::Arc::new(move || read().into())
             }
         })
+    }
+
+    /// QEMU's events wake the actor from now on: the running QEMU's at once, every later
+    /// one's from its launch (`events.rs`).
+    fn set_event_waker(&mut self, waker: backstop_hypervisor::EventWaker) {
+        self.waker = Some(waker);
+        let watch = match &self.running {
+            Some(r) if r.events.is_none() => self.watch_events(),
+            _ => None,
+        };
+        if let (Some(r), Some(w)) = (self.running.as_mut(), watch) {
+            r.events = Some(w);
+        }
     }
 
     fn grant_device(

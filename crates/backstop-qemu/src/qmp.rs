@@ -217,6 +217,29 @@ impl Qmp {
         }
     }
 
+    /// Waits for the next event, for a client that only listens (sends no commands after the
+    /// handshake): anything that is not an event is skipped, and nothing is queued.
+    pub fn next_event(&mut self, step: &'static str, timeout: Duration) -> Result<QmpEvent> {
+        if let Some(ev) = self.events.pop_front() {
+            return Ok(ev);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(BackendError::Timeout { step, timeout });
+            }
+            if let Some(ev) = parse_event(&self.read_message(step, remaining)?) {
+                return Ok(ev);
+            }
+        }
+    }
+
+    /// A second handle on the monitor's connection (to shut it down from another thread).
+    pub fn stream_handle(&self) -> std::io::Result<UnixStream> {
+        self.stream.try_clone()
+    }
+
     /// Reads whatever events are already waiting, without blocking for long.
     pub fn drain_events(&mut self) -> Result<Vec<QmpEvent>> {
         loop {

@@ -36,6 +36,7 @@ const INSTANCE_FILES: &[&str] = &[
     "qga.sock",
     "vnc.sock",
     "test-qmp.sock",
+    crate::events::EVENTS_SOCKET,
     "qemu.pid",
 ];
 
