@@ -111,3 +111,74 @@ fn a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot() {
     let replay = d.ok(&["audit", "replay", "--mode", "production"]);
     assert_eq!(replay["code"], Value::Null, "{replay}");
 }
+
+#[test]
+fn a_rollback_that_fails_after_ending_the_old_vm_still_keeps_its_disks() {
+    if skip_unless_ready("a_rollback_that_fails_after_ending_the_old_vm_still_keeps_its_disks") {
+        return;
+    }
+    // No RAM kept: the abandoned disks alone are published once the guest runs again, or —
+    // as here, the fresh QEMU killed while it loads — when the rollback fails on the way.
+    let d = Daemon::start_opts(
+        "forensicfail",
+        &Options {
+            extra_toml:
+                "[rollback]\nforensic_ram_for = []\n[retention]\nkeep_forensic_hours = 72\n",
+            env: &[("BACKSTOP_FAULT_INJECT", "restore.kill-qemu")],
+            ..Options::default()
+        },
+    );
+    d.wait_tick(0, 3, BOOT);
+    let s1 = d.ok(&["snapshot", "create", "--reason", "before the bad writes"])["summary"]
+        ["snapshot_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let at_s1 = d.last_tick().unwrap().disk;
+    d.wait_tick(0, at_s1 + 4, Duration::from_secs(60));
+    let last_written = d.last_tick().unwrap().disk;
+    let out = d.cli(&["rollback", "--to", &s1, "--reason", "will fail"]);
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_eq!(d.status()["state"], "halted");
+    let kept = d
+        .journal()
+        .into_iter()
+        .find(|e| e["event"] == "snapshot.create.completed" && e["fields"]["trigger"] == "forensic")
+        .expect("the abandoned disks are kept although the rollback failed");
+    let id = kept["fields"]["snapshot_id"].as_str().unwrap();
+    let manifest: Value = serde_json::from_slice(
+        &std::fs::read(
+            d.state_dir()
+                .join("store/snapshots")
+                .join(id)
+                .join("manifest.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let data = manifest["payload_refs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "disk:data")
+        .unwrap()
+        .clone();
+    let top = data["layers"].as_array().unwrap().last().unwrap()["path"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let on_disk = disk_sector0(std::path::Path::new(&top));
+    assert!(
+        on_disk >= last_written && on_disk <= last_written + 4,
+        "the forensic layer holds {on_disk}; the guest's last write seen was {last_written}"
+    );
+    assert!(
+        std::fs::metadata(&top).unwrap().permissions().readonly(),
+        "{top} is writable"
+    );
+}

@@ -509,7 +509,7 @@ impl VmActor {
         // The fresh overlays on the target's layers do not depend on the old VM: they are made
         // on another thread while it is revoked and ended (issue 21: `qemu-img create` costs
         // ~40 ms per disk), and waited for before anything uses them or anything fails.
-        let mut planned = Vec::new();
+        let mut planned: Vec<PlannedDisk> = Vec::new();
         for (id, chain) in manifest_chains(target) {
             let Some(top) = chain.last().cloned() else {
                 return Err(("disk layers", format!("disk {id} has an empty chain")));
@@ -553,18 +553,49 @@ impl VmActor {
         // reaps the process.
         let (ram, ending) = ended?;
         made.map_err(|e| ("disk overlays", e))?;
-        // The disks the ended VM was writing are kept as they are (issue 15: forensic capture);
-        // with its RAM, once the save beside the restore is done (after the resume, below).
+        // The disks the ended VM was writing are kept as they are (issue 15: forensic capture),
+        // with its RAM when a save runs beside the restore: published as a forensic snapshot
+        // once the guest runs again (issue 21: off the rollback's path). A rollback that fails
+        // on the way still publishes the disks (the VM is halted; a person will want them); a
+        // RAM save in flight is then dropped, which ends the abandoned VM.
         let origin = self.abandoned();
-        let (mut forensic, pending) = match ram {
-            _ if resume || !was_running => (None, None),
-            ForensicRam::Saving(job) => (None, Some(job)),
-            skipped => (
-                self.keep_forensic(ctx, &target.manifest.snapshot_id, &origin, skipped),
-                None,
-            ),
+        let mut due = match ram {
+            _ if resume || !was_running => None,
+            kept => Some(kept),
         };
+        let restored = self.restore_fresh(
+            ctx, target, resume, planned, revoked, &mut due, ending, clock,
+        );
+        let target_id = &target.manifest.snapshot_id;
+        match (restored, due) {
+            (Ok((revoked, restore_ms)), due) => {
+                let forensic = due.and_then(|ram| self.keep_forensic(ctx, target_id, &origin, ram));
+                Ok((revoked, restore_ms, forensic))
+            }
+            (Err(e), Some(ForensicRam::Skipped(why))) => {
+                let _ = self.keep_forensic(ctx, target_id, &origin, ForensicRam::Skipped(why));
+                Err(e)
+            }
+            (Err(e), _) => Err(e),
+        }
+    }
 
+    /// Step 5: a fresh VM (or the standby) on overlays over the target's layers, its state
+    /// loaded from the store and checked, the epoch recorded, the guest resumed. `due` is the
+    /// forensic state still to publish; a RAM save that must end before `cont` (a shared disk)
+    /// is waited for here and left in it as saved.
+    #[allow(clippy::too_many_arguments)]
+    fn restore_fresh(
+        &mut self,
+        ctx: &mut Ctx,
+        target: &VerifiedSnapshot,
+        resume: bool,
+        planned: Vec<PlannedDisk>,
+        mut revoked: Vec<String>,
+        due: &mut Option<ForensicRam>,
+        ending: Option<OldVmEnding>,
+        clock: &mut PhaseClock,
+    ) -> Result<(Vec<String>, u64), (&'static str, String)> {
         ctx.step(
             "restore",
             "preparing disk overlays on the snapshot's layers",
@@ -692,18 +723,16 @@ impl VmActor {
             .disks
             .iter()
             .any(|d| d.snapshot != crate::config::DiskSnapshotMode::Capture);
-        let pending = match pending {
-            Some(job) if shares_a_disk => {
-                ctx.step(
-                    "forensic",
-                    "an excluded disk is shared: waiting for the abandoned VM's save to end",
-                    None,
-                );
-                Some(job.finish())
+        if shares_a_disk && matches!(due, Some(ForensicRam::Saving(_))) {
+            ctx.step(
+                "forensic",
+                "an excluded disk is shared: waiting for the abandoned VM's save to end",
+                None,
+            );
+            if let Some(ForensicRam::Saving(job)) = due.take() {
+                *due = Some(job.finish());
             }
-            Some(job) => Some(ForensicRam::Saving(job)),
-            None => None,
-        };
+        }
         // Likewise an abandoned VM ending beside the restore: gone before `cont` takes the disk.
         let ending = match ending {
             Some(e) if shares_a_disk => {
@@ -747,13 +776,8 @@ impl VmActor {
         if let Some(e) = ending {
             e.wait();
         }
-        if let Some(ram) = pending {
-            // The guest runs again: what is left of the save is waited for now, and the
-            // forensic snapshot (RAM included, or disks alone if the budget ran out) published.
-            forensic = self.keep_forensic(ctx, &target.manifest.snapshot_id, &origin, ram);
-        }
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
-        Ok((revoked, restore_ms.max(rr.load_ms), forensic))
+        Ok((revoked, restore_ms.max(rr.load_ms)))
     }
 }
 
@@ -912,6 +936,9 @@ pub(crate) enum Verify {
 
 /// What replacing the VM did: revocations, the restore time, the forensic snapshot kept.
 type Replaced = (Vec<String>, u64, Option<String>);
+
+/// A disk of the target: id, its chain, the chain's top, the fresh overlay's path, the top's format.
+type PlannedDisk = (String, Vec<PathBuf>, PathBuf, PathBuf, String);
 
 /// Whether `created_at` is strictly before `bound` (both RFC 3339); an unreadable time is not.
 pub(crate) fn created_before(created_at: &str, bound: &str) -> bool {
