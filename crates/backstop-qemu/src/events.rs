@@ -140,15 +140,35 @@ mod tests {
         format!("{{\"event\": \"{name}\", \"data\": {{}}, \"timestamp\": {{\"seconds\": 1, \"microseconds\": 2}}}}")
     }
 
-    fn counter() -> (EventWaker, Arc<AtomicUsize>) {
-        let n = Arc::new(AtomicUsize::new(0));
-        let m = Arc::clone(&n);
-        (
-            Arc::new(move || {
-                m.fetch_add(1, Ordering::SeqCst);
-            }),
-            n,
+    /// A watch on a fake monitor that sends `lines` (then hangs up if `close`), and how many
+    /// times it woke its actor.
+    struct Watched {
+        _dir: tempfile::TempDir,
+        server: std::thread::JoinHandle<()>,
+        watch: EventWatch,
+        woken: Arc<AtomicUsize>,
+    }
+
+    fn watched(lines: Vec<String>, close: bool) -> Watched {
+        let dir = tempfile::tempdir().unwrap();
+        let server = monitor(dir.path(), lines, close);
+        let woken = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&woken);
+        let waker: EventWaker = Arc::new(move || {
+            count.fetch_add(1, Ordering::SeqCst);
+        });
+        let watch = EventWatch::start(
+            &dir.path().join(EVENTS_SOCKET),
+            Duration::from_secs(5),
+            waker,
         )
+        .unwrap();
+        Watched {
+            _dir: dir,
+            server,
+            watch,
+            woken,
+        }
     }
 
     fn wait_for(n: &AtomicUsize, want: usize) {
@@ -165,7 +185,6 @@ mod tests {
 
     #[test]
     fn the_events_that_matter_wake_and_others_do_not() {
-        let dir = tempfile::tempdir().unwrap();
         let lines = vec![
             event("STOP"),
             event("RESUME"),
@@ -174,14 +193,12 @@ mod tests {
             event("GUEST_PANICKED"),
             event("SHUTDOWN"),
         ];
-        let server = monitor(dir.path(), lines, false);
-        let (waker, n) = counter();
-        let w = EventWatch::start(
-            &dir.path().join(EVENTS_SOCKET),
-            Duration::from_secs(5),
-            waker,
-        )
-        .unwrap();
+        let Watched {
+            _dir,
+            server,
+            watch: w,
+            woken: n,
+        } = watched(lines, false);
         wait_for(&n, 3);
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(
@@ -199,15 +216,12 @@ mod tests {
 
     #[test]
     fn a_monitor_that_closes_wakes_once_and_says_so_once() {
-        let dir = tempfile::tempdir().unwrap();
-        let server = monitor(dir.path(), vec![event("STOP")], true);
-        let (waker, n) = counter();
-        let w = EventWatch::start(
-            &dir.path().join(EVENTS_SOCKET),
-            Duration::from_secs(5),
-            waker,
-        )
-        .unwrap();
+        let Watched {
+            _dir,
+            server,
+            watch: w,
+            woken: n,
+        } = watched(vec![event("STOP")], true);
         wait_for(&n, 1);
         assert!(w.take_closed());
         assert!(!w.take_closed(), "said once");
@@ -218,15 +232,12 @@ mod tests {
 
     #[test]
     fn junk_on_the_monitor_ends_the_watch_with_a_wake_never_a_panic() {
-        let dir = tempfile::tempdir().unwrap();
-        let server = monitor(dir.path(), vec!["not json".into()], false);
-        let (waker, n) = counter();
-        let w = EventWatch::start(
-            &dir.path().join(EVENTS_SOCKET),
-            Duration::from_secs(5),
-            waker,
-        )
-        .unwrap();
+        let Watched {
+            _dir,
+            server,
+            watch: w,
+            woken: n,
+        } = watched(vec!["not json".into()], false);
         wait_for(&n, 1);
         drop(w);
         server.join().unwrap();
