@@ -556,8 +556,9 @@ impl VmActor {
         // The disks the ended VM was writing are kept as they are (issue 15: forensic capture),
         // with its RAM when a save runs beside the restore: published as a forensic snapshot
         // once the guest runs again (issue 21: off the rollback's path). A rollback that fails
-        // on the way still publishes the disks (the VM is halted; a person will want them); a
-        // RAM save in flight is then dropped, which ends the abandoned VM.
+        // on the way still publishes the disks when no RAM was being kept (the VM is halted; a
+        // person will want them); a RAM save is then dropped, which ends the abandoned VM, and
+        // nothing is published, as before.
         let origin = self.abandoned();
         let mut due = match ram {
             _ if resume || !was_running => None,
