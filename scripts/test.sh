@@ -30,7 +30,7 @@ start=$SECONDS
 BACKSTOP_REQUIRE_E2E=1 BACKSTOP_QEMU=$qemu10 cargo test -p backstop-e2e \
 	--test rollback --test qemu_versions --test integrity --test restart \
 	--test full_disk --test soak --test firmware --test debian_guest --test drift --test standby \
-	--test chunk_hash -- --test-threads=2
+	--test chunk_hash --test huge_pages -- --test-threads=2
 BACKSTOP_REQUIRE_E2E=1 BACKSTOP_QEMU=$qemu10 cargo test -p backstop-qemu --features fault-injection \
 	--test capture_faults -- --test-threads=2
 # The libvirt backend on QEMU 10 (libvirt 9.0 drives it): the test domains' <emulator> is the

@@ -70,6 +70,9 @@ pub struct LibvirtBackend {
     resume: Resume,
     agent: Option<AgentChannel>,
     capture: Option<Capture>,
+    /// Collapsing the guest RAM's huge pages again after a background snapshot split them
+    /// (`backstop_qemu::huge_pages`); stopped before the next capture and before a pause.
+    regather: Option<backstop_qemu::huge_pages::Regather>,
     /// Captures run as a live pre-copy (`capture = "precopy"`, or `auto` without userfaultfd).
     precopy: bool,
     /// Whether the last pre-copy capture switched the disks (see `capture_switched_disks`).
@@ -143,6 +146,7 @@ impl LibvirtBackend {
             resume: Resume::ByQemu,
             agent: None,
             capture: None,
+            regather: None,
             precopy: false,
             last_switched: false,
             saved_downtime_limit: None,
@@ -227,6 +231,14 @@ impl LibvirtBackend {
             Some(json!({"capabilities": [{"capability": "background-snapshot", "state": on}]})),
         )
         .map(|_| ())
+    }
+
+    /// Stops a huge-page pass still running (at most one `process_madvise` call).
+    fn stop_regather(&mut self) {
+        if let Some(pass) = self.regather.take() {
+            let outcome = pass.stop();
+            tracing::debug!(?outcome, "huge-page pass stopped");
+        }
     }
 
     fn read_pid(&self) -> Option<u32> {
@@ -919,6 +931,7 @@ impl VmBackend for LibvirtBackend {
 
     fn begin_capture(&mut self, switches: &[DiskSwitch]) -> Result<CaptureStream> {
         let step = "capture";
+        self.stop_regather();
         self.reconnect_if_lost();
         let xml = self
             .dom(step)?
@@ -1113,6 +1126,10 @@ impl VmBackend for LibvirtBackend {
         };
         // The next capture must not race QEMU's cleanup of this one.
         self.wait_migration_released(Duration::from_secs(30))?;
+        // Write tracking is off: the huge pages it split may be collapsed again.
+        if let Some(pid) = self.pid {
+            self.regather = Some(backstop_qemu::huge_pages::Regather::start(pid));
+        }
         self.set_background_snapshot(false)?;
         Ok(CaptureReport {
             pause_us: cap.pause_us,
@@ -1232,6 +1249,8 @@ impl VmBackend for LibvirtBackend {
     }
 
     fn pause(&mut self) -> Result<()> {
+        // A rollback starts here: its restore wants the CPUs.
+        self.stop_regather();
         if self.state()?.0 == DomainState::Paused {
             return Ok(());
         }

@@ -24,6 +24,7 @@ mod agent;
 mod cmdline;
 pub mod devices;
 mod events;
+pub mod huge_pages;
 pub mod qga;
 pub mod qmp;
 mod serial_log;
@@ -183,9 +184,28 @@ struct Running {
     /// Reads its listen-only events monitor and wakes the actor (`events.rs`); `None` until
     /// the engine hands a waker, or if the monitor could not be read (the tick still looks).
     events: Option<events::EventWatch>,
+    /// Collapsing the guest RAM's huge pages again after the last capture split them
+    /// (`huge_pages.rs`); stopped before the next capture's pause or a rollback's.
+    regather: Option<huge_pages::Regather>,
 }
 
 impl Running {
+    /// Stops a huge-page pass still running (one `process_madvise` call at most: a few ms), so
+    /// that it never competes with a pause.
+    fn stop_regather(&mut self) {
+        if let Some(pass) = self.regather.take() {
+            let outcome = pass.stop();
+            tracing::debug!(?outcome, "huge-page pass stopped");
+        }
+    }
+
+    /// After a background snapshot (which splits every huge page of guest RAM it saved): starts
+    /// a pass that collapses them again, off any pause.
+    fn start_regather(&mut self) {
+        self.stop_regather();
+        self.regather = Some(huge_pages::Regather::start(self.child.id()));
+    }
+
     /// Backstop's agent channel and qemu-ga's: nothing more is read from the guest or said to it.
     fn close_guest_channels(&mut self) {
         self.agent.close();
@@ -526,6 +546,7 @@ impl QemuBackend {
             restore: None,
             plan,
             events: self.watch_events(),
+            regather: None,
         })
     }
 
@@ -787,6 +808,7 @@ impl VmBackend for QemuBackend {
             .as_mut()
             .ok_or(BackendError::NotRunning { step: "capture" })?;
         let plan = r.plan;
+        r.stop_regather();
         // A migration still being cleaned up would make `migrate` fail (duplicate yank instance).
         pause::wait_migration_released(&mut r.qmp, t, t)?;
         // Run-state and migration events of earlier captures and pauses must not be taken for
@@ -966,6 +988,11 @@ impl VmBackend for QemuBackend {
             .unwrap_or(Value::Null);
         // The next capture must not race QEMU's cleanup of this one.
         let released = pause::wait_migration_released(&mut r.qmp, t, t);
+        // Write tracking is off once the migration ended (in any way): huge pages may be
+        // collapsed again from here on.
+        if done.is_ok() {
+            r.start_regather();
+        }
         let status = done?
             .data
             .get("status")
@@ -1083,6 +1110,8 @@ impl VmBackend for QemuBackend {
     fn pause(&mut self) -> Result<()> {
         let t = self.short_timeout();
         let r = self.running_mut("pause")?;
+        // A rollback starts here: its restore wants the CPUs.
+        r.stop_regather();
         r.qmp.execute("stop", None, t)?;
         Ok(())
     }

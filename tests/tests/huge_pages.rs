@@ -1,0 +1,138 @@
+//! After each background snapshot the guest's RAM is mapped in huge pages again (issue 21, the
+//! pause). QEMU's background snapshot lifts its write protection page by page and so splits
+//! every huge page of guest RAM it saves; the next snapshot's write protection, inside the
+//! guest's pause, then walks 512 times as many entries (crates/backstop-qemu/src/huge_pages.rs
+//! has the measurements). backstop collapses them again once a capture is over. Runs against
+//! every QEMU the tests are given (`BACKSTOP_QEMU`; scripts/test.sh runs it on 7.2 and 10.0).
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use backstop_e2e::{skip_for, skip_unless_ready, Daemon};
+
+const BOOT: Duration = Duration::from_secs(90);
+const STEP: Duration = Duration::from_secs(60);
+/// How long the collapse may take after a snapshot answered: ~0.5 ms per huge page here, a few
+/// hundred ms for the test guest; generous for a loaded CI machine.
+const REGATHER: Duration = Duration::from_secs(30);
+
+/// The guest RAM mapping of a QEMU process: its largest private anonymous writable mapping
+/// (`-m` RAM is one). Returns (size, resident, resident in huge pages) in bytes.
+fn guest_ram(pid: u64) -> (u64, u64, u64) {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut best = (0, 0, 0);
+    let mut cur: Option<(u64, u64, u64)> = None;
+    let finish = |c: Option<(u64, u64, u64)>, best: &mut (u64, u64, u64)| {
+        if let Some(c) = c {
+            if c.0 > best.0 {
+                *best = c;
+            }
+        }
+    };
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let header = fields.len() >= 5
+            && fields[0].contains('-')
+            && fields[3].contains(':')
+            && fields[1].len() == 4;
+        if header {
+            finish(cur.take(), &mut best);
+            let anon_private_rw = fields.len() == 5 && fields[1] == "rw-p";
+            if anon_private_rw {
+                let (a, b) = fields[0].split_once('-').unwrap();
+                let size =
+                    u64::from_str_radix(b, 16).unwrap() - u64::from_str_radix(a, 16).unwrap();
+                cur = Some((size, 0, 0));
+            }
+            continue;
+        }
+        let Some(c) = cur.as_mut() else { continue };
+        let kib = || {
+            fields
+                .get(1)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+                * 1024
+        };
+        match fields.first() {
+            Some(&"Rss:") => c.1 = kib(),
+            Some(&"AnonHugePages:") => c.2 = kib(),
+            _ => {}
+        }
+    }
+    finish(cur.take(), &mut best);
+    best
+}
+
+#[test]
+fn guest_ram_is_mapped_huge_again_after_each_snapshot() {
+    let test = "guest_ram_is_mapped_huge_again_after_each_snapshot";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    if !thp.contains("[always]") && !thp.contains("[madvise]") {
+        skip_for(
+            test,
+            &format!("transparent huge pages are off on this host ({thp:?})"),
+        );
+        return;
+    }
+    let d = Daemon::start("huge-pages");
+    d.wait_tick(0, 2, BOOT);
+    let pid = d.status()["pid"].as_u64().unwrap();
+    let (size, rss, huge) = guest_ram(pid);
+    eprintln!(
+        "after boot: guest RAM mapping {} MiB, resident {} MiB, huge {} MiB",
+        size >> 20,
+        rss >> 20,
+        huge >> 20
+    );
+    assert!(
+        size >= 256 << 20,
+        "no guest RAM mapping found in QEMU's smaps: {size}"
+    );
+    // The daemon's own baseline snapshot after boot, then two more: it holds snapshot after
+    // snapshot.
+    let t0 = Instant::now();
+    while d.ok(&["snapshot", "list"])["snapshots"]
+        .as_array()
+        .is_none_or(|s| s.is_empty())
+    {
+        assert!(t0.elapsed() < STEP, "no baseline snapshot");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for i in 0..3 {
+        if i > 0 {
+            let top = d.last_tick().unwrap().ram;
+            d.wait_tick(0, top + 1, STEP);
+            d.ok(&["snapshot", "create", "--reason", &format!("huge pages {i}")]);
+        }
+        let t0 = Instant::now();
+        let (rss, huge) = loop {
+            let (_, rss, huge) = guest_ram(pid);
+            // Without the collapse this stays near 0 for minutes (khugepaged's pace).
+            if (huge * 2 >= rss && rss > 0) || t0.elapsed() > REGATHER {
+                break (rss, huge);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        eprintln!(
+            "snapshot {i}: resident {} MiB, huge {} MiB again after {} ms",
+            rss >> 20,
+            huge >> 20,
+            t0.elapsed().as_millis()
+        );
+        assert!(
+            huge * 2 >= rss && rss > 0,
+            "snapshot {i}: the guest RAM's huge pages were not collapsed again within {REGATHER:?}: \
+             resident {rss}, huge {huge}; log:\n{}",
+            backstop_e2e::tail(&d.log(), 20)
+        );
+    }
+    // The same QEMU all along, still running its guest.
+    assert_eq!(d.status()["pid"].as_u64().unwrap(), pid);
+    let top = d.last_tick().unwrap().ram;
+    d.wait_tick(0, top + 1, STEP);
+}
