@@ -12,7 +12,14 @@ Prints per snapshot the host-side steps and QEMU's own event times (STOP, MIGRAT
 RESUME: the guest's pause is STOP -> RESUME), then the medians.
 
 On QEMU 7.2/8.x QEMU resumes the guest by itself after the snapshot's setup; the script still
-sends `cont`, which is then a no-op, so use it on >= 9.0.
+sends `cont`, which is then a no-op (the STOP -> RESUME pause is still QEMU's own).
+
+Each line also shows how much of the guest's RAM is mapped in huge pages before that snapshot
+(`AnonHugePages` of QEMU's guest RAM mapping): QEMU's background snapshot splits them all, and
+the next snapshot's write protection then walks 512 times as many entries. With `--collapse`
+the script collapses them again before each snapshot as backstop does after each capture
+(`process_madvise(MADV_COLLAPSE)` over the whole mapping here, which also fills never-touched
+ranges; backstop collapses only wholly resident ranges, crates/backstop-qemu/src/huge_pages.rs).
 
     python3 bench/pause_probe.py --qemu QEMU10 --memory-mib 1024 --fill-mib 400 --reps 5
 """
@@ -35,6 +42,45 @@ import contenders as C  # noqa: E402
 import qmp as qmplib  # noqa: E402
 
 F_SETPIPE_SZ = 1031
+SYS_PIDFD_OPEN, SYS_PROCESS_MADVISE, MADV_COLLAPSE = 434, 440, 25
+
+
+def guest_ram(pid, size):
+    """QEMU's guest RAM mapping (the anonymous private one of at least `size` bytes) from its
+    smaps: (start, end, resident bytes, huge-mapped bytes)."""
+    found, cur = None, None
+    for line in open(f"/proc/{pid}/smaps"):
+        f = line.split()
+        if len(f) >= 5 and "-" in f[0] and ":" in f[3] and len(f[1]) == 4:
+            a, b = (int(x, 16) for x in f[0].split("-"))
+            cur = [a, b, 0, 0] if len(f) == 5 and f[1] == "rw-p" and b - a >= size else None
+            if cur:
+                found = cur
+        elif cur is not None and f and f[0] in ("Rss:", "AnonHugePages:"):
+            cur[2 if f[0] == "Rss:" else 3] = int(f[1]) * 1024
+    return found
+
+
+def collapse(pid, start, length):
+    """process_madvise(MADV_COLLAPSE) over [start, start+length) of `pid`; ms taken."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class IoVec(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+    pidfd = libc.syscall(SYS_PIDFD_OPEN, pid, 0)
+    if pidfd < 0:
+        raise OSError(ctypes.get_errno(), "pidfd_open")
+    t = time.monotonic()
+    try:
+        iov = IoVec(start, length)
+        if libc.syscall(SYS_PROCESS_MADVISE, pidfd, ctypes.byref(iov), 1, MADV_COLLAPSE, 0) < 0:
+            err = ctypes.get_errno()
+            if err != 11:  # EAGAIN: some range busy; the rest was done
+                raise OSError(err, "process_madvise(MADV_COLLAPSE)")
+    finally:
+        os.close(pidfd)
+    return (time.monotonic() - t) * 1e3
 
 
 class Disk:
@@ -118,6 +164,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--switch", action="store_true",
                     help="switch the disk to a fresh overlay inside each pause, as backstop does")
+    ap.add_argument("--collapse", action="store_true",
+                    help="collapse the guest RAM's huge pages again before each snapshot")
     ap.add_argument("--guest-dir", default=os.environ.get("BACKSTOP_GUEST_DIR")
                     or os.path.expanduser("~/.cache/backstop/guest"))
     a = ap.parse_args()
@@ -151,6 +199,12 @@ def main():
         pauses, rows = [], []
         disk_state = Disk(disk, "disk-data") if a.switch else None
         for rep in range(a.reps):
+            ram = guest_ram(proc.pid, a.memory_mib << 20)
+            thp = f"huge {ram[3] >> 20}/{ram[2] >> 20} MiB resident" if ram else "no guest RAM mapping found"
+            if a.collapse and ram:
+                ms = collapse(proc.pid, ram[0], ram[1] - ram[0])
+                after = guest_ram(proc.pid, a.memory_mib << 20)
+                thp += f", collapsed in {ms:.0f} ms -> {after[3] >> 20}/{after[2] >> 20} MiB"
             host, events = snapshot_once(q, disk_state)
             base = qmplib.event_us(events[0]) if events else 0
             marks = " ".join(
@@ -162,9 +216,12 @@ def main():
                 pauses.append((qmplib.event_us(resumes[0]) - qmplib.event_us(stops[0])) / 1e3)
             rows.append(host)
             print(f"snapshot {rep + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items())
-                  + f" ms | QEMU events (ms): {marks}", flush=True)
+                  + f" ms | QEMU events (ms): {marks} | before it: {thp}", flush=True)
             time.sleep(2)
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        later = pauses[1:] or pauses
+        print(f"guest pause STOP->RESUME: first {pauses[0]:.2f} ms, later ones median {statistics.median(later):.2f} ms"
+              + (" (huge pages collapsed before each)" if a.collapse else ""))
         print(f"QEMU {a.qemu}, {a.memory_mib} MiB, {a.fill_mib} MiB resident, {a.reps} snapshot(s); medians (ms): "
               + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
               + (f"; guest pause STOP->RESUME {statistics.median(pauses):.2f}" if pauses else ""))

@@ -864,6 +864,68 @@ pub fn cli_as_groups(
 
 use std::os::unix::process::CommandExt;
 
+/// The guest RAM mapping of a QEMU process (issue 21, huge pages): its largest private anonymous writable mapping
+/// (`-m` RAM is one). Returns (size, resident, resident in huge pages) in bytes.
+pub fn qemu_guest_ram(pid: u64) -> (u64, u64, u64) {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut best = (0, 0, 0);
+    let mut cur: Option<(u64, u64, u64)> = None;
+    let finish = |c: Option<(u64, u64, u64)>, best: &mut (u64, u64, u64)| {
+        if let Some(c) = c {
+            if c.0 > best.0 {
+                *best = c;
+            }
+        }
+    };
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let header = fields.len() >= 5
+            && fields[0].contains('-')
+            && fields[3].contains(':')
+            && fields[1].len() == 4;
+        if header {
+            finish(cur.take(), &mut best);
+            let anon_private_rw = fields.len() == 5 && fields[1] == "rw-p";
+            if anon_private_rw {
+                let (a, b) = fields[0].split_once('-').unwrap();
+                let size =
+                    u64::from_str_radix(b, 16).unwrap() - u64::from_str_radix(a, 16).unwrap();
+                cur = Some((size, 0, 0));
+            }
+            continue;
+        }
+        let Some(c) = cur.as_mut() else { continue };
+        let kib = || {
+            fields
+                .get(1)
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0)
+                * 1024
+        };
+        match fields.first() {
+            Some(&"Rss:") => c.1 = kib(),
+            Some(&"AnonHugePages:") => c.2 = kib(),
+            _ => {}
+        }
+    }
+    finish(cur.take(), &mut best);
+    best
+}
+
+/// Waits up to `within` until at least half of a QEMU's resident guest RAM is mapped in huge
+/// pages (what backstop restores after each background snapshot); returns (resident bytes,
+/// huge-mapped bytes, how long it took) at the end, whether or not it got there.
+pub fn wait_guest_ram_huge(pid: u64, within: Duration) -> (u64, u64, Duration) {
+    let t0 = Instant::now();
+    loop {
+        let (_, rss, huge) = qemu_guest_ram(pid);
+        if (huge * 2 >= rss && rss > 0) || t0.elapsed() > within {
+            return (rss, huge, t0.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,61 +8,15 @@
 
 use std::time::{Duration, Instant};
 
-use backstop_e2e::{skip_for, skip_unless_ready, Daemon};
+use backstop_e2e::{
+    qemu_guest_ram as guest_ram, skip_for, skip_unless_ready, wait_guest_ram_huge, Daemon,
+};
 
 const BOOT: Duration = Duration::from_secs(90);
 const STEP: Duration = Duration::from_secs(60);
 /// How long the collapse may take after a snapshot answered: ~0.5 ms per huge page here, a few
 /// hundred ms for the test guest; generous for a loaded CI machine.
 const REGATHER: Duration = Duration::from_secs(30);
-
-/// The guest RAM mapping of a QEMU process: its largest private anonymous writable mapping
-/// (`-m` RAM is one). Returns (size, resident, resident in huge pages) in bytes.
-fn guest_ram(pid: u64) -> (u64, u64, u64) {
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
-    let mut best = (0, 0, 0);
-    let mut cur: Option<(u64, u64, u64)> = None;
-    let finish = |c: Option<(u64, u64, u64)>, best: &mut (u64, u64, u64)| {
-        if let Some(c) = c {
-            if c.0 > best.0 {
-                *best = c;
-            }
-        }
-    };
-    for line in smaps.lines() {
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let header = fields.len() >= 5
-            && fields[0].contains('-')
-            && fields[3].contains(':')
-            && fields[1].len() == 4;
-        if header {
-            finish(cur.take(), &mut best);
-            let anon_private_rw = fields.len() == 5 && fields[1] == "rw-p";
-            if anon_private_rw {
-                let (a, b) = fields[0].split_once('-').unwrap();
-                let size =
-                    u64::from_str_radix(b, 16).unwrap() - u64::from_str_radix(a, 16).unwrap();
-                cur = Some((size, 0, 0));
-            }
-            continue;
-        }
-        let Some(c) = cur.as_mut() else { continue };
-        let kib = || {
-            fields
-                .get(1)
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0)
-                * 1024
-        };
-        match fields.first() {
-            Some(&"Rss:") => c.1 = kib(),
-            Some(&"AnonHugePages:") => c.2 = kib(),
-            _ => {}
-        }
-    }
-    finish(cur.take(), &mut best);
-    best
-}
 
 #[test]
 fn guest_ram_is_mapped_huge_again_after_each_snapshot() {
@@ -109,20 +63,12 @@ fn guest_ram_is_mapped_huge_again_after_each_snapshot() {
             d.wait_tick(0, top + 1, STEP);
             d.ok(&["snapshot", "create", "--reason", &format!("huge pages {i}")]);
         }
-        let t0 = Instant::now();
-        let (rss, huge) = loop {
-            let (_, rss, huge) = guest_ram(pid);
-            // Without the collapse this stays near 0 for minutes (khugepaged's pace).
-            if (huge * 2 >= rss && rss > 0) || t0.elapsed() > REGATHER {
-                break (rss, huge);
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        };
+        let (rss, huge, took) = wait_guest_ram_huge(pid, REGATHER);
         eprintln!(
             "snapshot {i}: resident {} MiB, huge {} MiB again after {} ms",
             rss >> 20,
             huge >> 20,
-            t0.elapsed().as_millis()
+            took.as_millis()
         );
         assert!(
             huge * 2 >= rss && rss > 0,

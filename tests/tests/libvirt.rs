@@ -1672,3 +1672,59 @@ fn libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event() {
     );
     d.kill9();
 }
+
+/// Issue 21, the pause: after each background snapshot of an adopted domain, its QEMU's guest
+/// RAM is mapped in huge pages again (QEMU's snapshot splits them all; see
+/// crates/backstop-qemu/src/huge_pages.rs and tests/huge_pages.rs for the QEMU backend).
+#[test]
+fn libvirt_guest_ram_is_mapped_huge_again_after_each_snapshot() {
+    let test = "libvirt_guest_ram_is_mapped_huge_again_after_each_snapshot";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    if !thp.contains("[always]") && !thp.contains("[madvise]") {
+        backstop_e2e::skip_for(test, &format!("transparent huge pages are off ({thp:?})"));
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    let dom = TestDomain::start("bs-e2e-huge", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let pid = dom.pid();
+    let (name, l2) = (dom.name.clone(), dom.layers());
+    let mut d = Daemon::prepare_custom(
+        "lv-huge",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &[],
+    );
+    d.launch();
+    let adopted = d.wait_journal(STEP, "vm.adopted", |e| e["event"] == "vm.adopted");
+    assert_eq!(adopted["fields"]["capture_mode"], "bg");
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    for i in 0..3 {
+        if i > 0 {
+            d.ok(&["snapshot", "create", "--reason", "huge pages"]);
+        }
+        let (rss, huge, took) =
+            backstop_e2e::wait_guest_ram_huge(u64::from(pid), Duration::from_secs(30));
+        eprintln!(
+            "libvirt snapshot {i}: resident {} MiB, huge {} MiB again after {} ms",
+            rss >> 20,
+            huge >> 20,
+            took.as_millis()
+        );
+        assert!(
+            huge * 2 >= rss && rss > 0,
+            "snapshot {i}: the domain's guest RAM was not mapped huge again: resident {rss}, \
+             huge {huge}; log:\n{}",
+            backstop_e2e::tail(&d.log(), 20)
+        );
+        assert_eq!(dom.pid(), pid, "one QEMU instance");
+    }
+    assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
+    d.kill9();
+}
