@@ -12,6 +12,9 @@
 //!   [`pause::RunStateGuard`], and an abandoned capture is drained to its end, never cancelled
 //!   (see [`pause::drain_to_end`]). A capture waits for QEMU's cleanup of the previous one (its
 //!   `migration` yank instance) before `migrate`.
+//! * After a capture, the guest RAM's huge pages, which QEMU's snapshot split, are collapsed
+//!   again on a thread ([`huge_pages`]), stopped before the next capture or a rollback's pause:
+//!   otherwise every later snapshot's write protection walks 512 times as many entries.
 //! * Restore: a fresh QEMU started with `-incoming defer -S`, state written into a pipe handed over
 //!   with `getfd` + `migrate-incoming fd:`, then checked while still paused.
 //! * Supervision: QEMU gets `PR_SET_PDEATHSIG(SIGKILL)`, so a guest never runs on after its
