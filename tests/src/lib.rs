@@ -864,6 +864,20 @@ pub fn cli_as_groups(
 
 use std::os::unix::process::CommandExt;
 
+/// Skips `test` loudly when the host gives no transparent huge pages (nothing to collapse).
+pub fn skip_unless_huge_pages(test: &str) -> bool {
+    let thp =
+        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
+    if thp.contains("[always]") || thp.contains("[madvise]") {
+        return false;
+    }
+    skip_for(
+        test,
+        &format!("transparent huge pages are off on this host ({thp:?})"),
+    );
+    true
+}
+
 /// The guest RAM mapping of a QEMU process (issue 21, huge pages): its largest private anonymous writable mapping
 /// (`-m` RAM is one). Returns (size, resident, resident in huge pages) in bytes.
 pub fn qemu_guest_ram(pid: u64) -> (u64, u64, u64) {

@@ -8,9 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use backstop_e2e::{
-    qemu_guest_ram as guest_ram, skip_for, skip_unless_ready, wait_guest_ram_huge, Daemon,
-};
+use backstop_e2e::{qemu_guest_ram as guest_ram, skip_unless_ready, wait_guest_ram_huge, Daemon};
 
 const BOOT: Duration = Duration::from_secs(90);
 const STEP: Duration = Duration::from_secs(60);
@@ -24,13 +22,7 @@ fn guest_ram_is_mapped_huge_again_after_each_snapshot() {
     if skip_unless_ready(test) {
         return;
     }
-    let thp =
-        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    if !thp.contains("[always]") && !thp.contains("[madvise]") {
-        skip_for(
-            test,
-            &format!("transparent huge pages are off on this host ({thp:?})"),
-        );
+    if backstop_e2e::skip_unless_huge_pages(test) {
         return;
     }
     let d = Daemon::start("huge-pages");

@@ -1682,10 +1682,7 @@ fn libvirt_guest_ram_is_mapped_huge_again_after_each_snapshot() {
     if skip_unless_libvirt(test) {
         return;
     }
-    let thp =
-        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
-    if !thp.contains("[always]") && !thp.contains("[madvise]") {
-        backstop_e2e::skip_for(test, &format!("transparent huge pages are off ({thp:?})"));
+    if backstop_e2e::skip_unless_huge_pages(test) {
         return;
     }
     let _libvirtd = libvirtd_shared();
