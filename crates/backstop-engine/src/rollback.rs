@@ -249,6 +249,10 @@ impl VmActor {
                     repeat_of: None,
                     forensic_snapshot_id: forensic.clone(),
                 };
+                // The whole view (the fresh QEMU's pid, the snapshots) before the journal says
+                // the rollback completed: a reader who sees that and asks `status` sees the
+                // restored VM, not the last turn's view of the ended one (seen in CI).
+                self.publish();
                 self.journal(AuditEvent::SnapshotRestoreCompleted, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "ok",
                     "epoch": report.epoch, "total_ms": report.total_ms, "restore_ms": restore_ms,
@@ -571,6 +575,12 @@ impl VmActor {
         match (restored, due) {
             (Ok((revoked, restore_ms)), due) => {
                 let forensic = due.and_then(|ram| self.keep_forensic(ctx, target_id, &origin, ram));
+                // The rollback is over only once its forensic record is published: until then
+                // `status` says rolling back, so nobody takes the VM for idle while that
+                // snapshot is still being built (the crash loop's "no half-built snapshot"
+                // check saw one). The guest already runs.
+                self.transition(Transition::RolledBack, &ctx.trace_id.clone())
+                    .map_err(|e| ("record the new state", e.to_string()))?;
                 Ok((revoked, restore_ms, forensic))
             }
             (Err(e), Some(ForensicRam::Skipped(why))) => {
@@ -754,8 +764,7 @@ impl VmActor {
         self.records
             .clear_inflight()
             .map_err(|e| ("remove rollback marker", e.to_string()))?;
-        self.transition(Transition::RolledBack, &ctx.trace_id.clone())
-            .map_err(|e| ("record the new state", e.to_string()))?;
+        // (The state becomes running in `replace_vm`, once the forensic record is published.)
         self.running_since = Some(Instant::now());
         if !resume {
             let _ = self.backend.notify_epoch(self.vm.epoch);
