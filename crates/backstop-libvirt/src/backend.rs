@@ -235,10 +235,7 @@ impl LibvirtBackend {
 
     /// Stops a huge-page pass still running (at most one `process_madvise` call).
     fn stop_regather(&mut self) {
-        if let Some(pass) = self.regather.take() {
-            let outcome = pass.stop();
-            tracing::debug!(?outcome, "huge-page pass stopped");
-        }
+        backstop_qemu::huge_pages::Regather::stop_in(&mut self.regather);
     }
 
     fn read_pid(&self) -> Option<u32> {

@@ -148,7 +148,7 @@ fn kib(value: &str) -> u64 {
 }
 
 /// The 2 MiB-aligned ranges inside `[start, end)`, grouped into runs of adjacent collapsible
-/// ones, given a way to read the pagemap entries of `pages` pages from an address.
+/// ones, given a way to fill a slice with the pagemap entries of the pages from an address.
 fn collapsible_ranges(
     start: u64,
     end: u64,
@@ -223,15 +223,19 @@ impl Regather {
         Self { stop, thread }
     }
 
-    /// Whether the pass is over.
-    pub fn is_finished(&self) -> bool {
-        self.thread.as_ref().is_none_or(JoinHandle::is_finished)
-    }
-
     /// Asks the pass to stop after its current call and waits for it (one call: a few ms).
     pub fn stop(mut self) -> Outcome {
         self.stop.store(true, Ordering::SeqCst);
         self.join()
+    }
+
+    /// Stops the pass held in `slot`, if any (both backends keep one per QEMU), and logs what
+    /// it did.
+    pub fn stop_in(slot: &mut Option<Regather>) {
+        if let Some(pass) = slot.take() {
+            let outcome = pass.stop();
+            tracing::debug!(?outcome, "huge-page pass stopped");
+        }
     }
 
     /// Waits for the pass to end by itself.

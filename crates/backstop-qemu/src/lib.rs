@@ -196,10 +196,7 @@ impl Running {
     /// Stops a huge-page pass still running (one `process_madvise` call at most: a few ms), so
     /// that it never competes with a pause.
     fn stop_regather(&mut self) {
-        if let Some(pass) = self.regather.take() {
-            let outcome = pass.stop();
-            tracing::debug!(?outcome, "huge-page pass stopped");
-        }
+        huge_pages::Regather::stop_in(&mut self.regather);
     }
 
     /// After a background snapshot (which splits every huge page of guest RAM it saved): starts
