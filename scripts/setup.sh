@@ -24,6 +24,7 @@ declare -A needs=(
 	[xz-utils]=/usr/bin/xz        # unpacks the kernel out of its bzImage
 	[ovmf]=/usr/share/OVMF/OVMF_CODE_4M.fd # UEFI firmware (firmware = "ovmf" tests)
 	[iproute2]=/sbin/ip                    # network namespace, bridge and tap of the tap-NIC test
+	[python3]=/usr/bin/python3             # scripts/run-tests.py, the benchmarks
 )
 
 installed() {
@@ -46,7 +47,7 @@ if ((${#missing[@]})); then
 	# that some images ship; asking for bookworm's qemu-utils alongside keeps
 	# a matching one, downgrading if needed.
 	apt-get install -y -q --allow-downgrades \
-		qemu-system-x86 qemu-utils/bookworm busybox-static cpio kmod xz-utils ovmf iproute2 ||
+		qemu-system-x86 qemu-utils/bookworm busybox-static cpio kmod xz-utils ovmf iproute2 python3 ||
 		die "apt-get install failed"
 	for pkg in "${!needs[@]}"; do
 		[[ -e ${needs[$pkg]} ]] || die "$pkg installed but ${needs[$pkg]} is missing"
