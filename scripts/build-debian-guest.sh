@@ -31,8 +31,10 @@
 # on ttyS0 works; there is no network service), qemu-guest-agent is started
 # by udev when the org.qemu.guest_agent.0 virtio-serial port appears, and
 # backstop-up.service prints "BACKSTOP debian up" on ttyS0 after
-# multi-user.target, and backstop-marker.service writes a file 50 s after
-# boot and says every 2 s whether it is there (the rollback tests' workload) (qemu-ga has been started by then, but may take a few
+# multi-user.target, and backstop-marker.service writes a file 100 s after
+# boot and says every 2 s whether it is there (the rollback tests' workload;
+# at 50 s a run with other tests beside it wrote the file before its first
+# snapshot was done, and the test proved nothing) (qemu-ga has been started by then, but may take a few
 # hundred ms more to answer under TCG: retry guest-ping / guest-sync).
 # Timers and services that would write to the disk on their own are masked,
 # drivers for unused q35 devices are blacklisted (iTCO_wdt among them, so
