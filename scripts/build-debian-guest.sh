@@ -31,10 +31,11 @@
 # on ttyS0 works; there is no network service), qemu-guest-agent is started
 # by udev when the org.qemu.guest_agent.0 virtio-serial port appears, and
 # backstop-up.service prints "BACKSTOP debian up" on ttyS0 after
-# multi-user.target, and backstop-marker.service writes a file 100 s after
+# multi-user.target, and backstop-marker.service writes a file 300 s after
 # boot and says every 2 s whether it is there (the rollback tests' workload;
-# at 50 s a run with other tests beside it wrote the file before its first
-# snapshot was done, and the test proved nothing) (qemu-ga has been started by then, but may take a few
+# with other tests beside it on 2 cores, the boot, the first pong and the
+# first snapshot took more than 100 s of the guest's uptime, and at 50 s or
+# 100 s the file was written before that snapshot: the test proved nothing) (qemu-ga has been started by then, but may take a few
 # hundred ms more to answer under TCG: retry guest-ping / guest-sync).
 # Timers and services that would write to the disk on their own are masked,
 # drivers for unused q35 devices are blacklisted (iTCO_wdt among them, so

@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -233,6 +234,16 @@ def main():
         p.wait()
         with lock:
             lock.notify()
+
+    # Interrupted (Ctrl-C, a CI timeout): the running test binaries are ended too, as `cargo test`
+    # ends its one, instead of running on unattended.
+    def on_signal(signum, frame):
+        for p, _, _ in running.values():
+            p.terminate()
+        log(f"interrupted (signal {signum}): ended {len(running)} running test binaries")
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
 
     failed = []
     while pending or running:

@@ -39,7 +39,7 @@ echo "test.sh: the QEMU 10 pass runs on $("$qemu10" --version | head -n1)" >&2
 BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_REQUIRE_CEPH=1 \
 	flock -o /tmp/backstop-libvirt-e2e.lock python3 scripts/run-tests.py \
 	--slots "${BACKSTOP_TEST_SLOTS:-3}" --exclusive libvirt,live \
-	--first libvirt,offsite,soak,watchdog,crash_loop,many_vms,replay,devices,policy,debian_guest \
+	--first libvirt,debian_guest,offsite,soak,watchdog,crash_loop,many_vms,replay,devices,policy \
 	--pass "qemu10 BACKSTOP_QEMU=$qemu10 BACKSTOP_SOAK_SNAPSHOTS=50 rollback qemu_versions
 		integrity restart full_disk soak firmware debian_guest drift standby chunk_hash
 		huge_pages capture_faults" \

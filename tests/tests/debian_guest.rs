@@ -95,11 +95,12 @@ boot_grace_s = 300
         !d.serial().contains("BACKSTOP debian marker written"),
         "the guest wrote its file before the snapshot (boot too slow?): the test proves nothing"
     );
-    // The guest writes the file (synced to its disk).
+    // The guest writes the file (synced to its disk) 300 s after its boot
+    // (scripts/debian-guest/overlay/usr/local/sbin/backstop-marker).
     let written = d.wait_serial(
         0,
         "BACKSTOP debian marker written",
-        Duration::from_secs(120),
+        Duration::from_secs(360),
     );
     d.wait_serial(
         written,
