@@ -16,7 +16,9 @@ tail): `--pass "qemu10 BACKSTOP_QEMU=/path rollback integrity -- filter"` runs t
 (test targets or crates' unit tests by target name) with that environment and those test filters,
 each labelled with the pass's tag.
 
-Scheduling: a binary holds min(its test count, --threads-per-binary) slots of --slots. Binaries
+Scheduling: a binary holds min(its test count, --threads-per-binary) slots of --slots. An --alone binary
+holds every slot: nothing runs beside it, as under `cargo test` (offsite.rs: one of its checks
+failed once with other tests beside it, unexplained). Binaries
 named together in an --exclusive group never run at the same time (they share a host daemon one of
 them restarts: libvirtd). The longest binaries start first, by the durations the last run on this
 checkout recorded in target/test-times.json; on a fresh checkout the --first hint orders them.
@@ -158,6 +160,8 @@ def main():
                     help="the most test threads one binary gets (default 2)")
     ap.add_argument("--exclusive", action="append", default=[], metavar="A,B,...",
                     help="test targets that never run at the same time as each other")
+    ap.add_argument("--alone", default="", metavar="A,B,...",
+                    help="targets that run with no other binary beside them (all slots held)")
     ap.add_argument("--first", default="", metavar="A,B,...",
                     help="targets to start first when no recorded durations exist")
     ap.add_argument("--pass", dest="passes", action="append", default=[], metavar="SPEC",
@@ -168,6 +172,7 @@ def main():
     if opts.slots < 1 or opts.threads_per_binary < 1:
         die("--slots and --threads-per-binary must be at least 1")
 
+    alone = {t for t in opts.alone.split(",") if t}
     built = build(cargo_args)
     jobs = [("", {}, None, bin_args)] + [parse_pass(p) for p in opts.passes]
     binaries = []
@@ -185,6 +190,8 @@ def main():
                     die(f"pass {tag}: {label} has no test matching {args}")
                 continue
             slots = min(n, opts.threads_per_binary, opts.slots)
+            if name in alone:
+                slots = opts.slots
             full = f"{label} @{tag}" if tag else label
             binaries.append(Binary(full, name, exe, cwd, env, args, n, slots))
     if not binaries:
@@ -222,13 +229,15 @@ def main():
         nonlocal free
         out = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, CARGO_MANIFEST_DIR=b.cwd, **b.env)
+        threads = min(b.slots, b.tests, opts.threads_per_binary)
         p = subprocess.Popen(
-            [b.exe, f"--test-threads={b.slots}", *b.args],
+            [b.exe, f"--test-threads={threads}", *b.args],
             cwd=b.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
         running[b] = (p, out, time.monotonic())
         free -= b.slots
-        log(f"start {b.label} ({b.tests} tests, {b.slots} threads)")
+        log(f"start {b.label} ({b.tests} tests, {threads} threads"
+            f"{', alone' if b.slots == opts.slots and b.slots > threads else ''})")
 
     def waiter(b, p):
         p.wait()
@@ -250,11 +259,15 @@ def main():
         with lock:
             # Start, in order, every binary that fits; one that does not fit (or is excluded)
             # waits without holding back smaller ones behind it.
+            # An --alone binary next in line is waited for: nothing new starts until the running
+            # ones have ended, or 1-slot binaries would keep it waiting to the end of the run.
             for b in list(pending):
                 if b.slots <= free and not blocked(b):
                     pending.remove(b)
                     start(b)
                     threading.Thread(target=waiter, args=(b, running[b][0]), daemon=True).start()
+                elif b.name in alone and not blocked(b):
+                    break
             if not any(p.poll() is not None for p, _, _ in running.values()):
                 lock.wait(timeout=1.0)
             for b in [b for b, (p, _, _) in running.items() if p.poll() is not None]:

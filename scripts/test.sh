@@ -35,11 +35,14 @@ cargo build --workspace --all-targets --features "$features"
 # it) and flip a host sysctl: their binaries never overlap (--exclusive). The lock is the one
 # developers take around libvirt tests on a shared machine; -o keeps the libvirtd a test
 # restarts from inheriting it.
+# offsite.rs runs alone, as under `cargo test`: with other tests beside it, its kill -9 during a
+# throttled upload was once followed by a resumed upload that found none of the objects sent
+# before the kill (objects_present 0; not explained yet, see issue 21's note of 2026-11-27).
 echo "test.sh: the QEMU 10 pass runs on $("$qemu10" --version | head -n1)" >&2
 BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_REQUIRE_CEPH=1 \
 	flock -o /tmp/backstop-libvirt-e2e.lock python3 scripts/run-tests.py \
 	--slots "${BACKSTOP_TEST_SLOTS:-3}" --exclusive libvirt,live \
-	--first libvirt,debian_guest,offsite,soak,watchdog,crash_loop,many_vms,replay,devices,policy \
+	--alone offsite --first offsite,libvirt,debian_guest,soak,watchdog,crash_loop,many_vms,replay,devices,policy \
 	--pass "qemu10 BACKSTOP_QEMU=$qemu10 BACKSTOP_SOAK_SNAPSHOTS=50 rollback qemu_versions
 		integrity restart full_disk soak firmware debian_guest drift standby chunk_hash
 		huge_pages capture_faults" \
