@@ -18,10 +18,14 @@ ci/lint.sh
 features=backstopd/fault-injection,backstopd/libvirt
 cargo build --workspace --all-targets --features "$features"
 # The test binaries run side by side (scripts/run-tests.py): most are one end-to-end test that
-# boots a TCG guest and then waits on it, and `cargo test` runs them one after another. With
-# three test threads at once a 2-core machine is busy (~90%) and the first pass's binaries took
-# 1349 s instead of 1987 s one after another; each binary keeps its tests in one process, as
-# `cargo test` does. (The feature also
+# boots a TCG guest and then waits on it, and `cargo test` runs them one after another. Two test
+# threads at once (BACKSTOP_TEST_SLOTS): a binary of several tests runs as under `cargo test
+# --test-threads=2`, and single-test binaries run two at a time, so no test sees more load than
+# two tests of one binary always gave each other. Three slots were ~33% faster (both passes
+# 2122 s against 3176 s) but, in three runs, failed tests whose timing assumed less load
+# (debian_guest.rs, fixed; offsite.rs; forensic_ram.rs: a tick of the old guest landing after
+# the serial mark; see issue 21's note of 2026-11-27). Each binary keeps its tests in one
+# process, as `cargo test` does. (The feature also
 # compiles the QEMU backend's capture fault hooks, so this runs its capture_faults test.)
 # BACKSTOP_REQUIRE_CEPH=1: the off-host replication tests (a throwaway Ceph RGW each) must run.
 #
@@ -41,7 +45,7 @@ cargo build --workspace --all-targets --features "$features"
 echo "test.sh: the QEMU 10 pass runs on $("$qemu10" --version | head -n1)" >&2
 BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_REQUIRE_CEPH=1 \
 	flock -o /tmp/backstop-libvirt-e2e.lock python3 scripts/run-tests.py \
-	--slots "${BACKSTOP_TEST_SLOTS:-3}" --exclusive libvirt,live \
+	--slots "${BACKSTOP_TEST_SLOTS:-2}" --exclusive libvirt,live \
 	--alone offsite --first offsite,libvirt,debian_guest,soak,watchdog,crash_loop,many_vms,replay,devices,policy \
 	--pass "qemu10 BACKSTOP_QEMU=$qemu10 BACKSTOP_SOAK_SNAPSHOTS=50 rollback qemu_versions
 		integrity restart full_disk soak firmware debian_guest drift standby chunk_hash
