@@ -7,7 +7,8 @@ snapshot's upload), so one of them leaves half of a 2-core machine idle for minu
 binaries cargo built, several at once, and keeps what `cargo test` guarantees:
 
   * the tests of one binary run in one process, as cargo runs them (some share a fixture or a
-    process-wide lock: replay.rs, libvirt.rs), with `--test-threads` set to the slots it holds;
+    process-wide lock: replay.rs, libvirt.rs), with `--test-threads` set to the slots it holds
+    (an --alone binary: as many as --threads-per-binary);
   * every binary runs to the end (`--no-fail-fast`), and the run fails if any test failed;
   * each binary's output is printed whole when it ends, never interleaved with another's.
 
@@ -36,7 +37,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -213,8 +213,6 @@ def main():
     pending = sorted(binaries, key=expected)
     groups = [set(g.split(",")) for g in opts.exclusive]
     running = {}  # Binary -> (Popen, log file, start)
-    free = opts.slots
-    lock = threading.Condition()
     total_start = time.monotonic()
     log(f"{len(pending)} test binaries, {sum(b.tests for b in pending)} tests, "
         f"{opts.slots} slots ({opts.threads_per_binary} per binary at most)")
@@ -226,7 +224,6 @@ def main():
         return False
 
     def start(b):
-        nonlocal free
         out = tempfile.TemporaryFile(mode="w+")
         env = dict(os.environ, CARGO_MANIFEST_DIR=b.cwd, **b.env)
         threads = min(b.slots, b.tests, opts.threads_per_binary)
@@ -235,14 +232,7 @@ def main():
             cwd=b.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
         running[b] = (p, out, time.monotonic())
-        free -= b.slots
-        log(f"start {b.label} ({b.tests} tests, {threads} threads"
-            f"{', alone' if b.slots == opts.slots and b.slots > threads else ''})")
-
-    def waiter(b, p):
-        p.wait()
-        with lock:
-            lock.notify()
+        log(f"start {b.label} ({b.tests} tests, {threads} threads{', alone' if b.name in alone else ''})")
 
     # Interrupted (Ctrl-C, a CI timeout): the running test binaries are ended too, as `cargo test`
     # ends its one, instead of running on unattended.
@@ -256,35 +246,34 @@ def main():
 
     failed = []
     while pending or running:
-        with lock:
-            # Start, in order, every binary that fits; one that does not fit (or is excluded)
-            # waits without holding back smaller ones behind it.
-            # An --alone binary next in line is waited for: nothing new starts until the running
-            # ones have ended, or 1-slot binaries would keep it waiting to the end of the run.
-            for b in list(pending):
-                if b.slots <= free and not blocked(b):
-                    pending.remove(b)
-                    start(b)
-                    threading.Thread(target=waiter, args=(b, running[b][0]), daemon=True).start()
-                elif b.name in alone and not blocked(b):
-                    break
-            if not any(p.poll() is not None for p, _, _ in running.values()):
-                lock.wait(timeout=1.0)
-            for b in [b for b, (p, _, _) in running.items() if p.poll() is not None]:
-                p, out, t0 = running.pop(b)
-                free += b.slots
-                b.seconds = time.monotonic() - t0
-                b.ok = p.returncode == 0
-                out.seek(0)
-                settings = " ".join(f"{k}={v}" for k, v in b.env.items())
-                sys.stdout.write(f"\n     Running {b.label} ({settings + ' ' if settings else ''}{b.exe})\n")
-                sys.stdout.write(out.read())
-                sys.stdout.flush()
-                out.close()
-                status = "ok" if b.ok else f"FAILED (exit {p.returncode})"
-                log(f"done {b.label}: {status} in {b.seconds:.1f} s")
-                if not b.ok:
-                    failed.append(b)
+        # Start, in order, every binary that fits; one that does not fit (or is excluded) waits
+        # without holding back smaller ones behind it. An --alone binary next in line is waited
+        # for: nothing new starts until the running ones have ended, or 1-slot binaries would
+        # keep it waiting to the end of the run.
+        for b in list(pending):
+            free = opts.slots - sum(r.slots for r in running)
+            if b.slots <= free and not blocked(b):
+                pending.remove(b)
+                start(b)
+            elif b.name in alone and not blocked(b):
+                break
+        ended = [b for b, (p, _, _) in running.items() if p.poll() is not None]
+        if not ended:
+            time.sleep(0.2)
+        for b in ended:
+            p, out, t0 = running.pop(b)
+            b.seconds = time.monotonic() - t0
+            b.ok = p.returncode == 0
+            out.seek(0)
+            settings = " ".join(f"{k}={v}" for k, v in b.env.items())
+            sys.stdout.write(f"\n     Running {b.label} ({settings + ' ' if settings else ''}{b.exe})\n")
+            sys.stdout.write(out.read())
+            sys.stdout.flush()
+            out.close()
+            status = "ok" if b.ok else f"FAILED (exit {p.returncode})"
+            log(f"done {b.label}: {status} in {b.seconds:.1f} s")
+            if not b.ok:
+                failed.append(b)
 
     wall = time.monotonic() - total_start
     busy = sum(b.seconds for b in binaries)

@@ -25,8 +25,8 @@ cargo build --workspace --all-targets --features "$features"
 # 2122 s against 3176 s) but, in three runs, failed tests whose timing assumed less load
 # (debian_guest.rs, fixed; offsite.rs; forensic_ram.rs: a tick of the old guest landing after
 # the serial mark; see issue 21's note of 2026-11-27). Each binary keeps its tests in one
-# process, as `cargo test` does. (The feature also
-# compiles the QEMU backend's capture fault hooks, so this runs its capture_faults test.)
+# process, as `cargo test` does. (The feature also compiles the QEMU backend's capture fault
+# hooks, so this runs its capture_faults test.)
 # BACKSTOP_REQUIRE_CEPH=1: the off-host replication tests (a throwaway Ceph RGW each) must run.
 #
 # The QEMU 10 pass (issue 21) runs in the same pool, from the same build: the QEMU end-to-end
