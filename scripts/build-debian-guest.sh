@@ -31,12 +31,12 @@
 # on ttyS0 works; there is no network service), qemu-guest-agent is started
 # by udev when the org.qemu.guest_agent.0 virtio-serial port appears, and
 # backstop-up.service prints "BACKSTOP debian up" on ttyS0 after
-# multi-user.target, and backstop-marker.service writes a file 300 s after
-# boot and says every 2 s whether it is there (the rollback tests' workload;
-# with other tests beside it on 2 cores, the boot, the first pong and the
-# first snapshot took more than 100 s of the guest's uptime, and at 50 s or
-# 100 s the file was written before that snapshot: the test proved nothing) (qemu-ga has been started by then, but may take a few
-# hundred ms more to answer under TCG: retry guest-ping / guest-sync).
+# multi-user.target (qemu-ga has been started by then, but may take a few
+# hundred ms more to answer under TCG: retry guest-ping / guest-sync), and
+# backstop-marker.service writes a file when the host raises the link of the
+# guest's NIC and says every 2 s whether it is there (the rollback test's
+# workload; a fixed delay after boot, 50 s, 100 s, was overtaken by a boot
+# slowed by tests beside it, and 300 s made the test wait 5 min).
 # Timers and services that would write to the disk on their own are masked,
 # drivers for unused q35 devices are blacklisted (iTCO_wdt among them, so
 # the i6300esb is /dev/watchdog), the journal is volatile, and the

@@ -15,6 +15,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+/// The line backstopd writes into a QEMU VM's console log when a restored state has loaded:
+/// what follows it is the restored guest's output (`backstop-qemu`'s serial log).
+pub const RESTORED_MARK: &str = "[backstop] restored state loaded";
+
 /// Directory of the test guest.
 pub fn guest_dir() -> PathBuf {
     match std::env::var("BACKSTOP_GUEST_DIR") {

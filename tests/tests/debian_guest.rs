@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use backstop_e2e::{qemu_binary, skip_unless_ready, Daemon};
+use backstop_e2e::{qemu_binary, review, skip_unless_ready, Daemon};
 use serde_json::Value;
 
 const BOOT: Duration = Duration::from_secs(240);
@@ -43,6 +43,11 @@ fn a_disk_booted_debian_guest_with_qemu_ga_is_guarded_and_rolled_back() {
         );
         return;
     }
+    // The rollback goes past the newest snapshot (the network grant's pre-action one) to the
+    // test's own: that takes reviewer evidence.
+    let keys = tempfile::tempdir().unwrap();
+    let key = review::reviewer_key(keys.path());
+    let gate = review::restore_gate_toml(&key);
     let mut d = Daemon::prepare_custom(
         "debian",
         &|state, run| {
@@ -58,16 +63,24 @@ accel = "auto"
 memory_mib = 512
 heartbeat = "qemu-ga"
 watchdog_device = true
+nics = ["net0"]
 
 [[vm.disks]]
 id = "root"
 path = "{image}"
 snapshot = "capture"
 
+[[devices]]
+id = "net"
+class = "network"
+nic = "net0"
+max_lease_s = 600
+
 [watchdog]
 heartbeat_timeout_s = 10
 boot_grace_s = 300
-"#,
+
+{gate}"#,
                 state = state.display(),
                 run = run.display(),
                 qemu = qemu_binary(),
@@ -95,13 +108,17 @@ boot_grace_s = 300
         !d.serial().contains("BACKSTOP debian marker written"),
         "the guest wrote its file before the snapshot (boot too slow?): the test proves nothing"
     );
-    // The guest writes the file (synced to its disk) 300 s after its boot
-    // (scripts/debian-guest/overlay/usr/local/sbin/backstop-marker).
-    let written = d.wait_serial(
-        0,
-        "BACKSTOP debian marker written",
-        Duration::from_secs(360),
-    );
+    // The guest writes the file (synced to its disk) when its NIC's link comes up
+    // (scripts/debian-guest/overlay/usr/local/sbin/backstop-marker): granting the network
+    // raises it.
+    d.ok(&[
+        "device",
+        "grant",
+        "net",
+        "--reason",
+        "test: let the guest write its file",
+    ]);
+    let written = d.wait_serial(0, "BACKSTOP debian marker written", Duration::from_secs(60));
     d.wait_serial(
         written,
         "BACKSTOP debian marker present",
@@ -109,7 +126,16 @@ boot_grace_s = 300
     );
 
     let from = d.serial_len();
-    let rb = d.ok(&["rollback", "--to", &id, "--reason", "test: undo the file"]);
+    let tok = review::token(&key, &id);
+    let rb = d.ok(&[
+        "rollback",
+        "--to",
+        &id,
+        "--reason",
+        "test: undo the file",
+        "--reviewer-token",
+        tok.to_str().unwrap(),
+    ]);
     assert_eq!(rb["epoch"], 1);
     // The restored guest looks and finds no file (the old guest only ever said `present`).
     d.wait_serial(

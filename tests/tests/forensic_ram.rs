@@ -146,7 +146,11 @@ fn a_console_rollback_keeps_ram_and_include_forensic_restores_the_abandoned_stat
         tok.to_str().unwrap(),
     ]);
     assert_eq!(back["snapshot_id"], forensic.as_str());
-    let ticks = d.wait_ticks_until(before, STEP, "the abandoned guest ticking again", |t| {
+    // The restored guest's console starts at backstop's mark: a tick the s1 guest printed after
+    // `before` and before the rollback paused it is not the restored guest's (seen once under
+    // load: the first tick read was the s1 line's).
+    let from = d.wait_serial(before, backstop_e2e::RESTORED_MARK, STEP);
+    let ticks = d.wait_ticks_until(from, STEP, "the abandoned guest ticking again", |t| {
         t.len() >= 2
     });
     let first = ticks[0];

@@ -624,14 +624,33 @@ fn denied_a_full_bucket_and_a_daemon_killed_mid_upload_leave_local_work_alone_an
     );
     a.launch();
     let start = Instant::now();
+    // Killed while `first`'s own upload has sent something: the queue may hold other snapshots
+    // (their order after the 403 back-offs depends on timing), and bytes another one sent are
+    // not `first`'s. Once failed under load: the kill landed in another upload.
+    let first_key = format!("/{first}");
+    let mut sent_before_first: Option<u64> = None;
     loop {
         let s = a.status();
-        if s["offsite"]["bytes_uploaded_total"].as_u64().unwrap_or(0) > 0 {
+        let total = s["offsite"]["bytes_uploaded_total"].as_u64().unwrap_or(0);
+        let uploading_first = s["offsite"]["uploading"]
+            .as_str()
+            .is_some_and(|u| u.ends_with(&first_key));
+        if uploading_first && sent_before_first.is_none() {
+            sent_before_first = Some(total);
+        }
+        if !uploading_first {
+            sent_before_first = None;
+        }
+        if total > 0 && sent_before_first.is_some_and(|b| total > b) {
             assert!(s["offsite"]["uploading"].is_string(), "{s}");
+            println!(
+                "offsite: kill -9 during {}'s upload, {total} bytes sent",
+                s["offsite"]["uploading"]
+            );
             break;
         }
-        assert!(start.elapsed() < STEP, "no upload started: {s}");
-        std::thread::sleep(Duration::from_millis(100));
+        assert!(start.elapsed() < STEP, "no upload of {first} started: {s}");
+        std::thread::sleep(Duration::from_millis(50));
     }
     a.kill9();
     let cfg = std::fs::read_to_string(&a.config_path).unwrap();

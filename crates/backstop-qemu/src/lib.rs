@@ -1375,6 +1375,11 @@ impl VmBackend for QemuBackend {
             checked_ms = started.elapsed().as_millis() as u64 - load_ms,
             "restored state loaded and checked"
         );
+        // Everything the console shows after this line is the restored guest's: the instance
+        // it replaces is stopped, and this one has not run yet.
+        if let Some(serial) = &self.serial {
+            serial.note("restored state loaded: the console below is the restored guest's");
+        }
         Ok(RestoreReport { load_ms, devices })
     }
 

@@ -72,6 +72,18 @@ impl SerialLog {
     }
 }
 
+impl SerialLog {
+    /// Writes a line of backstop's own into the console log, in order with the guest's output:
+    /// it goes through the FIFO (one write under `PIPE_BUF` bytes, so never torn), after every
+    /// byte a QEMU wrote before it. A guest can print the same text; it is a reader's landmark,
+    /// not evidence.
+    pub(crate) fn note(&self, line: &str) {
+        let text = format!("\n[backstop] {line}\n");
+        debug_assert!(text.len() < 4096);
+        let _ = (&self.wake).write_all(text.as_bytes());
+    }
+}
+
 impl Drop for SerialLog {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
@@ -154,6 +166,29 @@ mod tests {
         assert!(newest.ends_with("line 0049\n"), "{newest}");
         assert_eq!(older.len(), 100);
         assert!(older.ends_with("line 0039\n"), "{older}");
+    }
+
+    #[test]
+    fn a_note_lands_between_the_output_written_before_and_after_it() {
+        let d = tempfile::tempdir().unwrap();
+        let log = d.path().join("serial.log");
+        let fifo = d.path().join("serial.fifo");
+        let s = SerialLog::start(&fifo, &log, 1 << 20).unwrap();
+        let mut old = OpenOptions::new().append(true).open(&fifo).unwrap();
+        old.write_all(b"old guest\n").unwrap();
+        s.note("restored");
+        let mut new = OpenOptions::new().append(true).open(&fifo).unwrap();
+        new.write_all(b"new guest\n").unwrap();
+        let want = "old guest\n\n[backstop] restored\nnew guest\n";
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::fs::read_to_string(&log).unwrap() != want {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "log: {:?}",
+                std::fs::read_to_string(&log)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
     }
 
     #[test]

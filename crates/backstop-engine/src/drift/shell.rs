@@ -533,7 +533,30 @@ impl VmActor {
         self.publish();
     }
 
+    /// Whether a drift record goes to the daemon journal rather than the VM's: while the VM
+    /// journal is not the one this writer left, a record appended to it would seal a new head
+    /// over the tampered file and hide the evidence.
+    fn drift_goes_to_daemon_journal(&self, d: &OpenDrift) -> bool {
+        d.invariant == InvariantId::JournalHead
+            || self
+                .drift
+                .book
+                .open()
+                .any(|o| o.invariant == InvariantId::JournalHead)
+    }
+
     fn drift_journal(&mut self, event: AuditEvent, d: &OpenDrift, resolution: Option<&str>) {
+        let to_daemon = self.drift_goes_to_daemon_journal(d);
+        self.drift_journal_to(event, d, resolution, to_daemon);
+    }
+
+    fn drift_journal_to(
+        &mut self,
+        event: AuditEvent,
+        d: &OpenDrift,
+        resolution: Option<&str>,
+        to_daemon: bool,
+    ) {
         let sid = self.session_id.clone();
         let snapshot_id = match d.invariant {
             InvariantId::SnapshotVerifies => Value::from(d.node_id.clone()),
@@ -551,16 +574,8 @@ impl VmActor {
         }
         let Value::Object(fields) = f else { return };
         debug_assert!(event.fields().iter().all(|k| fields.contains_key(*k)));
-        // While the VM journal is not the one this writer left, a drift record appended to it
-        // would seal a new head over the tampered file and hide the evidence: the record goes
-        // to the daemon journal instead (or only to the log).
-        let vm_journal_drifted = d.invariant == InvariantId::JournalHead
-            || self
-                .drift
-                .book
-                .open()
-                .any(|o| o.invariant == InvariantId::JournalHead);
-        if vm_journal_drifted {
+        // The daemon journal instead of a tampered VM journal (or only the log, without one).
+        if to_daemon {
             match &self.anchors {
                 Some(daemon) => {
                     let mut j = daemon.lock().unwrap_or_else(|p| p.into_inner());
@@ -584,10 +599,20 @@ impl VmActor {
         }
     }
 
+    /// Closes a drift: the book and the published status first, then the journal record. A
+    /// reader who sees the `DriftResolvedEvent` (visible in the file before its fsync ends) and
+    /// then asks `status` must not find the drift still open; that happened when the status was
+    /// published only after the whole drift action (CI, QEMU 10, a machine under load).
     fn drift_resolve(&mut self, d: OpenDrift, resolution: &str) {
-        self.drift_journal(AuditEvent::DriftResolved, &d, Some(resolution));
+        // Where the record goes is decided while the drift is still open (a journal-head
+        // drift's own resolution still goes to the daemon journal).
+        let to_daemon = self.drift_goes_to_daemon_journal(&d);
         info!(invariant = d.invariant.as_str(), node = %d.node_id, resolution, "drift resolved");
-        self.drift.book.resolve(d, resolution, &now_rfc3339());
+        self.drift
+            .book
+            .resolve(d.clone(), resolution, &now_rfc3339());
+        self.publish();
+        self.drift_journal_to(AuditEvent::DriftResolved, &d, Some(resolution), to_daemon);
     }
 
     /// A device the ledger does not allow: an emergency rollback (a fresh hypervisor with the
