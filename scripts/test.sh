@@ -23,8 +23,8 @@ cargo build --workspace --all-targets --features "$features"
 # that load were mended where they raced: the Debian guest writes its file when the test raises
 # its NIC's link (it was a fixed delay after boot), forensic_ram.rs reads the restored guest's
 # ticks from backstop's mark in the console log, offsite.rs kills the daemon during the upload
-# of the snapshot it checks, and a drift's resolution is in `status` before it is in the
-# journal. BACKSTOP_TEST_SLOTS=2 is the gentler run. Each binary keeps its tests in one
+# of the snapshot it checks, and a drift's detection and resolution are in `status` before they
+# are in the journal. BACKSTOP_TEST_SLOTS=2 is the gentler run. Each binary keeps its tests in one
 # process, as `cargo test` does. (The feature also compiles the QEMU backend's capture fault
 # hooks, so this runs its capture_faults test.)
 # BACKSTOP_REQUIRE_CEPH=1: the off-host replication tests (a throwaway Ceph RGW each) must run.

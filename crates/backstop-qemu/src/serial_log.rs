@@ -152,6 +152,19 @@ impl Rotating {
 mod tests {
     use super::*;
 
+    /// Waits (5 s at most) until the copying thread has made `log` hold exactly `want`.
+    fn wait_for_log(log: &Path, want: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while std::fs::read_to_string(log).unwrap() != want {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "log: {:?}",
+                std::fs::read_to_string(log)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
     #[test]
     fn the_log_rotates_at_the_bound_and_keeps_the_newest_output() {
         let d = tempfile::tempdir().unwrap();
@@ -179,16 +192,7 @@ mod tests {
         s.note("restored");
         let mut new = OpenOptions::new().append(true).open(&fifo).unwrap();
         new.write_all(b"new guest\n").unwrap();
-        let want = "old guest\n\n[backstop] restored\nnew guest\n";
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while std::fs::read_to_string(&log).unwrap() != want {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "log: {:?}",
-                std::fs::read_to_string(&log)
-            );
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
+        wait_for_log(&log, "old guest\n\n[backstop] restored\nnew guest\n");
     }
 
     #[test]
@@ -202,15 +206,7 @@ mod tests {
             let mut w = OpenOptions::new().append(true).open(&fifo).unwrap();
             w.write_all(text.as_bytes()).unwrap();
         }
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while std::fs::read_to_string(&log).unwrap() != "first qemu\nsecond qemu\n" {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "log: {:?}",
-                std::fs::read_to_string(&log)
-            );
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
+        wait_for_log(&log, "first qemu\nsecond qemu\n");
         drop(s);
         assert!(!d.path().join("serial.fifo").exists());
         assert_eq!(
