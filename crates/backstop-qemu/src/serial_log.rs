@@ -70,9 +70,7 @@ impl SerialLog {
             thread: Some(thread),
         })
     }
-}
 
-impl SerialLog {
     /// Writes a line of backstop's own into the console log, in order with the guest's output:
     /// it goes through the FIFO (one write under `PIPE_BUF` bytes, so never torn), after every
     /// byte a QEMU wrote before it. A guest can print the same text; it is a reader's landmark,
