@@ -153,9 +153,9 @@ def count_tests(exe, cwd, bin_args):
 def main():
     opts_argv, cargo_args, bin_args = split_args(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slots", type=int, default=int(os.environ.get("BACKSTOP_TEST_SLOTS", "2")),
+    ap.add_argument("--slots", type=int, default=int(os.environ.get("BACKSTOP_TEST_SLOTS", "3")),
                     help="test threads running at once, all binaries together "
-                         "(default: $BACKSTOP_TEST_SLOTS or 2)")
+                         "(default: $BACKSTOP_TEST_SLOTS or 3)")
     ap.add_argument("--threads-per-binary", type=int, default=2,
                     help="the most test threads one binary gets (default 2)")
     ap.add_argument("--exclusive", action="append", default=[], metavar="A,B,...",

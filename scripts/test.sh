@@ -19,12 +19,13 @@ features=backstopd/fault-injection,backstopd/libvirt
 cargo build --workspace --all-targets --features "$features"
 # The test binaries run side by side (scripts/run-tests.py): most are one end-to-end test that
 # boots a TCG guest and then waits on it, and `cargo test` runs them one after another. Three
-# test threads at once (BACKSTOP_TEST_SLOTS), at most two per binary. The tests that failed under
-# that load were mended where they raced: the Debian guest writes its file when the test raises
-# its NIC's link (it was a fixed delay after boot), forensic_ram.rs reads the restored guest's
-# ticks from backstop's mark in the console log, offsite.rs kills the daemon during the upload
-# of the snapshot it checks, and a drift's detection and resolution are in `status` before they
-# are in the journal. BACKSTOP_TEST_SLOTS=2 is the gentler run. Each binary keeps its tests in one
+# test threads at once (run-tests.py's default; BACKSTOP_TEST_SLOTS sets it), at most two per
+# binary. The tests that failed under that load were mended where they raced: the Debian guest
+# writes its file when the test raises its NIC's link (it was a fixed delay after boot),
+# forensic_ram.rs reads the restored guest's ticks from backstop's mark in the console log,
+# offsite.rs kills the daemon during the upload of the snapshot it checks, and a drift's
+# detection and resolution are in `status` before they are in the journal.
+# BACKSTOP_TEST_SLOTS=2 is the gentler run. Each binary keeps its tests in one
 # process, as `cargo test` does. (The feature also compiles the QEMU backend's capture fault
 # hooks, so this runs its capture_faults test.)
 # BACKSTOP_REQUIRE_CEPH=1: the off-host replication tests (a throwaway Ceph RGW each) must run.
@@ -43,7 +44,7 @@ cargo build --workspace --all-targets --features "$features"
 echo "test.sh: the QEMU 10 pass runs on $("$qemu10" --version | head -n1)" >&2
 BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_REQUIRE_CEPH=1 \
 	flock -o /tmp/backstop-libvirt-e2e.lock python3 scripts/run-tests.py \
-	--slots "${BACKSTOP_TEST_SLOTS:-3}" --exclusive libvirt,live \
+	--exclusive libvirt,live \
 	--alone offsite --first offsite,libvirt,crash_loop,soak,watchdog,many_vms,replay,devices,policy,debian_guest \
 	--pass "qemu10 BACKSTOP_QEMU=$qemu10 BACKSTOP_SOAK_SNAPSHOTS=50 rollback qemu_versions
 		integrity restart full_disk soak firmware debian_guest drift standby chunk_hash

@@ -635,13 +635,9 @@ fn denied_a_full_bucket_and_a_daemon_killed_mid_upload_leave_local_work_alone_an
         let uploading_first = s["offsite"]["uploading"]
             .as_str()
             .is_some_and(|u| u.ends_with(&first_key));
-        if uploading_first && sent_before_first.is_none() {
-            sent_before_first = Some(total);
-        }
-        if !uploading_first {
-            sent_before_first = None;
-        }
-        if total > 0 && sent_before_first.is_some_and(|b| total > b) {
+        // What had gone out when `first`'s upload was first seen; forgotten when it is not.
+        sent_before_first = uploading_first.then(|| sent_before_first.unwrap_or(total));
+        if sent_before_first.is_some_and(|b| total > b) {
             assert!(s["offsite"]["uploading"].is_string(), "{s}");
             println!(
                 "offsite: kill -9 during {}'s upload, {total} bytes sent",

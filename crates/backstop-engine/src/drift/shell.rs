@@ -506,10 +506,11 @@ impl VmActor {
             .map(|v| ((v.invariant, v.node_id.clone()), v.action()))
             .collect();
         let changes = self.drift.book.apply(&report, strategy, &now);
-        // `status` shows what the book now holds before the journal says it: a reader who sees
-        // a `DriftDetectedEvent` (visible before its fsync ends) and then asks `status` must
-        // find the drift open (a test saw `drift_open: 0` there under load).
-        if !changes.detected.is_empty() || !changes.cleared.is_empty() {
+        // `status` shows a new drift before the journal says it: a reader who sees a
+        // `DriftDetectedEvent` (visible before its fsync ends) and then asks `status` must find
+        // the drift open (a test saw `drift_open: 0` there under load). Cleared ones are
+        // published by `drift_resolve`, before their own records.
+        if !changes.detected.is_empty() {
             self.publish();
         }
         for d in &changes.detected {
