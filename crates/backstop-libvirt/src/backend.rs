@@ -29,7 +29,7 @@ use virt::sys;
 
 use crate::domain_xml::{self, DomainShape};
 use crate::events::Feed;
-use crate::precopy::Switchover;
+use crate::precopy::{CopyPlan, Switchover};
 use crate::save_image::{self, RestoreImageWriter};
 use crate::{CaptureMode, LibvirtConfig};
 
@@ -73,8 +73,10 @@ pub struct LibvirtBackend {
     /// Collapsing the guest RAM's huge pages again after a background snapshot split them
     /// (`backstop_qemu::huge_pages`); stopped before the next capture and before a pause.
     regather: Option<backstop_qemu::huge_pages::Regather>,
-    /// Captures run as a live pre-copy (`capture = "precopy"`, or `auto` without userfaultfd).
+    /// Captures run as a pre-copy (`capture = "precopy"`, or `auto` without userfaultfd).
     precopy: bool,
+    /// Whether a pre-copy's guest runs while its RAM is copied (this QEMU's dirty tracking).
+    copy_plan: CopyPlan,
     /// Whether the last pre-copy capture switched the disks (see `capture_switched_disks`).
     last_switched: bool,
     /// The domain's `downtime-limit` while a pre-copy capture lowers it.
@@ -148,6 +150,7 @@ impl LibvirtBackend {
             capture: None,
             regather: None,
             precopy: false,
+            copy_plan: CopyPlan::Live,
             last_switched: false,
             saved_downtime_limit: None,
             restore: None,
@@ -402,6 +405,12 @@ impl LibvirtBackend {
         let qv = QemuVersion::from_query(&v)
             .ok_or_else(|| cmd_err("query-version", format!("unreadable QEMU version in {v}")))?;
         self.qemu_version = (qv.major as u32, qv.minor as u32, qv.micro as u32);
+        self.copy_plan = if precopy {
+            let kvm = self.qmp("query-kvm", "query-kvm", None)?;
+            CopyPlan::for_qemu(kvm["enabled"] == true, qv.major as u32, qv.minor as u32)
+        } else {
+            CopyPlan::Live
+        };
         // The same versions and capture rule as the QEMU backend: 7.2/8.x resume the guest
         // themselves after a background snapshot's start, ≥ 9.0 keep it paused.
         let names: Vec<&str> = caps
@@ -459,6 +468,13 @@ impl LibvirtBackend {
         ] {
             details.insert(k.into(), v);
         }
+        if precopy {
+            details.insert("precopy_live".into(), json!(self.copy_plan.is_live()));
+            if let CopyPlan::GuestPaused(why) = &self.copy_plan {
+                warn!(domain = %shape.name, "{why}");
+                details.insert("precopy_paused_why".into(), json!(why));
+            }
+        }
         info!(domain = %shape.name, uuid = %shape.uuid, pid = ?self.pid, libvirt = %libvirt_version, "libvirt domain adopted");
         Ok(Adoption {
             disks: self
@@ -496,8 +512,10 @@ impl LibvirtBackend {
         }
     }
 
-    /// `capture = "precopy"`: the migration starts live (no suspend); the switchover thread
-    /// takes the disk-only snapshot `snap` when QEMU has stopped the guest for the last pages.
+    /// `capture = "precopy"`: the migration starts live (no suspend; on a QEMU whose dirty
+    /// tracking loses pages, [`CopyPlan::GuestPaused`], with the guest paused first); the
+    /// switchover thread takes the disk-only snapshot `snap` when QEMU has stopped the guest
+    /// for the last pages.
     fn begin_precopy(
         &mut self,
         snap: String,
@@ -532,14 +550,35 @@ impl LibvirtBackend {
             let (rd, wr) = nix::unistd::pipe().map_err(|e| cmd_err("pipe", e))?;
             self.getfd("backstop-capture", &wr)?;
             drop(wr);
-            self.qmp(
+            // A copy this QEMU cannot track is made with the guest paused throughout.
+            let paused_since = if self.copy_plan.is_live() {
+                None
+            } else {
+                let t = Instant::now();
+                self.dom(step)?
+                    .suspend()
+                    .map_err(|e| cmd_err("suspend for the copy", e))?;
+                Some(t)
+            };
+            let resume_if_paused = |me: &Self| {
+                if paused_since.is_some() {
+                    if let Ok(d) = me.dom(step) {
+                        let _ = d.resume();
+                    }
+                }
+            };
+            if let Err(e) = self.qmp(
                 "migrate",
                 "migrate",
                 Some(json!({"uri": "fd:backstop-capture"})),
-            )?;
+            ) {
+                resume_if_paused(self);
+                return Err(e);
+            }
             let dom = self.dom(step)?.clone();
-            let sw = Switchover::watch(dom, snap).map_err(|e| {
+            let sw = Switchover::watch(dom, snap, paused_since).map_err(|e| {
                 let _ = self.qmp("migrate_cancel", "migrate_cancel", None);
+                resume_if_paused(self);
                 cmd_err("switchover thread", e)
             })?;
             Ok((rd, sw))
@@ -556,7 +595,10 @@ impl LibvirtBackend {
                 return Err(e);
             }
         };
-        info!("libvirt pre-copy capture started (the guest runs)");
+        info!(
+            live = self.copy_plan.is_live(),
+            "libvirt pre-copy capture started"
+        );
         let bytes = Arc::new(AtomicU64::new(0));
         self.capture = Some(Capture {
             pause_us: 0,
@@ -1235,6 +1277,9 @@ impl VmBackend for LibvirtBackend {
                 "capture_mode".into(),
                 json!(if self.precopy { "precopy" } else { "bg" }),
             );
+            if self.precopy {
+                m.insert("precopy_live".into(), json!(self.copy_plan.is_live()));
+            }
             m.insert("libvirt_reconnects".into(), json!(self.reconnects));
             let (received, dropped) = self.events.counts();
             m.insert(

@@ -11,6 +11,15 @@
 //! The stream must be read while QEMU copies, so the switchover is watched by a thread of its
 //! own, started by `begin_capture`. Abandoning the capture and switching the disks exclude each
 //! other (one lock): after both, [`Switchover::finish`] says whether the disks did switch.
+//!
+//! A live pre-copy is only as good as QEMU's tracking of the pages the guest dirties while they
+//! are sent. Under TCG, QEMU before 9.0 loses some of them: after each pass it clears the
+//! migration's dirty bits without making its vCPUs' TLBs notice, so a page written again
+//! through a still-cached entry is never sent again (fixed upstream in 9.0 by 03bfc2188f,
+//! "physmem: Fix migration dirty bitmap coherency with TCG memory access"; Debian 12's 7.2.22
+//! does not carry it). Two CI runs here restored such images into kernel oopses. On those QEMUs
+//! the guest is paused for the whole copy instead ([`CopyPlan::GuestPaused`]): nothing needs
+//! tracking, and the pause is the time the store takes the whole state.
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -30,6 +39,35 @@ use crate::backend::{cmd_err, qmp_on};
 const PRECOPY_BOUND: Duration = Duration::from_secs(600);
 /// How often `query-migrate` is asked while copying: the pause is known to this resolution.
 const POLL: Duration = Duration::from_millis(1);
+
+/// Whether the guest runs while its RAM is copied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum CopyPlan {
+    /// The guest runs; QEMU's dirty tracking sends again what it writes.
+    Live,
+    /// The guest is paused from before the first page until the switchover is over: this
+    /// QEMU's dirty tracking cannot be trusted (the text says why).
+    GuestPaused(String),
+}
+
+impl CopyPlan {
+    /// The plan for a QEMU `major.minor` with KVM on (`kvm`) or TCG: KVM's dirty log and
+    /// QEMU ≥ 9.0's TCG tracking are trusted, TCG before 9.0 is not (see the module doc).
+    pub fn for_qemu(kvm: bool, major: u32, minor: u32) -> CopyPlan {
+        if kvm || major >= 9 {
+            CopyPlan::Live
+        } else {
+            CopyPlan::GuestPaused(format!(
+                "QEMU {major}.{minor} under TCG loses pages the guest dirties during a live \
+                 pre-copy (fixed in QEMU 9.0): the guest is paused for the whole copy"
+            ))
+        }
+    }
+
+    pub fn is_live(&self) -> bool {
+        *self == CopyPlan::Live
+    }
+}
 
 /// Where the capture is, guarded by one lock so that abandoning and switching exclude each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,13 +92,28 @@ pub(crate) struct Switchover {
 
 impl Switchover {
     /// Starts watching a migration that is already running. `snapshot_xml` is the disk-only
-    /// snapshot to take at the switchover.
-    pub fn watch(dom: Domain, snapshot_xml: String) -> std::io::Result<Switchover> {
+    /// snapshot to take at the switchover. `paused_since`: when the guest was paused for a
+    /// [`CopyPlan::GuestPaused`] copy (the pause counts from there, and every way out resumes
+    /// it); `None` for a live one.
+    pub fn watch(
+        dom: Domain,
+        snapshot_xml: String,
+        paused_since: Option<Instant>,
+    ) -> std::io::Result<Switchover> {
         let gate = Arc::new(Mutex::new(Gate::Copying));
         let g = Arc::clone(&gate);
         let thread = std::thread::Builder::new()
             .name("libvirt-switchover".into())
-            .spawn(move || run(&dom, &snapshot_xml, &g))?;
+            .spawn(move || {
+                let outcome = run(&dom, &snapshot_xml, &g, paused_since);
+                if outcome.is_err() && paused_since.is_some() {
+                    // QEMU restarts only a guest that ran when the migration began.
+                    if let Err(e) = resume(&dom) {
+                        warn!(error = %e, "could not resume the guest paused for the copy");
+                    }
+                }
+                outcome
+            })?;
         Ok(Switchover { gate, thread })
     }
 
@@ -174,10 +227,16 @@ fn wait_libvirt_paused(dom: &Domain) -> Result<()> {
     }
 }
 
-fn run(dom: &Domain, snapshot_xml: &str, gate: &Mutex<Gate>) -> Result<Switched> {
+fn run(
+    dom: &Domain,
+    snapshot_xml: &str,
+    gate: &Mutex<Gate>,
+    paused_since: Option<Instant>,
+) -> Result<Switched> {
     let deadline = Instant::now() + PRECOPY_BOUND;
-    // The stop happened after the previous poll was sent: the pause is counted from there.
-    let mut before_stop = Instant::now();
+    // A live copy: the stop happened after the previous poll was sent, and the pause is
+    // counted from there. A paused one: from the pause, so "stop-seen" holds the whole copy.
+    let mut before_stop = paused_since.unwrap_or_else(Instant::now);
     let seen = loop {
         let asked = Instant::now();
         let (st, m) = match status(dom) {
@@ -212,7 +271,9 @@ fn run(dom: &Domain, snapshot_xml: &str, gate: &Mutex<Gate>) -> Result<Switched>
                 timeout: PRECOPY_BOUND,
             });
         }
-        before_stop = asked;
+        if paused_since.is_none() {
+            before_stop = asked;
+        }
         std::thread::sleep(POLL);
     };
     // The guest is stopped, but libvirt learns it from QEMU's STOP event, asynchronously. A
@@ -301,7 +362,7 @@ fn run(dom: &Domain, snapshot_xml: &str, gate: &Mutex<Gate>) -> Result<Switched>
     ];
     let pause_us = us(done - before_stop);
     info!(pause_us, ?breakdown, "libvirt pre-copy switched over");
-    if pause_us > 1_000_000 {
+    if pause_us > 1_000_000 && paused_since.is_none() {
         warn!(
             pause_us,
             "pre-copy pause over 1 s (the guest dirties memory faster than the store takes it)"
@@ -312,4 +373,35 @@ fn run(dom: &Domain, snapshot_xml: &str, gate: &Mutex<Gate>) -> Result<Switched>
         breakdown,
         downtime_ms: m["downtime"].as_u64(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CopyPlan;
+
+    #[test]
+    fn only_tcg_before_qemu_9_pauses_the_guest_for_the_copy() {
+        for (major, minor) in [(7, 2), (8, 0), (8, 2)] {
+            let plan = CopyPlan::for_qemu(false, major, minor);
+            assert!(!plan.is_live(), "TCG on {major}.{minor}");
+            let CopyPlan::GuestPaused(why) = plan else {
+                unreachable!()
+            };
+            assert!(
+                why.contains(&format!("QEMU {major}.{minor} under TCG")),
+                "{why}"
+            );
+            assert!(
+                CopyPlan::for_qemu(true, major, minor).is_live(),
+                "KVM on {major}.{minor}"
+            );
+        }
+        for (major, minor) in [(9, 0), (9, 2), (10, 0)] {
+            assert!(
+                CopyPlan::for_qemu(false, major, minor).is_live(),
+                "TCG on {major}.{minor}"
+            );
+            assert!(CopyPlan::for_qemu(true, major, minor).is_live());
+        }
+    }
 }
