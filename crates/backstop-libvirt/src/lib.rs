@@ -84,8 +84,9 @@ pub enum CaptureMode {
     /// A live pre-copy migration into the store: RAM streams out while the guest runs and
     /// dirties it; QEMU stops the guest once the rest fits in its downtime limit, the disks
     /// switch, the rest and the device state follow, and the guest resumes. Needs no
-    /// userfaultfd; the pause grows with how fast the guest writes memory. Experimental: see
-    /// README ("`precopy` is experimental").
+    /// userfaultfd; the pause grows with how fast the guest writes memory. Under TCG before
+    /// QEMU 9.0, whose dirty tracking loses pages, the guest is paused for the whole copy
+    /// instead (README, "`precopy` under TCG before QEMU 9.0").
     Precopy,
     /// `background` where the host allows it, else `precopy` (journaled at adoption).
     Auto,
