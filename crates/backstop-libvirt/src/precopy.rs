@@ -17,7 +17,8 @@
 //! migration's dirty bits without making its vCPUs' TLBs notice, so a page written again
 //! through a still-cached entry is never sent again (fixed upstream in 9.0 by 03bfc2188f,
 //! "physmem: Fix migration dirty bitmap coherency with TCG memory access"; Debian 12's 7.2.22
-//! does not carry it). Two CI runs here restored such images into kernel oopses. On those QEMUs
+//! does not carry it): `bench/precopy_probe.py` shows the lost pages on 7.2 and none on 10.0, and
+//! two CI runs here restored such images into kernel oopses. On those QEMUs
 //! the guest is paused for the whole copy instead ([`CopyPlan::GuestPaused`]): nothing needs
 //! tracking, and the pause is the time the store takes the whole state.
 
