@@ -81,11 +81,14 @@ class Guest:
                 raise SystemExit(f"the guest never printed {text!r}:\n{self.console()}")
             time.sleep(0.1)
 
-    def wait_migration(self):
+    def wait_migration(self, timeout=300):
+        deadline = time.monotonic() + timeout
         while True:
             m = self.q.execute("query-migrate")
             if m.get("status") in ("completed", "failed", "cancelled"):
                 return m
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the migration did not end in {timeout} s: {m}")
             time.sleep(0.02)
 
     def end(self):

@@ -29,7 +29,7 @@ use virt::sys;
 
 use crate::domain_xml::{self, DomainShape};
 use crate::events::Feed;
-use crate::precopy::{CopyPlan, Switchover};
+use crate::precopy::{self, CopyPlan, Switchover};
 use crate::save_image::{self, RestoreImageWriter};
 use crate::{CaptureMode, LibvirtConfig};
 
@@ -73,10 +73,10 @@ pub struct LibvirtBackend {
     /// Collapsing the guest RAM's huge pages again after a background snapshot split them
     /// (`backstop_qemu::huge_pages`); stopped before the next capture and before a pause.
     regather: Option<backstop_qemu::huge_pages::Regather>,
-    /// Captures run as a pre-copy (`capture = "precopy"`, or `auto` without userfaultfd).
-    precopy: bool,
-    /// Whether a pre-copy's guest runs while its RAM is copied (this QEMU's dirty tracking).
-    copy_plan: CopyPlan,
+    /// `Some`: captures run as a pre-copy (`capture = "precopy"`, or `auto` without
+    /// userfaultfd), live or with the guest paused by this QEMU's dirty tracking; `None`: as
+    /// background snapshots.
+    precopy: Option<CopyPlan>,
     /// Whether the last pre-copy capture switched the disks (see `capture_switched_disks`).
     last_switched: bool,
     /// The domain's `downtime-limit` while a pre-copy capture lowers it.
@@ -149,8 +149,7 @@ impl LibvirtBackend {
             agent: None,
             capture: None,
             regather: None,
-            precopy: false,
-            copy_plan: CopyPlan::Live,
+            precopy: None,
             last_switched: false,
             saved_downtime_limit: None,
             restore: None,
@@ -400,16 +399,19 @@ impl LibvirtBackend {
                 }
             },
         };
-        self.precopy = precopy;
         let v = self.qmp("query-version", "query-version", None)?;
         let qv = QemuVersion::from_query(&v)
             .ok_or_else(|| cmd_err("query-version", format!("unreadable QEMU version in {v}")))?;
         self.qemu_version = (qv.major as u32, qv.minor as u32, qv.micro as u32);
-        self.copy_plan = if precopy {
+        self.precopy = if precopy {
             let kvm = self.qmp("query-kvm", "query-kvm", None)?;
-            CopyPlan::for_qemu(kvm["enabled"] == true, qv.major as u32, qv.minor as u32)
+            Some(CopyPlan::for_qemu(
+                kvm["enabled"] == true,
+                qv.major as u32,
+                qv.minor as u32,
+            ))
         } else {
-            CopyPlan::Live
+            None
         };
         // The same versions and capture rule as the QEMU backend: 7.2/8.x resume the guest
         // themselves after a background snapshot's start, ≥ 9.0 keep it paused.
@@ -468,9 +470,9 @@ impl LibvirtBackend {
         ] {
             details.insert(k.into(), v);
         }
-        if precopy {
-            details.insert("precopy_live".into(), json!(self.copy_plan.is_live()));
-            if let CopyPlan::GuestPaused(why) = &self.copy_plan {
+        if let Some(plan) = &self.precopy {
+            details.insert("precopy_live".into(), json!(plan.is_live()));
+            if let CopyPlan::GuestPaused(why) = plan {
                 warn!(domain = %shape.name, "{why}");
                 details.insert("precopy_paused_why".into(), json!(why));
             }
@@ -538,6 +540,10 @@ impl LibvirtBackend {
             "migrate-set-capabilities",
             Some(caps),
         )?;
+        let dom = self.dom(step)?.clone();
+        let live = self.precopy.as_ref().is_none_or(CopyPlan::is_live);
+        // When the guest was paused for a copy this QEMU cannot track.
+        let mut paused_since = None;
         let started = (|| -> Result<(OwnedFd, Switchover)> {
             self.qmp(
                 "migrate-set-parameters",
@@ -550,35 +556,19 @@ impl LibvirtBackend {
             let (rd, wr) = nix::unistd::pipe().map_err(|e| cmd_err("pipe", e))?;
             self.getfd("backstop-capture", &wr)?;
             drop(wr);
-            // A copy this QEMU cannot track is made with the guest paused throughout.
-            let paused_since = if self.copy_plan.is_live() {
-                None
-            } else {
+            if !live {
                 let t = Instant::now();
-                self.dom(step)?
-                    .suspend()
+                dom.suspend()
                     .map_err(|e| cmd_err("suspend for the copy", e))?;
-                Some(t)
-            };
-            let resume_if_paused = |me: &Self| {
-                if paused_since.is_some() {
-                    if let Ok(d) = me.dom(step) {
-                        let _ = d.resume();
-                    }
-                }
-            };
-            if let Err(e) = self.qmp(
+                paused_since = Some(t);
+            }
+            self.qmp(
                 "migrate",
                 "migrate",
                 Some(json!({"uri": "fd:backstop-capture"})),
-            ) {
-                resume_if_paused(self);
-                return Err(e);
-            }
-            let dom = self.dom(step)?.clone();
-            let sw = Switchover::watch(dom, snap, paused_since).map_err(|e| {
+            )?;
+            let sw = Switchover::watch(dom.clone(), snap, paused_since).map_err(|e| {
                 let _ = self.qmp("migrate_cancel", "migrate_cancel", None);
-                resume_if_paused(self);
                 cmd_err("switchover thread", e)
             })?;
             Ok((rd, sw))
@@ -592,13 +582,15 @@ impl LibvirtBackend {
                     Some(json!({"fdname": "backstop-capture"})),
                 );
                 self.end_precopy();
+                if paused_since.is_some() {
+                    if let Err(r) = precopy::resume(&dom) {
+                        warn!(error = %r, "could not resume the guest paused for the copy");
+                    }
+                }
                 return Err(e);
             }
         };
-        info!(
-            live = self.copy_plan.is_live(),
-            "libvirt pre-copy capture started"
-        );
+        info!(live, "libvirt pre-copy capture started");
         let bytes = Arc::new(AtomicU64::new(0));
         self.capture = Some(Capture {
             pause_us: 0,
@@ -1017,7 +1009,7 @@ impl VmBackend for LibvirtBackend {
         // QEMU cleans a finished migration up some time after it reports it `completed`; a
         // `migrate` before that fails with `duplicate yank instance` (QEMU ≥ 9.0).
         self.wait_migration_released(Duration::from_secs(30))?;
-        if self.precopy {
+        if self.precopy.is_some() {
             return self.begin_precopy(snap, frozen, &xml);
         }
         // Outside the pause: capability, bandwidth, the pipe and its fd in QEMU.
@@ -1275,10 +1267,14 @@ impl VmBackend for LibvirtBackend {
             m.insert("domain".into(), json!(shape.name));
             m.insert(
                 "capture_mode".into(),
-                json!(if self.precopy { "precopy" } else { "bg" }),
+                json!(if self.precopy.is_some() {
+                    "precopy"
+                } else {
+                    "bg"
+                }),
             );
-            if self.precopy {
-                m.insert("precopy_live".into(), json!(self.copy_plan.is_live()));
+            if let Some(plan) = &self.precopy {
+                m.insert("precopy_live".into(), json!(plan.is_live()));
             }
             m.insert("libvirt_reconnects".into(), json!(self.reconnects));
             let (received, dropped) = self.events.counts();

@@ -188,7 +188,7 @@ fn running(dom: &Domain) -> bool {
 
 /// Resumes the guest through libvirt (unless QEMU already did) and waits until libvirt says
 /// it runs.
-fn resume(dom: &Domain) -> Result<()> {
+pub(crate) fn resume(dom: &Domain) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !running(dom) {
         if let Err(e) = dom.resume() {
