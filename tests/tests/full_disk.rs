@@ -380,15 +380,28 @@ fn a_stalled_store_cannot_stall_the_guest_past_the_bound() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    // The capture starts, its buffer fills, the bound passes; then the guest must run.
-    std::thread::sleep(Duration::from_secs(3));
+    // The capture starts, its buffer fills, the bound passes; then the guest must run for the
+    // rest of the store's 10 s stall. The window opens when backstop says it abandoned the
+    // capture (not after a fixed sleep: on a loaded host the capture's start can take seconds)
+    // and closes when the request returns at the stall's end. The guest ticks every ~0.5 s; a
+    // guest still stalled on its write-protected pages ticks at most once.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !d.log().contains("the store stalls the capture: abandoned") {
+        assert!(
+            Instant::now() < deadline,
+            "the capture was never abandoned; log:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let from = d.serial_len();
-    std::thread::sleep(Duration::from_secs(4));
-    let ticks = parse_ticks(&d.serial_since(from)).len();
+    let window = Instant::now();
     let out = create.wait_with_output().unwrap();
+    let window = window.elapsed();
+    let ticks = parse_ticks(&d.serial_since(from)).len();
     assert!(
         ticks >= 3,
-        "the guest ticked {ticks} times in 4 s while the store stalled; log:\n{}",
+        "the guest ticked {ticks} times in {window:?} while the store stalled; log:\n{}",
         d.log()
     );
     let err: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
