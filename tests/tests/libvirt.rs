@@ -716,6 +716,42 @@ fn libvirt_snapshots_in_a_row_on_one_qemu_then_rollback_to_the_second() {
     d.kill9();
 }
 
+/// A domain its operator paused with `virsh suspend` stays paused through background snapshots:
+/// on 7.2/8.x QEMU resumes it after the capture's start and backstop pauses it again at once; on
+/// ≥ 9.0 backstop does not resume it once write tracking is on.
+#[test]
+fn libvirt_a_domain_paused_with_virsh_stays_paused_through_snapshots() {
+    let test = "libvirt_a_domain_paused_with_virsh_stays_paused_through_snapshots";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    let dom = TestDomain::start("bs-e2e-held", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let (name, l2) = (dom.name.clone(), dom.layers());
+    let mut d = Daemon::prepare_custom(
+        "lv-held",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &[],
+    );
+    d.launch();
+    let adopted = d.wait_journal(STEP, "vm.adopted", |e| e["event"] == "vm.adopted");
+    assert_eq!(adopted["fields"]["capture_mode"], "bg");
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    stays_paused_through_snapshots(&d, &dom, 2);
+    // And a running guest is still paused by a snapshot and runs after it.
+    let v = d.ok(&["snapshot", "create", "--reason", "running again"]);
+    let id = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    let show = d.ok(&["snapshot", "show", &id]);
+    assert!(show["manifest"]["capture"]["pause_us"].as_u64().unwrap() > 0);
+    assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
+    d.ok(&["audit", "verify"]);
+    d.kill9();
+}
+
 #[test]
 fn libvirt_bad_input_is_one_line_with_a_code_and_changes_nothing() {
     let test = "libvirt_bad_input_is_one_line_with_a_code_and_changes_nothing";
@@ -939,8 +975,56 @@ fn libvirt_precopy_capture_without_userfaultfd_keeps_one_instant() {
         t.last().is_some_and(|t| t.ram >= snap_disk + 5)
     });
     rollback_lands_at(&d, &dom, &id, snap_disk);
+    // A guest its operator paused is copied without running: the pre-copy's end leaves QEMU in
+    // `postmigrate`, and the guest stays paused through it and through the next capture.
+    stays_paused_through_snapshots(&d, &dom, 2);
     d.ok(&["audit", "verify"]);
     d.kill9();
+}
+
+/// `virsh suspend`, then `n` snapshots: each one succeeds with no pause of backstop's
+/// (`pause_us` 0), and after each the domain is still paused (reason `user`) and the guest has not
+/// ticked; `virsh resume` lets it tick on, on the same QEMU.
+fn stays_paused_through_snapshots(d: &Daemon, dom: &TestDomain, n: usize) {
+    let pid = dom.pid();
+    virsh_text(&["suspend", &dom.name]);
+    assert!(virsh_text(&["domstate", &dom.name]).contains("paused"));
+    // A tick already on its way out of the guest's serial port.
+    std::thread::sleep(Duration::from_millis(500));
+    let from = dom.serial().len();
+    for i in 0..n {
+        let v = d.ok(&[
+            "snapshot",
+            "create",
+            "--reason",
+            "while the operator paused it",
+        ]);
+        let id = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
+        let show = d.ok(&["snapshot", "show", &id]);
+        let capture = &show["manifest"]["capture"];
+        eprintln!("snapshot {i} of the paused guest: {capture}");
+        assert_eq!(capture["pause_us"], 0, "no pause of backstop's: {capture}");
+        let state = virsh_text(&["domstate", "--reason", &dom.name]);
+        assert!(
+            state.contains("paused") && state.contains("user"),
+            "snapshot {i} left the operator's paused guest {state}"
+        );
+        assert!(
+            backstop_e2e::parse_ticks(&dom.serial()[from..]).is_empty(),
+            "the paused guest ran through snapshot {i}: {}",
+            &dom.serial()[from..]
+        );
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        backstop_e2e::parse_ticks(&dom.serial()[from..]).is_empty(),
+        "the paused guest ran after the snapshots: {}",
+        &dom.serial()[from..]
+    );
+    assert_eq!(d.status()["state"], "running", "backstop is not halted");
+    virsh_text(&["resume", &dom.name]);
+    dom.wait_ticks(from, "the guest ticks after virsh resume", |t| t.len() >= 2);
+    assert_eq!(dom.pid(), pid, "the same QEMU throughout");
 }
 
 /// Rolls `d`'s domain back to snapshot `id`, whose frozen disk says `snap_disk`, and asserts the

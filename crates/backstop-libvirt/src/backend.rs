@@ -29,7 +29,7 @@ use virt::sys;
 
 use crate::domain_xml::{self, DomainShape};
 use crate::events::Feed;
-use crate::precopy::{self, CopyPlan, Switchover};
+use crate::precopy::{self, CopyPlan, Hold, Switchover};
 use crate::save_image::{self, RestoreImageWriter};
 use crate::{CaptureMode, LibvirtConfig};
 
@@ -542,8 +542,13 @@ impl LibvirtBackend {
         )?;
         let dom = self.dom(step)?.clone();
         let live = self.precopy.as_ref().is_none_or(CopyPlan::is_live);
-        // When the guest was paused for a copy this QEMU cannot track.
-        let mut paused_since = None;
+        // A guest its operator paused stays paused; one this QEMU cannot track while it runs
+        // is paused for the copy (from just before `migrate`).
+        let mut hold = if self.state()?.0 == DomainState::Running {
+            Hold::Live
+        } else {
+            Hold::Operator
+        };
         let started = (|| -> Result<(OwnedFd, Switchover)> {
             self.qmp(
                 "migrate-set-parameters",
@@ -556,18 +561,18 @@ impl LibvirtBackend {
             let (rd, wr) = nix::unistd::pipe().map_err(|e| cmd_err("pipe", e))?;
             self.getfd("backstop-capture", &wr)?;
             drop(wr);
-            if !live {
+            if !live && hold == Hold::Live {
                 let t = Instant::now();
                 dom.suspend()
                     .map_err(|e| cmd_err("suspend for the copy", e))?;
-                paused_since = Some(t);
+                hold = Hold::PausedForCopy(t);
             }
             self.qmp(
                 "migrate",
                 "migrate",
                 Some(json!({"uri": "fd:backstop-capture"})),
             )?;
-            let sw = Switchover::watch(dom.clone(), snap, paused_since).map_err(|e| {
+            let sw = Switchover::watch(dom.clone(), snap, hold).map_err(|e| {
                 let _ = self.qmp("migrate_cancel", "migrate_cancel", None);
                 cmd_err("switchover thread", e)
             })?;
@@ -582,15 +587,15 @@ impl LibvirtBackend {
                     Some(json!({"fdname": "backstop-capture"})),
                 );
                 self.end_precopy();
-                if paused_since.is_some() {
-                    if let Err(r) = precopy::resume(&dom) {
-                        warn!(error = %r, "could not resume the guest paused for the copy");
+                if hold != Hold::Live {
+                    if let Err(r) = precopy::restore(&dom, hold) {
+                        warn!(error = %r, ?hold, "could not put the guest's run state back");
                     }
                 }
                 return Err(e);
             }
         };
-        info!(live, "libvirt pre-copy capture started");
+        info!(live, ?hold, "libvirt pre-copy capture started");
         let bytes = Arc::new(AtomicU64::new(0));
         self.capture = Some(Capture {
             pause_us: 0,
@@ -613,13 +618,28 @@ impl LibvirtBackend {
     /// tracking on, and not earlier (the `MIGRATION` `active` comes before QEMU's thread
     /// stops the guest and starts tracking: a resume there would let the guest write between
     /// the disk switch and the RAM instant). Returns when tracking was seen on.
-    fn wait_resumed_after_migrate(&self) -> Result<Option<Instant>> {
+    ///
+    /// A guest its operator paused (`was_running` false) stays paused: 7.2/8.x resume it all
+    /// the same, and it is suspended again at once (the moment it ran is logged); ≥ 9.0 is not
+    /// resumed once tracking is on.
+    fn wait_resumed_after_migrate(&self, was_running: bool) -> Result<Option<Instant>> {
         let bound = Duration::from_secs(30);
         let deadline = Instant::now() + bound;
         loop {
             match self.resume {
                 Resume::ByQemu => {
                     if self.state()?.0 == DomainState::Running {
+                        if !was_running {
+                            let t = Instant::now();
+                            self.dom("pause again")?
+                                .suspend()
+                                .map_err(|e| cmd_err("pause again", e))?;
+                            warn!(
+                                ran_us = t.elapsed().as_micros() as u64,
+                                qemu = ?self.qemu_version,
+                                "this QEMU resumed the guest its operator had paused during the capture; paused it again"
+                            );
+                        }
                         return Ok(None);
                     }
                 }
@@ -627,9 +647,11 @@ impl LibvirtBackend {
                     let m = self.qmp("query-migrate", "query-migrate", None)?;
                     if version::write_tracking_on(&m) {
                         let tracking = Instant::now();
-                        self.dom("resume")?
-                            .resume()
-                            .map_err(|e| cmd_err("resume", e))?;
+                        if was_running {
+                            self.dom("resume")?
+                                .resume()
+                                .map_err(|e| cmd_err("resume", e))?;
+                        }
                         return Ok(Some(tracking));
                     }
                     let status = m["status"].as_str().unwrap_or("");
@@ -684,8 +706,9 @@ impl LibvirtBackend {
     /// A background snapshot whose start failed after `migrate`: QEMU finishes it into the
     /// void (the stream read to its end and dropped; a cancel could leave a vCPU blocked on a
     /// write-protected page, see `backstop_qemu`'s `drain_to_end`), the capability goes off,
-    /// and a guest QEMU left paused (≥ 9.0) runs again on its new overlays.
-    fn drain_and_resume(&self, mut pipe: File) {
+    /// and a guest QEMU left paused (≥ 9.0) runs again on its new overlays, unless its operator
+    /// had paused it (`was_running` false): that one is paused again if QEMU resumed it.
+    fn drain_and_resume(&self, mut pipe: File, was_running: bool) {
         let drainer = std::thread::spawn(move || std::io::copy(&mut pipe, &mut std::io::sink()));
         let deadline = Instant::now() + Duration::from_secs(600);
         loop {
@@ -705,10 +728,18 @@ impl LibvirtBackend {
         let _ = self.wait_migration_released(Duration::from_secs(30));
         let _ = self.set_background_snapshot(false);
         if let Ok(dom) = self.dom("resume") {
-            if matches!(self.state(), Ok((DomainState::Paused, _))) {
-                if let Err(e) = dom.resume() {
-                    warn!(error = %e, "could not resume the guest after a failed capture start");
+            match self.state() {
+                Ok((DomainState::Paused, _)) if was_running => {
+                    if let Err(e) = dom.resume() {
+                        warn!(error = %e, "could not resume the guest after a failed capture start");
+                    }
                 }
+                Ok((DomainState::Running, _)) if !was_running => {
+                    if let Err(e) = dom.suspend() {
+                        warn!(error = %e, "could not pause again the guest its operator had paused");
+                    }
+                }
+                _ => {}
             }
         }
         warn!(
@@ -1040,10 +1071,20 @@ impl VmBackend for LibvirtBackend {
             );
             let _ = me.set_background_snapshot(false);
         };
+        // A guest its operator paused is not suspended here, and is paused again after.
+        let was_running = match self.state() {
+            Ok((st, _)) => st == DomainState::Running,
+            Err(e) => {
+                undo(self);
+                return Err(e);
+            }
+        };
         let t0 = Instant::now();
-        if let Err(e) = self.dom(step)?.suspend() {
-            undo(self);
-            return Err(cmd_err("suspend", e));
+        if was_running {
+            if let Err(e) = self.dom(step)?.suspend() {
+                undo(self);
+                return Err(cmd_err("suspend", e));
+            }
         }
         let t_stop = t0.elapsed();
         let flags = sys::VIR_DOMAIN_SNAPSHOT_CREATE_DISK_ONLY
@@ -1051,7 +1092,9 @@ impl VmBackend for LibvirtBackend {
             | sys::VIR_DOMAIN_SNAPSHOT_CREATE_NO_METADATA
             | sys::VIR_DOMAIN_SNAPSHOT_CREATE_ATOMIC;
         if let Err(e) = self.dom(step)?.create_snapshot_xml(&snap, flags) {
-            let _ = self.dom(step)?.resume();
+            if was_running {
+                let _ = self.dom(step)?.resume();
+            }
             undo(self);
             return Err(cmd_err("disk-only snapshot", e.message()));
         }
@@ -1068,19 +1111,21 @@ impl VmBackend for LibvirtBackend {
             Some(json!({"uri": "fd:backstop-capture"})),
         ) {
             let _ = self.set_background_snapshot(false);
-            let _ = self.dom(step)?.resume();
+            if was_running {
+                let _ = self.dom(step)?.resume();
+            }
             return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
         }
         let t_migrate = t0.elapsed();
         // QEMU writes the stream from now on: it is read while the guest's pause ends, or a
         // full pipe stops QEMU's snapshot thread and with it the write faults a `cont` needs.
         let prefetch = Prefetch::start(File::from(rd));
-        let resumed = self.wait_resumed_after_migrate();
+        let resumed = self.wait_resumed_after_migrate(was_running);
         let (pipe, early) = prefetch.finish();
         let t_tracking = match resumed {
             Ok(t) => t.map(|t| t.duration_since(t0)),
             Err(e) => {
-                self.drain_and_resume(pipe);
+                self.drain_and_resume(pipe, was_running);
                 return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
             }
         };
@@ -1098,10 +1143,15 @@ impl VmBackend for LibvirtBackend {
             ]),
             None => breakdown.push(("resume".to_string(), us(pause - t_migrate))),
         }
-        info!(pause_us = us(pause), ?breakdown, qemu = ?self.qemu_version, "libvirt capture started");
+        // A guest its operator paused was not paused by the capture.
+        let pause_us = if was_running { us(pause) } else { 0 };
+        if !was_running {
+            breakdown.clear();
+        }
+        info!(pause_us, ?breakdown, was_running, qemu = ?self.qemu_version, "libvirt capture started");
         let bytes = Arc::new(AtomicU64::new(0));
         self.capture = Some(Capture {
-            pause_us: us(pause),
+            pause_us,
             breakdown,
             bytes: Arc::clone(&bytes),
             switchover: None,

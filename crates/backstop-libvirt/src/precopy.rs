@@ -70,6 +70,18 @@ impl CopyPlan {
     }
 }
 
+/// The guest's run state during the copy, and the one it returns to whatever the outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// It runs during the copy, QEMU stops it at the switchover, and it runs again after.
+    Live,
+    /// Paused by backstop at this instant for the whole copy ([`CopyPlan::GuestPaused`]), and
+    /// running again after.
+    PausedForCopy(Instant),
+    /// Paused by its operator before the capture: paused again after (see [`keep_paused`]).
+    Operator,
+}
+
 /// Where the capture is, guarded by one lock so that abandoning and switching exclude each other.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Gate {
@@ -93,24 +105,19 @@ pub(crate) struct Switchover {
 
 impl Switchover {
     /// Starts watching a migration that is already running. `snapshot_xml` is the disk-only
-    /// snapshot to take at the switchover. `paused_since`: when the guest was paused for a
-    /// [`CopyPlan::GuestPaused`] copy (the pause counts from there, and every way out resumes
-    /// it); `None` for a live one.
-    pub fn watch(
-        dom: Domain,
-        snapshot_xml: String,
-        paused_since: Option<Instant>,
-    ) -> std::io::Result<Switchover> {
+    /// snapshot to take at the switchover; `hold`, the guest's run state during the copy (for
+    /// [`Hold::PausedForCopy`] the pause counts from its instant) and after it, on every way out.
+    pub fn watch(dom: Domain, snapshot_xml: String, hold: Hold) -> std::io::Result<Switchover> {
         let gate = Arc::new(Mutex::new(Gate::Copying));
         let g = Arc::clone(&gate);
         let thread = std::thread::Builder::new()
             .name("libvirt-switchover".into())
             .spawn(move || {
-                let outcome = run(&dom, &snapshot_xml, &g, paused_since);
-                if outcome.is_err() && paused_since.is_some() {
+                let outcome = run(&dom, &snapshot_xml, &g, hold);
+                if outcome.is_err() && hold != Hold::Live {
                     // QEMU restarts only a guest that ran when the migration began.
-                    if let Err(e) = resume(&dom) {
-                        warn!(error = %e, "could not resume the guest paused for the copy");
+                    if let Err(e) = restore(&dom, hold) {
+                        warn!(error = %e, ?hold, "could not put the guest's run state back");
                     }
                 }
                 outcome
@@ -207,6 +214,40 @@ pub(crate) fn resume(dom: &Domain) -> Result<()> {
     Ok(())
 }
 
+/// Puts the guest in the run state `hold` says it returns to: running, or paused for its
+/// operator.
+pub(crate) fn restore(dom: &Domain, hold: Hold) -> Result<()> {
+    match hold {
+        Hold::Live | Hold::PausedForCopy(_) => resume(dom),
+        Hold::Operator => keep_paused(dom),
+    }
+}
+
+/// Leaves a guest its operator paused paused after a pre-copy. A completed migration leaves
+/// QEMU in `postmigrate` with its block nodes inactivated (handed to a destination that does not
+/// exist here): the next disk switch and the next `migrate` would fail there. Only `cont` gets
+/// out of it (`stop` does not change `postmigrate`, and `blockdev-set-active` of QEMU 10.0 would
+/// not either), so the guest runs for the moment between libvirt's resume and suspend, which is
+/// logged. A migration that did not complete leaves the guest as it was.
+fn keep_paused(dom: &Domain) -> Result<()> {
+    let st = qmp_on(dom, "query-status", "query-status", None)?;
+    if st["status"] == "postmigrate" {
+        let t = Instant::now();
+        dom.resume()
+            .map_err(|e| cmd_err("resume out of postmigrate", e))?;
+        dom.suspend()
+            .map_err(|e| cmd_err("pause again after postmigrate", e))?;
+        warn!(
+            ran_us = t.elapsed().as_micros() as u64,
+            "pre-copy of a guest its operator paused: it ran for a moment to leave postmigrate, and is paused again"
+        );
+    } else if running(dom) {
+        dom.suspend()
+            .map_err(|e| cmd_err("pause again after the copy", e))?;
+    }
+    Ok(())
+}
+
 /// Waits (bounded) until libvirt has processed QEMU's STOP and reports the domain paused.
 fn wait_libvirt_paused(dom: &Domain) -> Result<()> {
     let bound = Duration::from_secs(5);
@@ -228,16 +269,14 @@ fn wait_libvirt_paused(dom: &Domain) -> Result<()> {
     }
 }
 
-fn run(
-    dom: &Domain,
-    snapshot_xml: &str,
-    gate: &Mutex<Gate>,
-    paused_since: Option<Instant>,
-) -> Result<Switched> {
+fn run(dom: &Domain, snapshot_xml: &str, gate: &Mutex<Gate>, hold: Hold) -> Result<Switched> {
     let deadline = Instant::now() + PRECOPY_BOUND;
     // A live copy: the stop happened after the previous poll was sent, and the pause is
     // counted from there. A paused one: from the pause, so "stop-seen" holds the whole copy.
-    let mut before_stop = paused_since.unwrap_or_else(Instant::now);
+    let mut before_stop = match hold {
+        Hold::PausedForCopy(t) => t,
+        Hold::Live | Hold::Operator => Instant::now(),
+    };
     let seen = loop {
         let asked = Instant::now();
         let (st, m) = match status(dom) {
@@ -272,7 +311,7 @@ fn run(
                 timeout: PRECOPY_BOUND,
             });
         }
-        if paused_since.is_none() {
+        if !matches!(hold, Hold::PausedForCopy(_)) {
             before_stop = asked;
         }
         std::thread::sleep(POLL);
@@ -292,7 +331,7 @@ fn run(
             }
             // QEMU restarts the guest itself on cancel.
             wait_over(dom);
-            let _ = resume(dom);
+            let _ = restore(dom, hold);
             return Err(match libvirt_paused {
                 Err(e) => e,
                 Ok(()) => cmd_err("pre-copy", "abandoned before the switchover"),
@@ -307,7 +346,7 @@ fn run(
             drop(g);
             let _ = qmp_on(dom, "migrate_cancel", "migrate_cancel", None);
             wait_over(dom);
-            let _ = resume(dom);
+            let _ = restore(dom, hold);
             return Err(cmd_err("disk-only snapshot at the switchover", e.message()));
         }
         *g = Gate::Switched;
@@ -321,7 +360,7 @@ fn run(
     if still["running"] != false {
         let _ = qmp_on(dom, "migrate_cancel", "migrate_cancel", None);
         wait_over(dom);
-        let _ = resume(dom);
+        let _ = restore(dom, hold);
         return Err(after_switch(cmd_err(
             "pre-copy",
             format!("the guest ran again during the disk switch ({still}): capture abandoned"),
@@ -343,7 +382,7 @@ fn run(
     .map_err(after_switch)?;
     let completed = Instant::now();
     // On failure QEMU restarts a guest that was running; resuming again is harmless.
-    let resumed = resume(dom);
+    let resumed = restore(dom, hold);
     if st != "completed" {
         return Err(after_switch(cmd_err(
             "device state",
@@ -361,9 +400,18 @@ fn run(
         ("device-state".to_string(), us(completed - switched)),
         ("resume".to_string(), us(done - completed)),
     ];
-    let pause_us = us(done - before_stop);
-    info!(pause_us, ?breakdown, "libvirt pre-copy switched over");
-    if pause_us > 1_000_000 && paused_since.is_none() {
+    // A guest its operator paused was not paused by the capture.
+    let (pause_us, breakdown) = match hold {
+        Hold::Operator => (0, Vec::new()),
+        Hold::Live | Hold::PausedForCopy(_) => (us(done - before_stop), breakdown),
+    };
+    info!(
+        pause_us,
+        ?breakdown,
+        ?hold,
+        "libvirt pre-copy switched over"
+    );
+    if pause_us > 1_000_000 && hold == Hold::Live {
         warn!(
             pause_us,
             "pre-copy pause over 1 s (the guest dirties memory faster than the store takes it)"
