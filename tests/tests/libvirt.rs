@@ -718,7 +718,9 @@ fn libvirt_snapshots_in_a_row_on_one_qemu_then_rollback_to_the_second() {
 
 /// A domain its operator paused with `virsh suspend` stays paused through background snapshots:
 /// on 7.2/8.x QEMU resumes it after the capture's start and backstop pauses it again at once; on
-/// ≥ 9.0 backstop does not resume it once write tracking is on.
+/// ≥ 9.0 backstop does not resume it once write tracking is on. Paused past the heartbeat
+/// timeout it is not rolled back (a paused guest is not hung), and after `virsh resume` its
+/// silence counts from the resume.
 #[test]
 fn libvirt_a_domain_paused_with_virsh_stays_paused_through_snapshots() {
     let test = "libvirt_a_domain_paused_with_virsh_stays_paused_through_snapshots";
@@ -727,12 +729,18 @@ fn libvirt_a_domain_paused_with_virsh_stays_paused_through_snapshots() {
     }
     let _libvirtd = libvirtd_shared();
     let _uffd = Uffd::set("1");
+    const HEARTBEAT_S: u64 = 8;
     let dom = TestDomain::start("bs-e2e-held", &|x| x);
     dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
     let (name, l2) = (dom.name.clone(), dom.layers());
     let mut d = Daemon::prepare_custom(
         "lv-held",
-        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &move |s: &Path, r: &Path| {
+            config(s, r, &name, "", &l2).replace(
+                "heartbeat_timeout_s = 30",
+                &format!("heartbeat_timeout_s = {HEARTBEAT_S}"),
+            )
+        },
         &[],
     );
     d.launch();
@@ -741,7 +749,18 @@ fn libvirt_a_domain_paused_with_virsh_stays_paused_through_snapshots() {
     d.wait_journal(STEP, "baseline snapshot", |e| {
         e["event"] == "snapshot.create.completed"
     });
-    stays_paused_through_snapshots(&d, &dom, 2);
+    // Paused past the heartbeat timeout (8 s here): a paused guest sends no heartbeats and is
+    // not hung.
+    stays_paused_through_snapshots(&d, &dom, 2, Duration::from_secs(HEARTBEAT_S + 4));
+    // After `virsh resume` the allowed silence counts from the resume (the last heartbeat is
+    // older than the timeout by then): no rollback for another timeout and more.
+    let rollbacks = events(&d.journal(), "rollback.triggered").len();
+    std::thread::sleep(Duration::from_secs(HEARTBEAT_S + 2));
+    assert_eq!(
+        events(&d.journal(), "rollback.triggered").len(),
+        rollbacks,
+        "rolled back after virsh resume"
+    );
     // And a running guest is still paused by a snapshot and runs after it.
     let v = d.ok(&["snapshot", "create", "--reason", "running again"]);
     let id = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
@@ -977,16 +996,19 @@ fn libvirt_precopy_capture_without_userfaultfd_keeps_one_instant() {
     rollback_lands_at(&d, &dom, &id, snap_disk);
     // A guest its operator paused is copied without running: the pre-copy's end leaves QEMU in
     // `postmigrate`, and the guest stays paused through it and through the next capture.
-    stays_paused_through_snapshots(&d, &dom, 2);
+    stays_paused_through_snapshots(&d, &dom, 2, Duration::from_secs(2));
     d.ok(&["audit", "verify"]);
     d.kill9();
 }
 
 /// `virsh suspend`, then `n` snapshots: each one succeeds with no pause of backstop's
 /// (`pause_us` 0), and after each the domain is still paused (reason `user`) and the guest has not
-/// ticked; `virsh resume` lets it tick on, on the same QEMU.
-fn stays_paused_through_snapshots(d: &Daemon, dom: &TestDomain, n: usize) {
+/// ticked. It stays paused `held` more: `status` says it is paused outside backstop, journaled
+/// once, and nothing rolls it back. `virsh resume` lets it tick on, on the same QEMU, journaled.
+fn stays_paused_through_snapshots(d: &Daemon, dom: &TestDomain, n: usize, held: Duration) {
     let pid = dom.pid();
+    let rollbacks = events(&d.journal(), "rollback.triggered").len();
+    let outside = events(&d.journal(), "vm.paused_outside").len();
     virsh_text(&["suspend", &dom.name]);
     assert!(virsh_text(&["domstate", &dom.name]).contains("paused"));
     // A tick already on its way out of the guest's serial port.
@@ -1015,15 +1037,41 @@ fn stays_paused_through_snapshots(d: &Daemon, dom: &TestDomain, n: usize) {
             &dom.serial()[from..]
         );
     }
-    std::thread::sleep(Duration::from_secs(2));
+    std::thread::sleep(held);
     assert!(
         backstop_e2e::parse_ticks(&dom.serial()[from..]).is_empty(),
         "the paused guest ran after the snapshots: {}",
         &dom.serial()[from..]
     );
-    assert_eq!(d.status()["state"], "running", "backstop is not halted");
+    let st = d.status();
+    assert_eq!(st["state"], "running", "backstop is not halted: {st}");
+    assert!(
+        st["guest_paused_outside"]
+            .as_str()
+            .is_some_and(|w| w.contains("outside backstop")),
+        "status says who paused it: {st}"
+    );
+    let journal = d.journal();
+    assert_eq!(
+        events(&journal, "vm.paused_outside").len(),
+        outside + 1,
+        "the pause is journaled once"
+    );
+    assert_eq!(
+        events(&journal, "rollback.triggered").len(),
+        rollbacks,
+        "a guest paused by its operator was rolled back"
+    );
     virsh_text(&["resume", &dom.name]);
     dom.wait_ticks(from, "the guest ticks after virsh resume", |t| t.len() >= 2);
+    let resumed = d.wait_journal(STEP, "vm.resumed_outside", |e| {
+        e["event"] == "vm.resumed_outside"
+    });
+    assert!(
+        resumed["fields"]["paused_ms"].as_u64().unwrap() >= held.as_millis() as u64,
+        "{resumed}"
+    );
+    assert_eq!(d.status()["guest_paused_outside"], Value::Null);
     assert_eq!(dom.pid(), pid, "the same QEMU throughout");
 }
 

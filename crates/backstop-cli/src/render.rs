@@ -419,6 +419,15 @@ fn status_text(s: &StatusView) -> String {
             "paused (halt clear --paused): `backstop resume --reason R` continues it".into(),
         ));
     }
+    if let Some(why) = &s.guest_paused_outside {
+        rows.push((
+            "guest",
+            format!(
+                "{}: no heartbeat is expected until it runs again",
+                clean(why)
+            ),
+        ));
+    }
     rows.extend(live_rows(s));
     if let Some(o) = &s.offsite {
         let mut line = format!(

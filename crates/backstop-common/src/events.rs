@@ -139,6 +139,12 @@ audit_events! {
     VmStateChanged = "vm.state_changed" ["from", "to", "transition"];
     /// A VM entered HALTED.
     VmHalted = "vm.halted" ["code", "reason"];
+    /// The guest was paused by someone other than backstop (`virsh suspend`): the heartbeat
+    /// watchdog does not judge it while it stays paused.
+    VmPausedOutside = "vm.paused_outside" ["detail"];
+    /// A guest paused outside backstop runs again: the heartbeat's allowed silence counts from
+    /// here.
+    VmResumedOutside = "vm.resumed_outside" ["paused_ms"];
     /// A person continued a guest that `halt clear --paused` left stopped.
     VmContinued = "vm.continued" ["continued_by", "reason"];
     /// A person cleared a VM's HALTED state.

@@ -953,6 +953,10 @@ pub struct StatusView {
     /// `running`, but no guest code runs until `backstop resume`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub guest_paused: bool,
+    /// The guest is paused by someone other than backstop (an operator's `virsh suspend`), and
+    /// why: the heartbeat watchdog does not judge it until it runs again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_paused_outside: Option<String>,
     /// The daemon's off-host upload queue (issue 20), when it has an `[offsite]` target.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offsite: Option<OffsiteView>,

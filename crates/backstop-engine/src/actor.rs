@@ -94,6 +94,9 @@ pub struct VmActor {
     /// resumes the VM from its final snapshot, running). No heartbeat watchdog, no snapshot
     /// (a capture would resume it) until `backstop resume`.
     pub(crate) guest_paused: bool,
+    /// Since when, and why, the guest is paused by someone other than backstop (see
+    /// [`Hypervisor::paused_outside`]): no heartbeat is expected meanwhile.
+    pub(crate) paused_outside: Option<(std::time::Instant, String)>,
     /// Set by `halt clear --paused` for the one restore it runs: skip the `cont`.
     pub(crate) restore_paused: bool,
     /// Recent unattended emergency rollbacks, for the storm guard.
@@ -199,6 +202,7 @@ impl VmActor {
             running_since: None,
             watchdog_fired: None,
             guest_paused: false,
+            paused_outside: None,
             restore_paused: false,
             emergencies: Default::default(),
             devices: Default::default(),
@@ -719,6 +723,7 @@ impl VmActor {
             links: self.link_views(),
             granted_devices: self.devices.grants.keys().cloned().collect(),
             guest_paused: self.guest_paused,
+            guest_paused_outside: self.paused_outside.as_ref().map(|(_, why)| why.clone()),
             offsite: None,
         }
     }

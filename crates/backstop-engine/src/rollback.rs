@@ -766,6 +766,8 @@ impl VmActor {
             .map_err(|e| ("remove rollback marker", e.to_string()))?;
         // (The state becomes running in `replace_vm`, once the forensic record is published.)
         self.running_since = Some(Instant::now());
+        // A new guest instance: a pause of the one it replaced is over with it.
+        self.paused_outside = None;
         if !resume {
             let _ = self.backend.notify_epoch(self.vm.epoch);
         }

@@ -27,7 +27,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use tracing::warn;
+use tracing::{info, warn};
 
 use backstop_control::{Progress, RollbackReport};
 use backstop_hypervisor::{HeartbeatProbe, HeartbeatStatus, VmEvent};
@@ -76,6 +76,23 @@ pub fn storm_decision(earlier_ms: &[i64], now_ms: i64) -> StormDecision {
         .collect();
     let halt = recent.len() >= STORM_LIMIT;
     StormDecision { recent, halt }
+}
+
+/// What one look at the VM says about a pause by someone other than backstop, pure: `was`, the
+/// pause the actor knew of; `seen`, the one the backend reports now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OutsidePause {
+    Began(String),
+    Ended,
+    Unchanged,
+}
+
+pub fn outside_pause_step(was: Option<&str>, seen: Option<String>) -> OutsidePause {
+    match (was, seen) {
+        (None, Some(why)) => OutsidePause::Began(why),
+        (Some(_), None) => OutsidePause::Ended,
+        _ => OutsidePause::Unchanged,
+    }
 }
 
 /// When the heartbeat watchdog's silence runs out, pure: the instant after which
@@ -294,6 +311,7 @@ impl VmActor {
             return;
         }
         let from_events = events.first().map(emergency_of);
+        self.follow_outside_pause();
         // An expiry the watch kept during a capture found (and abandoned the capture for) is
         // carried out as decided then. A guest left stopped by `halt clear --paused` sends no
         // heartbeats: not a hang.
@@ -304,7 +322,7 @@ impl VmActor {
         let trigger = from_events.or_else(|| {
             during_capture
                 .or_else(|| {
-                    if self.guest_paused {
+                    if self.guest_paused || self.paused_outside.is_some() {
                         None
                     } else {
                         self.heartbeat_expired()
@@ -333,11 +351,50 @@ impl VmActor {
         }
     }
 
+    /// Follows a pause of the guest by someone other than backstop, as the backend saw it in
+    /// this look: journaled when it begins and when it ends. While it lasts the heartbeat
+    /// watchdog does not judge the guest (a paused guest sends nothing and is not hung); when it
+    /// ends, the allowed silence counts from the resume, as after a start.
+    fn follow_outside_pause(&mut self) {
+        let now = outside_pause_step(
+            self.paused_outside.as_ref().map(|(_, why)| why.as_str()),
+            self.backend.paused_outside(),
+        );
+        let sid = self.session_id.clone();
+        match now {
+            OutsidePause::Began(why) => {
+                warn!(why, "the guest was paused outside backstop: its heartbeat is not judged until it runs again");
+                self.paused_outside = Some((Instant::now(), why.clone()));
+                let _ = self.journal(
+                    AuditEvent::VmPausedOutside,
+                    json!({"session_id": sid, "detail": why, "result": "ok"}),
+                );
+            }
+            OutsidePause::Ended => {
+                let paused_ms = self
+                    .paused_outside
+                    .take()
+                    .map(|(t, _)| t.elapsed().as_millis() as u64)
+                    .unwrap_or(0);
+                info!(paused_ms, "the guest paused outside backstop runs again");
+                self.running_since = Some(Instant::now());
+                let _ = self.journal(
+                    AuditEvent::VmResumedOutside,
+                    json!({"session_id": sid, "paused_ms": paused_ms, "result": "ok"}),
+                );
+            }
+            OutsidePause::Unchanged => {}
+        }
+    }
+
     /// When the idle loop must look at the VM again for the heartbeat watchdog (see
     /// [`idle_wait`]): the end of the allowed silence while [`VmActor::watch`] would judge it
     /// (running, not paused by the operator), else `None`.
     pub(crate) fn heartbeat_due(&self) -> Option<Instant> {
-        if self.state != crate::lifecycle::VmState::Running || self.guest_paused {
+        if self.state != crate::lifecycle::VmState::Running
+            || self.guest_paused
+            || self.paused_outside.is_some()
+        {
             return None;
         }
         heartbeat_deadline(
@@ -361,6 +418,9 @@ impl VmActor {
     /// `None` when the backend shares no heartbeat counters, or the watch thread cannot be
     /// started: the watchdog is then evaluated right after the capture, as before.
     pub(crate) fn watch_during_capture(&self) -> Option<CaptureWatch> {
+        if self.paused_outside.is_some() {
+            return None; // Not judged while paused (see `follow_outside_pause`).
+        }
         let probe = self.backend.heartbeat_probe()?;
         CaptureWatch::start(
             &self.cfg.vm.name,
@@ -593,6 +653,25 @@ mod verdict_tests {
             last,
             rejected: 2,
         }
+    }
+
+    #[test]
+    fn a_pause_outside_backstop_is_followed_once_each_way() {
+        let why = || Some("paused by virsh".to_string());
+        assert_eq!(
+            outside_pause_step(None, why()),
+            OutsidePause::Began("paused by virsh".into())
+        );
+        assert_eq!(
+            outside_pause_step(Some("paused by virsh"), why()),
+            OutsidePause::Unchanged,
+            "journaled once, not at every look"
+        );
+        assert_eq!(
+            outside_pause_step(Some("paused by virsh"), None),
+            OutsidePause::Ended
+        );
+        assert_eq!(outside_pause_step(None, None), OutsidePause::Unchanged);
     }
 
     #[test]

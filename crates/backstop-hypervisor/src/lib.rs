@@ -242,6 +242,13 @@ pub trait VmBackend: Send {
     fn capture_switched_disks(&self) -> bool {
         false
     }
+    /// `Some(why)` when the guest is paused by someone other than backstop (an operator's
+    /// `virsh suspend`), as of the last [`Hypervisor::poll_events`]. Such a guest sends no
+    /// heartbeats and is not hung: the heartbeat watchdog does not judge it. `None` by default
+    /// (a backend whose QEMU only backstop commands).
+    fn paused_outside(&self) -> Option<String> {
+        None
+    }
     /// Facts for `backstop status` beyond the common fields (how this backend captures, what
     /// it is attached to, …); empty by default.
     fn status_details(&self) -> serde_json::Map<String, serde_json::Value> {

@@ -88,6 +88,11 @@ pub struct LibvirtBackend {
     reconnects: u32,
     watchdog_reported: bool,
     exit_reported: bool,
+    /// Why the domain is paused by someone else, as of the last `poll_events`.
+    paused_outside: Option<String>,
+    /// `pause()` (a rollback's start, a clean stop) suspended the domain: that pause is
+    /// backstop's until the domain is seen running again.
+    paused_by_us: bool,
     /// libvirt's domain events (`events.rs`): they wake the actor; the state poll decides.
     events: Feed,
     /// Granted devices: config id → the alias libvirt knows them by (`backend/devices.rs`).
@@ -157,6 +162,8 @@ impl LibvirtBackend {
             reconnects: 0,
             watchdog_reported: false,
             exit_reported: false,
+            paused_outside: None,
+            paused_by_us: false,
             events: Feed::new(),
             grants: BTreeMap::new(),
             removed: BTreeSet::new(),
@@ -931,6 +938,16 @@ impl VmBackend for LibvirtBackend {
                 return Ok(events);
             }
         };
+        // Paused with virDomainSuspend by someone else (`virsh suspend`): reason `user`.
+        // backstop's own suspends are a capture's (begun and ended inside one of its calls, so
+        // a look between them never sees one) and `pause()`'s (remembered).
+        if st == DomainState::Running {
+            self.paused_by_us = false;
+        }
+        self.paused_outside = (st == DomainState::Paused
+            && paused == Some(DomainPausedReason::User)
+            && !self.paused_by_us)
+        .then(|| "paused outside backstop (libvirt: paused, reason user; `virsh resume` continues it)".to_string());
         // The state decides; libvirt's event about the ending, when it agrees, names it.
         let said = if self.exit_reported {
             None
@@ -1345,6 +1362,7 @@ impl VmBackend for LibvirtBackend {
         self.dom("pause")?
             .suspend()
             .map_err(|e| cmd_err("suspend", e))?;
+        self.paused_by_us = true;
         Ok(())
     }
 
@@ -1544,6 +1562,10 @@ impl VmBackend for LibvirtBackend {
             a.send_epoch(epoch);
         }
         Ok(())
+    }
+
+    fn paused_outside(&self) -> Option<String> {
+        self.paused_outside.clone()
     }
 
     fn heartbeats(&self) -> HeartbeatStatus {
