@@ -33,7 +33,8 @@ cargo build --workspace --all-targets --features "$features"
 # The QEMU 10 pass (issue 21) runs in the same pool, from the same build: the QEMU end-to-end
 # tests again with BACKSTOP_QEMU set to QEMU 10 (the soak with 50 snapshots there, 100 on 7.2),
 # the capture fault hooks, and the libvirt tests whose path depends on the QEMU version (capture
-# and resume rule, yank, pre-copy fallback, device detach, block pull) on the copy of the same
+# and resume rule, yank, pre-copy fallback, device detach, block pull, an operator-paused domain
+# kept paused) on the copy of the same
 # QEMU 10 scripts/setup-libvirt.sh publishes for libvirt-qemu (/var/lib/backstop-qemu10); the
 # libvirt supervision tests (bad input, destroy, libvirtd restart, events, the i6300esb) drive
 # libvirt, not QEMU, and run once. The libvirt tests share one libvirtd (one of them restarts
@@ -51,7 +52,7 @@ BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_REQUIRE_CEPH=1 \
 		huge_pages capture_faults" \
 	--pass "qemu10 BACKSTOP_QEMU=$qemu10 libvirt -- libvirt_adopt_snapshot_rollback
 		libvirt_snapshots_in_a_row libvirt_precopy_capture libvirt_a_granted_usb_device
-		libvirt_many_snapshots" \
+		libvirt_many_snapshots libvirt_a_domain_paused" \
 	-- --workspace --features "$features"
 # Doc tests (cargo test --no-run does not build them).
 cargo test --workspace --features "$features" --doc
