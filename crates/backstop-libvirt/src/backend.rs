@@ -735,18 +735,13 @@ impl LibvirtBackend {
         let _ = self.wait_migration_released(Duration::from_secs(30));
         let _ = self.set_background_snapshot(false);
         if let Ok(dom) = self.dom("resume") {
-            match self.state() {
-                Ok((DomainState::Paused, _)) if was_running => {
-                    if let Err(e) = dom.resume() {
-                        warn!(error = %e, "could not resume the guest after a failed capture start");
-                    }
-                }
-                Ok((DomainState::Running, _)) if !was_running => {
-                    if let Err(e) = dom.suspend() {
-                        warn!(error = %e, "could not pause again the guest its operator had paused");
-                    }
-                }
-                _ => {}
+            let hold = if was_running {
+                Hold::Live
+            } else {
+                Hold::Operator
+            };
+            if let Err(e) = precopy::restore(dom, hold) {
+                warn!(error = %e, ?hold, "could not put the guest's run state back after a failed capture start");
             }
         }
         warn!(

@@ -215,7 +215,7 @@ pub(crate) fn resume(dom: &Domain) -> Result<()> {
 }
 
 /// Puts the guest in the run state `hold` says it returns to: running, or paused for its
-/// operator.
+/// operator. Shared with the background capture's failed start (`drain_and_resume`).
 pub(crate) fn restore(dom: &Domain, hold: Hold) -> Result<()> {
     match hold {
         Hold::Live | Hold::PausedForCopy(_) => resume(dom),
