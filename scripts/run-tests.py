@@ -22,7 +22,9 @@ holds every slot: nothing runs beside it, as under `cargo test` (offsite.rs: one
 failed once with other tests beside it, unexplained). Binaries
 named together in an --exclusive group never run at the same time (they share a host daemon one of
 them restarts: libvirtd). The longest binaries start first, by the durations the last run on this
-checkout recorded in target/test-times.json; on a fresh checkout the --first hint orders them.
+checkout recorded in target/test-times.json; on a fresh checkout by --hint-times (a reference
+run's, committed: without them a fresh CI run started long binaries last and waited on their
+tail), then the --first hint.
 Order only changes how long the run takes, never what it checks.
 
 Usage: run-tests.py [options] [--pass "TAG [NAME=VALUE]... TARGET... [-- FILTER...]"]...
@@ -168,6 +170,9 @@ def main():
                     help="run TARGETs again with NAME=VALUE set and FILTERs passed, labelled TAG")
     ap.add_argument("--times", default="target/test-times.json",
                     help="where durations are read from and recorded")
+    ap.add_argument("--hint-times", metavar="FILE",
+                    help="durations of a reference run (same format as --times), for the "
+                         "binaries this checkout has no recorded duration of yet")
     opts = ap.parse_args(opts_argv)
     if opts.slots < 1 or opts.threads_per_binary < 1:
         die("--slots and --threads-per-binary must be at least 1")
@@ -201,11 +206,19 @@ def main():
         recorded = json.loads(Path(opts.times).read_text())
     except (OSError, ValueError):
         recorded = {}
+    hint = {}
+    if opts.hint_times:
+        try:
+            hint = json.loads(Path(opts.hint_times).read_text())
+        except (OSError, ValueError) as e:
+            log(f"warning: no hint durations from {opts.hint_times}: {e}")
     first = [t for t in opts.first.split(",") if t]
 
     def expected(b):
         if b.label in recorded:
             return (0, -float(recorded[b.label]))
+        if b.label in hint:
+            return (0, -float(hint[b.label]))
         if b.name in first:
             return (1, first.index(b.name))
         return (2, -b.tests)

@@ -56,7 +56,7 @@ t=$SECONDS
 echo "test.sh: the QEMU 10 pass runs on $("$qemu10" --version | head -n1)" >&2
 BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_REQUIRE_CEPH=1 \
 	flock -o /tmp/backstop-libvirt-e2e.lock python3 scripts/run-tests.py \
-	--exclusive libvirt,live \
+	--exclusive libvirt,live --hint-times scripts/test-times.json \
 	--alone offsite --first offsite,libvirt,crash_loop,soak,watchdog,many_vms,replay,devices,policy,debian_guest \
 	--pass "qemu10 BACKSTOP_QEMU=$qemu10 BACKSTOP_SOAK_SNAPSHOTS=30 rollback qemu_versions
 		integrity restart full_disk soak firmware debian_guest standby huge_pages
