@@ -17,14 +17,14 @@ tail): `--pass "qemu10 BACKSTOP_QEMU=/path rollback integrity -- filter"` runs t
 (test targets or crates' unit tests by target name) with that environment and those test filters,
 each labelled with the pass's tag.
 
-Scheduling: a binary holds min(its test count, --threads-per-binary) slots of --slots. An --alone binary
-holds every slot: nothing runs beside it, as under `cargo test` (offsite.rs: one of its checks
-failed once with other tests beside it, unexplained). Binaries
-named together in an --exclusive group never run at the same time (they share a host daemon one of
-them restarts: libvirtd). The longest binaries start first, by the durations the last run on this
-checkout recorded in target/test-times.json; on a fresh checkout by --hint-times (a reference
-run's, committed: without them a fresh CI run started long binaries last and waited on their
-tail), then the --first hint.
+Scheduling: a binary holds min(its test count, --threads-per-binary) slots of --slots, a
+--one-thread binary one (libvirt.rs: each test holds the userfaultfd sysctl's lock from start to
+end, so a second thread only waited on the first while holding a slot). An --alone binary holds
+every slot: nothing runs beside it, as under `cargo test` (offsite.rs: one of its checks failed
+once with other tests beside it, unexplained). Binaries named together in an --exclusive group
+never run at the same time (they share a host daemon one of them restarts: libvirtd). The --alone
+binaries start first, then the longest, by the durations the last run on this checkout recorded
+in target/test-times.json; on a fresh checkout the --first hint orders them.
 Order only changes how long the run takes, never what it checks.
 
 Usage: run-tests.py [options] [--pass "TAG [NAME=VALUE]... TARGET... [-- FILTER...]"]...
@@ -155,29 +155,30 @@ def count_tests(exe, cwd, bin_args):
 def main():
     opts_argv, cargo_args, bin_args = split_args(sys.argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slots", type=int, default=int(os.environ.get("BACKSTOP_TEST_SLOTS", "3")),
+    ap.add_argument("--slots", type=int, default=int(os.environ.get("BACKSTOP_TEST_SLOTS", "4")),
                     help="test threads running at once, all binaries together "
-                         "(default: $BACKSTOP_TEST_SLOTS or 3)")
+                         "(default: $BACKSTOP_TEST_SLOTS or 4)")
     ap.add_argument("--threads-per-binary", type=int, default=2,
                     help="the most test threads one binary gets (default 2)")
     ap.add_argument("--exclusive", action="append", default=[], metavar="A,B,...",
                     help="test targets that never run at the same time as each other")
     ap.add_argument("--alone", default="", metavar="A,B,...",
                     help="targets that run with no other binary beside them (all slots held)")
+    ap.add_argument("--one-thread", default="", metavar="A,B,...",
+                    help="targets whose tests take turns on a lock of their own: one thread, "
+                         "one slot (more would only hold slots idle)")
     ap.add_argument("--first", default="", metavar="A,B,...",
                     help="targets to start first when no recorded durations exist")
     ap.add_argument("--pass", dest="passes", action="append", default=[], metavar="SPEC",
                     help="run TARGETs again with NAME=VALUE set and FILTERs passed, labelled TAG")
     ap.add_argument("--times", default="target/test-times.json",
                     help="where durations are read from and recorded")
-    ap.add_argument("--hint-times", metavar="FILE",
-                    help="durations of a reference run (same format as --times), for the "
-                         "binaries this checkout has no recorded duration of yet")
     opts = ap.parse_args(opts_argv)
     if opts.slots < 1 or opts.threads_per_binary < 1:
         die("--slots and --threads-per-binary must be at least 1")
 
     alone = {t for t in opts.alone.split(",") if t}
+    one_thread = {t for t in opts.one_thread.split(",") if t}
     built = build(cargo_args)
     jobs = [("", {}, None, bin_args)] + [parse_pass(p) for p in opts.passes]
     binaries = []
@@ -195,6 +196,8 @@ def main():
                     die(f"pass {tag}: {label} has no test matching {args}")
                 continue
             slots = min(n, opts.threads_per_binary, opts.slots)
+            if name in one_thread:
+                slots = 1
             if name in alone:
                 slots = opts.slots
             full = f"{label} @{tag}" if tag else label
@@ -206,22 +209,19 @@ def main():
         recorded = json.loads(Path(opts.times).read_text())
     except (OSError, ValueError):
         recorded = {}
-    hint = {}
-    if opts.hint_times:
-        try:
-            hint = json.loads(Path(opts.hint_times).read_text())
-        except (OSError, ValueError) as e:
-            log(f"warning: no hint durations from {opts.hint_times}: {e}")
     first = [t for t in opts.first.split(",") if t]
 
+    # --alone binaries first, while nothing else runs: one next in line behind a long binary
+    # held every other slot idle until that one ended (with recorded durations, libvirt.rs's
+    # 235 s ran by itself before offsite.rs).
     def expected(b):
+        if b.name in alone:
+            return (0, 0)
         if b.label in recorded:
-            return (0, -float(recorded[b.label]))
-        if b.label in hint:
-            return (0, -float(hint[b.label]))
+            return (1, -float(recorded[b.label]))
         if b.name in first:
-            return (1, first.index(b.name))
-        return (2, -b.tests)
+            return (2, first.index(b.name))
+        return (3, -b.tests)
 
     pending = sorted(binaries, key=expected)
     groups = [set(g.split(",")) for g in opts.exclusive]

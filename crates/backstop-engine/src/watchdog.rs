@@ -365,6 +365,10 @@ impl VmActor {
             OutsidePause::Began(why) => {
                 warn!(why, "the guest was paused outside backstop: its heartbeat is not judged until it runs again");
                 self.paused_outside = Some((Instant::now(), why.clone()));
+                // `status` (served from the published copy) shows it before the journal says
+                // it: a reader who sees the record and then asks must find it there (a test saw
+                // the old value under load).
+                self.publish();
                 let _ = self.journal(
                     AuditEvent::VmPausedOutside,
                     json!({"session_id": sid, "detail": why, "result": "ok"}),
@@ -378,6 +382,7 @@ impl VmActor {
                     .unwrap_or(0);
                 info!(paused_ms, "the guest paused outside backstop runs again");
                 self.running_since = Some(Instant::now());
+                self.publish();
                 let _ = self.journal(
                     AuditEvent::VmResumedOutside,
                     json!({"session_id": sid, "paused_ms": paused_ms, "result": "ok"}),
