@@ -7,24 +7,25 @@
 # script can never pass by skipping the tests that matter.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Each phase says how long it took (`test.sh: <phase>: N s`).
-phase() { echo "test.sh: $1: $((SECONDS - ${2:-0})) s" >&2; }
+# Each phase says how long it took since the one before (`test.sh: <phase>: N s`).
+lap=$SECONDS
+phase() {
+	echo "test.sh: $1: $((SECONDS - lap)) s" >&2
+	lap=$SECONDS
+}
 
 # setup.sh prints the guest directory, then the QEMU 10 wrapper. With BACKSTOP_WITH_LIBVIRT=1 it
 # also installs libvirt and starts libvirtd (scripts/setup-libvirt.sh, ~1 min on a fresh machine);
 # with BACKSTOP_WITH_CEPH=1 Ceph's monitor, OSD and gateway (scripts/setup-ceph.sh, ~21 s).
-t=$SECONDS
 qemu10=$(BACKSTOP_WITH_LIBVIRT=1 BACKSTOP_WITH_CEPH=1 scripts/setup.sh | tail -n1)
-phase setup "$t"
-t=$SECONDS
+phase setup
 ci/lint.sh
-phase lint "$t"
+phase lint
 # The fault-injection feature compiles in the test-only fault hooks (never in a release build);
 # `libvirt` the libvirt backend (issue 14), whose tests must run here.
 features=backstopd/fault-injection,backstopd/libvirt
-t=$SECONDS
 cargo build --workspace --all-targets --features "$features"
-phase build "$t"
+phase build
 # The test binaries run side by side (scripts/run-tests.py): most are one end-to-end test that
 # boots a TCG guest and then waits on it, and `cargo test` runs them one after another. Four
 # test threads at once (run-tests.py's default; BACKSTOP_TEST_SLOTS sets it), at most two per
@@ -53,13 +54,12 @@ phase build "$t"
 # host sysctl: their binaries never overlap (--exclusive). The lock is the one developers take
 # around libvirt tests on a shared machine; -o keeps the libvirtd a test restarts from
 # inheriting it.
-# offsite.rs runs alone (it starts a Ceph cluster per test, two at a time).
-t=$SECONDS
+# offsite.rs runs alone, and first (it starts a Ceph cluster per test, two at a time).
 echo "test.sh: the QEMU 10 pass runs on $("$qemu10" --version | head -n1)" >&2
 BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_REQUIRE_CEPH=1 \
 	flock -o /tmp/backstop-libvirt-e2e.lock python3 scripts/run-tests.py \
 	--exclusive libvirt,live --one-thread libvirt \
-	--alone offsite --first offsite,libvirt,crash_loop,soak,watchdog,many_vms,replay,devices,policy,debian_guest \
+	--alone offsite --first libvirt,crash_loop,soak,watchdog,many_vms,replay,devices,policy,debian_guest \
 	--pass "qemu10 BACKSTOP_QEMU=$qemu10 BACKSTOP_SOAK_SNAPSHOTS=30 rollback qemu_versions
 		integrity restart full_disk soak firmware debian_guest standby huge_pages
 		capture_faults" \
@@ -67,8 +67,7 @@ BACKSTOP_REQUIRE_E2E=1 BACKSTOP_REQUIRE_LIBVIRT=1 BACKSTOP_REQUIRE_CEPH=1 \
 		libvirt_snapshots_in_a_row libvirt_precopy_capture libvirt_a_granted_usb_device
 		libvirt_many_snapshots libvirt_a_domain_paused" \
 	-- --workspace --features "$features"
-phase tests "$t"
+phase tests
 # Doc tests (cargo test --no-run does not build them).
-t=$SECONDS
 cargo test --workspace --features "$features" --doc
-phase "doc tests" "$t"
+phase "doc tests"

@@ -361,18 +361,14 @@ impl VmActor {
             self.backend.paused_outside(),
         );
         let sid = self.session_id.clone();
-        match now {
+        let (event, fields) = match now {
             OutsidePause::Began(why) => {
                 warn!(why, "the guest was paused outside backstop: its heartbeat is not judged until it runs again");
                 self.paused_outside = Some((Instant::now(), why.clone()));
-                // `status` (served from the published copy) shows it before the journal says
-                // it: a reader who sees the record and then asks must find it there (a test saw
-                // the old value under load).
-                self.publish();
-                let _ = self.journal(
+                (
                     AuditEvent::VmPausedOutside,
                     json!({"session_id": sid, "detail": why, "result": "ok"}),
-                );
+                )
             }
             OutsidePause::Ended => {
                 let paused_ms = self
@@ -382,14 +378,18 @@ impl VmActor {
                     .unwrap_or(0);
                 info!(paused_ms, "the guest paused outside backstop runs again");
                 self.running_since = Some(Instant::now());
-                self.publish();
-                let _ = self.journal(
+                (
                     AuditEvent::VmResumedOutside,
                     json!({"session_id": sid, "paused_ms": paused_ms, "result": "ok"}),
-                );
+                )
             }
-            OutsidePause::Unchanged => {}
-        }
+            OutsidePause::Unchanged => return,
+        };
+        // `status` (served from the published copy) shows the change before the journal says
+        // it: a reader who sees the record and then asks must find it there (a test read the
+        // old value after `vm.resumed_outside` under load).
+        self.publish();
+        let _ = self.journal(event, fields);
     }
 
     /// When the idle loop must look at the VM again for the heartbeat watchdog (see
