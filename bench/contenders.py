@@ -581,7 +581,10 @@ class StopCopy(Contender):
         if settle_runstate(q) in ("paused", "postmigrate"):
             q.execute("cont")
         size = os.path.getsize(state)
-        state.unlink()
+        # Kept (one per QEMU version, the newest) for the store's ingest of a recorded stream
+        # (run.py's store_ingest); the work dir goes at the end of the run.
+        recorded = self.env.work / f"recorded-{getattr(self.env, 'qemu_label', 'qemu')}.vmstate"
+        os.replace(state, recorded)
         if ev["data"]["status"] != "completed":
             raise BenchError(f"background snapshot {ev['data']['status']}: {info.get('error-desc')}")
         pause = None
@@ -591,6 +594,7 @@ class StopCopy(Contender):
             pause = (qmplib.event_us(rs) - qmplib.event_us(st)) / 1e3
         return {
             "kind": "bgsnap",
+            "recorded_stream": str(recorded),
             "t_req": t0,
             "t_done": t1,
             "wall_ms": (t1 - t0) * 1e3,

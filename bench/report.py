@@ -613,8 +613,28 @@ def headline(raw, per):
         dd = _g(f, "tput_dd", "values", "host", "median")
         store_vals = [v for r in raw["records"] if r["contender"] == "backstop"
                       and (lab == "None" or r.get("qemu") == lab) for v in rate("bytes_stored")(r)]
-        row("store / dd (fsync), first snapshot", _ratio_stats(store_vals, dd), "x", ">= 0.70",
-            lambda m: m >= 0.70)
+        # Issue 21's measure: the store's ingest of a recorded stream (QEMU's own background
+        # snapshot of the stop-and-copy guest on this version), each repetition against the same
+        # bytes written to one file and fsynced in the same invocation (run.py's store_ingest).
+        ing = [x["ratio"] for g in raw.get("store_ingest") or []
+               if str(g.get("qemu")) == lab for x in g.get("reps") or []]
+        row("store ingest of a recorded stream / dd (fsync)", stats(ing) if ing else None, "x",
+            ">= 0.70", lambda m: m >= 0.70)
+        out["store_ingest_error"] = next((g["error"] for g in raw.get("store_ingest") or []
+                                          if str(g.get("qemu")) == lab and g.get("error")), None)
+        # The same goal read against a live capture: stored bytes over the first snapshot's wall
+        # time, which QEMU's stream rate bounds (its bare background snapshot's rate / dd, next).
+        row("live capture: stored bytes / wall time / dd", _ratio_stats(store_vals, dd), "x",
+            ">= 0.70", lambda m: m >= 0.70)
+        row("  its ceiling: QEMU's bare background snapshot stream / dd",
+            _ratio_stats([v for r in raw["records"] if lab == "None" or r.get("qemu") == lab
+                          for v in bg_rate(r)], dd), "x", "-", None)
+        wall = _g(f, "wall_first", "values", "backstop")
+        wall_vals = [v for r in raw["records"] if r["contender"] == "backstop"
+                     and (lab == "None" or r.get("qemu") == lab) for v in snap_value("first", "wall_ms")(r)]
+        bgw = _g(f, "wall_first", "values", "qemubg")
+        row("capture wall time / QEMU's bare background snapshot", _ratio_stats(
+            wall_vals, bgw and bgw["median"]) if wall else None, "x", "<= 1.2", lambda m: m <= 1.2)
         rows.append(out)
     return rows
 
@@ -641,8 +661,9 @@ def headline_table(summary):
             cell = "-" if not st else f"{_cell(st)} ({st['n']})"
             verdict = "" if r["meets"] is None else ("meets" if r["meets"] else "misses")
             lines.append(f"  {r['figure']:<{w}}{cell:>24} {r['unit']:<3} goal {r['goal']:<20} {verdict}")
-        if v.get("watchdog_error"):
-            lines.append(f"  watchdog: {v['watchdog_error']}")
+        for key, what in (("watchdog_error", "watchdog"), ("store_ingest_error", "store ingest")):
+            if v.get(key):
+                lines.append(f"  {what}: {v[key]}")
         pb = v.get("pause_breakdown_ms") or {}
         if pb:
             lines.append("  pause breakdown (ms, median [min..max]): "

@@ -280,6 +280,33 @@ def run_rep(cls, env, rep):
     return rec
 
 
+def store_ingest(env, label, reps=3):
+    """`store_ingest --json` on the stream recorded on QEMU `label` (None if there is none: the
+    stop-and-copy contender did not run there); a failure is recorded, not raised."""
+    stream = env.work / f"recorded-{label}.vmstate"
+    if not stream.exists():
+        return None
+    if not env.store_ingest.exists():
+        return {"error": f"{env.store_ingest} missing (cargo build --release -p backstop-engine "
+                         "--example store_ingest)"}
+    cmd = [str(env.store_ingest), str(stream), str(env.work), str(reps),
+           "--chunk-hash", env.chunk_hash, "--json"]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except subprocess.SubprocessError as e:
+        return {"error": f"store_ingest: {e}"}
+    if p.returncode != 0:
+        return {"error": f"store_ingest exited {p.returncode}: {p.stderr.strip()[-300:]}"}
+    try:
+        r = json.loads(p.stdout)
+    except ValueError:
+        return {"error": f"store_ingest printed no JSON: {p.stdout[-200:]!r}"}
+    log(f"[store ingest qemu {label}] recorded stream {r['bytes'] / 1e6:.0f} MB: "
+        + ", ".join(f"{x['ingest_bytes_per_s'] / 1e6:.0f}/{x['dd_bytes_per_s'] / 1e6:.0f} MB/s"
+                    for x in r["reps"]) + " (store/dd)")
+    return r
+
+
 def libvirt_leftovers(prefix):
     p = subprocess.run(["virsh", "-q", "-c", C.LIBVIRT_URI, "list", "--all", "--name"],
                        capture_output=True, text=True)
@@ -336,6 +363,7 @@ def main(argv=None):
     env.guest = Path(a.guest_dir).resolve()
     env.backstopd = Path(a.bin_dir) / "backstopd"
     env.backstop = Path(a.bin_dir) / "backstop"
+    env.store_ingest = Path(a.bin_dir) / "examples" / "store_ingest"
     system_qemu = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
     binaries = a.qemu or [system_qemu] + ([os.environ["BENCH_QEMU10"]]
                                           if os.environ.get("BENCH_QEMU10") else [])
@@ -416,10 +444,11 @@ def main(argv=None):
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, on_term)
 
-    records, host, watchdog = [], [], []
+    records, host, watchdog, ingest = [], [], [], []
 
     def save():
-        raw = {"meta": meta, "records": records, "host": host, "watchdog": watchdog}
+        raw = {"meta": meta, "records": records, "host": host, "watchdog": watchdog,
+               "store_ingest": ingest}
         (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
 
     interrupted = False
@@ -448,6 +477,16 @@ def main(argv=None):
                 host.append(r)
             except (C.BenchError, subprocess.SubprocessError, OSError) as e:
                 log(f"host throughput measurement failed: {e}")
+            # The store's ingest of a recorded stream (issue 21's measure), apart from QEMU's
+            # pace: the stream the stop-and-copy guest's plain background snapshot wrote on
+            # each QEMU, cut, hashed, written and published into a fresh store here, against
+            # the same bytes written to one file and fsynced, in the same invocation.
+            for q in env.qemus:
+                row = store_ingest(env, q["label"])
+                if row:
+                    row.update(qemu=q["label"], rep=rep)
+                    ingest.append(row)
+                    save()
         # Watchdog expiry -> guest running, per QEMU (its own small guest, as bench-watchdog.sh).
         if "backstop" in names and env.watchdog_reps > 0:
             for q in env.qemus:
@@ -484,7 +523,8 @@ def main(argv=None):
 
     meta["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     meta["wall_s"] = round(time.monotonic() - t_run, 1)
-    raw = {"meta": meta, "records": records, "host": host, "watchdog": watchdog}
+    raw = {"meta": meta, "records": records, "host": host, "watchdog": watchdog,
+           "store_ingest": ingest}
     (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
     summary = report.summarize(raw)
     (env.results / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -497,6 +537,7 @@ def main(argv=None):
     failed = [f"{r['contender']} qemu {r.get('qemu')} rep {r['rep'] + 1}: {r['error']}"
               for r in records if r.get("error")]
     failed += [f"watchdog qemu {w['qemu']}: {w['error']}" for w in watchdog if w.get("error")]
+    failed += [f"store ingest qemu {g['qemu']}: {g['error']}" for g in ingest if g.get("error")]
     if failed or interrupted:
         for f in failed:
             log(f"FAILED {f}")

@@ -90,5 +90,7 @@ fi
 log "building backstop (release)"
 # With the libvirt backend (the `bslibvirt` contender adopts a libvirt domain; needs libvirt-dev).
 cargo build --release --quiet -p backstopd -p backstop-cli --features backstopd/libvirt
+# The store's ingest of a recorded stream (run.py runs it on each QEMU's recorded stream).
+cargo build --release --quiet -p backstop-engine --example store_ingest
 
 "$python" bench/run.py "$@"

@@ -10,10 +10,11 @@
 //! conv=fsync`).
 //!
 //!     cargo run --release -p backstop-engine --example store_ingest -- STREAM [DIR] [REPS]
-//!         [--chunk-hash sha256|blake3]
+//!         [--chunk-hash sha256|blake3] [--json]
 //!
 //! `--chunk-hash` names the chunks as `[daemon] chunk_hash` would (default sha256); the
-//! "hash only" figure is then that hash's.
+//! "hash only" figure is then that hash's. `--json` prints one JSON object instead of the table
+//! (what `bench/run.py` reads: every repetition's rates and the medians, in bytes per second).
 //!
 //! DIR (default: a temporary directory under /var/tmp) must be on the disk whose rate matters.
 //! The stream is read once first so every repetition reads it from the page cache.
@@ -38,6 +39,13 @@ fn main() {
 fn run() -> Result<(), String> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let mut hash = ChunkHash::Sha256;
+    let json = match args.iter().position(|a| a == "--json") {
+        Some(i) => {
+            args.remove(i);
+            true
+        }
+        None => false,
+    };
     if let Some(i) = args.iter().position(|a| a == "--chunk-hash") {
         let value = args
             .get(i + 1)
@@ -46,7 +54,9 @@ fn run() -> Result<(), String> {
         args.drain(i..=i + 1);
     }
     let Some(stream) = args.first().map(PathBuf::from) else {
-        return Err("usage: store_ingest STREAM [DIR] [REPS] [--chunk-hash sha256|blake3]".into());
+        return Err(
+            "usage: store_ingest STREAM [DIR] [REPS] [--chunk-hash sha256|blake3] [--json]".into(),
+        );
     };
     let parent = args
         .get(1)
@@ -63,8 +73,13 @@ fn run() -> Result<(), String> {
     let bytes = std::fs::metadata(&stream)
         .map_err(|e| format!("{}: {e}", stream.display()))?
         .len();
-    // Warm the page cache: every repetition then reads the stream from memory.
-    io::copy(&mut open(&stream)?, &mut io::sink()).map_err(|e| e.to_string())?;
+    // Warm the page cache: every repetition then reads the stream from memory. A stream just
+    // recorded (bench/run.py) may still be dirty in it: written out first, or the first
+    // repetition's syncfs would write it too (seen: 0.47x against 0.8x for the next ones).
+    let mut src = open(&stream)?;
+    src.sync_all()
+        .map_err(|e| format!("{}: fsync: {e}", stream.display()))?;
+    io::copy(&mut src, &mut io::sink()).map_err(|e| e.to_string())?;
 
     let mut rows: Vec<[f64; 4]> = Vec::new();
     for rep in 1..=reps {
@@ -89,6 +104,25 @@ fn run() -> Result<(), String> {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
+    if json {
+        let per_rep: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "ingest_bytes_per_s": r[0] * 1e6, "dd_bytes_per_s": r[1] * 1e6,
+                    "cut_bytes_per_s": r[2] * 1e6, "hash_bytes_per_s": r[3] * 1e6,
+                    "ratio": r[0] / r[1],
+                })
+            })
+            .collect();
+        let out = serde_json::json!({
+            "stream": stream, "bytes": bytes, "chunk_hash": hash.name(), "reps": per_rep,
+            "ingest_bytes_per_s": median(0) * 1e6, "dd_bytes_per_s": median(1) * 1e6,
+            "cut_bytes_per_s": median(2) * 1e6, "hash_bytes_per_s": median(3) * 1e6,
+        });
+        println!("{out}");
+        return Ok(());
+    }
     println!(
         "stream {} ({:.0} MB), chunks named by {hash}, {reps} repetition(s), medians:",
         stream.display(),
