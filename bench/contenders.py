@@ -409,6 +409,11 @@ boot_grace_s = 60
 
 
 # ---------------------------------------------------------------------------------------------
+def recorded_stream(env, label):
+    """Where the newest plain background snapshot taken on QEMU `label` is kept for the run."""
+    return env.work / f"recorded-{label}.vmstate"
+
+
 def qemu_args(env, name, disk, node, serial, agent_sock, qmp_sock, pidfile, incoming=False):
     """The same command line backstop's QEMU backend builds (crates/backstop-qemu cmdline.rs)."""
     a = [
@@ -581,12 +586,12 @@ class StopCopy(Contender):
         if settle_runstate(q) in ("paused", "postmigrate"):
             q.execute("cont")
         size = os.path.getsize(state)
+        if ev["data"]["status"] != "completed":
+            state.unlink()
+            raise BenchError(f"background snapshot {ev['data']['status']}: {info.get('error-desc')}")
         # Kept (one per QEMU version, the newest) for the store's ingest of a recorded stream
         # (run.py's store_ingest); the work dir goes at the end of the run.
-        recorded = self.env.work / f"recorded-{getattr(self.env, 'qemu_label', 'qemu')}.vmstate"
-        os.replace(state, recorded)
-        if ev["data"]["status"] != "completed":
-            raise BenchError(f"background snapshot {ev['data']['status']}: {info.get('error-desc')}")
+        os.replace(state, recorded_stream(self.env, getattr(self.env, "qemu_label", "qemu")))
         pause = None
         st = next((e for e in stops if e["event"] == "STOP"), None)
         rs = next((e for e in stops if e["event"] == "RESUME"), None)
@@ -594,7 +599,6 @@ class StopCopy(Contender):
             pause = (qmplib.event_us(rs) - qmplib.event_us(st)) / 1e3
         return {
             "kind": "bgsnap",
-            "recorded_stream": str(recorded),
             "t_req": t0,
             "t_done": t1,
             "wall_ms": (t1 - t0) * 1e3,

@@ -283,7 +283,7 @@ def run_rep(cls, env, rep):
 def store_ingest(env, label, reps=3):
     """`store_ingest --json` on the stream recorded on QEMU `label` (None if there is none: the
     stop-and-copy contender did not run there); a failure is recorded, not raised."""
-    stream = env.work / f"recorded-{label}.vmstate"
+    stream = C.recorded_stream(env, label)
     if not stream.exists():
         return None
     if not env.store_ingest.exists():

@@ -3,8 +3,9 @@
 //! A background snapshot write-protects guest RAM and QEMU saves each page before the guest may
 //! write it again; QEMU writes the pages into the capture pipe. If the store stops reading (a slow
 //! or stalled disk), the pipe fills, QEMU blocks, and every guest write to a not-yet-saved page
-//! waits: the guest is frozen while `pause_us` says ~10 ms. So a thread here reads the pipe
-//! without pause into a bounded buffer the store consumes; when the buffer stays full longer than
+//! waits: the guest is frozen while `pause_us` says ~10 ms. So a thread here reads the pipe,
+//! whatever the store does, into a bounded buffer the store consumes (its only waits are 0.5 ms
+//! naps while the pipe is nearly empty, see [`GATHER`]); when the buffer stays full longer than
 //! the bound, the capture is abandoned: the thread reads the rest of the stream and discards it,
 //! so QEMU completes its capture and lifts the protection, and the store's next read fails with
 //! [`STALLED`]. What the guest saw (the longest time the thread could not hand a block over, the
