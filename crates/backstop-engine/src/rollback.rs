@@ -625,6 +625,13 @@ impl VmActor {
         };
 
         clock.done("overlays");
+        // Opened before the launch, so the first chunks are on their way from the disk while
+        // QEMU starts (a no-op when they are cached).
+        let mut payload = self
+            .store
+            .open_payload(target, "vmstate")
+            .map_err(|e| ("open state", e.to_string()))?;
+        payload.prefetch();
         ctx.step(
             "restore",
             "starting a fresh VM, paused, waiting for state",
@@ -650,10 +657,6 @@ impl VmActor {
                 );
             }
         }
-        let payload = self
-            .store
-            .open_payload(target, "vmstate")
-            .map_err(|e| ("open state", e.to_string()))?;
         // One thread reads (and re-checks) chunks while this one feeds QEMU, so reading the
         // store and QEMU's loading overlap instead of taking turns.
         // The buffers go round between the two (allocated once: a fresh zeroed MiB per step

@@ -1,12 +1,24 @@
 //! Streaming a verified payload back out of the store.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Read};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use crate::chunk_path;
 use crate::fsutil::crc32_hex;
 use crate::index::ChunkRef;
+
+/// How far ahead of the chunk being read the reader keeps chunks opened and asked for
+/// (`POSIX_FADV_WILLNEED`), whichever bound is reached first. A chunk is a file of its own
+/// (~64 KiB for RAM), so the kernel's readahead never crosses from one to the next: without
+/// this, a payload whose chunks left the page cache is read one small synchronous read at a
+/// time. With it the disk has up to this many reads in flight. Issue 21, a 1 GiB guest's
+/// rollback `load` after `drop_caches`: 1.3-1.5 s before, 0.36-0.45 s with it (0.26 s with the
+/// chunks cached, unchanged). The file bound keeps a rollback's descriptors few: one daemon
+/// may restore several VMs at once under a 1024-descriptor limit.
+const AHEAD_FILES: usize = 64;
+const AHEAD_BYTES: u64 = 16 << 20;
 
 /// Reads a chunked payload: its chunks concatenated in order. Each chunk's length and crc32 are
 /// checked again as it is loaded; a chunk that changed since verification is an
@@ -18,6 +30,11 @@ pub struct PayloadReader {
     buf: Vec<u8>,
     pos: usize,
     total_bytes: u64,
+    /// The chunks from `next` on, opened and asked for ahead of their turn (an error is
+    /// returned only when its chunk's turn comes).
+    ahead: VecDeque<io::Result<File>>,
+    /// Their bytes.
+    ahead_bytes: u64,
 }
 
 impl std::fmt::Debug for PayloadReader {
@@ -39,7 +56,49 @@ impl PayloadReader {
             buf: Vec::new(),
             pos: 0,
             total_bytes,
+            ahead: VecDeque::new(),
+            ahead_bytes: 0,
         }
+    }
+
+    /// Starts reading ahead now (the first chunks' files opened, the kernel asked for their
+    /// pages), so that they arrive while the caller prepares whatever consumes them.
+    pub fn prefetch(&mut self) {
+        self.fill_ahead();
+    }
+
+    /// Opens and asks for chunks after the ones already ahead, up to the bounds.
+    fn fill_ahead(&mut self) {
+        use std::os::fd::AsRawFd;
+        while self.ahead.len() < AHEAD_FILES && self.ahead_bytes < AHEAD_BYTES {
+            let Some(chunk) = self.chunks.get(self.next + self.ahead.len()) else {
+                return;
+            };
+            let file = File::open(chunk_path(&self.chunks_dir, &chunk.digest));
+            if let Ok(f) = &file {
+                // Only a hint: a refusal leaves the read to find the pages itself.
+                // SAFETY: posix_fadvise only reads the descriptor, which `f` keeps open for the call.
+                let _ =
+                    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+            }
+            self.ahead.push_back(file);
+            self.ahead_bytes += chunk.len;
+        }
+    }
+
+    /// Takes chunk `next`: its index and its file (opened ahead, or now); `next` moves past
+    /// it and the window refills. `None` at the end.
+    fn take_next(&mut self) -> Option<(usize, io::Result<File>)> {
+        let i = self.next;
+        let len = self.chunks.get(i)?.len;
+        if self.ahead.is_empty() {
+            self.fill_ahead();
+        }
+        let file = self.ahead.pop_front()?;
+        self.ahead_bytes -= len;
+        self.next += 1;
+        self.fill_ahead();
+        Some((i, file))
     }
 
     /// Length of the whole payload in bytes.
@@ -49,20 +108,21 @@ impl PayloadReader {
 
     /// Loads the next chunk into the internal buffer (its allocation reused); false at the end.
     fn load_next(&mut self) -> io::Result<bool> {
-        let Some(chunk) = self.chunks.get(self.next) else {
+        let Some((i, file)) = self.take_next() else {
             return Ok(false);
         };
+        let chunk = &self.chunks[i];
         self.buf.resize(chunk.len as usize, 0);
-        read_chunk_into(&self.chunks_dir, chunk, &mut self.buf)?;
+        read_chunk_into(file, chunk, &mut self.buf)?;
         self.pos = 0;
-        self.next += 1;
         Ok(true)
     }
 }
 
-/// Reads `chunk` from its file into `out` (exactly its length) and checks it: the file's length
-/// and the bytes' crc32 must be the chunk's. On error `out` holds bytes that must not be used.
-fn read_chunk_into(chunks_dir: &Path, chunk: &ChunkRef, out: &mut [u8]) -> io::Result<()> {
+/// Reads `chunk` from its file (as opened) into `out` (exactly its length) and checks it: the
+/// file's length and the bytes' crc32 must be the chunk's. On error `out` holds bytes that must
+/// not be used.
+fn read_chunk_into(file: io::Result<File>, chunk: &ChunkRef, out: &mut [u8]) -> io::Result<()> {
     let invalid = |what: &str| {
         io::Error::new(
             io::ErrorKind::InvalidData,
@@ -72,8 +132,7 @@ fn read_chunk_into(chunks_dir: &Path, chunk: &ChunkRef, out: &mut [u8]) -> io::R
             ),
         )
     };
-    let path = chunk_path(chunks_dir, &chunk.digest);
-    let mut file = match File::open(&path) {
+    let mut file = match file {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(invalid("vanished")),
         Err(e) => return Err(e),
@@ -111,9 +170,10 @@ impl Read for PayloadReader {
             if let Some(chunk) = self.chunks.get(self.next) {
                 let len = chunk.len as usize;
                 if len <= out.len() {
-                    read_chunk_into(&self.chunks_dir, chunk, &mut out[..len])?;
-                    self.next += 1;
-                    return Ok(len);
+                    if let Some((_, file)) = self.take_next() {
+                        read_chunk_into(file, &self.chunks[self.next - 1], &mut out[..len])?;
+                        return Ok(len);
+                    }
                 }
             }
         }

@@ -1779,3 +1779,64 @@ fn payload_reader_gives_the_same_bytes_at_any_read_size_and_rechecks_direct_read
         assert_eq!(back.len() as u64, before, "read size {size}");
     }
 }
+
+/// The reader opens chunks ahead of its turn (a readahead window, for chunks not in the page
+/// cache): a chunk that vanished or changed far past the window's start still fails only at its
+/// own turn, after exactly the bytes of the chunks before it, whatever the read size; and the
+/// early start (`prefetch`) changes none of that.
+#[test]
+fn payload_reader_reads_ahead_yet_fails_a_bad_chunk_only_at_its_turn() {
+    let fx = Fixture::new();
+    let parts: Vec<Vec<u8>> = (0..300).map(|i| random_bytes(1000 + i, 4096)).collect();
+    let mut b = fx.store.begin().unwrap();
+    b.write_chunks(
+        "vmstate",
+        KIND_RAM_DEVICE,
+        &mut parts.iter().map(|p| Ok(p.clone())),
+        &mut |_| {},
+    )
+    .unwrap();
+    let id = b.publish(input("ahead")).unwrap().snapshot_id;
+    let v = fx.store.verify(&id, &VerifyOptions::default()).unwrap();
+    let index =
+        ChunkIndex::parse(&fs::read(fx.snap_dir(&id).join("vmstate.index")).unwrap()).unwrap();
+    assert_eq!(index.chunks.len(), 300);
+    let read_all = |size: usize, early: bool| -> (Vec<u8>, io::Result<()>) {
+        let mut r = fx.store.open_payload(&v, "vmstate").unwrap();
+        if early {
+            r.prefetch();
+        }
+        let mut buf = vec![0u8; size];
+        let mut back = Vec::new();
+        loop {
+            match r.read(&mut buf) {
+                Ok(0) => return (back, Ok(())),
+                Ok(n) => back.extend_from_slice(&buf[..n]),
+                Err(e) => return (back, Err(e)),
+            }
+        }
+    };
+    let (back, res) = read_all(MIB, true);
+    res.unwrap();
+    assert!(back == parts.concat(), "the whole payload, in order");
+
+    fs::remove_file(fx.chunk_file(&index.chunks[250].digest)).unwrap();
+    flip_byte(&fx.chunk_file(&index.chunks[180].digest), 5);
+    for (size, early) in [(1000, false), (MIB, true), (4 * MIB, false)] {
+        let (back, res) = read_all(size, early);
+        let err = res.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+        assert!(err.to_string().contains("changed content"), "{err}");
+        assert!(
+            back == parts[..180].concat(),
+            "read size {size}: {} bytes",
+            back.len()
+        );
+    }
+    // The changed chunk back as it was: now the vanished one stops the stream, at its turn.
+    flip_byte(&fx.chunk_file(&index.chunks[180].digest), 5);
+    let (back, res) = read_all(MIB, true);
+    let err = res.unwrap_err();
+    assert!(err.to_string().contains("vanished"), "{err}");
+    assert!(back == parts[..250].concat(), "{} bytes", back.len());
+}
