@@ -131,6 +131,8 @@ METRICS = [
 
     M("rb_guest", 3, "request -> guest running at snapshot point", "ms",
       lambda r: [_g(r, "rollback", "guest", "guest_running_ms")]),
+    M("rb_cold", 3, "the same, page cache dropped first (stream read from disk)", "ms",
+      lambda r: [_g(r, "cold_rollback", "guest", "guest_running_ms")]),
     M("rb_probe", 3, "  of which libvirt re-probing QEMU (machine quirk)", "ms",
       lambda r: [_g(r, "rollback", "probe_span_ms")], ratios=False),
     M("rb_guest_noprobe", 3, "  same, with libvirt's re-probe taken out", "ms", rb_without_probe),
@@ -591,6 +593,14 @@ def headline(raw, per):
                 _ratio_stats(sb_rb, sc and sc["median"]), "x", "<= 1.0", lambda m: m <= 1.0)
             row("with a standby: rollback / virsh snapshot-revert",
                 _ratio_stats(sb_rb, virsh[1] and virsh[1]["median"]), "x", "<= 0.1", lambda m: m <= 0.1)
+        # The same rollbacks with the page cache dropped first: each side's stream from disk.
+        cold_sc = _g(f, "rb_cold", "values", "stopcopy")
+        for contender, what in (("backstop", "rollback"), ("bsstandby", "with a standby: rollback")):
+            cold = [_g(r, "cold_rollback", "guest", "guest_running_ms") for r in raw["records"]
+                    if r["contender"] == contender and (lab == "None" or r.get("qemu") == lab)]
+            if any(v is not None for v in cold):
+                row(f"{what}, page cache dropped / the same for stop-and-copy",
+                    _ratio_stats(cold, cold_sc and cold_sc["median"]), "x", "-", None)
         # Issue 14: the libvirt backend (a domain libvirt runs, adopted) against virsh on the
         # same domain XML and QEMU.
         lv = _g(f, "pause_qemu_events", "values", "bslibvirt")
