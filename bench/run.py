@@ -191,6 +191,21 @@ def qemu_version(binary):
     return first, (m.group(1) if m else None)
 
 
+def rollback_and_wait(c, busy):
+    """Rolls `c` back to its snapshot `busy` and waits (up to 120 s) until the restored guest's
+    first workload tick is on the console, so the figures after it see a running guest."""
+    rb = c.rollback(busy)
+    rb["to"] = "busy"
+    deadline = time.monotonic() + 120
+    while True:
+        v = measure.rollback_view(c.serial.snapshot(), rb["t_req"], busy["t_req"])
+        if "first_tick_ms" in v or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    return rb
+
+
 def run_rep(cls, env, rep):
     c = cls(env, rep)
     rec = {"contender": c.name, "qemu": env.qemu_label, "rep": rep, "snapshots": {}, "error": None}
@@ -253,16 +268,7 @@ def run_rep(cls, env, rep):
         # To the newest snapshot: the rollback every contender offers without more ado (backstop
         # asks reviewer evidence for an older one, which is a policy step, not a restore cost).
         log(f"[{c.name} qemu {env.qemu_label} rep {rep + 1}] rollback")
-        rb = c.rollback(busy)
-        rb["to"] = "busy"
-        rec["rollback"] = rb
-        deadline = time.monotonic() + 120
-        while True:
-            v = measure.rollback_view(c.serial.snapshot(), rb["t_req"], busy["t_req"])
-            if "first_tick_ms" in v or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        time.sleep(1.0)
+        rec["rollback"] = rollback_and_wait(c, busy)
 
         # The same rollback again with the page cache dropped: a snapshot's stream read from the
         # disk, as on a host where it was taken long enough ago (virsh is left out: its revert
@@ -274,16 +280,7 @@ def run_rep(cls, env, rep):
                 rec["cold_rollback"] = {"error": why}
             else:
                 log(f"[{c.name} qemu {env.qemu_label} rep {rep + 1}] rollback, page cache dropped")
-                cold = c.rollback(busy)
-                cold["to"] = "busy"
-                rec["cold_rollback"] = cold
-                deadline = time.monotonic() + 120
-                while True:
-                    v = measure.rollback_view(c.serial.snapshot(), cold["t_req"], busy["t_req"])
-                    if "first_tick_ms" in v or time.monotonic() > deadline:
-                        break
-                    time.sleep(0.2)
-                time.sleep(1.0)
+                rec["cold_rollback"] = rollback_and_wait(c, busy)
     except Exception as e:  # noqa: BLE001 - recorded, the run goes on with the other contenders
         rec["error"] = f"{type(e).__name__}: {e}"
         log(f"[{c.name} qemu {env.qemu_label} rep {rep + 1}] FAILED: {rec['error']}")

@@ -1750,18 +1750,8 @@ fn payload_reader_gives_the_same_bytes_at_any_read_size_and_rechecks_direct_read
     let data = random_bytes(61, 5 * MIB);
     let id = fx.snapshot(&data, &[], "sizes").snapshot_id;
     let v = fx.store.verify(&id, &VerifyOptions::default()).unwrap();
-    let read_with = |size: usize| -> (Vec<u8>, io::Result<()>) {
-        let mut r = fx.store.open_payload(&v, "vmstate").unwrap();
-        let mut buf = vec![0u8; size];
-        let mut back = Vec::new();
-        loop {
-            match r.read(&mut buf) {
-                Ok(0) => return (back, Ok(())),
-                Ok(n) => back.extend_from_slice(&buf[..n]),
-                Err(e) => return (back, Err(e)),
-            }
-        }
-    };
+    let read_with =
+        |size: usize| read_in_steps(&mut fx.store.open_payload(&v, "vmstate").unwrap(), size);
     for size in [1, 4096, MIB, 4 * MIB + 1, 9 * MIB] {
         let (back, res) = read_with(size);
         res.unwrap();
@@ -1801,20 +1791,12 @@ fn payload_reader_reads_ahead_yet_fails_a_bad_chunk_only_at_its_turn() {
     let index =
         ChunkIndex::parse(&fs::read(fx.snap_dir(&id).join("vmstate.index")).unwrap()).unwrap();
     assert_eq!(index.chunks.len(), 300);
-    let read_all = |size: usize, early: bool| -> (Vec<u8>, io::Result<()>) {
+    let read_all = |size: usize, early: bool| {
         let mut r = fx.store.open_payload(&v, "vmstate").unwrap();
         if early {
             r.prefetch();
         }
-        let mut buf = vec![0u8; size];
-        let mut back = Vec::new();
-        loop {
-            match r.read(&mut buf) {
-                Ok(0) => return (back, Ok(())),
-                Ok(n) => back.extend_from_slice(&buf[..n]),
-                Err(e) => return (back, Err(e)),
-            }
-        }
+        read_in_steps(&mut r, size)
     };
     let (back, res) = read_all(MIB, true);
     res.unwrap();
@@ -1839,4 +1821,17 @@ fn payload_reader_reads_ahead_yet_fails_a_bad_chunk_only_at_its_turn() {
     let err = res.unwrap_err();
     assert!(err.to_string().contains("vanished"), "{err}");
     assert!(back == parts[..250].concat(), "{} bytes", back.len());
+}
+
+/// Reads `r` to its end `size` bytes at a time: what came out, and how it ended.
+fn read_in_steps(r: &mut impl Read, size: usize) -> (Vec<u8>, io::Result<()>) {
+    let mut buf = vec![0u8; size];
+    let mut back = Vec::new();
+    loop {
+        match r.read(&mut buf) {
+            Ok(0) => return (back, Ok(())),
+            Ok(n) => back.extend_from_slice(&buf[..n]),
+            Err(e) => return (back, Err(e)),
+        }
+    }
 }
