@@ -17,7 +17,7 @@ use crate::index::ChunkRef;
 /// rollback `load` after `drop_caches`: 1.3-1.5 s before, 0.36-0.45 s with it (0.26 s with the
 /// chunks cached, unchanged). The file bound keeps a rollback's descriptors few: one daemon
 /// may restore several VMs at once under a 1024-descriptor limit.
-const AHEAD_FILES: usize = 64;
+pub(crate) const AHEAD_FILES: usize = 64;
 const AHEAD_BYTES: u64 = 16 << 20;
 
 /// Reads a chunked payload: its chunks concatenated in order. Each chunk's length and crc32 are
@@ -69,17 +69,13 @@ impl PayloadReader {
 
     /// Opens and asks for chunks after the ones already ahead, up to the bounds.
     fn fill_ahead(&mut self) {
-        use std::os::fd::AsRawFd;
         while self.ahead.len() < AHEAD_FILES && self.ahead_bytes < AHEAD_BYTES {
             let Some(chunk) = self.chunks.get(self.next + self.ahead.len()) else {
                 return;
             };
             let file = File::open(chunk_path(&self.chunks_dir, &chunk.digest));
             if let Ok(f) = &file {
-                // Only a hint: a refusal leaves the read to find the pages itself.
-                // SAFETY: posix_fadvise only reads the descriptor, which `f` keeps open for the call.
-                let _ =
-                    unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+                will_need(f);
             }
             self.ahead.push_back(file);
             self.ahead_bytes += chunk.len;
@@ -117,6 +113,14 @@ impl PayloadReader {
         self.pos = 0;
         Ok(true)
     }
+}
+
+/// Asks the kernel to start reading all of `file` into the page cache, without waiting. Only a
+/// hint: a refusal leaves the read to find the pages itself.
+pub(crate) fn will_need(file: &File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: posix_fadvise only reads the descriptor, which `file` keeps open for the call.
+    let _ = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
 }
 
 /// Reads `chunk` from its file (as opened) into `out` (exactly its length) and checks it: the
