@@ -638,7 +638,7 @@ impl Store {
         // almost nothing: no hints.
         let hint = |i: usize| {
             if let (Trust::Nothing, Some(c)) = (trust, chunks.get(i)) {
-                if let Ok(f) = File::open(chunk_path(&self.paths.chunks, &c.digest)) {
+                if let Ok(f) = reader::open_chunk(&chunk_path(&self.paths.chunks, &c.digest)) {
                     reader::will_need(&f);
                 }
             }
@@ -709,7 +709,7 @@ impl Store {
                 return Ok(Checked::Trusted);
             }
         }
-        let file = match File::open(&path) {
+        let file = match reader::open_chunk(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 self.paths.checked.forget(&path);

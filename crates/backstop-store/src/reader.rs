@@ -73,7 +73,7 @@ impl PayloadReader {
             let Some(chunk) = self.chunks.get(self.next + self.ahead.len()) else {
                 return;
             };
-            let file = File::open(chunk_path(&self.chunks_dir, &chunk.digest));
+            let file = open_chunk(&chunk_path(&self.chunks_dir, &chunk.digest));
             if let Ok(f) = &file {
                 will_need(f);
             }
@@ -113,6 +113,17 @@ impl PayloadReader {
         self.pos = 0;
         Ok(true)
     }
+}
+
+/// Opens a chunk file for reading. Non-blocking, so that something put in a chunk's place that
+/// would block an open (a FIFO with no writer) fails its length check instead of hanging the
+/// reader; a regular file reads as ever.
+pub(crate) fn open_chunk(path: &std::path::Path) -> io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
 }
 
 /// Asks the kernel to start reading all of `file` into the page cache, without waiting. Only a
@@ -174,8 +185,8 @@ impl Read for PayloadReader {
             if let Some(chunk) = self.chunks.get(self.next) {
                 let len = chunk.len as usize;
                 if len <= out.len() {
-                    if let Some((_, file)) = self.take_next() {
-                        read_chunk_into(file, &self.chunks[self.next - 1], &mut out[..len])?;
+                    if let Some((i, file)) = self.take_next() {
+                        read_chunk_into(file, &self.chunks[i], &mut out[..len])?;
                         return Ok(len);
                     }
                 }

@@ -1835,3 +1835,38 @@ fn read_in_steps(r: &mut impl Read, size: usize) -> (Vec<u8>, io::Result<()>) {
         }
     }
 }
+
+/// Something put in a chunk's place that would block an open — a FIFO nobody writes — fails
+/// the verification and the read back, instead of hanging them (both open chunks ahead of
+/// their turn, and a blocking open would wait for a writer forever).
+#[test]
+fn a_fifo_in_a_chunks_place_fails_verify_and_read_back_instead_of_hanging() {
+    let fx = Fixture::new();
+    let data = random_bytes(71, 3 * MIB);
+    let id = fx.snapshot(&data, &[], "fifo").snapshot_id;
+    let v = fx.store.verify(&id, &VerifyOptions::default()).unwrap();
+    let chunk = fx.first_chunk(&id);
+    let path = fx.chunk_file(&chunk.digest);
+    fs::remove_file(&path).unwrap();
+    let made = std::process::Command::new("mkfifo").arg(&path).status();
+    if !matches!(made, Ok(s) if s.success()) {
+        eprintln!("SKIP: no mkfifo here");
+        return;
+    }
+    let store = fx.store.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let verified = store.verify(&id, &VerifyOptions::default()).map(drop);
+        let read = store
+            .open_payload(&v, "vmstate")
+            .map_err(|e| io::Error::other(e.to_string()))
+            .and_then(|mut r| read_in_steps(&mut r, MIB).1);
+        let _ = tx.send((verified, read));
+    });
+    let (verified, read) = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("verify and read back hung on a FIFO");
+    assert!(verified.is_err(), "a FIFO verified as a chunk");
+    let err = read.unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+}
