@@ -16,13 +16,12 @@
 //! Dropping the page cache needs root; without it the cold rows are left out, and say so.
 
 use std::io::{self, Read};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
-use backstop_hypervisor::StreamCutter;
-use backstop_integrity::HostKey;
-use backstop_qemu::stream_chunks::MigrationCutter;
-use backstop_store::{ChunkHash, ManifestInput, Store, VerifyOptions};
+use backstop_store::{ChunkHash, VerifyOptions};
+
+mod common;
 
 fn main() {
     if let Err(e) = run() {
@@ -36,23 +35,13 @@ fn run() -> Result<(), String> {
     let Some(stream) = args.first().map(PathBuf::from) else {
         return Err("usage: store_cold_read STREAM [DIR] [REPS]".into());
     };
-    let parent = args
-        .get(1)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/tmp"));
-    let reps: usize = match args.get(2) {
-        Some(n) => n
-            .parse()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or(format!("REPS {n:?}: a positive number"))?,
-        None => 3,
-    };
+    let (parent, reps) = common::dir_and_reps(&args[1..])?;
     let work = tempfile::Builder::new()
         .prefix("store-cold-read-")
         .tempdir_in(&parent)
         .map_err(|e| format!("{}: {e}", parent.display()))?;
-    let (store, id) = ingest(&stream, &work.path().join("store"))?;
+    let common::Stored { store, id, .. } =
+        common::store_stream(&stream, &work.path().join("store"), ChunkHash::Blake3)?;
 
     let verify = || -> Result<(), String> {
         store
@@ -116,33 +105,6 @@ fn run() -> Result<(), String> {
         }
     }
     Ok(())
-}
-
-/// Cuts `stream` at its page records into a fresh store at `root`, published; its id.
-fn ingest(stream: &Path, root: &Path) -> Result<(Store, String), String> {
-    let (store, _) = Store::open(root, HostKey::from_bytes([7; 32])).map_err(|e| e.to_string())?;
-    let store = store.with_chunk_hash(ChunkHash::Blake3);
-    let mut builder = store.begin().map_err(|e| e.to_string())?;
-    let file = std::fs::File::open(stream).map_err(|e| format!("{}: {e}", stream.display()))?;
-    let mut cut = MigrationCutter { page_size: 4096 }.cut(Box::new(file));
-    builder
-        .write_chunks("vmstate", "ram+device", &mut cut, &mut |_| {})
-        .map_err(|e| e.to_string())?;
-    let manifest = builder
-        .publish(ManifestInput {
-            created_by: "operator:bench".into(),
-            reason: "store cold read benchmark".into(),
-            scope: "full".into(),
-            vm: "bench".into(),
-            trigger: "console".into(),
-            epoch: 1,
-            config_fingerprint: "bench".into(),
-            capture: serde_json::json!({}),
-            lineage: None,
-            name: None,
-        })
-        .map_err(|e| e.to_string())?;
-    Ok((store, manifest.snapshot_id))
 }
 
 fn drain(r: &mut dyn Read) -> Result<(), String> {

@@ -24,10 +24,11 @@ use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+mod common;
+
 use backstop_hypervisor::StreamCutter;
-use backstop_integrity::HostKey;
 use backstop_qemu::stream_chunks::MigrationCutter;
-use backstop_store::{ChunkHash, ManifestInput, Store};
+use backstop_store::ChunkHash;
 
 fn main() {
     if let Err(e) = run() {
@@ -58,18 +59,7 @@ fn run() -> Result<(), String> {
             "usage: store_ingest STREAM [DIR] [REPS] [--chunk-hash sha256|blake3] [--json]".into(),
         );
     };
-    let parent = args
-        .get(1)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/tmp"));
-    let reps: usize = match args.get(2) {
-        Some(n) => n
-            .parse()
-            .ok()
-            .filter(|n| *n > 0)
-            .ok_or(format!("REPS {n:?}: a positive number"))?,
-        None => 3,
-    };
+    let (parent, reps) = common::dir_and_reps(&args[1..])?;
     let bytes = std::fs::metadata(&stream)
         .map_err(|e| format!("{}: {e}", stream.display()))?
         .len();
@@ -194,35 +184,11 @@ fn hash_only(stream: &Path, hash: ChunkHash) -> Result<f64, String> {
 }
 
 fn ingest(stream: &Path, root: &Path, hash: ChunkHash) -> Result<(), String> {
-    let (store, _) = Store::open(root, HostKey::from_bytes([7; 32])).map_err(|e| e.to_string())?;
-    let store = store.with_chunk_hash(hash);
-    let mut builder = store.begin().map_err(|e| e.to_string())?;
-    let cutter = MigrationCutter { page_size: 4096 };
-    let mut cut = cutter.cut(Box::new(open(stream)?));
-    let t = Instant::now();
-    builder
-        .write_chunks("vmstate", "ram+device", &mut cut, &mut |_| {})
-        .map_err(|e| e.to_string())?;
-    let chunked = t.elapsed();
-    let t = Instant::now();
-    builder
-        .publish(ManifestInput {
-            created_by: "operator:bench".into(),
-            reason: "store ingest benchmark".into(),
-            scope: "full".into(),
-            vm: "bench".into(),
-            trigger: "console".into(),
-            epoch: 1,
-            config_fingerprint: "bench".into(),
-            capture: serde_json::json!({}),
-            lineage: None,
-            name: None,
-        })
-        .map_err(|e| e.to_string())?;
+    let stored = common::store_stream(stream, root, hash)?;
     eprintln!(
         "  ingest: cut, hash and write {} ms, publish (syncfs, renames) {} ms",
-        chunked.as_millis(),
-        t.elapsed().as_millis()
+        stored.written.as_millis(),
+        stored.published.as_millis()
     );
     Ok(())
 }
