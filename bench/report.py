@@ -539,6 +539,11 @@ def headline(raw, per):
             out["rows"].append({"figure": name, "stats": st, "unit": unit, "goal": goal,
                                 "meets": None if st is None or ok is None else ok(st["median"])})
 
+        def of(contender, fn):
+            """`fn`'s values from every record of `contender` on this QEMU."""
+            return [v for r in raw["records"] if r["contender"] == contender
+                    and (lab == "None" or r.get("qemu") == lab) for v in fn(r)]
+
         pst = _g(f, "pause_qemu_events", "values", "backstop")
         row("pause (QEMU STOP->RESUME)", pst, "ms", f"<= {pause_goal} ms at 1 GiB",
             lambda m: m <= pause_goal)
@@ -596,8 +601,7 @@ def headline(raw, per):
         # The same rollbacks with the page cache dropped first: each side's stream from disk.
         cold_sc = _g(f, "rb_cold", "values", "stopcopy")
         for contender, what in (("backstop", "rollback"), ("bsstandby", "with a standby: rollback")):
-            cold = [_g(r, "cold_rollback", "guest", "guest_running_ms") for r in raw["records"]
-                    if r["contender"] == contender and (lab == "None" or r.get("qemu") == lab)]
+            cold = of(contender, lambda r: [_g(r, "cold_rollback", "guest", "guest_running_ms")])
             if any(v is not None for v in cold):
                 row(f"{what}, page cache dropped / the same for stop-and-copy",
                     _ratio_stats(cold, cold_sc and cold_sc["median"]), "x", "-", None)
@@ -621,11 +625,6 @@ def headline(raw, per):
             "ms", "<= 300 ms", lambda m: m <= 300)
         out["watchdog_error"] = wd_err[0] if wd_err else None
         dd = _g(f, "tput_dd", "values", "host", "median")
-
-        def of(contender, fn):
-            """`fn`'s values from every record of `contender` on this QEMU."""
-            return [v for r in raw["records"] if r["contender"] == contender
-                    and (lab == "None" or r.get("qemu") == lab) for v in fn(r)]
         # Issue 21's measure: the store's ingest of a recorded stream (QEMU's own background
         # snapshot of the stop-and-copy guest on this version), each repetition against the same
         # bytes written to one file and fsynced in the same invocation (run.py's store_ingest).

@@ -115,8 +115,7 @@ fn drain(r: &mut dyn Read) -> Result<(), String> {
 
 /// `sync`, then drop the clean page cache (root only).
 fn drop_page_cache() -> Result<(), String> {
-    // SAFETY: sync takes no arguments and cannot fail.
-    unsafe { libc::sync() };
+    nix::unistd::sync();
     std::fs::write("/proc/sys/vm/drop_caches", "1\n")
         .map_err(|e| format!("cannot drop the page cache: {e}"))
 }

@@ -24,11 +24,11 @@ use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-mod common;
-
 use backstop_hypervisor::StreamCutter;
 use backstop_qemu::stream_chunks::MigrationCutter;
 use backstop_store::ChunkHash;
+
+mod common;
 
 fn main() {
     if let Err(e) = run() {

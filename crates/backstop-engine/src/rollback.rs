@@ -626,7 +626,7 @@ impl VmActor {
 
         clock.done("overlays");
         // Opened before the launch, so the first chunks are on their way from the disk while
-        // QEMU starts (a no-op when they are cached).
+        // QEMU starts (when they are cached, this only opens their files a little earlier).
         let mut payload = self
             .store
             .open_payload(target, "vmstate")

@@ -634,8 +634,9 @@ impl Store {
         // A full check reads every chunk, and a chunk is a file of its own: the kernel's
         // readahead stops at its end. So each chunk is asked for (`reader::will_need`) a window
         // ahead of its turn, and a store out of the page cache is read with that many reads in
-        // flight instead of one per worker. A check that trusts what it checked before reads
-        // almost nothing: no hints.
+        // flight instead of one per worker. The hint opens each file once more than the check
+        // does (measured: ~6% on a cached 504 MB stream, against 4x faster from the disk). A
+        // check that trusts what it checked before reads almost nothing: no hints.
         let hint = |i: usize| {
             if let (Trust::Nothing, Some(c)) = (trust, chunks.get(i)) {
                 if let Ok(f) = reader::open_chunk(&chunk_path(&self.paths.chunks, &c.digest)) {

@@ -33,8 +33,6 @@ pub struct PayloadReader {
     /// The chunks from `next` on, opened and asked for ahead of their turn (an error is
     /// returned only when its chunk's turn comes).
     ahead: VecDeque<io::Result<File>>,
-    /// Their bytes.
-    ahead_bytes: u64,
 }
 
 impl std::fmt::Debug for PayloadReader {
@@ -57,7 +55,6 @@ impl PayloadReader {
             pos: 0,
             total_bytes,
             ahead: VecDeque::new(),
-            ahead_bytes: 0,
         }
     }
 
@@ -69,7 +66,11 @@ impl PayloadReader {
 
     /// Opens and asks for chunks after the ones already ahead, up to the bounds.
     fn fill_ahead(&mut self) {
-        while self.ahead.len() < AHEAD_FILES && self.ahead_bytes < AHEAD_BYTES {
+        let mut bytes: u64 = self.chunks[self.next..self.next + self.ahead.len()]
+            .iter()
+            .map(|c| c.len)
+            .sum();
+        while self.ahead.len() < AHEAD_FILES && bytes < AHEAD_BYTES {
             let Some(chunk) = self.chunks.get(self.next + self.ahead.len()) else {
                 return;
             };
@@ -77,8 +78,8 @@ impl PayloadReader {
             if let Ok(f) = &file {
                 will_need(f);
             }
+            bytes += chunk.len;
             self.ahead.push_back(file);
-            self.ahead_bytes += chunk.len;
         }
     }
 
@@ -86,12 +87,11 @@ impl PayloadReader {
     /// it and the window refills. `None` at the end.
     fn take_next(&mut self) -> Option<(usize, io::Result<File>)> {
         let i = self.next;
-        let len = self.chunks.get(i)?.len;
+        self.chunks.get(i)?;
         if self.ahead.is_empty() {
             self.fill_ahead();
         }
         let file = self.ahead.pop_front()?;
-        self.ahead_bytes -= len;
         self.next += 1;
         self.fill_ahead();
         Some((i, file))
