@@ -3,6 +3,8 @@
 //! RAM and disk at the snapshot point after rollbacks into standbys, a snapshot taken on a
 //! VM restored into a standby (its disk switch under the standby's filter node) rolled back to,
 //! a standby that died replaced by a fresh launch, and nothing left when the daemon stops.
+//! With `[rollback] preload = true` the newest snapshot is loaded into the standby ahead of
+//! time, and a rollback to exactly it skips the load; any other target loads as without.
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
@@ -14,6 +16,14 @@ const BOOT: Duration = Duration::from_secs(90);
 const STEP: Duration = Duration::from_secs(60);
 
 fn config(state: &Path, run: &Path) -> String {
+    config_with(state, run, "")
+}
+
+fn preload_config(state: &Path, run: &Path) -> String {
+    config_with(state, run, "preload = true\n")
+}
+
+fn config_with(state: &Path, run: &Path, rollback_extra: &str) -> String {
     let g = guest_dir();
     format!(
         r#"[daemon]
@@ -38,7 +48,7 @@ snapshot = "capture"
 
 [rollback]
 standby = true
-
+{rollback_extra}
 [drift]
 reconcile_minutes = 0.05
 "#,
@@ -46,6 +56,7 @@ reconcile_minutes = 0.05
         run = run.display(),
         g = g.display(),
         qemu = qemu_binary(),
+        rollback_extra = rollback_extra,
     )
 }
 
@@ -197,6 +208,108 @@ fn rollbacks_restore_into_the_standby_and_a_new_one_takes_its_place() {
     while Path::new(&format!("/proc/{fourth}")).exists() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
+    assert!(
+        standby_pids(&d.run_dir).is_empty(),
+        "a standby outlived the daemon"
+    );
+}
+
+fn completed_preloaded(d: &Daemon) -> Vec<bool> {
+    d.journal()
+        .iter()
+        .filter(|e| e["event"] == "rollback.completed")
+        .map(|e| e["fields"]["preloaded"] == true)
+        .collect()
+}
+
+/// Waits until `status` says the standby holds `id`, loaded; returns the standby's pid.
+fn wait_preloaded(d: &Daemon, id: &str) -> u64 {
+    let deadline = Instant::now() + STEP;
+    loop {
+        let p = d.status()["backend_details"]["standby_preload"].clone();
+        if p["snapshot_id"] == id && p["state"] == "loaded" {
+            // The running VM was a standby too (its command line says so): not counted.
+            let vm = d.status()["pid"].as_u64();
+            let pids: Vec<u64> = standby_pids(&d.run_dir)
+                .into_iter()
+                .filter(|p| Some(*p) != vm)
+                .collect();
+            assert_eq!(pids.len(), 1, "one standby QEMU, found {pids:?}");
+            return pids[0];
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the standby was not preloaded with {id} (now: {p}); daemon log:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn a_rollback_to_the_preloaded_snapshot_skips_the_load_and_a_dead_preload_loads_as_before() {
+    if skip_unless_ready(
+        "a_rollback_to_the_preloaded_snapshot_skips_the_load_and_a_dead_preload_loads_as_before",
+    ) {
+        return;
+    }
+    let mut d = Daemon::prepare_custom("preload", &preload_config, &[]);
+    d.launch();
+    d.wait_tick(0, 3, BOOT);
+
+    // 1. Each new snapshot is loaded into the standby; a rollback to it takes that process,
+    //    and the guest's RAM and disk are at the snapshot point.
+    let first = snapshot(&d, "preload: first");
+    let holder = wait_preloaded(&d, &first.0);
+    let rb = rollback_and_check(&d, &first);
+    assert_eq!(d.status()["pid"].as_u64().unwrap(), holder);
+    assert_eq!(completed_preloaded(&d), [true]);
+    let phases = rb["phases"].as_array().unwrap();
+    let load = phases.iter().find(|p| p["phase"] == "load").unwrap();
+    assert!(
+        load["ms"].as_u64().unwrap() < 50,
+        "no load after a preload: {phases:?}"
+    );
+
+    // 2. A snapshot of that VM (its disk switch under the preloaded standby's filter), the
+    //    newest, preloaded in turn and rolled back to without naming it.
+    let second = snapshot(&d, "preload: on a preloaded standby");
+    let holder = wait_preloaded(&d, &second.0);
+    let (_, at, pos) = &second;
+    d.wait_tick(*pos, at + 4, STEP);
+    let before = d.serial_len();
+    let rb = d.ok(&["rollback", "--reason", "test: preload, newest"]);
+    assert_eq!(rb["snapshot_id"], second.0.as_str());
+    let ticks: Vec<Tick> = d
+        .wait_ticks_until(before, STEP, "restored guest ticking", |t| {
+            t.iter().skip_while(|t| t.ram > at + 2).count() >= 2
+        })
+        .into_iter()
+        .skip_while(|t| t.ram > at + 2)
+        .collect();
+    assert!(
+        ticks[0].ram >= *at && ticks[0].ram <= at + 2,
+        "{ticks:?} after tick {at}"
+    );
+    for t in &ticks {
+        assert_eq!(t.ram, t.disk, "RAM and disk disagree after rollback: {t:?}");
+    }
+    assert_eq!(d.status()["pid"].as_u64().unwrap(), holder);
+    assert_eq!(completed_preloaded(&d), [true, true]);
+
+    // 3. A preloaded standby that died after its load is not used: the rollback loads the
+    //    state into a fresh QEMU, at the snapshot point, and the next preload follows.
+    let third = snapshot(&d, "preload: its standby dies");
+    let holder = wait_preloaded(&d, &third.0);
+    nix_kill(holder);
+    rollback_and_check(&d, &third);
+    let pid = d.status()["pid"].as_u64().unwrap();
+    assert_ne!(pid, holder);
+    assert_eq!(completed_preloaded(&d), [true, true, false]);
+    wait_preloaded(&d, &third.0);
+
+    // 4. Stopping the daemon ends the preloaded standby.
+    d.stop();
     assert!(
         standby_pids(&d.run_dir).is_empty(),
         "a standby outlived the daemon"

@@ -119,6 +119,8 @@ pub struct VmActor {
     pub(crate) drift: crate::drift::shell::DriftState,
     /// Figures since this actor started, for `status` and the metrics endpoint.
     pub(crate) tally: Tally,
+    /// The snapshot loaded into the standby ahead of a rollback (`[rollback] preload`).
+    pub(crate) preloaded: Option<crate::preload::Preloaded>,
 }
 
 /// What the live view counts since the actor started (in memory: a restarted daemon starts
@@ -208,6 +210,7 @@ impl VmActor {
             devices: Default::default(),
             adoption,
             tally: Tally::default(),
+            preloaded: None,
             drift: crate::drift::shell::DriftState::load(&state_dir),
         };
         let accel = engine.backend.accel().to_string();
@@ -502,9 +505,21 @@ impl VmActor {
         if !self.cfg.rollback.standby || self.state != VmState::Running {
             return;
         }
+        if self.cfg.rollback.preload {
+            match self.refresh_preload() {
+                Ok(()) => return,
+                Err(why) => tracing::warn!(why = %why, "no preloaded standby: a plain one waits"),
+            }
+        }
         if let Err(e) = self.backend.prepare_standby() {
             tracing::warn!(error = %e, "no standby QEMU for the next rollback");
         }
+    }
+
+    /// Ends the standby and any preload (the VM stops or halts).
+    pub(crate) fn discard_standby(&mut self) {
+        self.drop_preload();
+        self.backend.discard_standby();
     }
 
     /// A VM that already ran (adopted by the backend at start, journaled `vm.adopted`), first
@@ -814,7 +829,7 @@ impl VmActor {
             _ => None,
         };
         let _ = self.backend.terminate();
-        self.backend.discard_standby();
+        self.discard_standby();
         let sid = self.session_id.clone();
         let _ = self.journal(
             AuditEvent::DaemonStopped,

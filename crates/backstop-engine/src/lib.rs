@@ -43,6 +43,7 @@ pub mod mailbox;
 pub mod migrate;
 pub mod orders;
 pub mod policy;
+mod preload;
 mod qcow2;
 pub mod records;
 pub mod replay;

@@ -212,7 +212,7 @@ impl VmActor {
         if let Err(e) = self.backend.terminate() {
             tracing::error!(error = %e, "could not end the hypervisor while halting");
         }
-        self.backend.discard_standby();
+        self.discard_standby();
         let rec = HaltRecord {
             reason: reason.into(),
             code: code.as_str().into(),

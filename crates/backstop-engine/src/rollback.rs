@@ -236,6 +236,7 @@ impl VmActor {
         match self.replace_vm(ctx, &target, resume, ram_wanted, &mut clock) {
             Ok((revoked, restore_ms, forensic)) => {
                 let from_standby = self.backend.launched_from_standby();
+                let preloaded = self.backend.launched_preloaded();
                 let report = RollbackReport {
                     snapshot_id: snapshot_id.clone(),
                     rollback_type: rollback_type.as_str().into(),
@@ -264,6 +265,7 @@ impl VmActor {
                     "total_ms": report.total_ms, "phases_ms": clock.as_json(),
                     "forensic_snapshot_id": forensic,
                     "launched_from_standby": from_standby,
+                    "preloaded": preloaded,
                 }))?;
                 self.mark_rolled_back(&snapshot_id, rollback_type, &trace);
                 self.tally.last_rollback = Some(backstop_control::LastRollbackView {
@@ -279,7 +281,7 @@ impl VmActor {
                     .entry(report.trigger.clone())
                     .or_default() += 1;
                 info!(snapshot_id = %snapshot_id, total_ms = report.total_ms, restore_ms, epoch = report.epoch,
-                    from_standby, "rolled back");
+                    from_standby, preloaded, "rolled back");
                 // The next rollback's standby, now that this one's guest runs.
                 self.refresh_standby();
                 Ok(report)
@@ -341,20 +343,7 @@ impl VmActor {
             return Ok((v, Vec::new()));
         }
         let mut skipped = Vec::new();
-        // Snapshots a rollback left off the current line (soft rollback) are not candidates,
-        // nor those drift detection marked unusable, nor (for a trigger naming actions) those taken at or after the offence began
-        // (nothing journaled: replay applies the same filter to the recorded creation times).
-        let entries: Vec<ListEntry> = (self.store.list().map_err(EngineError::Store)?)
-            .into_iter()
-            .filter(|e| !self.policy.is_rolled_back(e.snapshot_id()))
-            .filter(|e| !self.drift.is_unusable(e.snapshot_id()))
-            .filter(|e| !matches!(e, ListEntry::Valid(m) if crate::forensic::is_forensic(m)))
-            .filter(|e| match (e, before) {
-                (ListEntry::Valid(m), Some(b)) => created_before(&m.created_at, b),
-                _ => true,
-            })
-            .rev()
-            .collect();
+        let entries = self.rollback_candidates(before)?;
         // Snapshots of a healthy guest first (issue 15): one of a guest whose agent was silent
         // may hold the very hang being undone. Only when none of them verifies are those tried.
         let unhealthy = |e: &ListEntry| matches!(e, ListEntry::Valid(m) if !crate::snapshot::manifest_healthy(m));
@@ -383,6 +372,28 @@ impl VmActor {
             }
         }
         Err(EngineError::NoVerifiedSnapshot)
+    }
+
+    /// The snapshots a rollback to the newest may choose, newest first. Snapshots a rollback
+    /// left off the current line (soft rollback) are not candidates, nor those drift detection
+    /// marked unusable, nor forensic ones, nor (for a trigger naming actions) those taken at or
+    /// after `before`, the offence's begin (nothing journaled: replay applies the same filter
+    /// to the recorded creation times).
+    pub(crate) fn rollback_candidates(
+        &self,
+        before: Option<&str>,
+    ) -> Result<Vec<ListEntry>, EngineError> {
+        Ok((self.store.list().map_err(EngineError::Store)?)
+            .into_iter()
+            .filter(|e| !self.policy.is_rolled_back(e.snapshot_id()))
+            .filter(|e| !self.drift.is_unusable(e.snapshot_id()))
+            .filter(|e| !matches!(e, ListEntry::Valid(m) if crate::forensic::is_forensic(m)))
+            .filter(|e| match (e, before) {
+                (ListEntry::Valid(m), Some(b)) => created_before(&m.created_at, b),
+                _ => true,
+            })
+            .rev()
+            .collect())
     }
 
     /// Verifies one candidate: `Some` if it verifies and fits this VM (journaled passed), else
@@ -514,6 +525,8 @@ impl VmActor {
         // on another thread while it is revoked and ended (issue 21: `qemu-img create` costs
         // ~40 ms per disk), and waited for before anything uses them or anything fails.
         let mut planned: Vec<PlannedDisk> = Vec::new();
+        // A standby preloaded with exactly this target already runs on its own fresh overlays.
+        let preload = self.take_preload(target);
         for (id, chain) in manifest_chains(target) {
             let Some(top) = chain.last().cloned() else {
                 return Err(("disk layers", format!("disk {id} has an empty chain")));
@@ -523,13 +536,17 @@ impl VmActor {
             } else {
                 "qcow2".to_string()
             };
-            let new_top = self.next_layer(&id);
+            let new_top = match preload.as_ref().and_then(|p| p.tops.get(&id)) {
+                Some(t) => t.clone(),
+                None => self.next_layer(&id),
+            };
             planned.push((id, chain, top, new_top, fmt));
         }
         let overlays = {
             let layers = self.layers.clone();
             let jobs: Vec<(PathBuf, PathBuf, String)> = planned
                 .iter()
+                .filter(|_| preload.is_none())
                 .map(|(_, _, top, new_top, fmt)| (new_top.clone(), top.clone(), fmt.clone()))
                 .collect();
             std::thread::spawn(move || -> Result<(), String> {
@@ -569,7 +586,15 @@ impl VmActor {
             kept => Some(kept),
         };
         let restored = self.restore_fresh(
-            ctx, target, resume, planned, revoked, &mut due, ending, clock,
+            ctx,
+            target,
+            resume,
+            planned,
+            revoked,
+            &mut due,
+            ending,
+            preload.is_some(),
+            clock,
         );
         let target_id = &target.manifest.snapshot_id;
         match (restored, due) {
@@ -591,40 +616,16 @@ impl VmActor {
         }
     }
 
-    /// Step 5: a fresh VM (or the standby) on overlays over the target's layers, its state
-    /// loaded from the store and checked, the epoch recorded, the guest resumed. `due` is the
-    /// forensic state still to publish; a RAM save that must end before `cont` (a shared disk)
-    /// is waited for here and left in it as saved.
-    #[allow(clippy::too_many_arguments)]
-    fn restore_fresh(
+    /// A fresh QEMU (or the plain standby) launched paused on `disks`, and the target's state
+    /// streamed into it from the store. Returns when the whole stream is handed over: when the
+    /// load began, and the pages still in the loader's pipe (kept until QEMU has read them).
+    fn load_fresh(
         &mut self,
         ctx: &mut Ctx,
         target: &VerifiedSnapshot,
-        resume: bool,
-        planned: Vec<PlannedDisk>,
-        mut revoked: Vec<String>,
-        due: &mut Option<ForensicRam>,
-        ending: Option<OldVmEnding>,
+        disks: &[DiskAttachment],
         clock: &mut PhaseClock,
-    ) -> Result<(Vec<String>, u64), (&'static str, String)> {
-        ctx.step(
-            "restore",
-            "preparing disk overlays on the snapshot's layers",
-            None,
-        );
-        let mut vm = self.vm.clone();
-        for (id, mut chain, _, new_top, _) in planned {
-            chain.push(new_top);
-            vm.chains.insert(id, chain);
-        }
-        let disks: Vec<DiskAttachment> = {
-            let saved = std::mem::replace(&mut self.vm, vm.clone());
-            let d = self.attachments();
-            self.vm = saved;
-            d
-        };
-
-        clock.done("overlays");
+    ) -> Result<(Instant, crate::restore_feed::Held), (&'static str, String)> {
         // Opened before the launch, so the first chunks are on their way from the disk while
         // QEMU starts (when they are cached, this only opens their files a little earlier).
         let mut payload = self
@@ -638,7 +639,7 @@ impl VmActor {
             None,
         );
         self.backend
-            .launch(&disks, BootMode::Incoming)
+            .launch(disks, BootMode::Incoming)
             .map_err(|e| ("launch fresh vm", e.to_string()))?;
         clock.done("launch");
         let load_started = Instant::now();
@@ -707,6 +708,65 @@ impl VmActor {
         // Pages still in the pipe stay as they are until QEMU has read the whole stream.
         let held = feed.finish().map_err(|e| ("load state", e.to_string()))?;
         tracing::debug!(spliced, "state stream handed to the loader");
+        Ok((load_started, held))
+    }
+
+    /// Step 5: a fresh VM (or the standby) on overlays over the target's layers, its state
+    /// loaded from the store and checked, the epoch recorded, the guest resumed. `due` is the
+    /// forensic state still to publish; a RAM save that must end before `cont` (a shared disk)
+    /// is waited for here and left in it as saved.
+    #[allow(clippy::too_many_arguments)]
+    fn restore_fresh(
+        &mut self,
+        ctx: &mut Ctx,
+        target: &VerifiedSnapshot,
+        resume: bool,
+        planned: Vec<PlannedDisk>,
+        mut revoked: Vec<String>,
+        due: &mut Option<ForensicRam>,
+        ending: Option<OldVmEnding>,
+        preloaded: bool,
+        clock: &mut PhaseClock,
+    ) -> Result<(Vec<String>, u64), (&'static str, String)> {
+        ctx.step(
+            "restore",
+            "preparing disk overlays on the snapshot's layers",
+            None,
+        );
+        let mut vm = self.vm.clone();
+        for (id, mut chain, _, new_top, _) in planned {
+            chain.push(new_top);
+            vm.chains.insert(id, chain);
+        }
+        let disks: Vec<DiskAttachment> = {
+            let saved = std::mem::replace(&mut self.vm, vm.clone());
+            let d = self.attachments();
+            self.vm = saved;
+            d
+        };
+
+        clock.done("overlays");
+        // The preloaded standby holds the target's state already: launched, it is checked
+        // like any load. One that cannot be taken (its load failed, it died) is ended and the
+        // state loaded into a fresh QEMU on the same overlays, as without it.
+        let preloaded = preloaded
+            && match self
+                .backend
+                .launch_preloaded(&target.manifest.snapshot_id, &disks)
+            {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the preloaded standby could not be taken: loading as without");
+                    false
+                }
+            };
+        let (load_started, held) = if preloaded {
+            clock.done("launch");
+            (Instant::now(), None)
+        } else {
+            let (started, held) = self.load_fresh(ctx, target, &disks, clock)?;
+            (started, Some(held))
+        };
         clock.done("load");
         let rr = self
             .backend

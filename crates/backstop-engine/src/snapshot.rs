@@ -305,6 +305,10 @@ impl VmActor {
                 self.journal(AuditEvent::SnapshotCreateCompleted, completed)?;
                 self.note_lineage(&m);
                 self.bound_running_chains(ctx)?;
+                // A new newest snapshot: the one a preloaded standby should hold now.
+                if self.cfg.rollback.preload && trigger != "shutdown" {
+                    self.refresh_standby();
+                }
                 Ok(m)
             }
             Err(e) => {

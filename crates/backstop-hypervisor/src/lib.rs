@@ -36,6 +36,24 @@ pub enum BootMode {
     Incoming,
 }
 
+/// How far a preloaded standby is (see [`VmBackend::preload_standby`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreloadState {
+    Loading,
+    Loaded,
+    Failed,
+}
+
+impl PreloadState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PreloadState::Loading => "loading",
+            PreloadState::Loaded => "loaded",
+            PreloadState::Failed => "failed",
+        }
+    }
+}
+
 /// A captured disk's switch to a new top layer at the capture instant.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DiskSwitch {
@@ -280,6 +298,50 @@ pub trait VmBackend: Send {
     /// Whether the last [`launch`](VmBackend::launch) took a standby process.
     fn launched_from_standby(&self) -> bool {
         false
+    }
+
+    /// Loads the snapshot `tag`'s RAM and device state (`state`, read to its end) into the
+    /// standby on `disks` (each's `active` a fresh top layer over the snapshot's chain), on a
+    /// thread of its own: returns at once. A standby is started first when none waits; a
+    /// preload of another snapshot is ended. The next [`launch_preloaded`] with the same tag
+    /// takes it, already loaded (`docs/standby.md`, "Preloaded").
+    ///
+    /// [`launch_preloaded`]: VmBackend::launch_preloaded
+    fn preload_standby(
+        &mut self,
+        tag: &str,
+        disks: &[DiskAttachment],
+        state: Box<dyn Read + Send>,
+    ) -> Result<()> {
+        let _ = (tag, disks, state);
+        Err(BackendError::Command {
+            step: "preload a standby",
+            message: format!("the {} backend keeps no standby", self.kind()),
+        })
+    }
+
+    /// Whether the last launch took a preloaded standby ([`launch_preloaded`]).
+    ///
+    /// [`launch_preloaded`]: VmBackend::launch_preloaded
+    fn launched_preloaded(&self) -> bool {
+        false
+    }
+
+    /// The snapshot a standby holds or is loading, and how far it is.
+    fn preloaded_standby(&self) -> Option<(String, PreloadState)> {
+        None
+    }
+
+    /// Launches the VM on the standby preloaded with `tag` on `disks` (waiting for a load
+    /// still running), paused; [`finish_restore`](VmBackend::finish_restore) then checks it as
+    /// after any load. An error (no such preload, a failed load, other disks) leaves no
+    /// process running: the caller launches afresh.
+    fn launch_preloaded(&mut self, tag: &str, disks: &[DiskAttachment]) -> Result<()> {
+        let _ = (tag, disks);
+        Err(BackendError::Launch(format!(
+            "the {} backend keeps no preloaded standby",
+            self.kind()
+        )))
     }
 
     /// On a VM launched with [`BootMode::Incoming`]: returns the sink to write the captured

@@ -28,6 +28,7 @@ mod cmdline;
 pub mod devices;
 mod events;
 pub mod huge_pages;
+mod preload;
 pub mod qga;
 pub mod qmp;
 mod serial_log;
@@ -182,6 +183,8 @@ struct Running {
     qga: Option<qga::QgaChannel>,
     capture: Option<CaptureInFlight>,
     restore: Option<Instant>,
+    /// Its state was loaded before the launch (a preloaded standby): no load to wait for.
+    preloaded: bool,
     /// How captures are driven on this QEMU (probed at launch).
     plan: CapturePlan,
     /// Reads its listen-only events monitor and wakes the actor (`events.rs`); `None` until
@@ -240,6 +243,8 @@ pub struct QemuBackend {
     active_nodes: std::collections::BTreeMap<String, String>,
     /// A QEMU started for the next rollback (`standby.rs`), when the engine asked for one.
     standby: Option<standby::Standby>,
+    /// A standby with a snapshot loaded into it, or loading (`preload.rs`).
+    preload: Option<preload::Preload>,
     /// Whether the running QEMU was a standby when it was launched.
     from_standby: bool,
     /// Wakes the VM's actor when QEMU reports something on its own (`events.rs`).
@@ -280,6 +285,7 @@ impl QemuBackend {
             disks: Vec::new(),
             active_nodes: Default::default(),
             standby: None,
+            preload: None,
             from_standby: false,
             waker: None,
             #[cfg(feature = "fault-injection")]
@@ -544,10 +550,52 @@ impl QemuBackend {
             qga,
             capture: None,
             restore: None,
+            preloaded: false,
             plan,
             events: self.watch_events(),
             regather: None,
         })
+    }
+
+    /// What every launch sets on its QEMU: migration capabilities, granted NICs' links down,
+    /// the watchdog's action.
+    fn configure(&self, running: &mut Running, mode: BootMode) -> Result<()> {
+        let t = self.cfg.qmp_timeout;
+        let caps: Vec<Value> = match mode {
+            BootMode::Cold => vec![
+                json!({"capability": "background-snapshot", "state": true}),
+                json!({"capability": "events", "state": true}),
+            ],
+            BootMode::Incoming => vec![json!({"capability": "events", "state": true})],
+        };
+        running.qmp.execute(
+            "migrate-set-capabilities",
+            Some(json!({ "capabilities": caps })),
+            t,
+        )?;
+        if mode == BootMode::Cold {
+            running.qmp.execute(
+                "migrate-set-parameters",
+                Some(json!({"max-bandwidth": self.cfg.max_bandwidth})),
+                t,
+            )?;
+        }
+        // Network access is granted, not given: a NIC a grant controls starts with its link down.
+        for nic in &self.cfg.devices.granted_nics {
+            running.qmp.execute(
+                "set_link",
+                Some(json!({"name": cmdline::nic_id(nic), "up": false})),
+                t,
+            )?;
+        }
+        if self.cfg.watchdog {
+            // The watchdog must never reset the guest behind our back: pause it and let the
+            // engine decide (an expiry is an emergency rollback).
+            running
+                .qmp
+                .execute("watchdog-set-action", Some(json!({"action": "pause"})), t)?;
+        }
+        Ok(())
     }
 
     /// Starts reading the running QEMU's events monitor, if the engine handed a waker.
@@ -674,40 +722,35 @@ impl VmBackend for QemuBackend {
             }
             None => self.spawn(mode)?,
         };
-        let t = self.cfg.qmp_timeout;
-        let caps: Vec<Value> = match mode {
-            BootMode::Cold => vec![
-                json!({"capability": "background-snapshot", "state": true}),
-                json!({"capability": "events", "state": true}),
-            ],
-            BootMode::Incoming => vec![json!({"capability": "events", "state": true})],
-        };
-        running.qmp.execute(
-            "migrate-set-capabilities",
-            Some(json!({ "capabilities": caps })),
-            t,
-        )?;
-        if mode == BootMode::Cold {
-            running.qmp.execute(
-                "migrate-set-parameters",
-                Some(json!({"max-bandwidth": self.cfg.max_bandwidth})),
-                t,
-            )?;
+        self.configure(&mut running, mode)?;
+        self.running = Some(running);
+        Ok(())
+    }
+
+    fn launch_preloaded(&mut self, tag: &str, disks: &[DiskAttachment]) -> Result<()> {
+        if self.running.is_some() {
+            return Err(BackendError::Launch(
+                "a QEMU is already running for this VM".into(),
+            ));
         }
-        // Network access is granted, not given: a NIC a grant controls starts with its link down.
-        for nic in &self.cfg.devices.granted_nics {
-            running.qmp.execute(
-                "set_link",
-                Some(json!({"name": cmdline::nic_id(nic), "up": false})),
-                t,
-            )?;
-        }
-        if self.cfg.watchdog {
-            // The watchdog must never reset the guest behind our back: pause it and let the
-            // engine decide (an expiry is an emergency rollback).
-            running
-                .qmp
-                .execute("watchdog-set-action", Some(json!({"action": "pause"})), t)?;
+        let preload = self
+            .preload
+            .take()
+            .ok_or_else(|| BackendError::Launch("no standby is preloaded".into()))?;
+        let (child, qmp) = preload.take(tag, disks, &self.cfg.run_dir)?;
+        let mut running = self.running_from(child, qmp, BootMode::Incoming)?;
+        running.preloaded = true;
+        self.disks = disks.to_vec();
+        self.active_nodes = disks
+            .iter()
+            .map(|d| (d.id.clone(), cmdline::node_name(&d.id)))
+            .collect();
+        self.from_standby = true;
+        tracing::info!(pid = running.child.id(), snapshot_id = %tag, "restored from the preloaded standby");
+        if let Err(e) = self.configure(&mut running, BootMode::Incoming) {
+            let _ = running.child.kill();
+            let _ = running.child.wait();
+            return Err(e);
         }
         self.running = Some(running);
         Ok(())
@@ -1216,6 +1259,11 @@ impl VmBackend for QemuBackend {
     }
 
     fn prepare_standby(&mut self) -> Result<()> {
+        // A preloaded standby is the standby (the engine replaces it when its snapshot is no
+        // longer the one to keep ready).
+        if self.preload.is_some() {
+            return Ok(());
+        }
         if let Some(sb) = self.standby.as_mut() {
             if sb.alive() {
                 return Ok(());
@@ -1235,6 +1283,40 @@ impl VmBackend for QemuBackend {
 
     fn discard_standby(&mut self) {
         self.standby = None;
+        self.preload = None;
+    }
+
+    fn preload_standby(
+        &mut self,
+        tag: &str,
+        disks: &[DiskAttachment],
+        state: Box<dyn std::io::Read + Send>,
+    ) -> Result<()> {
+        // The old preload's process ends before the next one allocates its RAM.
+        self.preload = None;
+        self.prepare_standby()?;
+        let sb = self
+            .standby
+            .take()
+            .ok_or_else(|| BackendError::Launch("no standby".into()))?;
+        self.preload = Some(preload::Preload::start(
+            sb,
+            tag,
+            disks,
+            state,
+            self.cfg.qmp_timeout,
+        ));
+        Ok(())
+    }
+
+    fn launched_preloaded(&self) -> bool {
+        self.running.as_ref().is_some_and(|r| r.preloaded)
+    }
+
+    fn preloaded_standby(&self) -> Option<(String, backstop_hypervisor::PreloadState)> {
+        self.preload
+            .as_ref()
+            .map(|p| (p.tag().to_string(), p.state()))
     }
 
     fn launched_from_standby(&self) -> bool {
@@ -1293,23 +1375,26 @@ impl VmBackend for QemuBackend {
         let max_bandwidth = self.cfg.max_bandwidth;
         let r = self.running_mut("finish restore")?;
         let started = r.restore.take().unwrap_or_else(Instant::now);
-        let done = r
-            .qmp
-            .wait_event_matching("restore", Duration::from_secs(600), |e| {
-                e.name == "MIGRATION"
-                    && matches!(
-                        e.data.get("status").and_then(Value::as_str),
-                        Some("completed" | "failed" | "cancelled")
-                    )
-            })?;
-        let status = done
-            .data
-            .get("status")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
-        if status != "completed" {
-            return Err(BackendError::RestoreCheck(format!("state load {status}")));
+        // A preloaded standby's load completed before its launch (`preload.rs` waited for it).
+        if !r.preloaded {
+            let done = r
+                .qmp
+                .wait_event_matching("restore", Duration::from_secs(600), |e| {
+                    e.name == "MIGRATION"
+                        && matches!(
+                            e.data.get("status").and_then(Value::as_str),
+                            Some("completed" | "failed" | "cancelled")
+                        )
+                })?;
+            let status = done
+                .data
+                .get("status")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string();
+            if status != "completed" {
+                return Err(BackendError::RestoreCheck(format!("state load {status}")));
+            }
         }
         let load_ms = started.elapsed().as_millis() as u64;
         let st = r.qmp.execute("query-status", None, t)?;
@@ -1396,6 +1481,12 @@ impl VmBackend for QemuBackend {
             "heartbeat_source".into(),
             self.cfg.heartbeat.as_str().into(),
         );
+        if let Some(p) = &self.preload {
+            m.insert(
+                "standby_preload".into(),
+                serde_json::json!({"snapshot_id": p.tag(), "state": p.state().as_str()}),
+            );
+        }
         if self.cfg.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa {
             m.insert("clock_resynced".into(), self.clock_resynced().into());
         }

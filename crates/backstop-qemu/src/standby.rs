@@ -109,6 +109,11 @@ impl Standby {
         matches!(self.child.as_mut().map(Child::try_wait), Some(Ok(None)))
     }
 
+    /// Its process id while it is not taken.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// Takes it for a launch on `disks` (each's `active` the new top layer over the rollback's
     /// chain): monitor connected, the chain swapped in under each disk's filter, the
     /// placeholders removed, its files renamed into `run_dir`. Returns the process and its
@@ -119,6 +124,12 @@ impl Standby {
         run_dir: &Path,
         t: Duration,
     ) -> Result<(Child, Qmp)> {
+        let qmp = self.attach(disks, t)?;
+        Ok((self.move_in(run_dir)?, qmp))
+    }
+
+    /// Connects its monitor and puts `disks` under its filters (see [`Standby::take`]).
+    pub(crate) fn attach(&mut self, disks: &[DiskAttachment], t: Duration) -> Result<Qmp> {
         let ids: Vec<String> = disks.iter().map(|d| d.id.clone()).collect();
         if ids != self.disk_ids {
             return Err(BackendError::Launch(format!(
@@ -159,6 +170,12 @@ impl Standby {
                 t,
             )?;
         }
+        Ok(qmp)
+    }
+
+    /// Renames its sockets and pid file into `run_dir` (the VM's own names) and hands over its
+    /// process.
+    pub(crate) fn move_in(mut self, run_dir: &Path) -> Result<Child> {
         for name in INSTANCE_FILES {
             let from = self.dir.join(name);
             if from.exists() {
@@ -168,9 +185,12 @@ impl Standby {
                 })?;
             }
         }
-        let child = self.child.take().expect("checked above");
+        let child = self
+            .child
+            .take()
+            .ok_or_else(|| BackendError::Launch("the standby was already taken".into()))?;
         let _ = std::fs::remove_dir_all(&self.dir);
-        Ok((child, qmp))
+        Ok(child)
     }
 }
 

@@ -387,6 +387,12 @@ impl Config {
                 return bad("rollback.standby", &why);
             }
         }
+        if self.rollback.preload && !self.rollback.standby {
+            return bad(
+                "rollback.preload",
+                "needs rollback.standby = true (the snapshot is preloaded into the standby)",
+            );
+        }
         let mut seen = std::collections::BTreeSet::new();
         for (i, d) in vm.disks.iter().enumerate() {
             let key = format!("vm.disks[{i}]");

@@ -607,6 +607,11 @@ pub struct RollbackConfig {
     /// exclude, or UEFI firmware.
     #[serde(default)]
     pub standby: bool,
+    /// With `standby`: keep the newest snapshot a rollback would choose already loaded into
+    /// the standby (`docs/standby.md`, "Preloaded"), so a rollback to it skips the load. Costs
+    /// a state load (CPU and the snapshot's reads) after every snapshot.
+    #[serde(default)]
+    pub preload: bool,
 }
 
 impl Default for RollbackConfig {
@@ -616,6 +621,7 @@ impl Default for RollbackConfig {
             forensic_ram_budget: default_forensic_ram_budget(),
             forensic_ram_for: default_forensic_ram_for(),
             standby: false,
+            preload: false,
         }
     }
 }

@@ -630,6 +630,30 @@ fn a_standby_is_off_by_default_and_refused_where_a_second_qemu_cannot_work() {
 }
 
 #[test]
+fn a_preload_is_off_by_default_and_needs_a_standby() {
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert!(!cfg.rollback.preload);
+    let err = Config::parse(&DEFAULT_CONFIG.replace("[rollback]", "[rollback]\npreload = true"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rollback.preload") && err.contains("rollback.standby = true"),
+        "{err}"
+    );
+    assert!(!err.contains('\n'), "{err}");
+    let captured_only = {
+        let start = DEFAULT_CONFIG
+            .find("[[vm.disks]]\nid = \"scratch\"")
+            .unwrap();
+        let end = DEFAULT_CONFIG[start..].find("[rollback]").unwrap() + start;
+        format!("{}{}", &DEFAULT_CONFIG[..start], &DEFAULT_CONFIG[end..])
+    };
+    let both = captured_only.replace("[rollback]", "[rollback]\nstandby = true\npreload = true");
+    let cfg = Config::parse(&both).unwrap();
+    assert!(cfg.rollback.standby && cfg.rollback.preload);
+}
+
+#[test]
 fn the_chunk_hash_is_sha256_unless_blake3_is_asked_for_and_nothing_else() {
     use backstop_store::ChunkHash;
     // The shipped configs set it (below); without the key it is sha256.

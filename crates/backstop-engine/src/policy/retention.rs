@@ -251,6 +251,7 @@ impl VmActor {
         // engine itself created.
         let mut keep: BTreeSet<PathBuf> = self.vm.chains.values().flatten().cloned().collect();
         keep.extend(self.cfg.vm.disks.iter().map(|d| d.path.clone()));
+        keep.extend(self.preload_layers());
         let mut layers = remove_layers(&report.unreferenced_layers, &keep, &self.layers.dir)
             .map_err(EngineError::Store)?;
         layers.extend(self.collect_orphan_layers()?);
@@ -270,6 +271,7 @@ impl VmActor {
         };
         keep.extend(self.vm.chains.values().flatten().cloned());
         keep.extend(self.cfg.vm.disks.iter().map(|d| d.path.clone()));
+        keep.extend(self.preload_layers());
         // Compared by file identity, not by path spelling: a state directory reached through
         // another path (a symlink, a moved mount) must never make a needed layer look unused.
         use std::os::unix::fs::MetadataExt;
