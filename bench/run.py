@@ -273,7 +273,8 @@ def run_rep(cls, env, rep):
         # The same rollback again with the page cache dropped: a snapshot's stream read from the
         # disk, as on a host where it was taken long enough ago (virsh is left out: its revert
         # is not the comparison, and takes seconds).
-        if env.cold_rollback and c.name != "virsh":
+        # A preloaded standby reads nothing at its rollback: it is left out too.
+        if env.cold_rollback and c.name not in ("virsh", "bspreload"):
             time.sleep(SETTLE_S)
             why = drop_page_cache()
             if why:
@@ -358,8 +359,9 @@ def main(argv=None):
     ap.add_argument("--dirty-every", type=int, help="seconds between writer bursts (default 25; 15 with --quick)")
     ap.add_argument("--contenders",
                     help="comma-separated subset of backstop,bsstandby (backstop with a standby "
-                         "QEMU),bslibvirt (backstop guarding a libvirt domain),virsh,stopcopy "
-                         "(default: all; --quick leaves bsstandby out)")
+                         "QEMU),bspreload (the same, the snapshot preloaded into it),bslibvirt "
+                         "(backstop guarding a libvirt domain),virsh,stopcopy "
+                         "(default: all; --quick leaves bsstandby and bspreload out)")
     ap.add_argument("--qemu", action="append", metavar="BINARY",
                     help="a QEMU to run every contender on (repeat for several; default: the "
                          "system qemu-system-x86_64 and $BENCH_QEMU10, which scripts/bench.sh sets "
@@ -423,7 +425,7 @@ def main(argv=None):
         f" backstop.dirty_every={env.dirty_every}"
     )
     contenders = a.contenders or ("backstop,bslibvirt,virsh,stopcopy" if a.quick
-                                  else "backstop,bsstandby,bslibvirt,virsh,stopcopy")
+                                  else "backstop,bsstandby,bspreload,bslibvirt,virsh,stopcopy")
     names = [n.strip() for n in contenders.split(",") if n.strip()]
     for n in names:
         if n not in C.CONTENDERS:
@@ -433,7 +435,7 @@ def main(argv=None):
     for f in ("vmlinuz", "initrd.img", "disk-base.qcow2"):
         if not (env.guest / f).exists():
             ap.error(f"guest file {env.guest / f} missing (scripts/setup.sh builds it)")
-    if {"backstop", "bsstandby", "bslibvirt"} & set(names) and not env.backstopd.exists():
+    if {"backstop", "bsstandby", "bspreload", "bslibvirt"} & set(names) and not env.backstopd.exists():
         ap.error(f"{env.backstopd} missing (cargo build --release -p backstopd -p backstop-cli)")
 
     t_run = time.monotonic()

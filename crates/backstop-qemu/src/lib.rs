@@ -661,6 +661,23 @@ fn pipe() -> Result<(File, File)> {
 
 const STATE_PIPE_BYTES: nix::libc::c_int = 1 << 20;
 
+/// Waits for QEMU's migration to end; returns how (`completed`, `failed`, `cancelled`).
+fn migration_end(qmp: &mut Qmp, step: &'static str) -> Result<String> {
+    let done = qmp.wait_event_matching(step, Duration::from_secs(600), |e| {
+        e.name == "MIGRATION"
+            && matches!(
+                e.data.get("status").and_then(Value::as_str),
+                Some("completed" | "failed" | "cancelled")
+            )
+    })?;
+    Ok(done
+        .data
+        .get("status")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string())
+}
+
 /// Removes block nodes opened for a capture that did not happen (best effort).
 fn close_nodes(r: &mut Running, nodes: &[String], t: Duration) {
     for node in nodes {
@@ -1016,15 +1033,7 @@ impl VmBackend for QemuBackend {
         // caller's abort_capture cleans up.
         fault_point!(fault, InFinish)?;
         r.capture = None;
-        let done = r
-            .qmp
-            .wait_event_matching("capture", Duration::from_secs(600), |e| {
-                e.name == "MIGRATION"
-                    && matches!(
-                        e.data.get("status").and_then(Value::as_str),
-                        Some("completed" | "failed" | "cancelled")
-                    )
-            });
+        let done = migration_end(&mut r.qmp, "capture");
         let info = r
             .qmp
             .execute("query-migrate", None, t)
@@ -1036,12 +1045,7 @@ impl VmBackend for QemuBackend {
         if done.is_ok() {
             r.start_regather();
         }
-        let status = done?
-            .data
-            .get("status")
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_string();
+        let status = done?;
         if status != "completed" {
             let why = info
                 .get("error-desc")
@@ -1377,21 +1381,7 @@ impl VmBackend for QemuBackend {
         let started = r.restore.take().unwrap_or_else(Instant::now);
         // A preloaded standby's load completed before its launch (`preload.rs` waited for it).
         if !r.preloaded {
-            let done = r
-                .qmp
-                .wait_event_matching("restore", Duration::from_secs(600), |e| {
-                    e.name == "MIGRATION"
-                        && matches!(
-                            e.data.get("status").and_then(Value::as_str),
-                            Some("completed" | "failed" | "cancelled")
-                        )
-                })?;
-            let status = done
-                .data
-                .get("status")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_string();
+            let status = migration_end(&mut r.qmp, "restore")?;
             if status != "completed" {
                 return Err(BackendError::RestoreCheck(format!("state load {status}")));
             }

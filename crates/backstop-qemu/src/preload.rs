@@ -17,15 +17,12 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use backstop_hypervisor::{BackendError, DiskAttachment, PreloadState, Result};
 
 use crate::qmp::Qmp;
 use crate::standby::Standby;
-
-/// How long QEMU may take to load a state stream (as a rollback's own load).
-const LOAD_TIMEOUT: Duration = Duration::from_secs(600);
 
 const LOADING: u8 = 0;
 const LOADED: u8 = 1;
@@ -188,18 +185,10 @@ fn load(
         step: "read the snapshot's state for the standby",
         source,
     })?;
-    let done = qmp.wait_event_matching("preload", LOAD_TIMEOUT, |e| {
-        e.name == "MIGRATION"
-            && matches!(
-                e.data.get("status").and_then(Value::as_str),
-                Some("completed" | "failed" | "cancelled")
-            )
-    })?;
-    match done.data.get("status").and_then(Value::as_str) {
-        Some("completed") => Ok(qmp),
+    match crate::migration_end(&mut qmp, "preload")?.as_str() {
+        "completed" => Ok(qmp),
         other => Err(BackendError::RestoreCheck(format!(
-            "the standby's state load {}",
-            other.unwrap_or("ended without a status")
+            "the standby's state load {other}"
         ))),
     }
 }

@@ -586,6 +586,15 @@ fn the_forensic_ram_keys_default_and_refuse_bad_values_by_name() {
     assert!(err.contains("forensic_ram_budget"), "{err}");
 }
 
+/// The default config without its disk that snapshots exclude (a standby refuses one).
+fn default_without_the_excluded_disk() -> String {
+    let start = DEFAULT_CONFIG
+        .find("[[vm.disks]]\nid = \"scratch\"")
+        .unwrap();
+    let end = DEFAULT_CONFIG[start..].find("[rollback]").unwrap() + start;
+    format!("{}{}", &DEFAULT_CONFIG[..start], &DEFAULT_CONFIG[end..])
+}
+
 #[test]
 fn a_standby_is_off_by_default_and_refused_where_a_second_qemu_cannot_work() {
     let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
@@ -600,13 +609,7 @@ fn a_standby_is_off_by_default_and_refused_where_a_second_qemu_cannot_work() {
         "{err}"
     );
     // Without it, a standby is accepted.
-    let captured_only = {
-        let start = DEFAULT_CONFIG
-            .find("[[vm.disks]]\nid = \"scratch\"")
-            .unwrap();
-        let end = DEFAULT_CONFIG[start..].find("[rollback]").unwrap() + start;
-        format!("{}{}", &DEFAULT_CONFIG[..start], &DEFAULT_CONFIG[end..])
-    };
+    let captured_only = default_without_the_excluded_disk();
     assert!(
         Config::parse(&standby(&captured_only))
             .unwrap()
@@ -641,13 +644,7 @@ fn a_preload_is_off_by_default_and_needs_a_standby() {
         "{err}"
     );
     assert!(!err.contains('\n'), "{err}");
-    let captured_only = {
-        let start = DEFAULT_CONFIG
-            .find("[[vm.disks]]\nid = \"scratch\"")
-            .unwrap();
-        let end = DEFAULT_CONFIG[start..].find("[rollback]").unwrap() + start;
-        format!("{}{}", &DEFAULT_CONFIG[..start], &DEFAULT_CONFIG[end..])
-    };
+    let captured_only = default_without_the_excluded_disk();
     let both = captured_only.replace("[rollback]", "[rollback]\nstandby = true\npreload = true");
     let cfg = Config::parse(&both).unwrap();
     assert!(cfg.rollback.standby && cfg.rollback.preload);
