@@ -5,8 +5,9 @@
 //! The load runs on a thread of its own, beside the running VM: the standby's monitor
 //! connected, the snapshot's chain put under its disk filters, then the state streamed in with
 //! `migrate-incoming` as a rollback would, until QEMU's `MIGRATION completed`. The thread never
-//! drops the standby (it hands it back), so its process is not reaped while the thread could
-//! still be told to end it: killing the pid an unfinished load holds is always safe.
+//! drops the standby (it hands it back), so its process is reaped only by the join that ends
+//! it — or by the thread's own check while connecting, when the standby had already died on its
+//! own: only then could the pid `Drop` kills be stale (a reused pid within that instant).
 
 use std::io::Read;
 use std::os::fd::AsRawFd;
