@@ -8,7 +8,7 @@
 #   restore_ms  rollback request → guest resumed (the engine's total_ms)
 #   beyond_ms   detect + restore: what the workload loses beyond the timeout (goal < 1000)
 # and when the guest printed its first tick back at the snapshot point (seen by polling).
-# Prints figures; asserts nothing.
+# Prints figures; asserts nothing. BACKSTOP_BENCH_PRELOAD=1 runs it with a preloaded standby.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -37,6 +37,11 @@ path = "$g/disk-base.qcow2"
 heartbeat_timeout_s = $timeout_s
 boot_grace_s = 60
 TOML
+# BACKSTOP_BENCH_PRELOAD=1: the same with a standby preloaded with the rollback's target
+# (docs/standby.md, "Preloaded").
+if [ "${BACKSTOP_BENCH_PRELOAD:-0}" = 1 ]; then
+	printf '[rollback]\nstandby = true\npreload = true\n' >>"$work/c.toml"
+fi
 target/release/backstopd --config "$work/c.toml" >"$work/log" 2>&1 &
 daemon=$!
 bs() { target/release/backstop --socket "$run/control.sock" "$@"; }
