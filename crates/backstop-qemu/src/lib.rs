@@ -754,6 +754,9 @@ impl VmBackend for QemuBackend {
             .preload
             .take()
             .ok_or_else(|| BackendError::Launch("no standby is preloaded".into()))?;
+        if preload.state() == backstop_hypervisor::PreloadState::Loading {
+            tracing::info!(snapshot_id = %tag, "the preloaded standby is still loading: waiting for it");
+        }
         let (child, qmp) = preload.take(tag, disks, &self.cfg.run_dir)?;
         let mut running = self.running_from(child, qmp, BootMode::Incoming)?;
         running.preloaded = true;
