@@ -433,6 +433,16 @@ impl VmActor {
             .collect()
     }
 
+    /// The format of the top layer of `chain` (a disk's layers, base first): the base image's
+    /// own format when the chain is the base alone, else qcow2 (every layer backstop makes).
+    pub(crate) fn layer_format(&self, disk: &str, chain: &[PathBuf]) -> String {
+        if chain.len() == 1 {
+            self.base_format(disk)
+        } else {
+            "qcow2".to_string()
+        }
+    }
+
     pub(crate) fn base_format(&self, disk: &str) -> String {
         self.cfg
             .vm

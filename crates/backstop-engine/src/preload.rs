@@ -39,15 +39,8 @@ impl VmActor {
         };
         let digest = crate::replay::manifest_sha256(self.store.root(), &id)
             .map_err(|e| format!("{id}: {e}"))?;
-        let current = self.backend.preloaded_standby();
-        if let (Some(p), Some((tag, state))) = (&self.preloaded, &current) {
-            if p.snapshot_id == id
-                && p.manifest_sha256 == digest
-                && *tag == id
-                && *state != PreloadState::Failed
-            {
-                return Ok(());
-            }
+        if self.preload_holds(&id, &digest) {
+            return Ok(());
         }
         self.drop_preload();
         let v = self
@@ -57,30 +50,26 @@ impl VmActor {
         if v.manifest.config_fingerprint != self.backend.config_fingerprint() {
             return Err(format!("{id} was taken of another VM shape"));
         }
-        let mut tops = BTreeMap::new();
+        // Recorded before its layers exist, so a failure below still removes them.
+        let mut record = Preloaded {
+            snapshot_id: id.clone(),
+            manifest_sha256: digest,
+            tops: BTreeMap::new(),
+        };
         for (disk, chain) in manifest_chains(&v) {
             let Some(top) = chain.last() else {
                 return Err(format!("{id}: disk {disk} has an empty chain"));
             };
-            let fmt = if chain.len() == 1 {
-                self.base_format(&disk)
-            } else {
-                "qcow2".to_string()
-            };
+            let fmt = self.layer_format(&disk, &chain);
             let new_top = self.next_layer(&disk);
-            // Recorded before it exists, so a failure below still removes it.
-            tops.insert(disk.clone(), new_top.clone());
-            self.preloaded = Some(Preloaded {
-                snapshot_id: id.clone(),
-                manifest_sha256: digest.clone(),
-                tops: tops.clone(),
-            });
+            record.tops.insert(disk.clone(), new_top.clone());
+            self.preloaded = Some(record.clone());
             if let Err(e) = self.layers.create_overlay(&new_top, top, &fmt) {
                 self.drop_preload();
                 return Err(format!("overlay for {disk}: {e}"));
             }
         }
-        let Some(disks) = preload_disks(&self.cfg, &tops) else {
+        let Some(disks) = preload_disks(&self.cfg, &record.tops) else {
             self.drop_preload();
             return Err(format!("{id} does not hold every disk of this VM"));
         };
@@ -97,11 +86,7 @@ impl VmActor {
             self.drop_preload();
             return Err(e);
         }
-        self.preloaded = Some(Preloaded {
-            snapshot_id: id.clone(),
-            manifest_sha256: digest,
-            tops,
-        });
+        self.preloaded = Some(record);
         tracing::info!(snapshot_id = %id, "preloading the standby");
         Ok(())
     }
@@ -111,17 +96,22 @@ impl VmActor {
     /// leaves it in place.
     pub(crate) fn take_preload(&mut self, target: &VerifiedSnapshot) -> Option<Preloaded> {
         let id = &target.manifest.snapshot_id;
-        let p = self.preloaded.as_ref()?;
         let digest = crate::replay::manifest_sha256(self.store.root(), id).ok()?;
-        let fits = p.snapshot_id == *id
-            && p.manifest_sha256 == digest
-            && matches!(self.backend.preloaded_standby(),
-                Some((tag, state)) if tag == *id && state != PreloadState::Failed);
-        if fits {
+        if self.preload_holds(id, &digest) {
             self.preloaded.take()
         } else {
             None
         }
+    }
+
+    /// Whether the standby holds (or is loading) snapshot `id` with manifest digest `digest`,
+    /// its load not failed.
+    fn preload_holds(&self, id: &str, digest: &str) -> bool {
+        self.preloaded
+            .as_ref()
+            .is_some_and(|p| p.snapshot_id == id && p.manifest_sha256 == digest)
+            && matches!(self.backend.preloaded_standby(),
+                Some((tag, state)) if tag == id && state != PreloadState::Failed)
     }
 
     /// Ends the preload, if any: its standby, and its layers (no chain uses them).

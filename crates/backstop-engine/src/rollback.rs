@@ -531,11 +531,7 @@ impl VmActor {
             let Some(top) = chain.last().cloned() else {
                 return Err(("disk layers", format!("disk {id} has an empty chain")));
             };
-            let fmt = if chain.len() == 1 {
-                self.base_format(&id)
-            } else {
-                "qcow2".to_string()
-            };
+            let fmt = self.layer_format(&id, &chain);
             let new_top = match preload.as_ref().and_then(|p| p.tops.get(&id)) {
                 Some(t) => t.clone(),
                 None => self.next_layer(&id),
@@ -544,11 +540,14 @@ impl VmActor {
         }
         let overlays = {
             let layers = self.layers.clone();
-            let jobs: Vec<(PathBuf, PathBuf, String)> = planned
-                .iter()
-                .filter(|_| preload.is_none())
-                .map(|(_, _, top, new_top, fmt)| (new_top.clone(), top.clone(), fmt.clone()))
-                .collect();
+            // A preload's overlays exist already.
+            let jobs: Vec<(PathBuf, PathBuf, String)> = match preload {
+                Some(_) => Vec::new(),
+                None => planned
+                    .iter()
+                    .map(|(_, _, top, new_top, fmt)| (new_top.clone(), top.clone(), fmt.clone()))
+                    .collect(),
+            };
             std::thread::spawn(move || -> Result<(), String> {
                 for (new_top, top, fmt) in jobs {
                     layers
