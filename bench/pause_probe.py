@@ -42,6 +42,11 @@ import contenders as C  # noqa: E402
 import qmp as qmplib  # noqa: E402
 
 F_SETPIPE_SZ = 1031
+# QEMU's trace points along a background snapshot's start, in the order they fire.
+TRACE_POINTS = ["migrate_set_state", "savevm_state_header", "savevm_state_setup",
+                "migration_thread_setup_complete", "vmstate_downtime_checkpoint",
+                "savevm_state_complete_precopy", "ram_write_tracking_ramblock_start",
+                "savevm_section_start", "savevm_section_end"]
 SYS_PIDFD_OPEN, SYS_PROCESS_MADVISE, MADV_COLLAPSE = 434, 440, 25
 
 
@@ -108,7 +113,7 @@ class Disk:
         self.path, self.node = new, node
 
 
-def snapshot_once(q, disk=None):
+def snapshot_once(q, disk=None, early_ms=None):
     """One capture in backstop's order; returns (host step times in ms, QEMU events)."""
     r, w = os.pipe()
     fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)
@@ -127,13 +132,32 @@ def snapshot_once(q, disk=None):
     while any(i.get("type") == "migration" for i in q.execute("query-yank")):
         time.sleep(0.001)
     prepared = disk.prepare(q) if disk else None
-    t0 = time.monotonic()
-    q.execute("stop")
-    if disk:
-        disk.switch(q, prepared)
-    t1 = time.monotonic()
-    q.execute("migrate", {"uri": "fd:probe"})
-    t2 = time.monotonic()
+    if early_ms is None:
+        t0 = time.monotonic()
+        q.execute("stop")
+        if disk:
+            disk.switch(q, prepared)
+        t1 = time.monotonic()
+        q.execute("migrate", {"uri": "fd:probe"})
+        t2 = time.monotonic()
+    else:
+        # `migrate` on the running guest; QEMU pre-faults its RAM without the big lock, then
+        # stops the guest itself. Our `stop` goes in `early_ms` later: if its STOP comes before
+        # QEMU's MIGRATION `active`, QEMU's own stop found the guest already stopped (on >= 9.0
+        # it then leaves it stopped), and the disk switch still happens inside one pause.
+        t1 = time.monotonic()
+        q.execute("migrate", {"uri": "fd:probe"})
+        t2 = time.monotonic()
+        time.sleep(max(0.0, early_ms / 1e3 - (t2 - t1)))
+        t0 = time.monotonic()
+        q.execute("stop")
+        order = [e for e in q.events if e.get("event") == "STOP"
+                 or (e.get("event") == "MIGRATION" and e["data"]["status"] == "active")]
+        won = bool(order) and order[0]["event"] == "STOP"
+        if disk and won:
+            disk.switch(q, prepared)
+        if not won:
+            print(f"  lost: QEMU's stop came first (events {[e['event'] for e in order]})", flush=True)
     while True:
         info = q.execute("query-migrate")
         ram = info.get("ram") or {}
@@ -151,6 +175,8 @@ def snapshot_once(q, disk=None):
         raise C.BenchError(f"background snapshot {ev['data']['status']}")
     events = [e for e in q.events if e.get("event") in ("STOP", "RESUME", "MIGRATION")]
     q.events = []
+    if early_ms is not None:
+        t1 = t0  # the migrate went in before the stop
     host = {"stop+switch" if disk else "stop": (t1 - t0) * 1e3, "migrate": (t2 - t1) * 1e3, "until_tracking": (t3 - t2) * 1e3,
             "cont": (t4 - t3) * 1e3, "total": (t4 - t0) * 1e3}
     return host, events
@@ -166,6 +192,12 @@ def main():
                     help="switch the disk to a fresh overlay inside each pause, as backstop does")
     ap.add_argument("--collapse", action="store_true",
                     help="collapse the guest RAM's huge pages again before each snapshot")
+    ap.add_argument("--trace", metavar="FILE",
+                    help="log QEMU's own migration trace points (with timestamps) into FILE, to split"
+                         " its setup into the RAM pre-fault, the state setup, the stop and the write protection")
+    ap.add_argument("--early-stop", type=float, metavar="MS",
+                    help="send `migrate` on the running guest and `stop` MS later (QEMU >= 9.0: QEMU"
+                         " pre-faults RAM meanwhile, outside the pause)")
     ap.add_argument("--guest-dir", default=os.environ.get("BACKSTOP_GUEST_DIR")
                     or os.path.expanduser("~/.cache/backstop/guest"))
     a = ap.parse_args()
@@ -183,8 +215,13 @@ def main():
         C.run(["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(env.guest / "disk-base.qcow2"),
                "-F", "qcow2", str(disk)])
         qmp_path, serial = work / "qmp.sock", work / "serial.log"
-        proc = subprocess.Popen(C.qemu_args(env, "probe", disk, "disk-data", serial, work / "agent.sock",
-                                            qmp_path, work / "qemu.pid"),
+        args = C.qemu_args(env, "probe", disk, "disk-data", serial, work / "agent.sock", qmp_path,
+                           work / "qemu.pid")
+        if a.trace:
+            for ev in TRACE_POINTS:
+                args += ["-trace", ev]
+            args += ["-msg", "timestamp=on", "-D", a.trace]
+        proc = subprocess.Popen(args,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         q = qmplib.QMP(str(qmp_path))
         q.execute("migrate-set-capabilities", {"capabilities": [
@@ -207,7 +244,7 @@ def main():
                 ms = collapse(proc.pid, ram[0], ram[1] - ram[0])
                 after = guest_ram(proc.pid, a.memory_mib << 20)
                 thp += f", collapsed in {ms:.0f} ms -> {after[3] >> 20}/{after[2] >> 20} MiB"
-            host, events = snapshot_once(q, disk_state)
+            host, events = snapshot_once(q, disk_state, a.early_stop)
             base = qmplib.event_us(events[0]) if events else 0
             marks = " ".join(
                 e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")

@@ -38,6 +38,22 @@ pub fn qemu_binary() -> String {
     }
 }
 
+/// `(major, minor)` of the QEMU the tests run (`qemu_binary`), from its `--version`.
+pub fn qemu_version() -> (u64, u64) {
+    let out = Command::new(qemu_binary())
+        .arg("--version")
+        .output()
+        .expect("run qemu --version");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v = text
+        .split_whitespace()
+        .skip_while(|w| *w != "version")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no version in {text:?}"));
+    let mut parts = v.split('.').map(|p| p.parse::<u64>().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0))
+}
+
 /// The workspace's built binaries (`cargo build --workspace` runs before the tests).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();

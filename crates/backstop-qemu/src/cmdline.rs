@@ -21,6 +21,12 @@ pub fn fresh_node_name(disk_id: &str, path: &std::path::Path) -> String {
 #[cfg(feature = "fault-injection")]
 pub const SECOND_MONITOR_FAULT: &str = "qmp.second-monitor";
 
+/// The fault-injection setting that makes every capture on QEMU ≥ 9.0 send `stop` as soon as
+/// `migrate` answers (a lead of 0), instead of after the lead learnt from QEMU's setup times:
+/// the same-instant tests then check RAM and disk agree in that order on every snapshot.
+#[cfg(feature = "fault-injection")]
+pub const MIGRATE_FIRST_FAULT: &str = "capture.migrate-first";
+
 /// qdev id of a disk's virtio-blk device.
 pub fn device_id(disk_id: &str) -> String {
     format!("dev-{disk_id}")

@@ -187,6 +187,12 @@ struct Running {
     preloaded: bool,
     /// How captures are driven on this QEMU (probed at launch).
     plan: CapturePlan,
+    /// QEMU's recent setup times (`migrate` → `active`): how long `migrate` may go in before
+    /// `stop` on this QEMU (≥ 9.0, `version::SetupTimes`).
+    setup_times: version::SetupTimes,
+    /// Captures whose `stop` came after QEMU's own (discarded and taken again), for the log
+    /// and `status`.
+    lost_races: u64,
     /// Reads its listen-only events monitor and wakes the actor (`events.rs`); `None` until
     /// the engine hands a waker, or if the monitor could not be read (the tick still looks).
     events: Option<events::EventWatch>,
@@ -252,6 +258,9 @@ pub struct QemuBackend {
     /// Test-only: the capture step that fails next (feature `fault-injection`).
     #[cfg(feature = "fault-injection")]
     fault: pause::Fault,
+    /// Test-only: a lead forced on every capture (`force_migrate_lead`).
+    #[cfg(feature = "fault-injection")]
+    forced_lead: Option<Option<Duration>>,
 }
 
 impl QemuBackend {
@@ -290,7 +299,35 @@ impl QemuBackend {
             waker: None,
             #[cfg(feature = "fault-injection")]
             fault: None,
+            #[cfg(feature = "fault-injection")]
+            forced_lead: None,
         }
+    }
+
+    /// How long before `stop` the next capture sends `migrate` (`None`: `stop` first).
+    fn migrate_lead(&self) -> Option<Duration> {
+        #[cfg(feature = "fault-injection")]
+        if let Some(forced) = self.forced_lead {
+            return forced;
+        }
+        #[cfg(feature = "fault-injection")]
+        if std::env::var("BACKSTOP_FAULT_INJECT").as_deref() == Ok(cmdline::MIGRATE_FIRST_FAULT) {
+            return Some(Duration::ZERO);
+        }
+        self.running.as_ref().and_then(|r| r.setup_times.lead())
+    }
+
+    /// Test-only: every capture from now on sends `migrate` this long before `stop` (`None`:
+    /// `stop` first), instead of the lead learnt from QEMU's setup times. A lead far longer
+    /// than QEMU's setup makes QEMU's own stop come first every time.
+    #[cfg(feature = "fault-injection")]
+    pub fn force_migrate_lead(&mut self, lead: Option<Duration>) {
+        self.forced_lead = Some(lead);
+    }
+
+    /// Captures on the running QEMU whose `stop` came after QEMU's own and were taken again.
+    pub fn lost_races(&self) -> u64 {
+        self.running.as_ref().map_or(0, |r| r.lost_races)
     }
 
     /// Test-only: makes the next capture fail at `step` (then the fault is cleared).
@@ -315,6 +352,269 @@ impl QemuBackend {
     }
     #[cfg(not(feature = "fault-injection"))]
     fn take_fault(&mut self, _in_finish: bool) -> pause::Fault {}
+
+    /// One attempt at a capture's start. `lead`: on QEMU ≥ 9.0, send `migrate` this long before
+    /// `stop` (`version::SetupTimes`). `Ok(None)`: QEMU's snapshot thread stopped the guest
+    /// before backstop's `stop` (possible only with a lead); that capture was read out and
+    /// discarded, the disks were not switched and the guest runs again: nothing changed.
+    fn begin_capture_once(
+        &mut self,
+        switches: &[DiskSwitch],
+        fault: pause::Fault,
+        lead: Option<Duration>,
+    ) -> Result<Option<CaptureStream>> {
+        let t = self.cfg.qmp_timeout;
+        // Which node each disk's device currently writes to: its active layer's node name.
+        let mut actions = Vec::new();
+        let mut frozen = Vec::new();
+        let mut new_disks = self.disks.clone();
+        let mut new_nodes = self.active_nodes.clone();
+        for sw in switches {
+            let disk = new_disks
+                .iter_mut()
+                .find(|d| d.id == sw.id)
+                .ok_or_else(|| BackendError::Command {
+                    step: "disk switch",
+                    message: format!("unknown disk {}", sw.id),
+                })?;
+            let node = new_nodes
+                .get(&sw.id)
+                .cloned()
+                .unwrap_or_else(|| cmdline::node_name(&sw.id));
+            let fresh = cmdline::fresh_node_name(&sw.id, &sw.new_active);
+            actions.push(json!({
+                "type": "blockdev-snapshot",
+                "data": { "node": node, "overlay": fresh }
+            }));
+            new_nodes.insert(sw.id.clone(), fresh);
+            frozen.push((sw.id.clone(), disk.active.clone()));
+            disk.active = sw.new_active.clone();
+        }
+        // Opening the new overlays happens before the pause: inside it only the switch itself
+        // (a graph change in memory) remains. Created by the caller, they have no backing node
+        // yet (`blockdev-snapshot` attaches the old top layer).
+        let r = self
+            .running
+            .as_mut()
+            .ok_or(BackendError::NotRunning { step: "capture" })?;
+        let plan = r.plan;
+        r.stop_regather();
+        // A migration still being cleaned up would make `migrate` fail (duplicate yank instance).
+        pause::wait_migration_released(&mut r.qmp, t, t)?;
+        // Run-state and migration events of earlier captures and pauses must not be taken for
+        // this capture's (nothing else consumes them).
+        r.qmp
+            .discard_events(|e| matches!(e.name.as_str(), "STOP" | "RESUME" | "MIGRATION"))?;
+        // The operator's pause is kept: such a guest is not stopped, and ends up paused again.
+        let was_running =
+            r.qmp.execute("query-status", None, t)?.get("running") == Some(&Value::Bool(true));
+        let mut opened = Vec::new();
+        for sw in switches {
+            let node = cmdline::fresh_node_name(&sw.id, &sw.new_active);
+            let args = json!({
+                "driver": "qcow2", "node-name": node, "backing": null,
+                "file": { "driver": "file", "filename": sw.new_active },
+            });
+            if let Err(e) = r.qmp.execute("blockdev-add", Some(args), t) {
+                close_nodes(r, &opened, t);
+                return Err(e);
+            }
+            opened.push(node);
+        }
+        let (reader, writer) = match pipe() {
+            Ok(p) => p,
+            Err(e) => {
+                close_nodes(r, &opened, t);
+                return Err(e);
+            }
+        };
+        let handed = r
+            .qmp
+            .execute_with_fd(
+                "getfd",
+                Some(json!({ "fdname": CAPTURE_FD })),
+                Some(writer.as_raw_fd()),
+                t,
+            )
+            .and_then(|_| fault_point!(fault, AfterGetfd));
+        drop(writer);
+        if let Err(e) = handed {
+            pause::close_capture_fd(&mut r.qmp, t, CAPTURE_FD);
+            close_nodes(r, &opened, t);
+            return Err(e);
+        }
+        // From here until it is disarmed, dropping the guard puts the guest back in the state
+        // the operator left it in: every early return below resumes (or re-pauses) it.
+        let mut guard = RunStateGuard::new(&mut r.qmp, t, was_running);
+        // The ends of the pause's phases, from QEMU's STOP on (see `pause::breakdown`). QEMU
+        // sends STOP once the vCPUs are paused, then drains and flushes the disks before it
+        // answers `stop`: the `stop` phase is that drain and flush.
+        let clock = pause::PauseClock::new();
+        let mut ends: Vec<(&'static str, u64)> = Vec::new();
+        // `migrate` before `stop` (≥ 9.0, a running guest, a lead learnt on this QEMU): QEMU
+        // pre-faults guest RAM while the guest still runs (`version::SetupTimes`).
+        let early = lead.filter(|_| was_running && plan.resume == Resume::AfterWriteTracking);
+        let migrate = |qmp: &mut Qmp| {
+            qmp.execute(
+                "migrate",
+                Some(json!({ "uri": format!("fd:{CAPTURE_FD}") })),
+                t,
+            )
+        };
+        // Once `migrate` went in, QEMU writes the stream: it is read from then on, and an
+        // error ends the capture by reading it out (`pause::drain_to_end`) before the guard
+        // sets the run state.
+        let mut capture = Capture::Pipe(reader);
+        let mut migrate_sent_us = 0;
+        if let Some(lead) = early {
+            let sent = Instant::now();
+            migrate_sent_us = clock.now_us();
+            if let Err(e) = migrate(guard.qmp()) {
+                pause::close_capture_fd(guard.qmp(), t, CAPTURE_FD);
+                drop(guard);
+                close_nodes(r, &opened, t);
+                return Err(e);
+            }
+            capture = capture.started();
+            std::thread::sleep(lead.saturating_sub(sent.elapsed()));
+        }
+        let stopped = if was_running {
+            guard
+                .qmp()
+                .execute("stop", None, t)
+                .map(|_| ends.push(("stop", clock.now_us())))
+                .and_then(|()| {
+                    // With `migrate` already in: was this STOP ours, before QEMU's own?
+                    let first = early.is_none()
+                        || version::stopped_before_qemu(guard.qmp().queued().map(|e| {
+                            (
+                                e.name.as_str(),
+                                e.data.get("status").and_then(Value::as_str),
+                            )
+                        }));
+                    guard
+                        .qmp()
+                        .wait_event("STOP", t, "stop")
+                        .map(|stop| (stop, first))
+                })
+                .map(Some)
+        } else {
+            Ok(None)
+        }
+        .and_then(|stop| fault_point!(fault, AfterStop).map(|()| stop));
+        let stop = match stopped {
+            Ok(Some((stop, true))) => Some(stop),
+            Ok(None) => None,
+            Ok(Some((_, false))) => {
+                // The RAM instant was QEMU's own stop, on a running guest, before any disk
+                // switch: not a snapshot. Read it out and let the guard resume the guest.
+                let setup_us = guard
+                    .qmp()
+                    .queued_event(|e| {
+                        e.name == "MIGRATION"
+                            && e.data.get("status").and_then(Value::as_str) == Some("active")
+                    })
+                    .map(|active| active.timestamp_us.saturating_sub(migrate_sent_us));
+                capture.abandon(guard.qmp(), t);
+                drop(guard);
+                close_nodes(r, &opened, t);
+                // Its setup time, shorter than the lead, shortens the next one.
+                if let Some(us) = setup_us {
+                    r.setup_times.record(us);
+                }
+                r.lost_races += 1;
+                return Ok(None);
+            }
+            Err(e) => {
+                capture.abandon(guard.qmp(), t);
+                drop(guard);
+                close_nodes(r, &opened, t);
+                return Err(e);
+            }
+        };
+        let switched = if actions.is_empty() {
+            Ok(Value::Null)
+        } else {
+            guard
+                .qmp()
+                .execute("transaction", Some(json!({ "actions": actions })), t)
+        };
+        ends.push(("switch", clock.now_us()));
+        if let Err(e) = switched {
+            capture.abandon(guard.qmp(), t);
+            drop(guard);
+            close_nodes(r, &opened, t);
+            return Err(e);
+        }
+        // The disks switched: from here on an error keeps the new overlays in the chains.
+        self.disks = new_disks;
+        self.active_nodes = new_nodes;
+        let started = fault_point!(fault, AfterTransaction).and_then(|()| {
+            if capture.is_started() {
+                return Ok(());
+            }
+            migrate_sent_us = clock.now_us();
+            let sent = migrate(guard.qmp()).map(|_| ());
+            ends.push(("migrate", clock.now_us()));
+            sent
+        });
+        if let Err(e) = started {
+            // The guard resumes the guest on the new overlays.
+            capture.abandon(guard.qmp(), t);
+            return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
+        }
+        // QEMU writes the stream from now on: keep reading it while talking to QEMU.
+        capture = capture.started();
+        let resumed =
+            Self::resume_after_migrate(guard.qmp(), t, plan, was_running, &clock, &mut ends)
+                .and_then(|resume| fault_point!(fault, AfterMigrate).map(|()| resume));
+        let resume = match resumed {
+            Ok(resume) => resume,
+            Err(e) => {
+                // Let QEMU finish it into the void before the guard sets the run state: a
+                // `cont` while its snapshot thread is between its own stop and resume would be
+                // undone by that resume, and cancelling is no way out (see `drain_to_end`).
+                capture.abandon(guard.qmp(), t);
+                return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
+            }
+        };
+        guard.disarm();
+        let (reader, early_bytes) = capture.finish();
+        let (pause_us, pause_breakdown) = match (&stop, &resume) {
+            (Some(stop), Some(resume)) => (
+                resume.timestamp_us.saturating_sub(stop.timestamp_us),
+                pause::breakdown(stop.timestamp_us, &ends),
+            ),
+            _ => (0, Vec::new()),
+        };
+        let r = self.running_mut("capture")?;
+        // QEMU's setup for this capture, from `migrate` to its `active` (which ended "setup").
+        if let Some(&(_, active_us)) = ends.iter().find(|(phase, _)| *phase == "setup") {
+            if migrate_sent_us > 0 {
+                r.setup_times
+                    .record(active_us.saturating_sub(migrate_sent_us));
+            }
+        }
+        tracing::debug!(
+            pause_us,
+            ?pause_breakdown,
+            lead_ms = early.map(|l| l.as_secs_f64() * 1e3),
+            "capture started"
+        );
+        r.capture = Some(CaptureInFlight {
+            pause_us,
+            pause_breakdown,
+            was_running,
+            drain: reader.try_clone().ok(),
+        });
+        Ok(Some(CaptureStream {
+            reader: Box::new(std::io::Cursor::new(early_bytes).chain(reader)),
+            frozen_layers: frozen,
+            // x86 guests only (qemu-system-x86_64): 4 KiB target pages.
+            cutter: Some(Box::new(MigrationCutter { page_size: 4096 })),
+            disk_switch: DiskSwitchTiming::AtStart,
+        }))
+    }
 
     /// After `migrate`: the guest's pause ends by the version's rule (see [`version`]), and a
     /// guest the operator had paused is paused again. Returns the RESUME that ended the pause
@@ -552,6 +852,8 @@ impl QemuBackend {
             restore: None,
             preloaded: false,
             plan,
+            setup_times: Default::default(),
+            lost_races: 0,
             events: self.watch_events(),
             regather: None,
         })
@@ -679,6 +981,44 @@ fn migration_end(qmp: &mut Qmp, step: &'static str) -> Result<String> {
 }
 
 /// Removes block nodes opened for a capture that did not happen (best effort).
+/// The capture stream's read end through `begin_capture`: the pipe until `migrate` went in,
+/// then read ahead by a [`pause::Prefetch`] while QEMU is still being talked to.
+enum Capture {
+    Pipe(File),
+    Reading(pause::Prefetch),
+}
+
+impl Capture {
+    /// `migrate` went in: QEMU writes the stream from now on.
+    fn started(self) -> Capture {
+        match self {
+            Capture::Pipe(pipe) => Capture::Reading(pause::Prefetch::start(pipe)),
+            reading => reading,
+        }
+    }
+
+    fn is_started(&self) -> bool {
+        matches!(self, Capture::Reading(_))
+    }
+
+    /// Ends a capture that will not be kept: before `migrate`, QEMU's copy of the fd is closed;
+    /// after it, the stream is read to its end (`pause::drain_to_end`: never cancelled).
+    fn abandon(self, qmp: &mut Qmp, t: Duration) {
+        match self {
+            Capture::Pipe(_) => pause::close_capture_fd(qmp, t, CAPTURE_FD),
+            Capture::Reading(prefetch) => pause::drain_to_end(qmp, t, prefetch.finish().0),
+        }
+    }
+
+    /// The pipe and the bytes already read from it.
+    fn finish(self) -> (File, Vec<u8>) {
+        match self {
+            Capture::Pipe(pipe) => (pipe, Vec::new()),
+            Capture::Reading(prefetch) => prefetch.finish(),
+        }
+    }
+}
+
 fn close_nodes(r: &mut Running, nodes: &[String], t: Duration) {
     for node in nodes {
         let _ = r
@@ -834,187 +1174,25 @@ impl VmBackend for QemuBackend {
     }
 
     fn begin_capture(&mut self, switches: &[DiskSwitch]) -> Result<CaptureStream> {
-        let t = self.cfg.qmp_timeout;
         #[allow(clippy::let_unit_value)]
         let fault = self.take_fault(false);
-        // Which node each disk's device currently writes to: its active layer's node name.
-        let mut actions = Vec::new();
-        let mut frozen = Vec::new();
-        let mut new_disks = self.disks.clone();
-        let mut new_nodes = self.active_nodes.clone();
-        for sw in switches {
-            let disk = new_disks
-                .iter_mut()
-                .find(|d| d.id == sw.id)
-                .ok_or_else(|| BackendError::Command {
-                    step: "disk switch",
-                    message: format!("unknown disk {}", sw.id),
-                })?;
-            let node = new_nodes
-                .get(&sw.id)
-                .cloned()
-                .unwrap_or_else(|| cmdline::node_name(&sw.id));
-            let fresh = cmdline::fresh_node_name(&sw.id, &sw.new_active);
-            actions.push(json!({
-                "type": "blockdev-snapshot",
-                "data": { "node": node, "overlay": fresh }
-            }));
-            new_nodes.insert(sw.id.clone(), fresh);
-            frozen.push((sw.id.clone(), disk.active.clone()));
-            disk.active = sw.new_active.clone();
-        }
-        // Opening the new overlays happens before the pause: inside it only the switch itself
-        // (a graph change in memory) remains. Created by the caller, they have no backing node
-        // yet (`blockdev-snapshot` attaches the old top layer).
-        let r = self
-            .running
-            .as_mut()
-            .ok_or(BackendError::NotRunning { step: "capture" })?;
-        let plan = r.plan;
-        r.stop_regather();
-        // A migration still being cleaned up would make `migrate` fail (duplicate yank instance).
-        pause::wait_migration_released(&mut r.qmp, t, t)?;
-        // Run-state and migration events of earlier captures and pauses must not be taken for
-        // this capture's (nothing else consumes them).
-        r.qmp
-            .discard_events(|e| matches!(e.name.as_str(), "STOP" | "RESUME" | "MIGRATION"))?;
-        // The operator's pause is kept: such a guest is not stopped, and ends up paused again.
-        let was_running =
-            r.qmp.execute("query-status", None, t)?.get("running") == Some(&Value::Bool(true));
-        let mut opened = Vec::new();
-        for sw in switches {
-            let node = cmdline::fresh_node_name(&sw.id, &sw.new_active);
-            let args = json!({
-                "driver": "qcow2", "node-name": node, "backing": null,
-                "file": { "driver": "file", "filename": sw.new_active },
-            });
-            if let Err(e) = r.qmp.execute("blockdev-add", Some(args), t) {
-                close_nodes(r, &opened, t);
-                return Err(e);
+        let lead = self.migrate_lead();
+        match self.begin_capture_once(switches, fault, lead)? {
+            Some(stream) => Ok(stream),
+            None => {
+                // QEMU's own stop came first: that capture was discarded, nothing changed.
+                // Again, `stop` first (`version::SetupTimes`).
+                tracing::warn!(
+                    lead_ms = lead.map(|l| l.as_secs_f64() * 1e3),
+                    "QEMU stopped the guest before backstop did (migrate sent before stop): capture discarded, taken again with stop first"
+                );
+                self.begin_capture_once(switches, fault, None)?
+                    .ok_or_else(|| BackendError::Command {
+                        step: "capture",
+                        message: "a capture with stop first reported a lost race".into(),
+                    })
             }
-            opened.push(node);
         }
-        let (reader, writer) = match pipe() {
-            Ok(p) => p,
-            Err(e) => {
-                close_nodes(r, &opened, t);
-                return Err(e);
-            }
-        };
-        let handed = r
-            .qmp
-            .execute_with_fd(
-                "getfd",
-                Some(json!({ "fdname": CAPTURE_FD })),
-                Some(writer.as_raw_fd()),
-                t,
-            )
-            .and_then(|_| fault_point!(fault, AfterGetfd));
-        drop(writer);
-        if let Err(e) = handed {
-            pause::close_capture_fd(&mut r.qmp, t, CAPTURE_FD);
-            close_nodes(r, &opened, t);
-            return Err(e);
-        }
-        // From here until it is disarmed, dropping the guard puts the guest back in the state
-        // the operator left it in: every early return below resumes (or re-pauses) it.
-        let mut guard = RunStateGuard::new(&mut r.qmp, t, was_running);
-        // The ends of the pause's phases, from QEMU's STOP on (see `pause::breakdown`). QEMU
-        // sends STOP once the vCPUs are paused, then drains and flushes the disks before it
-        // answers `stop`: the `stop` phase is that drain and flush.
-        let clock = pause::PauseClock::new();
-        let mut ends: Vec<(&'static str, u64)> = Vec::new();
-        let stopped = if was_running {
-            guard
-                .qmp()
-                .execute("stop", None, t)
-                .and_then(|_| {
-                    ends.push(("stop", clock.now_us()));
-                    guard.qmp().wait_event("STOP", t, "stop")
-                })
-                .map(Some)
-        } else {
-            Ok(None)
-        }
-        .and_then(|stop| fault_point!(fault, AfterStop).map(|()| stop));
-        let stop = match stopped {
-            Ok(stop) => stop,
-            Err(e) => {
-                pause::close_capture_fd(guard.qmp(), t, CAPTURE_FD);
-                drop(guard);
-                close_nodes(r, &opened, t);
-                return Err(e);
-            }
-        };
-        let switched = if actions.is_empty() {
-            Ok(Value::Null)
-        } else {
-            guard
-                .qmp()
-                .execute("transaction", Some(json!({ "actions": actions })), t)
-        };
-        ends.push(("switch", clock.now_us()));
-        if let Err(e) = switched {
-            pause::close_capture_fd(guard.qmp(), t, CAPTURE_FD);
-            drop(guard);
-            close_nodes(r, &opened, t);
-            return Err(e);
-        }
-        // The disks switched: from here on an error keeps the new overlays in the chains.
-        self.disks = new_disks;
-        self.active_nodes = new_nodes;
-        let started = fault_point!(fault, AfterTransaction).and_then(|()| {
-            guard.qmp().execute(
-                "migrate",
-                Some(json!({ "uri": format!("fd:{CAPTURE_FD}") })),
-                t,
-            )
-        });
-        ends.push(("migrate", clock.now_us()));
-        if let Err(e) = started {
-            pause::close_capture_fd(guard.qmp(), t, CAPTURE_FD);
-            // The guard resumes the guest on the new overlays.
-            return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
-        }
-        // QEMU writes the stream from now on: keep reading it while talking to QEMU.
-        let prefetch = pause::Prefetch::start(reader);
-        let resumed =
-            Self::resume_after_migrate(guard.qmp(), t, plan, was_running, &clock, &mut ends)
-                .and_then(|resume| fault_point!(fault, AfterMigrate).map(|()| resume));
-        let (reader, early) = prefetch.finish();
-        let resume = match resumed {
-            Ok(resume) => resume,
-            Err(e) => {
-                // Let QEMU finish it into the void before the guard sets the run state: a
-                // `cont` while its snapshot thread is between its own stop and resume would be
-                // undone by that resume, and cancelling is no way out (see `drain_to_end`).
-                pause::drain_to_end(guard.qmp(), t, reader);
-                return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
-            }
-        };
-        guard.disarm();
-        let (pause_us, pause_breakdown) = match (&stop, &resume) {
-            (Some(stop), Some(resume)) => (
-                resume.timestamp_us.saturating_sub(stop.timestamp_us),
-                pause::breakdown(stop.timestamp_us, &ends),
-            ),
-            _ => (0, Vec::new()),
-        };
-        tracing::debug!(pause_us, ?pause_breakdown, "capture started");
-        let r = self.running_mut("capture")?;
-        r.capture = Some(CaptureInFlight {
-            pause_us,
-            pause_breakdown,
-            was_running,
-            drain: reader.try_clone().ok(),
-        });
-        Ok(CaptureStream {
-            reader: Box::new(std::io::Cursor::new(early).chain(reader)),
-            frozen_layers: frozen,
-            // x86 guests only (qemu-system-x86_64): 4 KiB target pages.
-            cutter: Some(Box::new(MigrationCutter { page_size: 4096 })),
-            disk_switch: DiskSwitchTiming::AtStart,
-        })
     }
 
     fn finish_capture(&mut self) -> Result<CaptureReport> {

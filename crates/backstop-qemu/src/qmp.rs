@@ -191,6 +191,11 @@ impl Qmp {
         self.events.iter().find(pred)
     }
 
+    /// The queued events, in the order they arrived.
+    pub fn queued(&self) -> impl Iterator<Item = &QmpEvent> {
+        self.events.iter()
+    }
+
     /// Waits for the first event for which `pred` holds.
     pub fn wait_event_matching(
         &mut self,

@@ -105,6 +105,76 @@ pub fn write_tracking_on(query_migrate: &serde_json::Value) -> bool {
     status == "active" && (pages("normal") > 0 || pages("duplicate") > 0)
 }
 
+/// On ≥ 9.0 a guest backstop stops itself stays stopped through QEMU's snapshot (see the
+/// module's notes), so `migrate` can go in *before* `stop`: QEMU's snapshot thread first reads
+/// one byte of every page of guest RAM (`ram_write_tracking_prepare`, without the big lock:
+/// ~8–25 ms at 1 GiB here, most of the old pause) while the guest still runs, and backstop's
+/// `stop` lands during it. The pause then holds only the rest of QEMU's setup, the disk switch,
+/// device state and the write-protection start. If QEMU's thread reaches its own stop first,
+/// the RAM instant was taken on a running guest before the disks switched: that capture is
+/// read out and discarded, and the capture runs again the old way (`stop` first).
+///
+/// How long after `migrate` to send `stop`: half the shortest of the last [`Self::KEEP`]
+/// times from `migrate` to QEMU's `MIGRATION` `active` on this QEMU, not counting its first
+/// capture (which also builds the page tables of never-touched RAM: 2–3x the later ones). That
+/// time varies with the host's load (1.5–3.8 ms at 1 GiB with little RAM in use, 8–25 ms with
+/// 400 MiB resident, measured here); a lead that overshoots costs one discarded capture, and
+/// that capture's (shorter) time shortens the next lead. Under [`Self::MIN_LEAD`] (a small
+/// guest) `stop` goes first: the gain is a millisecond or two, the risk the same.
+#[derive(Debug, Clone, Default)]
+pub struct SetupTimes {
+    recent: std::collections::VecDeque<u64>,
+    /// The QEMU's first capture was seen (and not counted).
+    first_seen: bool,
+}
+
+impl SetupTimes {
+    /// How many captures' setup times are remembered.
+    pub const KEEP: usize = 8;
+    /// Below this a lead is not worth a discarded capture's risk.
+    pub const MIN_LEAD: std::time::Duration = std::time::Duration::from_millis(3);
+
+    /// One capture's time from sending `migrate` to QEMU's `MIGRATION` `active`, in µs.
+    pub fn record(&mut self, setup_us: u64) {
+        if !std::mem::replace(&mut self.first_seen, true) {
+            return;
+        }
+        if self.recent.len() == Self::KEEP {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(setup_us);
+    }
+
+    /// How long after `migrate` the next capture sends `stop`; `None`: `stop` first (no
+    /// capture measured yet on this QEMU, or a lead too short to matter).
+    pub fn lead(&self) -> Option<std::time::Duration> {
+        let shortest = *self.recent.iter().min()?;
+        let lead = std::time::Duration::from_micros(shortest / 2);
+        (lead >= Self::MIN_LEAD).then_some(lead)
+    }
+}
+
+/// With `migrate` sent before `stop`: whether backstop's `stop` paused the guest before QEMU's
+/// snapshot thread reached its own stop. `events` are the run-state and migration events
+/// queued when `stop` answered, in arrival order, as (name, `MIGRATION` status). QEMU's monitor
+/// sends events in the order they happen, and its thread sets `active` just before it takes
+/// the big lock to stop the guest: a `STOP` before any `active` is backstop's own, taken while
+/// QEMU was still in its setup. Anything else (`active` first, a `RESUME`, no `STOP` at all) is
+/// counted as lost, even in the few µs where backstop could still have been first.
+pub fn stopped_before_qemu<'a>(
+    events: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
+) -> bool {
+    for (name, status) in events {
+        match (name, status) {
+            ("STOP", _) => return true,
+            ("MIGRATION", Some("setup")) => continue,
+            ("MIGRATION" | "RESUME", _) => return false,
+            _ => continue,
+        }
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,5 +256,61 @@ mod tests {
         assert!(write_tracking_on(
             &json!({"status": "active", "ram": {"normal": u64::MAX, "duplicate": 1}})
         ));
+    }
+
+    #[test]
+    fn the_lead_is_half_the_shortest_recent_setup() {
+        let mut t = SetupTimes::default();
+        assert_eq!(t.lead(), None, "no capture measured yet: stop first");
+        t.record(1_000);
+        assert_eq!(t.lead(), None, "a QEMU's first capture does not count");
+        t.record(20_000);
+        assert_eq!(t.lead(), Some(std::time::Duration::from_millis(10)));
+        t.record(10_000);
+        t.record(30_000);
+        assert_eq!(t.lead(), Some(std::time::Duration::from_millis(5)));
+        // Only the last KEEP count: the short one ages out.
+        for _ in 0..SetupTimes::KEEP - 1 {
+            t.record(16_000);
+        }
+        assert_eq!(t.lead(), Some(std::time::Duration::from_millis(8)));
+        // A lead under MIN_LEAD is not used.
+        t.record(5_000);
+        assert_eq!(t.lead(), None);
+        t.record(u64::MAX);
+        assert_eq!(t.lead(), None, "the short one still counts; no overflow");
+    }
+
+    #[test]
+    fn only_a_stop_before_qemus_active_is_backstops_own() {
+        let won = [
+            ("MIGRATION", Some("setup")),
+            ("STOP", None),
+            ("MIGRATION", Some("active")),
+        ];
+        assert!(stopped_before_qemu(won));
+        // QEMU's thread got there first: its own STOP follows `active`.
+        let lost = [
+            ("MIGRATION", Some("setup")),
+            ("MIGRATION", Some("active")),
+            ("STOP", None),
+        ];
+        assert!(!stopped_before_qemu(lost));
+        // ... and it may already have resumed the guest before backstop's stop.
+        assert!(!stopped_before_qemu([
+            ("MIGRATION", Some("active")),
+            ("STOP", None),
+            ("RESUME", None),
+            ("STOP", None)
+        ]));
+        assert!(
+            !stopped_before_qemu([("MIGRATION", Some("setup"))]),
+            "no STOP at all"
+        );
+        assert!(!stopped_before_qemu([("RESUME", None), ("STOP", None)]));
+        assert!(!stopped_before_qemu([
+            ("MIGRATION", Some("failed")),
+            ("STOP", None)
+        ]));
     }
 }
