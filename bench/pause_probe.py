@@ -21,6 +21,12 @@ the script collapses them again before each snapshot as backstop does after each
 (`process_madvise(MADV_COLLAPSE)` over the whole mapping here, which also fills never-touched
 ranges; backstop collapses only wholly resident ranges, crates/backstop-qemu/src/huge_pages.rs).
 
+With `--early-stop MS` the order is the one backstop uses on QEMU >= 9.0 once it learnt a lead:
+`migrate` on the running guest, `stop` MS later (a STOP after QEMU's `active` is reported as
+lost). With `--trace FILE` QEMU logs its own migration trace points with timestamps: the
+pre-fault of guest RAM, the state setup, its stop, the device-state save per device, the
+write-protection start.
+
     python3 bench/pause_probe.py --qemu QEMU10 --memory-mib 1024 --fill-mib 400 --reps 5
 """
 
