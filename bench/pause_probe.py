@@ -119,6 +119,95 @@ class Disk:
         self.path, self.node = new, node
 
 
+def bg_thread(pid, timeout=1.0):
+    """The tid of QEMU's background-snapshot thread (needs `-name ...,debug-threads=on`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                if open(f"/proc/{pid}/task/{tid}/comm").read().strip() == "bg_snapshot":
+                    return int(tid)
+            except OSError:
+                pass
+    return None
+
+
+def cpu_ns(pid, tid):
+    try:
+        return int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def active_seen(q):
+    """Whether QEMU's MIGRATION `active` (or later) arrived, reading without blocking long."""
+    if any(e.get("event") == "MIGRATION" and e["data"]["status"] != "setup" for e in q.events):
+        return True
+    try:
+        q.sock.settimeout(0.0001)
+        r = q._read()
+        if "event" in r:
+            q.events.append(r)
+    except (TimeoutError, OSError, qmplib.QMPError):
+        pass
+    return any(e.get("event") == "MIGRATION" and e["data"]["status"] != "setup" for e in q.events)
+
+
+def snapshot_cpu(q, pid, disk, target_ns, fraction):
+    """`migrate` first; `stop` once QEMU's snapshot thread has used `fraction` of `target_ns`
+    of CPU (its pre-fault of guest RAM is pure CPU work, so its progress shows there whatever
+    the host's load). Returns (CPU ns the thread had used when `active` arrived, won, events)."""
+    r, w = os.pipe()
+    fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)
+    try:
+        q.execute("getfd", {"fdname": "probe"}, fd=w)
+    finally:
+        os.close(w)
+
+    def drain():
+        while os.read(r, 1 << 20):
+            pass
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    while any(i.get("type") == "migration" for i in q.execute("query-yank")):
+        time.sleep(0.001)
+    prepared = disk.prepare(q) if disk else None
+    q.execute("migrate", {"uri": "fd:probe"})
+    tid = bg_thread(pid)
+    stopped, last = False, 0
+    while not active_seen(q):
+        last = cpu_ns(pid, tid) or last
+        if not stopped and target_ns and last >= fraction * target_ns:
+            q.sock.settimeout(30)
+            q.execute("stop")
+            stopped = True
+    q.sock.settimeout(30)
+    won = False
+    if stopped:
+        order = [e for e in q.events if e.get("event") == "STOP"
+                 or (e.get("event") == "MIGRATION" and e["data"]["status"] == "active")]
+        won = bool(order) and order[0]["event"] == "STOP"
+        if disk and won:
+            disk.switch(q, prepared)
+    else:
+        q.execute("stop")
+        if disk:
+            disk.switch(q, prepared)
+    while True:
+        info = q.execute("query-migrate")
+        ram = info.get("ram") or {}
+        if info.get("status") == "completed" or ram.get("normal", 0) > 0 or ram.get("duplicate", 0) > 0:
+            break
+    q.execute("cont")
+    q.wait_event(qmplib.migrate_status("completed", "failed", "cancelled"), timeout=600)
+    reader.join()
+    os.close(r)
+    events = [e for e in q.events if e.get("event") in ("STOP", "RESUME", "MIGRATION")]
+    q.events = []
+    return last, won, events
+
+
 def snapshot_once(q, disk=None, early_ms=None):
     """One capture in backstop's order; returns (host step times in ms, QEMU events)."""
     r, w = os.pipe()
@@ -201,6 +290,11 @@ def main():
     ap.add_argument("--trace", metavar="FILE",
                     help="log QEMU's own migration trace points (with timestamps) into FILE, to split"
                          " its setup into the RAM pre-fault, the state setup, the stop and the write protection")
+    ap.add_argument("--cpu-stop", type=float, metavar="FRACTION",
+                    help="send `stop` once QEMU's snapshot thread used FRACTION of the CPU time its"
+                         " setup took in the snapshots before (the first snapshot: after `active`)")
+    ap.add_argument("--machine-opt", metavar="KEY=VALUE",
+                    help="append a property to -machine (e.g. suppress-vmdesc=on)")
     ap.add_argument("--early-stop", type=float, metavar="MS",
                     help="send `migrate` on the running guest and `stop` MS later (QEMU >= 9.0: QEMU"
                          " pre-faults RAM meanwhile, outside the pause)")
@@ -223,6 +317,11 @@ def main():
         qmp_path, serial = work / "qmp.sock", work / "serial.log"
         args = C.qemu_args(env, "probe", disk, "disk-data", serial, work / "agent.sock", qmp_path,
                            work / "qemu.pid")
+        if a.cpu_stop:
+            args[args.index("-name") + 1] += ",debug-threads=on"
+        if a.machine_opt:
+            i = args.index("-machine") + 1
+            args[i] += "," + a.machine_opt
         if a.trace:
             for ev in TRACE_POINTS:
                 args += ["-trace", ev]
@@ -239,7 +338,7 @@ def main():
                 raise C.BenchError("the guest did not finish its fill")
             time.sleep(0.5)
         time.sleep(2)
-        pauses, rows = [], []
+        pauses, rows, cpu_hist = [], [], []
         disk_state = Disk(disk, "disk-data") if a.switch else None
         for rep in range(a.reps):
             ram = guest_ram(proc.pid, a.memory_mib << 20)
@@ -250,6 +349,22 @@ def main():
                 ms = collapse(proc.pid, ram[0], ram[1] - ram[0])
                 after = guest_ram(proc.pid, a.memory_mib << 20)
                 thp += f", collapsed in {ms:.0f} ms -> {after[3] >> 20}/{after[2] >> 20} MiB"
+            if a.cpu_stop:
+                target = min(cpu_hist) if cpu_hist else None
+                used, won, events = snapshot_cpu(q, proc.pid, disk_state, target, a.cpu_stop)
+                cpu_hist.append(used)
+                base = qmplib.event_us(events[0])
+                marks = " ".join(e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
+                                 + f"@{(qmplib.event_us(e) - base) / 1e3:.2f}" for e in events)
+                stops = [e for e in events if e["event"] == "STOP"]
+                resumes = [e for e in events if e["event"] == "RESUME"]
+                pause = (qmplib.event_us(resumes[0]) - qmplib.event_us(stops[0])) / 1e3
+                pauses.append(pause)
+                print(f"snapshot {rep + 1}: thread CPU at active {used / 1e6:.2f} ms, target "
+                      f"{(target or 0) / 1e6:.2f} ms, {'won' if won else 'stop after active'}, pause {pause:.2f} ms"
+                      f" | {marks} | {thp}", flush=True)
+                time.sleep(2)
+                continue
             host, events = snapshot_once(q, disk_state, a.early_stop)
             base = qmplib.event_us(events[0]) if events else 0
             marks = " ".join(
@@ -263,6 +378,11 @@ def main():
             print(f"snapshot {rep + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items())
                   + f" ms | QEMU events (ms): {marks} | before it: {thp}", flush=True)
             time.sleep(2)
+        if a.cpu_stop:
+            print(f"guest pause STOP->RESUME: first {pauses[0]:.2f} ms, later ones median "
+                  f"{statistics.median(pauses[1:] or pauses):.2f} ms")
+            q.execute("quit")
+            return
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         later = pauses[1:] or pauses
         print(f"guest pause STOP->RESUME: first {pauses[0]:.2f} ms, later ones median {statistics.median(later):.2f} ms"

@@ -1661,6 +1661,21 @@ impl VmBackend for QemuBackend {
         if self.cfg.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa {
             m.insert("clock_resynced".into(), self.clock_resynced().into());
         }
+        // On ≥ 9.0: how far ahead of `stop` the next capture sends `migrate` (null: `stop`
+        // first), and how many captures of this QEMU lost that race and were taken again.
+        if let Some(r) = self
+            .running
+            .as_ref()
+            .filter(|r| r.plan.resume == Resume::AfterWriteTracking)
+        {
+            m.insert(
+                "capture_migrate_first".into(),
+                serde_json::json!({
+                    "lead_ms": self.migrate_lead().map(|l| (l.as_secs_f64() * 1e4).round() / 10.0),
+                    "races_lost": r.lost_races,
+                }),
+            );
+        }
         m
     }
 

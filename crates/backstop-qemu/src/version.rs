@@ -160,7 +160,10 @@ impl SetupTimes {
 /// sends events in the order they happen, and its thread sets `active` just before it takes
 /// the big lock to stop the guest: a `STOP` before any `active` is backstop's own, taken while
 /// QEMU was still in its setup. Anything else (`active` first, a `RESUME`, no `STOP` at all) is
-/// counted as lost, even in the few µs where backstop could still have been first.
+/// counted as lost, even in the few µs where backstop could still have been first. The order
+/// is sound because QEMU emits `STOP` only once every vCPU is paused: its stop drops the big
+/// lock while it waits for them, and QEMU's thread may take it then (and find the run state
+/// already "paused"), but it sends `active` before it does, so that case reads as lost too.
 pub fn stopped_before_qemu<'a>(
     events: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
 ) -> bool {

@@ -408,6 +408,13 @@ fn migrate_goes_in_before_stop_on_qemus_that_keep_a_stopped_guest_stopped() {
             "7.2/8.x resume the guest themselves: stop must come first"
         );
         assert_eq!(vm.backend.lost_races(), 0);
+        assert!(
+            vm.backend
+                .status_details()
+                .get("capture_migrate_first")
+                .is_none(),
+            "no migrate-first status on a QEMU that never does it"
+        );
         return;
     }
     // `stop` right after `migrate` answers: QEMU's pre-fault of 1 GiB is still running.
@@ -439,6 +446,17 @@ fn migrate_goes_in_before_stop_on_qemus_that_keep_a_stopped_guest_stopped() {
         .snapshot_report()
         .expect("a lost race is taken again, stop first");
     assert_eq!(vm.backend.lost_races(), lost_before + 1);
+    // `status --json` shows it (backend_details).
+    let details = vm.backend.status_details();
+    assert_eq!(
+        details["capture_migrate_first"]["races_lost"],
+        vm.backend.lost_races(),
+        "{details:?}"
+    );
+    assert_eq!(
+        details["capture_migrate_first"]["lead_ms"], 3000.0,
+        "{details:?}"
+    );
     assert!(
         phases(&report).contains(&"migrate"),
         "the capture taken again sends stop first: {:?}",
