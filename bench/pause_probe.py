@@ -120,15 +120,18 @@ class Disk:
 
 
 def bg_thread(pid, timeout=1.0):
-    """The tid of QEMU's background-snapshot thread (needs `-name ...,debug-threads=on`)."""
+    """The tid of QEMU's background-snapshot thread (needs `-name ...,debug-threads=on`; QEMU 7.2
+    names it `bg_snapshot`, 10.0 `mig/snapshot`)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
-                if open(f"/proc/{pid}/task/{tid}/comm").read().strip() == "bg_snapshot":
+                if open(f"/proc/{pid}/task/{tid}/comm").read().strip() in ("bg_snapshot", "mig/snapshot"):
                     return int(tid)
             except OSError:
                 pass
+    print("warning: no snapshot thread among", sorted({open(f"/proc/{pid}/task/{t}/comm").read().strip()
+                                                for t in os.listdir(f"/proc/{pid}/task")}), flush=True)
     return None
 
 
@@ -351,7 +354,9 @@ def main():
                 thp += f", collapsed in {ms:.0f} ms -> {after[3] >> 20}/{after[2] >> 20} MiB"
             if a.cpu_stop:
                 target = min(cpu_hist) if cpu_hist else None
-                used, won, events = snapshot_cpu(q, proc.pid, disk_state, target, a.cpu_stop)
+                # QEMU's own pid (a wrapper script may have started it).
+                qemu_pid = int((work / "qemu.pid").read_text().strip())
+                used, won, events = snapshot_cpu(q, qemu_pid, disk_state, target, a.cpu_stop)
                 cpu_hist.append(used)
                 base = qmplib.event_us(events[0])
                 marks = " ".join(e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
