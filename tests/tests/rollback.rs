@@ -145,10 +145,12 @@ fn ram_and_disk_are_captured_at_the_same_instant_with_migrate_sent_before_stop()
         .filter(|p| !p.iter().any(|phase| phase == "migrate"))
         .count();
     if backstop_e2e::qemu_version() >= (9, 0) {
-        // A capture whose `stop` still lost to QEMU's own was taken again with `stop` first.
+        // A capture whose `stop` still lost to QEMU's own was taken again with `stop` first
+        // (at 256 MiB QEMU's pre-fault is ~1 ms, so a loss is possible even with no lead); at
+        // least one must have gone in `migrate` first for the check above to cover that order.
         assert!(
-            early >= 2,
-            "migrate went in before stop in {early} of 3 captures: {phases:?}"
+            early >= 1,
+            "migrate went in before stop in none of 3 captures: {phases:?}"
         );
     } else {
         assert_eq!(early, 0, "7.2/8.x: stop first always: {phases:?}");

@@ -101,6 +101,42 @@ impl Qmp {
         fd: Option<RawFd>,
         timeout: Duration,
     ) -> Result<Value> {
+        let id = self.send_command(command, args, fd)?;
+        self.await_reply(command, id, timeout)
+    }
+
+    /// Sends `first` and, without waiting for its answer, `second`: QEMU runs them one right
+    /// after the other, in that order. Returns both results (the second's is not read when
+    /// the first's could not be: its reply would be unaccounted for).
+    pub fn execute_pipelined(
+        &mut self,
+        first: (&'static str, Option<Value>),
+        second: (&'static str, Option<Value>),
+        timeout: Duration,
+    ) -> (Result<Value>, Result<Value>) {
+        let id1 = match self.send_command(first.0, first.1, None) {
+            Ok(id) => id,
+            Err(e) => {
+                let not_sent = BackendError::Command {
+                    step: second.0,
+                    message: "not sent".into(),
+                };
+                return (Err(e), Err(not_sent));
+            }
+        };
+        let id2 = self.send_command(second.0, second.1, None);
+        let r1 = self.await_reply(first.0, id1, timeout);
+        let r2 = id2.and_then(|id| self.await_reply(second.0, id, timeout));
+        (r1, r2)
+    }
+
+    /// Writes one command; returns its id.
+    fn send_command(
+        &mut self,
+        command: &'static str,
+        args: Option<Value>,
+        fd: Option<RawFd>,
+    ) -> Result<u64> {
         let id = self.next_id;
         self.next_id += 1;
         let mut msg = Map::new();
@@ -112,7 +148,11 @@ impl Qmp {
         let mut line = Value::Object(msg).to_string().into_bytes();
         line.push(b'\n');
         self.send(command, &line, fd)?;
+        Ok(id)
+    }
 
+    /// Reads until the reply to command `id` (events are queued on the way).
+    fn await_reply(&mut self, command: &'static str, id: u64, timeout: Duration) -> Result<Value> {
         let deadline = Instant::now() + timeout;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());

@@ -417,26 +417,34 @@ fn migrate_goes_in_before_stop_on_qemus_that_keep_a_stopped_guest_stopped() {
         );
         return;
     }
-    // `stop` right after `migrate` answers: QEMU's pre-fault of 1 GiB is still running.
+    // `stop` written right behind `migrate`: usually before QEMU's pre-fault of 1 GiB is done.
+    // QEMU sends STOP only once the vCPU has stopped, which under TCG can come after `active`
+    // (then counted as lost, safely): so up to five tries for one capture in that order.
     vm.backend.force_migrate_lead(Some(Duration::ZERO));
-    let lost_before = vm.backend.lost_races();
-    for i in 0..2 {
+    let mut early = 0;
+    for i in 0..5 {
+        let lost_before = vm.backend.lost_races();
         let (report, _) = vm.snapshot_report().unwrap();
         eprintln!(
             "no lead, snapshot {i}: pause {} us {:?}",
             report.pause_us, report.pause_breakdown
         );
-        if vm.backend.lost_races() == lost_before {
-            assert!(
-                !phases(&report).contains(&"migrate"),
-                "a capture that did not lose sent migrate before stop: {:?}",
-                report.pause_breakdown
-            );
+        // Each capture either went in `migrate` first, or lost and was taken `stop` first.
+        let lost = vm.backend.lost_races() - lost_before;
+        assert_eq!(
+            phases(&report).contains(&"migrate"),
+            lost == 1,
+            "lost {lost}: {:?}",
+            report.pause_breakdown
+        );
+        if lost == 0 {
+            early += 1;
+            break;
         }
     }
-    assert!(
-        vm.backend.lost_races() <= lost_before + 1,
-        "stop right after migrate lost to QEMU's stop twice"
+    assert_eq!(
+        early, 1,
+        "stop right behind migrate lost to QEMU's stop 5 times"
     );
     // QEMU's setup takes tens of ms: a 3 s lead always lets QEMU's own stop come first.
     let lost_before = vm.backend.lost_races();
