@@ -156,10 +156,10 @@ def active_seen(q):
     return any(e.get("event") == "MIGRATION" and e["data"]["status"] != "setup" for e in q.events)
 
 
-def snapshot_cpu(q, pid, disk, target_ns, fraction):
-    """`migrate` first; `stop` once QEMU's snapshot thread has used `fraction` of `target_ns`
-    of CPU (its pre-fault of guest RAM is pure CPU work, so its progress shows there whatever
-    the host's load). Returns (CPU ns the thread had used when `active` arrived, won, events)."""
+def open_capture(q):
+    """A pipe for the next capture: its write end handed to QEMU as fd `probe`, its read end
+    drained by a thread; waits until QEMU >= 9.0 let go of the previous migration's yank
+    instance (a `migrate` before that is refused). Returns (read fd, draining thread)."""
     r, w = os.pipe()
     fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)
     try:
@@ -175,6 +175,14 @@ def snapshot_cpu(q, pid, disk, target_ns, fraction):
     reader.start()
     while any(i.get("type") == "migration" for i in q.execute("query-yank")):
         time.sleep(0.001)
+    return r, reader
+
+
+def snapshot_cpu(q, pid, disk, target_ns, fraction):
+    """`migrate` first; `stop` once QEMU's snapshot thread has used `fraction` of `target_ns`
+    of CPU (its pre-fault of guest RAM is pure CPU work, so its progress shows there whatever
+    the host's load). Returns (CPU ns the thread had used when `active` arrived, won, events)."""
+    r, reader = open_capture(q)
     prepared = disk.prepare(q) if disk else None
     q.execute("migrate", {"uri": "fd:probe"})
     tid = bg_thread(pid)
@@ -213,22 +221,7 @@ def snapshot_cpu(q, pid, disk, target_ns, fraction):
 
 def snapshot_once(q, disk=None, early_ms=None):
     """One capture in backstop's order; returns (host step times in ms, QEMU events)."""
-    r, w = os.pipe()
-    fcntl.fcntl(w, F_SETPIPE_SZ, 1 << 20)
-    try:
-        q.execute("getfd", {"fdname": "probe"}, fd=w)
-    finally:
-        os.close(w)
-
-    def drain():
-        while os.read(r, 1 << 20):
-            pass
-
-    reader = threading.Thread(target=drain)
-    reader.start()
-    # QEMU >= 9.0 refuses a migrate while the previous one's yank instance is still there.
-    while any(i.get("type") == "migration" for i in q.execute("query-yank")):
-        time.sleep(0.001)
+    r, reader = open_capture(q)
     prepared = disk.prepare(q) if disk else None
     if early_ms is None:
         t0 = time.monotonic()

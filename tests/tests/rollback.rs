@@ -127,7 +127,7 @@ fn ram_and_disk_are_captured_at_the_same_instant() {
 }
 
 /// The same check with `migrate` sent before `stop` on every capture of a QEMU ≥ 9.0 (`stop`
-/// as soon as `migrate` answers; the daemon otherwise does so only with a lead learnt on a
+/// written right behind `migrate`; the daemon otherwise does so only with a lead learnt on a
 /// guest whose setup is long enough, `version::SetupTimes`). On 7.2/8.x nothing changes.
 #[test]
 fn ram_and_disk_are_captured_at_the_same_instant_with_migrate_sent_before_stop() {

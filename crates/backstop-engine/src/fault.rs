@@ -34,8 +34,9 @@ pub enum Fault {
     /// QEMU gets a second monitor (`test-qmp.sock` in the run directory) through which a test
     /// changes the VM behind backstop's back (drift detection's end-to-end test).
     SecondQmpMonitor,
-    /// On QEMU ≥ 9.0 every capture sends `stop` as soon as `migrate` answers (the QEMU backend
-    /// reads the setting itself: `backstop_qemu` `MIGRATE_FIRST_FAULT`).
+    /// On QEMU ≥ 9.0 every capture writes `stop` right behind `migrate`, and a capture whose
+    /// `stop` lost to QEMU's own is tried that way again up to 4 times (the QEMU backend reads
+    /// the setting itself: `backstop_qemu` `MIGRATE_FIRST_FAULT`).
     MigrateFirst,
     /// The idle actor's regular look at the VM comes every [`SLOW_TICK`] instead of every
     /// 250 ms: what it notices sooner came through a wake (QEMU's events monitor, a deadline).

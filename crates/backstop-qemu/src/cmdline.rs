@@ -21,9 +21,10 @@ pub fn fresh_node_name(disk_id: &str, path: &std::path::Path) -> String {
 #[cfg(feature = "fault-injection")]
 pub const SECOND_MONITOR_FAULT: &str = "qmp.second-monitor";
 
-/// The fault-injection setting that makes every capture on QEMU ≥ 9.0 send `stop` as soon as
-/// `migrate` answers (a lead of 0), instead of after the lead learnt from QEMU's setup times:
-/// the same-instant tests then check RAM and disk agree in that order on every snapshot.
+/// The fault-injection setting that makes every capture on QEMU ≥ 9.0 write `stop` right behind
+/// `migrate` (a lead of 0, a lost race retried that way up to 4 times), instead of the lead
+/// learnt from QEMU's setup times: the same-instant tests then check RAM and disk agree in
+/// that order.
 #[cfg(feature = "fault-injection")]
 pub const MIGRATE_FIRST_FAULT: &str = "capture.migrate-first";
 

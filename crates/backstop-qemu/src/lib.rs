@@ -311,7 +311,7 @@ impl QemuBackend {
             return forced;
         }
         #[cfg(feature = "fault-injection")]
-        if std::env::var("BACKSTOP_FAULT_INJECT").as_deref() == Ok(cmdline::MIGRATE_FIRST_FAULT) {
+        if migrate_first_fault() {
             return Some(Duration::ZERO);
         }
         self.running.as_ref().and_then(|r| r.setup_times.lead())
@@ -322,9 +322,7 @@ impl QemuBackend {
     /// (same-instant tests must see that order even where QEMU's setup is ~1 ms).
     fn early_retries(&self) -> u32 {
         #[cfg(feature = "fault-injection")]
-        if self.forced_lead.is_none()
-            && std::env::var("BACKSTOP_FAULT_INJECT").as_deref() == Ok(cmdline::MIGRATE_FIRST_FAULT)
-        {
+        if self.forced_lead.is_none() && migrate_first_fault() {
             return 4;
         }
         0
@@ -467,13 +465,8 @@ impl QemuBackend {
         // `migrate` before `stop` (≥ 9.0, a running guest, a lead learnt on this QEMU): QEMU
         // pre-faults guest RAM while the guest still runs (`version::SetupTimes`).
         let early = lead.filter(|_| was_running && plan.resume == Resume::AfterWriteTracking);
-        let migrate = |qmp: &mut Qmp| {
-            qmp.execute(
-                "migrate",
-                Some(json!({ "uri": format!("fd:{CAPTURE_FD}") })),
-                t,
-            )
-        };
+        let migrate_args = json!({ "uri": format!("fd:{CAPTURE_FD}") });
+        let migrate = |qmp: &mut Qmp| qmp.execute("migrate", Some(migrate_args.clone()), t);
         // Once `migrate` went in, QEMU writes the stream: it is read from then on, and an
         // error ends the capture by reading it out (`pause::drain_to_end`) before the guard
         // sets the run state.
@@ -490,11 +483,11 @@ impl QemuBackend {
             let sent = Instant::now();
             migrate_sent_us = clock.now_us();
             let started = if lead.is_zero() {
-                let uri = json!({ "uri": format!("fd:{CAPTURE_FD}") });
-                let (migrated, stopped) =
-                    guard
-                        .qmp()
-                        .execute_pipelined(("migrate", Some(uri)), ("stop", None), t);
+                let (migrated, stopped) = guard.qmp().execute_pipelined(
+                    ("migrate", Some(migrate_args.clone())),
+                    ("stop", None),
+                    t,
+                );
                 stop_answer = Some(stopped);
                 migrated
             } else {
@@ -1014,6 +1007,12 @@ fn migration_end(qmp: &mut Qmp, step: &'static str) -> Result<String> {
 }
 
 /// Removes block nodes opened for a capture that did not happen (best effort).
+/// Test-only: whether `BACKSTOP_FAULT_INJECT` arms `cmdline::MIGRATE_FIRST_FAULT`.
+#[cfg(feature = "fault-injection")]
+fn migrate_first_fault() -> bool {
+    std::env::var("BACKSTOP_FAULT_INJECT").as_deref() == Ok(cmdline::MIGRATE_FIRST_FAULT)
+}
+
 /// The capture stream's read end through `begin_capture`: the pipe until `migrate` went in,
 /// then read ahead by a [`pause::Prefetch`] while QEMU is still being talked to.
 enum Capture {
