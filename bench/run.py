@@ -359,9 +359,10 @@ def main(argv=None):
     ap.add_argument("--dirty-every", type=int, help="seconds between writer bursts (default 25; 15 with --quick)")
     ap.add_argument("--contenders",
                     help="comma-separated subset of backstop,bsstandby (backstop with a standby "
-                         "QEMU),bspreload (the same, the snapshot preloaded into it),bslibvirt "
+                         "QEMU),bspreload (the same, the snapshot preloaded into it),bshuge "
+                         "(backstop with vm.huge_pages = \"all\"),bslibvirt "
                          "(backstop guarding a libvirt domain),virsh,stopcopy "
-                         "(default: all; --quick leaves bsstandby and bspreload out)")
+                         "(default: all; --quick leaves bsstandby, bspreload and bshuge out)")
     ap.add_argument("--qemu", action="append", metavar="BINARY",
                     help="a QEMU to run every contender on (repeat for several; default: the "
                          "system qemu-system-x86_64 and $BENCH_QEMU10, which scripts/bench.sh sets "
@@ -425,7 +426,7 @@ def main(argv=None):
         f" backstop.dirty_every={env.dirty_every}"
     )
     contenders = a.contenders or ("backstop,bslibvirt,virsh,stopcopy" if a.quick
-                                  else "backstop,bsstandby,bspreload,bslibvirt,virsh,stopcopy")
+                                  else "backstop,bsstandby,bspreload,bshuge,bslibvirt,virsh,stopcopy")
     names = [n.strip() for n in contenders.split(",") if n.strip()]
     for n in names:
         if n not in C.CONTENDERS:
@@ -435,7 +436,7 @@ def main(argv=None):
     for f in ("vmlinuz", "initrd.img", "disk-base.qcow2"):
         if not (env.guest / f).exists():
             ap.error(f"guest file {env.guest / f} missing (scripts/setup.sh builds it)")
-    if {"backstop", "bsstandby", "bspreload", "bslibvirt"} & set(names) and not env.backstopd.exists():
+    if {"backstop", "bsstandby", "bspreload", "bshuge", "bslibvirt"} & set(names) and not env.backstopd.exists():
         ap.error(f"{env.backstopd} missing (cargo build --release -p backstopd -p backstop-cli)")
 
     t_run = time.monotonic()

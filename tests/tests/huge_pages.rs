@@ -74,3 +74,119 @@ fn guest_ram_is_mapped_huge_again_after_each_snapshot() {
     let top = d.last_tick().unwrap().ram;
     d.wait_tick(0, top + 1, STEP);
 }
+
+/// `vm.huge_pages = "all"`: after each snapshot the guest's whole RAM is mapped huge again, the
+/// ranges the guest never wrote too (QEMU's pre-fault maps the shared zero page there page by
+/// page, and the next snapshot's write protection would walk every one of those entries inside
+/// the pause: crates/backstop-qemu/src/huge_pages.rs). The default (`resident`) leaves those
+/// ranges alone: the test guest's mapping is then far from wholly huge.
+#[test]
+fn with_huge_pages_all_the_whole_guest_ram_is_mapped_huge_after_each_snapshot() {
+    let test = "with_huge_pages_all_the_whole_guest_ram_is_mapped_huge_after_each_snapshot";
+    if skip_unless_ready(test) {
+        return;
+    }
+    if backstop_e2e::skip_unless_huge_pages(test) {
+        return;
+    }
+    let d = Daemon::start_opts(
+        "huge-all",
+        &backstop_e2e::Options {
+            extra_vm: "huge_pages = \"all\"",
+            ..Default::default()
+        },
+    );
+    d.wait_tick(0, 2, BOOT);
+    let status = d.status();
+    let pid = status["pid"].as_u64().unwrap();
+    assert_eq!(
+        status["backend_details"]["huge_pages"], "all",
+        "status --json names the mode: {status}"
+    );
+    let t0 = Instant::now();
+    while d.ok(&["snapshot", "list"])["snapshots"]
+        .as_array()
+        .is_none_or(|s| s.is_empty())
+    {
+        assert!(t0.elapsed() < STEP, "no baseline snapshot");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for i in 0..3 {
+        if i > 0 {
+            let top = d.last_tick().unwrap().ram;
+            d.wait_tick(0, top + 1, STEP);
+            d.ok(&[
+                "snapshot",
+                "create",
+                "--reason",
+                &format!("huge pages all {i}"),
+            ]);
+        }
+        let t = Instant::now();
+        let (size, rss, huge) = loop {
+            let (size, rss, huge) = guest_ram(pid);
+            if huge * 10 >= size * 9 || t.elapsed() > REGATHER {
+                break (size, rss, huge);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        eprintln!(
+            "snapshot {i}: mapping {} MiB, resident {} MiB, huge {} MiB after {} ms",
+            size >> 20,
+            rss >> 20,
+            huge >> 20,
+            t.elapsed().as_millis()
+        );
+        assert!(
+            huge * 10 >= size * 9,
+            "snapshot {i}: with huge_pages = \"all\" at least 90% of the guest RAM mapping \
+             should be huge within {REGATHER:?}: mapping {size}, resident {rss}, huge {huge}; \
+             log:\n{}",
+            backstop_e2e::tail(&d.log(), 20)
+        );
+    }
+    assert_eq!(d.status()["pid"].as_u64().unwrap(), pid);
+    let top = d.last_tick().unwrap().ram;
+    d.wait_tick(0, top + 1, STEP);
+}
+
+/// The default leaves never-written guest RAM alone: QEMU's resident memory does not grow to
+/// the guest's size (the test guest touches well under half of its 256 MiB).
+#[test]
+fn by_default_never_written_guest_ram_is_not_filled() {
+    let test = "by_default_never_written_guest_ram_is_not_filled";
+    if skip_unless_ready(test) {
+        return;
+    }
+    if backstop_e2e::skip_unless_huge_pages(test) {
+        return;
+    }
+    let d = Daemon::start("huge-default");
+    d.wait_tick(0, 2, BOOT);
+    let status = d.status();
+    let pid = status["pid"].as_u64().unwrap();
+    assert_eq!(
+        status["backend_details"]["huge_pages"], "resident",
+        "{status}"
+    );
+    let top = d.last_tick().unwrap().ram;
+    d.wait_tick(0, top + 1, STEP);
+    d.ok(&["snapshot", "create", "--reason", "huge pages default"]);
+    let (rss, huge, _) = wait_guest_ram_huge(pid, REGATHER);
+    // Give a pass that would fill the rest every chance to have done it.
+    std::thread::sleep(Duration::from_secs(2));
+    let (size, rss_after, huge_after) = guest_ram(pid);
+    eprintln!(
+        "mapping {} MiB, resident {} -> {} MiB, huge {} -> {} MiB",
+        size >> 20,
+        rss >> 20,
+        rss_after >> 20,
+        huge >> 20,
+        huge_after >> 20
+    );
+    assert!(
+        rss_after * 2 < size,
+        "the default must not make the guest's whole RAM resident: mapping {size}, resident \
+         {rss_after}"
+    );
+}

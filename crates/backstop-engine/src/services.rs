@@ -116,6 +116,7 @@ pub fn backend_for(cfg: &Config, key: &HostKey) -> Result<Box<dyn VmBackend>, En
             .map(|d| (d.id.clone(), d.snapshot == DiskSnapshotMode::Capture))
             .collect(),
         devices: crate::devices::qemu_shape(&cfg.devices),
+        huge_pages: cfg.vm.huge_pages,
     })))
 }
 
@@ -134,6 +135,7 @@ pub(crate) fn libvirt_backend(cfg: &Config) -> Result<Box<dyn VmBackend>, Engine
             work_dir,
             max_bandwidth: 16 << 30,
             capture: l.capture,
+            huge_pages: cfg.vm.huge_pages,
         },
     )))
 }

@@ -1221,7 +1221,10 @@ impl VmBackend for LibvirtBackend {
         self.wait_migration_released(Duration::from_secs(30))?;
         // Write tracking is off: the huge pages it split may be collapsed again.
         if let Some(pid) = self.pid {
-            self.regather = Some(backstop_qemu::huge_pages::Regather::start(pid));
+            self.regather = Some(backstop_qemu::huge_pages::Regather::start(
+                pid,
+                self.cfg.huge_pages,
+            ));
         }
         self.set_background_snapshot(false)?;
         Ok(CaptureReport {

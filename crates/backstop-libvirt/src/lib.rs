@@ -70,6 +70,8 @@ pub struct LibvirtConfig {
     pub max_bandwidth: u64,
     /// How RAM is captured (`[vm.libvirt] capture`).
     pub capture: CaptureMode,
+    /// Which ranges of guest RAM are mapped huge again after each capture (`vm.huge_pages`).
+    pub huge_pages: backstop_qemu::huge_pages::HugePages,
 }
 
 /// `[vm.libvirt] capture`: how a snapshot gets RAM at the same instant as the disks.

@@ -192,6 +192,7 @@ fn adopt_capture_restore_through_libvirt() {
         work_dir: dom.dir.clone(),
         max_bandwidth: 16 << 30,
         capture: Default::default(),
+        huge_pages: Default::default(),
     });
     let adoption = b.adopt().unwrap().unwrap();
     eprintln!("adopted: {:?}", adoption.details);

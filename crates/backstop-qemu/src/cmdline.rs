@@ -365,6 +365,7 @@ pub(crate) mod tests_support {
             qmp_timeout: Duration::from_secs(5),
             disk_shape: vec![("data".into(), true)],
             devices: Default::default(),
+            huge_pages: Default::default(),
         }
     }
 }

@@ -143,6 +143,8 @@ pub struct QemuConfig {
     pub disk_shape: Vec<(String, bool)>,
     /// What grants need in the VM's base shape (USB controller, hot-plug ports, display).
     pub devices: devices::DeviceShape,
+    /// Which ranges of guest RAM are mapped huge again after each capture (`vm.huge_pages`).
+    pub huge_pages: huge_pages::HugePages,
 }
 
 /// Device types that are grantable host hardware (or its emulated stand-ins) and are taken
@@ -210,9 +212,9 @@ impl Running {
 
     /// After a background snapshot (which splits every huge page of guest RAM it saved): starts
     /// a pass that collapses them again, off any pause.
-    fn start_regather(&mut self) {
+    fn start_regather(&mut self, mode: huge_pages::HugePages) {
         self.stop_regather();
-        self.regather = Some(huge_pages::Regather::start(self.child.id()));
+        self.regather = Some(huge_pages::Regather::start(self.child.id(), mode));
     }
 
     /// Backstop's agent channel and qemu-ga's: nothing more is read from the guest or said to it.
@@ -1236,6 +1238,7 @@ impl VmBackend for QemuBackend {
 
     fn finish_capture(&mut self) -> Result<CaptureReport> {
         let t = self.cfg.qmp_timeout;
+        let huge_pages = self.cfg.huge_pages;
         #[allow(clippy::let_unit_value)]
         let fault = self.take_fault(true);
         let r = self.running_mut("finish capture")?;
@@ -1263,7 +1266,7 @@ impl VmBackend for QemuBackend {
         // Write tracking is off once the migration ended (in any way): huge pages may be
         // collapsed again from here on.
         if done.is_ok() {
-            r.start_regather();
+            r.start_regather(huge_pages);
         }
         let status = done?;
         if status != "completed" {
@@ -1691,6 +1694,7 @@ impl VmBackend for QemuBackend {
             "heartbeat_source".into(),
             self.cfg.heartbeat.as_str().into(),
         );
+        m.insert("huge_pages".into(), self.cfg.huge_pages.as_str().into());
         if let Some(p) = &self.preload {
             m.insert(
                 "standby_preload".into(),

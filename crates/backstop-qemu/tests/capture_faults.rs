@@ -143,6 +143,7 @@ impl Vm {
             qmp_timeout: Duration::from_secs(30),
             disk_shape: vec![("data".into(), true)],
             devices: Default::default(),
+            huge_pages: Default::default(),
         };
         let mut backend = QemuBackend::new(cfg);
         backend
@@ -477,4 +478,22 @@ fn migrate_goes_in_before_stop_on_qemus_that_keep_a_stopped_guest_stopped() {
         "the guest ran through the 3 s lead"
     );
     vm.wait_ticks(2, Duration::from_secs(30));
+}
+
+#[test]
+fn exp_spaced() {
+    if skip("exp_spaced") {
+        return;
+    }
+    let mut vm = Vm::boot_with("exp", 1024);
+    for i in 0..6 {
+        let (report, _) = vm.snapshot_report().unwrap();
+        eprintln!(
+            "EXP snapshot {i}: pause {} us {:?} lost {}",
+            report.pause_us,
+            report.pause_breakdown,
+            vm.backend.lost_races()
+        );
+        std::thread::sleep(Duration::from_secs(4));
+    }
 }

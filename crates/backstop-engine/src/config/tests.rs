@@ -442,6 +442,26 @@ fn links_after_rollback_is_down_unless_a_person_says_up() {
 }
 
 #[test]
+fn huge_pages_are_regathered_where_resident_unless_all_is_asked_for() {
+    use backstop_qemu::huge_pages::HugePages;
+    let with = |extra: &str| {
+        DEFAULT_CONFIG.replace("memory_mib = 256", &format!("memory_mib = 256\n{extra}"))
+    };
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert_eq!(cfg.vm.huge_pages, HugePages::Resident);
+    let cfg = Config::parse(&with("huge_pages = \"all\"")).unwrap();
+    assert_eq!(cfg.vm.huge_pages, HugePages::All);
+    let cfg = Config::parse(&with("huge_pages = \"resident\"")).unwrap();
+    assert_eq!(cfg.vm.huge_pages, HugePages::Resident);
+    for bad in ["\"some\"", "true", "\"ALL\"", "2"] {
+        let err = Config::parse(&with(&format!("huge_pages = {bad}")))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("huge_pages"), "{bad}: {err}");
+    }
+}
+
+#[test]
 fn libvirt_devices_are_one_checked_device_element() {
     if !backstop_libvirt::AVAILABLE {
         return;
