@@ -260,7 +260,11 @@ forensic_ram_for = []
         t1 = time.monotonic()
         cap = (v.get("manifest") or {}).get("capture") or {}
         s = v.get("summary", {})
+        # On QEMU >= 9.0: the lead the next capture uses, the setup times it is learnt from and
+        # the races lost so far (after the capture, off its clock).
+        mf = (self.cli("status").get("backend_details") or {}).get("capture_migrate_first")
         return {
+            "capture_migrate_first": mf,
             "kind": kind,
             "id": s.get("snapshot_id"),
             "t_req": t0,

@@ -192,6 +192,9 @@ struct Running {
     /// QEMU's recent setup times (`migrate` → `active`): how long `migrate` may go in before
     /// `stop` on this QEMU (≥ 9.0, `version::SetupTimes`).
     setup_times: version::SetupTimes,
+    /// How long the guest stayed stopped by the last lost race (backstop's `STOP` to the
+    /// `RESUME` after it), in µs.
+    last_lost_stop_us: Option<u64>,
     /// Captures whose `stop` came after QEMU's own (discarded and taken again), for the log
     /// and `status`.
     lost_races: u64,
@@ -263,6 +266,10 @@ pub struct QemuBackend {
     /// Test-only: a lead forced on every capture (`force_migrate_lead`).
     #[cfg(feature = "fault-injection")]
     forced_lead: Option<Option<Duration>>,
+    /// Test-only: a lost race's discarded capture is read out this much later
+    /// (`slow_discard`).
+    #[cfg(feature = "fault-injection")]
+    slow_discard: Duration,
 }
 
 impl QemuBackend {
@@ -303,6 +310,8 @@ impl QemuBackend {
             fault: None,
             #[cfg(feature = "fault-injection")]
             forced_lead: None,
+            #[cfg(feature = "fault-injection")]
+            slow_discard: Duration::ZERO,
         }
     }
 
@@ -336,6 +345,21 @@ impl QemuBackend {
     #[cfg(feature = "fault-injection")]
     pub fn force_migrate_lead(&mut self, lead: Option<Duration>) {
         self.forced_lead = Some(lead);
+    }
+
+    /// Test-only: a capture discarded after a lost race is read out `delay` later than it
+    /// would be (a slow host's drain of a large guest's stream), to show that the guest runs
+    /// meanwhile.
+    #[cfg(feature = "fault-injection")]
+    pub fn slow_discard(&mut self, delay: Duration) {
+        self.slow_discard = delay;
+    }
+
+    fn discard_delay(&self) -> Duration {
+        #[cfg(feature = "fault-injection")]
+        return self.slow_discard;
+        #[cfg(not(feature = "fault-injection"))]
+        Duration::ZERO
     }
 
     /// Captures on the running QEMU whose `stop` came after QEMU's own and were taken again.
@@ -377,6 +401,7 @@ impl QemuBackend {
         lead: Option<Duration>,
     ) -> Result<Option<CaptureStream>> {
         let t = self.cfg.qmp_timeout;
+        let discard_delay = self.discard_delay();
         // Which node each disk's device currently writes to: its active layer's node name.
         let mut actions = Vec::new();
         let mut frozen = Vec::new();
@@ -533,9 +558,13 @@ impl QemuBackend {
         let stop = match stopped {
             Ok(Some((stop, true))) => Some(stop),
             Ok(None) => None,
-            Ok(Some((_, false))) => {
+            Ok(Some((first_stop, false))) => {
                 // The RAM instant was QEMU's own stop, on a running guest, before any disk
-                // switch: not a snapshot. Read it out and let the guard resume the guest.
+                // switch: not a snapshot. The guest runs again at once, then the capture is
+                // read out to its end while it runs (a 1 GiB guest's stream took ~0.8 s to
+                // drain, all of it a pause when the guest waited for it). `cont` only once
+                // QEMU's write tracking is on: QEMU's snapshot thread and its resume are then
+                // behind us (see `wait_write_tracking`); meanwhile the stream is still read.
                 let setup_us = guard
                     .qmp()
                     .queued_event(|e| {
@@ -543,13 +572,38 @@ impl QemuBackend {
                             && e.data.get("status").and_then(Value::as_str) == Some("active")
                     })
                     .map(|active| active.timestamp_us.saturating_sub(migrate_sent_us));
-                capture.abandon(guard.qmp(), t);
+                let tracking = wait_write_tracking(guard.qmp(), t, &clock);
+                // The guest's last stop so far: QEMU's own STOP comes first when it won, and
+                // backstop's after QEMU's RESUME (a `stop` that landed inside QEMU's own pause
+                // sends none, and QEMU resumes the guest itself).
+                let last_stop_us = guard
+                    .qmp()
+                    .queued()
+                    .filter(|e| e.name == "STOP")
+                    .map(|e| e.timestamp_us)
+                    .fold(first_stop.timestamp_us, u64::max);
                 drop(guard);
+                if let Err(e) = &tracking {
+                    tracing::warn!(error = %e, "discarding a lost capture: write tracking not seen on");
+                }
+                // From our STOP to the RESUME after it: what the lost race cost the guest.
+                let bound = t.min(Duration::from_secs(5));
+                let resumed = r
+                    .qmp
+                    .wait_event_matching("resume after a lost race", bound, |e| {
+                        e.name == "RESUME" && e.timestamp_us > last_stop_us
+                    });
+                r.last_lost_stop_us = resumed
+                    .ok()
+                    .map(|resume| resume.timestamp_us.saturating_sub(last_stop_us));
+                std::thread::sleep(discard_delay);
+                capture.abandon(&mut r.qmp, t);
                 close_nodes(r, &opened, t);
                 // Its setup time, shorter than the lead, shortens the next one.
                 if let Some(us) = setup_us {
                     r.setup_times.record(us);
                 }
+                r.setup_times.raced(true);
                 r.lost_races += 1;
                 return Ok(None);
             }
@@ -623,6 +677,9 @@ impl QemuBackend {
                     .record(active_us.saturating_sub(migrate_sent_us));
             }
         }
+        if early.is_some() {
+            r.setup_times.raced(false);
+        }
         tracing::debug!(
             pause_us,
             ?pause_breakdown,
@@ -691,31 +748,7 @@ impl QemuBackend {
                         && e.data.get("status").and_then(Value::as_str) != Some("setup")
                 })?;
                 ends.push(("setup", active.timestamp_us));
-                let deadline = Instant::now() + t;
-                let mut polls = 0u32;
-                loop {
-                    let asked = clock.now_us();
-                    let info = qmp.execute("query-migrate", None, t)?;
-                    polls += 1;
-                    tracing::debug!(polls, asked_us = asked, answered_us = clock.now_us(), status = ?info.get("status"), ram = ?info.get("ram").and_then(|r| r.get("normal")), "tracking poll");
-                    if version::write_tracking_on(&info) {
-                        break;
-                    }
-                    let status = info.get("status").and_then(Value::as_str).unwrap_or("");
-                    if !matches!(status, "setup" | "active") {
-                        return Err(BackendError::Command {
-                            step: "capture",
-                            message: format!("migration {status} before write tracking was on"),
-                        });
-                    }
-                    if Instant::now() >= deadline {
-                        return Err(BackendError::Timeout {
-                            step: "write tracking on",
-                            timeout: t,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_micros(200));
-                }
+                wait_write_tracking(qmp, t, clock)?;
                 ends.push(("tracking", clock.now_us()));
                 qmp.execute("cont", None, t)?;
                 let resume = qmp.wait_event("RESUME", t, "resume")?;
@@ -881,6 +914,7 @@ impl QemuBackend {
             preloaded: false,
             plan,
             setup_times: Default::default(),
+            last_lost_stop_us: None,
             lost_races: 0,
             events: self.watch_events(),
             regather: None,
@@ -1050,6 +1084,38 @@ impl Capture {
             Capture::Pipe(pipe) => (pipe, Vec::new()),
             Capture::Reading(prefetch) => prefetch.finish(),
         }
+    }
+}
+
+/// Polls `query-migrate` until QEMU's write tracking is on (its first RAM page counted). A reply
+/// that says so was given after QEMU's snapshot thread released the big lock, so its resume
+/// bottom half has run by the time QEMU reads a next command: a `cont` sent after it can no
+/// longer come before QEMU's own stop, nor be undone by QEMU's resume.
+fn wait_write_tracking(qmp: &mut Qmp, t: Duration, clock: &pause::PauseClock) -> Result<()> {
+    let deadline = Instant::now() + t;
+    let mut polls = 0u32;
+    loop {
+        let asked = clock.now_us();
+        let info = qmp.execute("query-migrate", None, t)?;
+        polls += 1;
+        tracing::debug!(polls, asked_us = asked, answered_us = clock.now_us(), status = ?info.get("status"), ram = ?info.get("ram").and_then(|r| r.get("normal")), "tracking poll");
+        if version::write_tracking_on(&info) {
+            return Ok(());
+        }
+        let status = info.get("status").and_then(Value::as_str).unwrap_or("");
+        if !matches!(status, "setup" | "active") {
+            return Err(BackendError::Command {
+                step: "capture",
+                message: format!("migration {status} before write tracking was on"),
+            });
+        }
+        if Instant::now() >= deadline {
+            return Err(BackendError::Timeout {
+                step: "write tracking on",
+                timeout: t,
+            });
+        }
+        std::thread::sleep(Duration::from_micros(200));
     }
 }
 
@@ -1716,6 +1782,11 @@ impl VmBackend for QemuBackend {
                 serde_json::json!({
                     "lead_ms": self.migrate_lead().map(|l| (l.as_secs_f64() * 1e4).round() / 10.0),
                     "races_lost": r.lost_races,
+                    // How long the last lost race kept the guest stopped.
+                    "last_lost_stop_ms": r.last_lost_stop_us.map(|us| (us as f64 / 100.0).round() / 10.0),
+                    // What the lead is learnt from: QEMU's recent setup times (`migrate` to
+                    // `MIGRATION active`), oldest first.
+                    "setup_ms": r.setup_times.recent_us().map(|us| (us as f64 / 100.0).round() / 10.0).collect::<Vec<_>>(),
                 }),
             );
         }

@@ -114,16 +114,23 @@ pub fn write_tracking_on(query_migrate: &serde_json::Value) -> bool {
 /// the RAM instant was taken on a running guest before the disks switched: that capture is
 /// read out and discarded, and the capture runs again the old way (`stop` first).
 ///
-/// How long after `migrate` to send `stop`: half the shortest of the last [`Self::KEEP`]
-/// times from `migrate` to QEMU's `MIGRATION` `active` on this QEMU, not counting its first
-/// capture (which also builds the page tables of never-touched RAM: 2–3x the later ones). That
-/// time varies with the host's load (1.5–3.8 ms at 1 GiB with little RAM in use, 8–25 ms with
-/// 400 MiB resident, measured here); a lead that overshoots costs one discarded capture, and
-/// that capture's (shorter) time shortens the next lead. Under [`Self::MIN_LEAD`] (a small
-/// guest) `stop` goes first: the gain is a millisecond or two, the risk the same.
+/// How long after `migrate` to send `stop`: three quarters of the shortest of the last
+/// [`Self::KEEP`] times from `migrate` to QEMU's `MIGRATION` `active` on this QEMU, or half of
+/// it while one of the last [`Self::KEEP`] captures sent this way lost the race; not counting
+/// the QEMU's first capture (which also builds the page tables of never-touched RAM: 2–3x the
+/// later ones). That time varies with the host's load (1.5–3.8 ms at 1 GiB with little RAM in
+/// use, 8–25 ms with 400 MiB resident, 35–80 ms in a slow hour, measured here), and whatever
+/// of it the lead leaves is inside the pause: with half, 3.8–25 ms of it stayed there in a
+/// bench run. A lead that overshoots costs one discarded capture (the guest runs meanwhile,
+/// then pauses for the capture taken again), so after a loss the margin widens to half until
+/// that loss ages out; the lost capture's (shorter) time also shortens the next lead. Under
+/// [`Self::MIN_LEAD`] (a small guest) `stop` goes first: the gain is a millisecond or two, the
+/// risk the same.
 #[derive(Debug, Clone, Default)]
 pub struct SetupTimes {
     recent: std::collections::VecDeque<u64>,
+    /// The outcome of the last captures sent `migrate` first: `true` for a lost race.
+    races: std::collections::VecDeque<bool>,
     /// The QEMU's first capture was seen (and not counted).
     first_seen: bool,
 }
@@ -145,11 +152,29 @@ impl SetupTimes {
         self.recent.push_back(setup_us);
     }
 
+    /// A capture sent `migrate` first won (`lost == false`) or lost its race.
+    pub fn raced(&mut self, lost: bool) {
+        if self.races.len() == Self::KEEP {
+            self.races.pop_front();
+        }
+        self.races.push_back(lost);
+    }
+
+    /// The remembered setup times, oldest first, in µs.
+    pub fn recent_us(&self) -> impl Iterator<Item = u64> + '_ {
+        self.recent.iter().copied()
+    }
+
     /// How long after `migrate` the next capture sends `stop`; `None`: `stop` first (no
     /// capture measured yet on this QEMU, or a lead too short to matter).
     pub fn lead(&self) -> Option<std::time::Duration> {
         let shortest = *self.recent.iter().min()?;
-        let lead = std::time::Duration::from_micros(shortest / 2);
+        let lead_us = if self.races.contains(&true) {
+            shortest / 2
+        } else {
+            shortest / 4 * 3
+        };
+        let lead = std::time::Duration::from_micros(lead_us);
         (lead >= Self::MIN_LEAD).then_some(lead)
     }
 }
@@ -264,6 +289,8 @@ mod tests {
     #[test]
     fn the_lead_is_half_the_shortest_recent_setup() {
         let mut t = SetupTimes::default();
+        // Half while a recent race was lost (this test's rule; the next one has the rest).
+        t.raced(true);
         assert_eq!(t.lead(), None, "no capture measured yet: stop first");
         t.record(1_000);
         assert_eq!(t.lead(), None, "a QEMU's first capture does not count");
@@ -282,6 +309,49 @@ mod tests {
         assert_eq!(t.lead(), None);
         t.record(u64::MAX);
         assert_eq!(t.lead(), None, "the short one still counts; no overflow");
+    }
+
+    #[test]
+    fn the_lead_is_three_quarters_until_a_race_is_lost_then_half_until_it_ages_out() {
+        let mut t = SetupTimes::default();
+        t.record(1_000); // the QEMU's first capture: not counted
+        t.record(20_000);
+        t.record(24_000);
+        assert_eq!(t.lead(), Some(std::time::Duration::from_millis(15)));
+        t.raced(false);
+        assert_eq!(
+            t.lead(),
+            Some(std::time::Duration::from_millis(15)),
+            "a win changes nothing"
+        );
+        t.raced(true);
+        assert_eq!(
+            t.lead(),
+            Some(std::time::Duration::from_millis(10)),
+            "after a loss: half"
+        );
+        for i in 1..SetupTimes::KEEP {
+            t.raced(false);
+            assert_eq!(
+                t.lead(),
+                Some(std::time::Duration::from_millis(10)),
+                "the loss is still among the last {} races after {i} wins",
+                SetupTimes::KEEP
+            );
+        }
+        t.raced(false);
+        assert_eq!(
+            t.lead(),
+            Some(std::time::Duration::from_millis(15)),
+            "the loss aged out"
+        );
+        // Three quarters of a setup just over 4 ms is a lead over MIN_LEAD; half of it is not.
+        let mut small = SetupTimes::default();
+        small.record(0);
+        small.record(4_200);
+        assert_eq!(small.lead(), Some(std::time::Duration::from_micros(3_150)));
+        small.raced(true);
+        assert_eq!(small.lead(), None);
     }
 
     #[test]
