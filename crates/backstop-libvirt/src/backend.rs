@@ -859,6 +859,13 @@ impl VmBackend for LibvirtBackend {
                 if let (Some(c), Some(d)) = (&self.conn, &self.dom) {
                     self.events.register(c, d);
                 }
+                if self.cfg.huge_pages == backstop_qemu::huge_pages::HugePages::All {
+                    tracing::warn!(
+                        "vm.huge_pages = \"all\" applies to the QEMU backend on QEMU 9.0 or later \
+                         only (a libvirt domain is suspended before its capture starts, so QEMU's \
+                         pre-fault of guest RAM is inside the pause): \"resident\" is used"
+                    );
+                }
                 Ok(Some(a))
             }
             Err(e) => {
@@ -1221,9 +1228,11 @@ impl VmBackend for LibvirtBackend {
         self.wait_migration_released(Duration::from_secs(30))?;
         // Write tracking is off: the huge pages it split may be collapsed again.
         if let Some(pid) = self.pid {
+            // The domain is suspended before `migrate`: QEMU's pre-fault is inside the pause, so
+            // `all` falls back to `resident` (see `HugePages::effective`; warned at adoption).
             self.regather = Some(backstop_qemu::huge_pages::Regather::start(
                 pid,
-                self.cfg.huge_pages,
+                self.cfg.huge_pages.effective(false),
             ));
         }
         self.set_background_snapshot(false)?;

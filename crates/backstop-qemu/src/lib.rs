@@ -362,6 +362,16 @@ impl QemuBackend {
         Duration::ZERO
     }
 
+    /// `vm.huge_pages` as it applies to the running QEMU (`HugePages::effective`): `all` only
+    /// where captures send `migrate` before `stop` (≥ 9.0).
+    fn huge_pages(&self) -> huge_pages::HugePages {
+        let early = self
+            .running
+            .as_ref()
+            .is_some_and(|r| r.plan.resume == Resume::AfterWriteTracking);
+        self.cfg.huge_pages.effective(early)
+    }
+
     /// Captures on the running QEMU whose `stop` came after QEMU's own and were taken again.
     pub fn lost_races(&self) -> u64 {
         self.running.as_ref().map_or(0, |r| r.lost_races)
@@ -899,6 +909,16 @@ impl QemuBackend {
             }
         };
         tracing::info!(qemu = %plan.version, resume = ?plan.resume, "qemu probed");
+        if self.cfg.huge_pages == huge_pages::HugePages::All
+            && plan.resume != Resume::AfterWriteTracking
+        {
+            tracing::warn!(
+                qemu = %plan.version,
+                "vm.huge_pages = \"all\" needs QEMU 9.0 or later (captures there pre-fault guest \
+                 RAM before the pause; here it is inside the pause and a wholly resident RAM makes \
+                 it longer): \"resident\" is used"
+            );
+        }
         let agent = agent::AgentChannel::connect(&self.cfg.run_dir.join("agent.sock"));
         let qga_path = cmdline::qga_socket(&self.cfg);
         // A restored guest's clock is the snapshot's: set it once its agent answers.
@@ -1304,7 +1324,7 @@ impl VmBackend for QemuBackend {
 
     fn finish_capture(&mut self) -> Result<CaptureReport> {
         let t = self.cfg.qmp_timeout;
-        let huge_pages = self.cfg.huge_pages;
+        let huge_pages = self.huge_pages();
         #[allow(clippy::let_unit_value)]
         let fault = self.take_fault(true);
         let r = self.running_mut("finish capture")?;
@@ -1760,7 +1780,7 @@ impl VmBackend for QemuBackend {
             "heartbeat_source".into(),
             self.cfg.heartbeat.as_str().into(),
         );
-        m.insert("huge_pages".into(), self.cfg.huge_pages.as_str().into());
+        m.insert("huge_pages".into(), self.huge_pages().as_str().into());
         if let Some(p) = &self.preload {
             m.insert(
                 "standby_preload".into(),
