@@ -451,8 +451,9 @@ pub struct VmConfig {
     /// splits them; the next one's pause grows with the number of small ones): `resident`
     /// (default) only ranges the guest has written, so QEMU's memory never grows; `all` every
     /// range, the never-written ones too: the guest's whole RAM becomes resident (as with
-    /// QEMU's `-mem-prealloc`), and the pause is ~4 ms shorter at 1 GiB (README, issue 21).
-    /// QEMU and libvirt backends.
+    /// QEMU's `-mem-prealloc`), and the write-protection start inside the pause is ~4 ms shorter
+    /// at 1 GiB (README, issue 21). `all` applies to the QEMU backend on QEMU ≥ 9.0 only; on
+    /// 7.2/8.x and for a libvirt domain it falls back to `resident` with a warning.
     #[serde(default)]
     pub huge_pages: backstop_qemu::huge_pages::HugePages,
     /// `backend = "libvirt"`: the running libvirt domain to adopt (`[vm.libvirt]`).
