@@ -267,7 +267,9 @@ def goals(f, meta):
                 f"The new overlays are created and opened (blockdev-add) before `stop`; inside the "
                 f"window are stop, a blockdev-snapshot transaction (a graph change; creating the qcow2 "
                 f"there took {fmt(sw)} in the stop-and-copy peer), the rest of QEMU's setup, its "
-                f"device-state save and write-protection start. After the pause the "
+                f"device-state save and write-protection start (which walks every small page-table "
+                f"entry of guest RAM: `vm.huge_pages = \"all\"`, the bshuge contender, maps it all "
+                f"huge again after each snapshot; QEMU >= 9.0 only). After the pause the "
                 f"guest runs slowed while RAM streams out: its own clock saw stalls of {fmt(own)} "
                 f"({fmt(own_busy)} while its writer dirtied RAM, each first write to a page waiting for "
                 f"its copy-out) against a quiet-window floor of {fmt(floor)}."),
