@@ -146,6 +146,7 @@ pub fn exposition(
     let rollbacks: Family<Labels, Counter> = Family::default();
     let link_up: Family<Labels, Gauge> = Family::default();
     let granted: Family<Labels, Gauge> = Family::default();
+    let races_lost: Family<Labels, Counter> = Family::default();
     for s in statuses {
         let vm = vm_labels(&s.vm);
         for st in STATES {
@@ -189,6 +190,15 @@ pub fn exposition(
         granted
             .get_or_create(&vm)
             .set(gauge_i64(s.granted_devices.len() as u64));
+        // QEMU ≥ 9.0 only (the backend says it under `capture_migrate_first`).
+        if let Some(lost) = s
+            .backend_details
+            .get("capture_migrate_first")
+            .and_then(|m| m.get("races_lost"))
+            .and_then(serde_json::Value::as_u64)
+        {
+            races_lost.get_or_create(&vm).inc_by(lost);
+        }
     }
     registry.register(
         "vm_state",
@@ -234,6 +244,12 @@ pub fn exposition(
         "granted_devices",
         "Devices granted to the guest now",
         granted,
+    );
+    registry.register(
+        "capture_races_lost",
+        "Captures sent `migrate` before `stop` (QEMU >= 9.0) whose stop came after QEMU's own, \
+         discarded and taken again; since the VM's QEMU started",
+        races_lost,
     );
     registry.register_with_unit(
         "snapshot_pause",
@@ -544,6 +560,28 @@ mod tests {
         // An unreadable link has no series (neither up nor down is known).
         assert!(!text.contains("nic=\"net1\""), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
+        // No capture_migrate_first in its status (7.2/8.x, libvirt): no series.
+        assert!(
+            !text.contains("backstop_capture_races_lost_total{"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn lost_capture_races_are_counted_where_the_backend_reports_them() {
+        let h = Histograms::default();
+        let mut s = running("db");
+        s.backend_details.insert(
+            "capture_migrate_first".into(),
+            serde_json::json!({"lead_ms": 7.5, "races_lost": 3, "setup_ms": [10.0]}),
+        );
+        let text = exposition(&[s], &h, at("2026-11-24T20:01:00.000Z"));
+        for line in [
+            "backstop_capture_races_lost_total{vm=\"db\"} 3",
+            "# TYPE backstop_capture_races_lost counter",
+        ] {
+            assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+        }
     }
 
     #[test]
