@@ -1308,6 +1308,8 @@ fn libvirt_destroy_by_hand_halts_and_a_libvirtd_restart_is_survived() {
     assert_eq!(st["backend_details"]["domain"], dom.name.as_str(), "{st}");
     assert!(st["backend_details"]["capture_mode"].is_string(), "{st}");
     assert_eq!(st["backend_details"]["libvirt_reconnects"], 0, "{st}");
+    // The huge-page mode in effect (a domain never gets `all`: it is suspended first).
+    assert_eq!(st["backend_details"]["huge_pages"], "resident", "{st}");
 
     // libvirtd goes away and comes back; the guest never stopped, so nothing is rolled back.
     restart_libvirtd();

@@ -859,7 +859,7 @@ impl VmBackend for LibvirtBackend {
                 if let (Some(c), Some(d)) = (&self.conn, &self.dom) {
                     self.events.register(c, d);
                 }
-                if self.cfg.huge_pages == backstop_qemu::huge_pages::HugePages::All {
+                if self.cfg.huge_pages.effective(false) != self.cfg.huge_pages {
                     tracing::warn!(
                         "vm.huge_pages = \"all\" applies to the QEMU backend on QEMU 9.0 or later \
                          only (a libvirt domain is suspended before its capture starts, so QEMU's \
@@ -1337,6 +1337,11 @@ impl VmBackend for LibvirtBackend {
 
     fn status_details(&self) -> serde_json::Map<String, Value> {
         let mut m = serde_json::Map::new();
+        // The mode in effect: a domain is suspended before its capture, so never `all`.
+        m.insert(
+            "huge_pages".into(),
+            json!(self.cfg.huge_pages.effective(false).as_str()),
+        );
         if let Some(shape) = &self.shape {
             m.insert("domain".into(), json!(shape.name));
             m.insert(

@@ -909,9 +909,8 @@ impl QemuBackend {
             }
         };
         tracing::info!(qemu = %plan.version, resume = ?plan.resume, "qemu probed");
-        if self.cfg.huge_pages == huge_pages::HugePages::All
-            && plan.resume != Resume::AfterWriteTracking
-        {
+        let huge_pages = self.cfg.huge_pages;
+        if huge_pages.effective(plan.resume == Resume::AfterWriteTracking) != huge_pages {
             tracing::warn!(
                 qemu = %plan.version,
                 "vm.huge_pages = \"all\" needs QEMU 9.0 or later (captures there pre-fault guest \
@@ -1062,7 +1061,6 @@ fn migration_end(qmp: &mut Qmp, step: &'static str) -> Result<String> {
         .to_string())
 }
 
-/// Removes block nodes opened for a capture that did not happen (best effort).
 /// Test-only: whether `BACKSTOP_FAULT_INJECT` arms `cmdline::MIGRATE_FIRST_FAULT`.
 #[cfg(feature = "fault-injection")]
 fn migrate_first_fault() -> bool {
@@ -1139,6 +1137,12 @@ fn wait_write_tracking(qmp: &mut Qmp, t: Duration, clock: &pause::PauseClock) ->
     }
 }
 
+/// µs as ms to a tenth, for `status`.
+fn ms_tenths(us: u64) -> f64 {
+    (us as f64 / 100.0).round() / 10.0
+}
+
+/// Removes block nodes opened for a capture that did not happen (best effort).
 fn close_nodes(r: &mut Running, nodes: &[String], t: Duration) {
     for node in nodes {
         let _ = r
@@ -1800,13 +1804,13 @@ impl VmBackend for QemuBackend {
             m.insert(
                 "capture_migrate_first".into(),
                 serde_json::json!({
-                    "lead_ms": self.migrate_lead().map(|l| (l.as_secs_f64() * 1e4).round() / 10.0),
+                    "lead_ms": self.migrate_lead().map(|l| ms_tenths(l.as_micros() as u64)),
                     "races_lost": r.lost_races,
                     // How long the last lost race kept the guest stopped.
-                    "last_lost_stop_ms": r.last_lost_stop_us.map(|us| (us as f64 / 100.0).round() / 10.0),
+                    "last_lost_stop_ms": r.last_lost_stop_us.map(ms_tenths),
                     // What the lead is learnt from: QEMU's recent setup times (`migrate` to
                     // `MIGRATION active`), oldest first.
-                    "setup_ms": r.setup_times.recent_us().map(|us| (us as f64 / 100.0).round() / 10.0).collect::<Vec<_>>(),
+                    "setup_ms": r.setup_times.recent_us().map(ms_tenths).collect::<Vec<_>>(),
                 }),
             );
         }
