@@ -201,6 +201,11 @@ def snapshot_cpu(q, pid, disk, target_ns, fraction):
         won = bool(order) and order[0]["event"] == "STOP"
         if disk and won:
             disk.switch(q, prepared)
+            # On 7.2/8.x QEMU resumes the guest itself once its write tracking is on: a RESUME
+            # that arrived before the switch's answer let the guest write the old layer after
+            # the RAM instant (backstop discards such a capture and takes it again).
+            if any(e.get("event") == "RESUME" for e in q.events):
+                print("  late: QEMU resumed the guest before the disk switch answered", flush=True)
     else:
         q.execute("stop")
         if disk:
@@ -260,6 +265,11 @@ def snapshot_once(q, disk=None, early_ms=None, boost=None):
         won = bool(order) and order[0]["event"] == "STOP"
         if disk and won:
             disk.switch(q, prepared)
+            # On 7.2/8.x QEMU resumes the guest itself once its write tracking is on: a RESUME
+            # that arrived before the switch's answer let the guest write the old layer after
+            # the RAM instant (backstop discards such a capture and takes it again).
+            if any(e.get("event") == "RESUME" for e in q.events):
+                print("  late: QEMU resumed the guest before the disk switch answered", flush=True)
         if not won:
             print(f"  lost: QEMU's stop came first (events {[e['event'] for e in order]})", flush=True)
     while True:

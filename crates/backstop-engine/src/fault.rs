@@ -34,10 +34,16 @@ pub enum Fault {
     /// QEMU gets a second monitor (`test-qmp.sock` in the run directory) through which a test
     /// changes the VM behind backstop's back (drift detection's end-to-end test).
     SecondQmpMonitor,
-    /// On QEMU ≥ 9.0 every capture writes `stop` right behind `migrate`, and a capture whose
-    /// `stop` lost to QEMU's own is tried that way again up to 4 times (the QEMU backend reads
-    /// the setting itself: `backstop_qemu` `MIGRATE_FIRST_FAULT`).
+    /// Where `vm.capture_order` allows it (QEMU ≥ 9.0 by default) every capture writes `stop`
+    /// right behind `migrate`, and a capture whose `stop` lost to QEMU's own is tried that way
+    /// again up to 4 times (the QEMU backend reads the setting itself: `backstop_qemu`
+    /// `MIGRATE_FIRST_FAULT`).
     MigrateFirst,
+    /// Every capture where `vm.capture_order` allows it writes `stop` right behind `migrate`
+    /// and holds its disk switch back 1.5 s: on 7.2/8.x QEMU resumes the guest first, the
+    /// capture is discarded and taken again `stop` first (the QEMU backend reads the setting
+    /// itself: `backstop_qemu` `SWITCH_AFTER_RESUME_FAULT`).
+    SwitchAfterResume,
     /// The idle actor's regular look at the VM comes every [`SLOW_TICK`] instead of every
     /// 250 ms: what it notices sooner came through a wake (QEMU's events monitor, a deadline).
     SlowIdleTick,
@@ -167,6 +173,7 @@ fn parse(v: &str) -> Option<Fault> {
         "qmp.second-monitor" => Some(Fault::SecondQmpMonitor),
         "tick.slow" => Some(Fault::SlowIdleTick),
         "capture.migrate-first" => Some(Fault::MigrateFirst),
+        "capture.switch-after-resume" => Some(Fault::SwitchAfterResume),
         s => s
             .strip_prefix("capture.stall=")
             .and_then(|n| n.parse().ok())
@@ -196,6 +203,10 @@ mod tests {
             Some(Fault::KillDuringRestoreLoad)
         );
         assert_eq!(parse("capture.stall=30"), Some(Fault::StallCapture(30)));
+        assert_eq!(
+            parse("capture.switch-after-resume"),
+            Some(Fault::SwitchAfterResume)
+        );
         assert_eq!(parse("capture.stall=x"), None);
         assert_eq!(
             parse("actor.panic-on-snapshot=a"),

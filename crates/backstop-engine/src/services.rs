@@ -117,6 +117,7 @@ pub fn backend_for(cfg: &Config, key: &HostKey) -> Result<Box<dyn VmBackend>, En
             .collect(),
         devices: crate::devices::qemu_shape(&cfg.devices),
         huge_pages: cfg.vm.huge_pages,
+        capture_order: cfg.vm.capture_order,
     })))
 }
 

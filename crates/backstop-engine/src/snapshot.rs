@@ -437,64 +437,77 @@ impl VmActor {
                 step: "begin",
                 source,
             })?;
-        let captured: Vec<(String, PathBuf)> = self
-            .attachments()
-            .into_iter()
-            .filter(|d| d.captured)
-            .map(|d| (d.id, d.active))
-            .collect();
-        // The new top layers are created before the pause, so that inside it QEMU only
-        // switches its block graph (creating a qcow2 file there cost ~15-30 ms of pause).
-        ctx.step("capture", "creating the new disk overlays", None);
-        let mut switches = Vec::new();
-        let created = (|| {
-            for (id, active) in &captured {
-                let new_active = self.next_layer(id);
-                switches.push(DiskSwitch {
-                    id: id.clone(),
-                    new_active: new_active.clone(),
-                });
-                let size = self.layers.virtual_size(active)?;
-                self.layers
-                    .create_overlay_on_active(&new_active, active, size)?;
-            }
-            Ok(())
-        })();
-        let remove_created = |switches: &[DiskSwitch]| {
-            for sw in switches {
-                let _ = std::fs::remove_file(&sw.new_active);
-            }
-        };
-        if let Err(e) = created {
-            remove_created(&switches);
-            return Err(e);
-        }
-        ctx.step(
-            "capture",
-            "pausing the guest, switching disks, starting the RAM capture",
-            None,
-        );
-        let stream = match self.backend.begin_capture(&switches) {
-            Ok(stream) => stream,
-            Err(BackendError::CaptureAfterSwitch(source)) => {
-                // The guest writes the new overlays now: they join the chains, and the layers
-                // below them are immutable from here like any frozen layer (no snapshot of
-                // their own: the next snapshot's chain includes them).
-                for (_, old_active) in &captured {
-                    self.layers.freeze(old_active)?;
+        // At most two tries: a capture that switched the disks after QEMU had resumed the
+        // guest (7.2/8.x with `migrate` sent first, `BackendError::SwitchedAfterResume`) is
+        // taken again at once on the new layers; the backend sends `stop` first then.
+        let mut tries_left = 2;
+        let (stream, switches) = loop {
+            tries_left -= 1;
+            let captured: Vec<(String, PathBuf)> = self
+                .attachments()
+                .into_iter()
+                .filter(|d| d.captured)
+                .map(|d| (d.id, d.active))
+                .collect();
+            // The new top layers are created before the pause, so that inside it QEMU only
+            // switches its block graph (creating a qcow2 file there cost ~15-30 ms of pause).
+            ctx.step("capture", "creating the new disk overlays", None);
+            let mut switches = Vec::new();
+            let created = (|| {
+                for (id, active) in &captured {
+                    let new_active = self.next_layer(id);
+                    switches.push(DiskSwitch {
+                        id: id.clone(),
+                        new_active: new_active.clone(),
+                    });
+                    let size = self.layers.virtual_size(active)?;
+                    self.layers
+                        .create_overlay_on_active(&new_active, active, size)?;
                 }
-                self.adopt_new_layers(&switches)?;
-                return Err(EngineError::SnapshotBackend {
-                    step: "start capture",
-                    source: *source,
-                });
-            }
-            Err(source) => {
+                Ok(())
+            })();
+            if let Err(e) = created {
                 remove_created(&switches);
-                return Err(EngineError::SnapshotBackend {
-                    step: "start capture",
-                    source,
-                });
+                return Err(e);
+            }
+            ctx.step(
+                "capture",
+                "pausing the guest, switching disks, starting the RAM capture",
+                None,
+            );
+            match self.backend.begin_capture(&switches) {
+                Ok(stream) => break (stream, switches),
+                Err(
+                    e @ (BackendError::CaptureAfterSwitch(_) | BackendError::SwitchedAfterResume),
+                ) => {
+                    // The guest writes the new overlays now: they join the chains, and the
+                    // layers below them are immutable from here like any frozen layer (no
+                    // snapshot of their own: the next snapshot's chain includes them).
+                    for (_, old_active) in &captured {
+                        self.layers.freeze(old_active)?;
+                    }
+                    self.adopt_new_layers(&switches)?;
+                    if matches!(e, BackendError::SwitchedAfterResume) && tries_left > 0 {
+                        warn!("{e}; taking the capture again");
+                        ctx.step("capture", format!("{e}; taking it again"), None);
+                        continue;
+                    }
+                    let source = match e {
+                        BackendError::CaptureAfterSwitch(source) => *source,
+                        other => other,
+                    };
+                    return Err(EngineError::SnapshotBackend {
+                        step: "start capture",
+                        source,
+                    });
+                }
+                Err(source) => {
+                    remove_created(&switches);
+                    return Err(EngineError::SnapshotBackend {
+                        step: "start capture",
+                        source,
+                    });
+                }
             }
         };
         // The snapshot's disk chains are the chains up to the layers frozen at the instant.
@@ -663,5 +676,13 @@ impl VmActor {
             }),
             (result, _) => result,
         }
+    }
+}
+
+/// Removes the overlays created for a capture whose disks did not switch (best effort: a
+/// leftover is an unused file, never part of a chain).
+fn remove_created(switches: &[DiskSwitch]) {
+    for sw in switches {
+        let _ = std::fs::remove_file(&sw.new_active);
     }
 }

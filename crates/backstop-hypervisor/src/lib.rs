@@ -189,6 +189,13 @@ pub enum BackendError {
     /// did not start. The caller must keep the new layers in the disks' chains.
     #[error("capture did not start after the disk switch: {0}")]
     CaptureAfterSwitch(Box<BackendError>),
+    /// The disks did switch, but the capture is no snapshot and was discarded: QEMU had resumed
+    /// the guest before the switch was done (7.2/8.x, `migrate` sent before `stop`), so the
+    /// guest may have written the old top layers after the RAM instant. The caller keeps the
+    /// new layers in the chains (as for [`Self::CaptureAfterSwitch`]) and may take the capture
+    /// again at once: the backend sends `stop` first on the next one.
+    #[error("QEMU resumed the guest before the disk switch was done: capture discarded")]
+    SwitchedAfterResume,
     /// Refused before anything changed, with the code that says why (a libvirt domain that
     /// cannot be adopted, say).
     #[error("{message}")]
@@ -248,7 +255,8 @@ pub trait VmBackend: Send {
     /// RAM/device capture and lets the guest run on while the state streams out. Each switch's
     /// `new_active` already exists: an empty overlay whose backing file is the disk's active
     /// layer (created by the caller outside the pause). An error other than
-    /// [`BackendError::CaptureAfterSwitch`] means the disks did not switch.
+    /// [`BackendError::CaptureAfterSwitch`] or [`BackendError::SwitchedAfterResume`] means the
+    /// disks did not switch.
     fn begin_capture(&mut self, switches: &[DiskSwitch]) -> Result<CaptureStream>;
     /// Waits for the capture started by `begin_capture` to finish (after its stream hit EOF).
     fn finish_capture(&mut self) -> Result<CaptureReport>;

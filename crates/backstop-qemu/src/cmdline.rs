@@ -21,12 +21,24 @@ pub fn fresh_node_name(disk_id: &str, path: &std::path::Path) -> String {
 #[cfg(feature = "fault-injection")]
 pub const SECOND_MONITOR_FAULT: &str = "qmp.second-monitor";
 
-/// The fault-injection setting that makes every capture on QEMU ≥ 9.0 write `stop` right behind
-/// `migrate` (a lead of 0, a lost race retried that way up to 4 times), instead of the lead
+/// The fault-injection setting that makes every capture where `vm.capture_order` allows it
+/// (QEMU ≥ 9.0 by default) write `stop` right behind `migrate` (a lead of 0, a lost race retried that way up to 4 times), instead of the lead
 /// learnt from QEMU's setup times: the same-instant tests then check RAM and disk agree in
 /// that order.
 #[cfg(feature = "fault-injection")]
 pub const MIGRATE_FIRST_FAULT: &str = "capture.migrate-first";
+
+/// The fault-injection setting that makes every capture where `vm.capture_order` allows it
+/// write `stop` right behind `migrate` and then hold its disk switch back
+/// [`SWITCH_HELD_BACK`]: on 7.2/8.x, whose snapshot thread resumes the guest by itself, such
+/// a capture switches after that resume and is discarded (`SwitchedAfterResume`), and the
+/// engine takes it again (`stop` first).
+#[cfg(feature = "fault-injection")]
+pub const SWITCH_AFTER_RESUME_FAULT: &str = "capture.switch-after-resume";
+
+/// How long [`SWITCH_AFTER_RESUME_FAULT`] holds the disk switch back.
+#[cfg(feature = "fault-injection")]
+pub const SWITCH_HELD_BACK: std::time::Duration = std::time::Duration::from_millis(1500);
 
 /// qdev id of a disk's virtio-blk device.
 pub fn device_id(disk_id: &str) -> String {
@@ -366,6 +378,7 @@ pub(crate) mod tests_support {
             disk_shape: vec![("data".into(), true)],
             devices: Default::default(),
             huge_pages: Default::default(),
+            capture_order: Default::default(),
         }
     }
 }

@@ -145,6 +145,8 @@ pub struct QemuConfig {
     pub devices: devices::DeviceShape,
     /// Which ranges of guest RAM are mapped huge again after each capture (`vm.huge_pages`).
     pub huge_pages: huge_pages::HugePages,
+    /// Where a capture may send `migrate` before `stop` (`vm.capture_order`).
+    pub capture_order: version::CaptureOrder,
 }
 
 /// Device types that are grantable host hardware (or its emulated stand-ins) and are taken
@@ -198,6 +200,9 @@ struct Running {
     /// Captures whose `stop` came after QEMU's own (discarded and taken again), for the log
     /// and `status`.
     lost_races: u64,
+    /// The last capture switched the disks after QEMU's own resume (7.2/8.x) and was
+    /// discarded: the next one sends `stop` first, whatever the lead.
+    stop_first_next: bool,
     /// Reads its listen-only events monitor and wakes the actor (`events.rs`); `None` until
     /// the engine hands a waker, or if the monitor could not be read (the tick still looks).
     events: Option<events::EventWatch>,
@@ -270,6 +275,10 @@ pub struct QemuBackend {
     /// (`slow_discard`).
     #[cfg(feature = "fault-injection")]
     slow_discard: Duration,
+    /// Test-only: a capture sent `migrate` first waits this long after its `stop` before the
+    /// disk switch (`delay_switch`).
+    #[cfg(feature = "fault-injection")]
+    delay_switch: Duration,
 }
 
 impl QemuBackend {
@@ -312,6 +321,8 @@ impl QemuBackend {
             forced_lead: None,
             #[cfg(feature = "fault-injection")]
             slow_discard: Duration::ZERO,
+            #[cfg(feature = "fault-injection")]
+            delay_switch: Duration::ZERO,
         }
     }
 
@@ -325,7 +336,10 @@ impl QemuBackend {
         if migrate_first_fault() {
             return Some(Duration::ZERO);
         }
-        self.running.as_ref().and_then(|r| r.setup_times.lead())
+        self.running
+            .as_ref()
+            .filter(|r| self.cfg.capture_order.allows_lead(r.plan.resume))
+            .and_then(|r| r.setup_times.lead())
     }
 
     /// How many times a capture whose `stop` lost the race is tried again in the same order
@@ -333,7 +347,7 @@ impl QemuBackend {
     /// (same-instant tests must see that order even where QEMU's setup is ~1 ms).
     fn early_retries(&self) -> u32 {
         #[cfg(feature = "fault-injection")]
-        if self.forced_lead.is_none() && migrate_first_fault() {
+        if self.forced_lead.is_none() && migrate_first_fault() && !switch_after_resume_fault() {
             return 4;
         }
         0
@@ -355,6 +369,32 @@ impl QemuBackend {
         self.slow_discard = delay;
     }
 
+    /// Test-only: captures from now on follow `order` (`vm.capture_order`, set at launch
+    /// otherwise).
+    #[cfg(feature = "fault-injection")]
+    pub fn set_capture_order(&mut self, order: version::CaptureOrder) {
+        self.cfg.capture_order = order;
+    }
+
+    /// Test-only: a capture that sent `migrate` first and won its race waits `delay` before
+    /// switching the disks, long enough for QEMU 7.2/8.x to resume the guest first (the case
+    /// `BackendError::SwitchedAfterResume` covers).
+    #[cfg(feature = "fault-injection")]
+    pub fn delay_switch(&mut self, delay: Duration) {
+        self.delay_switch = delay;
+    }
+
+    fn switch_delay(&self) -> Duration {
+        #[cfg(feature = "fault-injection")]
+        if switch_after_resume_fault() {
+            return cmdline::SWITCH_HELD_BACK;
+        }
+        #[cfg(feature = "fault-injection")]
+        return self.delay_switch;
+        #[cfg(not(feature = "fault-injection"))]
+        Duration::ZERO
+    }
+
     fn discard_delay(&self) -> Duration {
         #[cfg(feature = "fault-injection")]
         return self.slow_discard;
@@ -363,12 +403,13 @@ impl QemuBackend {
     }
 
     /// `vm.huge_pages` as it applies to the running QEMU (`HugePages::effective`): `all` only
-    /// where captures send `migrate` before `stop` (≥ 9.0).
+    /// where captures may send `migrate` before `stop` (≥ 9.0 by default, every version with
+    /// `vm.capture_order = "migrate-first"`).
     fn huge_pages(&self) -> huge_pages::HugePages {
         let early = self
             .running
             .as_ref()
-            .is_some_and(|r| r.plan.resume == Resume::AfterWriteTracking);
+            .is_some_and(|r| self.cfg.capture_order.allows_lead(r.plan.resume));
         self.cfg.huge_pages.effective(early)
     }
 
@@ -412,6 +453,7 @@ impl QemuBackend {
     ) -> Result<Option<CaptureStream>> {
         let t = self.cfg.qmp_timeout;
         let discard_delay = self.discard_delay();
+        let switch_delay = self.switch_delay();
         // Which node each disk's device currently writes to: its active layer's node name.
         let mut actions = Vec::new();
         let mut frozen = Vec::new();
@@ -501,7 +543,7 @@ impl QemuBackend {
         let mut ends: Vec<(&'static str, u64)> = Vec::new();
         // `migrate` before `stop` (≥ 9.0, a running guest, a lead learnt on this QEMU): QEMU
         // pre-faults guest RAM while the guest still runs (`version::SetupTimes`).
-        let early = lead.filter(|_| was_running && plan.resume == Resume::AfterWriteTracking);
+        let early = lead.filter(|_| was_running && self.cfg.capture_order.allows_lead(plan.resume));
         let migrate_args = json!({ "uri": format!("fd:{CAPTURE_FD}") });
         let migrate = |qmp: &mut Qmp| qmp.execute("migrate", Some(migrate_args.clone()), t);
         // Once `migrate` went in, QEMU writes the stream: it is read from then on, and an
@@ -624,6 +666,9 @@ impl QemuBackend {
                 return Err(e);
             }
         };
+        if early.is_some() && !switch_delay.is_zero() {
+            std::thread::sleep(switch_delay);
+        }
         let switched = if actions.is_empty() {
             Ok(Value::Null)
         } else {
@@ -641,6 +686,33 @@ impl QemuBackend {
         // The disks switched: from here on an error keeps the new overlays in the chains.
         self.disks = new_disks;
         self.active_nodes = new_nodes;
+        // 7.2/8.x with `migrate` first: QEMU's snapshot thread resumes the guest by itself
+        // once its write tracking is on, and nothing holds that resume until the switch is
+        // done. QEMU's monitor sends events and answers in the order they happen: a RESUME
+        // that came before the switch's answer let the guest run (and write the old top
+        // layers) between the RAM instant and the switch. Not a snapshot: it is read out and
+        // discarded while the guest runs on the new layers, and the caller takes it again.
+        if early.is_some()
+            && plan.resume == Resume::ByQemu
+            && guard.qmp().queued().any(|e| e.name == "RESUME")
+        {
+            let setup_us = guard
+                .qmp()
+                .queued_event(|e| {
+                    e.name == "MIGRATION"
+                        && e.data.get("status").and_then(Value::as_str) == Some("active")
+                })
+                .map(|active| active.timestamp_us.saturating_sub(migrate_sent_us));
+            drop(guard);
+            capture.abandon(&mut r.qmp, t);
+            if let Some(us) = setup_us {
+                r.setup_times.record(us);
+            }
+            r.setup_times.raced(true);
+            r.lost_races += 1;
+            r.stop_first_next = true;
+            return Err(BackendError::SwitchedAfterResume);
+        }
         let started = fault_point!(fault, AfterTransaction).and_then(|()| {
             if capture.is_started() {
                 return Ok(());
@@ -910,12 +982,14 @@ impl QemuBackend {
         };
         tracing::info!(qemu = %plan.version, resume = ?plan.resume, "qemu probed");
         let huge_pages = self.cfg.huge_pages;
-        if huge_pages.effective(plan.resume == Resume::AfterWriteTracking) != huge_pages {
+        if huge_pages.effective(self.cfg.capture_order.allows_lead(plan.resume)) != huge_pages {
             tracing::warn!(
                 qemu = %plan.version,
-                "vm.huge_pages = \"all\" needs QEMU 9.0 or later (captures there pre-fault guest \
-                 RAM before the pause; here it is inside the pause and a wholly resident RAM makes \
-                 it longer): \"resident\" is used"
+                capture_order = self.cfg.capture_order.as_str(),
+                "vm.huge_pages = \"all\" needs QEMU 9.0 or later, or vm.capture_order = \
+                 \"migrate-first\" (captures there pre-fault guest RAM before the pause; here it \
+                 is inside the pause and a wholly resident RAM makes it longer): \"resident\" is \
+                 used"
             );
         }
         let agent = agent::AgentChannel::connect(&self.cfg.run_dir.join("agent.sock"));
@@ -935,6 +1009,7 @@ impl QemuBackend {
             setup_times: Default::default(),
             last_lost_stop_us: None,
             lost_races: 0,
+            stop_first_next: false,
             events: self.watch_events(),
             regather: None,
         })
@@ -1061,10 +1136,18 @@ fn migration_end(qmp: &mut Qmp, step: &'static str) -> Result<String> {
         .to_string())
 }
 
-/// Test-only: whether `BACKSTOP_FAULT_INJECT` arms `cmdline::MIGRATE_FIRST_FAULT`.
+/// Test-only: whether `BACKSTOP_FAULT_INJECT` arms `cmdline::MIGRATE_FIRST_FAULT` (or
+/// `cmdline::SWITCH_AFTER_RESUME_FAULT`, which sends `migrate` first too).
 #[cfg(feature = "fault-injection")]
 fn migrate_first_fault() -> bool {
     std::env::var("BACKSTOP_FAULT_INJECT").as_deref() == Ok(cmdline::MIGRATE_FIRST_FAULT)
+        || switch_after_resume_fault()
+}
+
+/// Test-only: whether `BACKSTOP_FAULT_INJECT` arms `cmdline::SWITCH_AFTER_RESUME_FAULT`.
+#[cfg(feature = "fault-injection")]
+fn switch_after_resume_fault() -> bool {
+    std::env::var("BACKSTOP_FAULT_INJECT").as_deref() == Ok(cmdline::SWITCH_AFTER_RESUME_FAULT)
 }
 
 /// The capture stream's read end through `begin_capture`: the pipe until `migrate` went in,
@@ -1300,7 +1383,15 @@ impl VmBackend for QemuBackend {
     fn begin_capture(&mut self, switches: &[DiskSwitch]) -> Result<CaptureStream> {
         #[allow(clippy::let_unit_value)]
         let fault = self.take_fault(false);
-        let mut lead = self.migrate_lead();
+        let stop_first = self
+            .running
+            .as_mut()
+            .is_some_and(|r| std::mem::take(&mut r.stop_first_next));
+        let mut lead = if stop_first {
+            None
+        } else {
+            self.migrate_lead()
+        };
         let mut early_tries = self.early_retries();
         loop {
             if let Some(stream) = self.begin_capture_once(switches, fault, lead)? {
@@ -1794,12 +1885,18 @@ impl VmBackend for QemuBackend {
         if self.cfg.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa {
             m.insert("clock_resynced".into(), self.clock_resynced().into());
         }
-        // On ≥ 9.0: how far ahead of `stop` the next capture sends `migrate` (null: `stop`
-        // first), and how many captures of this QEMU lost that race and were taken again.
+        m.insert(
+            "capture_order".into(),
+            self.cfg.capture_order.as_str().into(),
+        );
+        // Where `capture_order` lets `migrate` go first (≥ 9.0; 7.2/8.x too with
+        // `migrate-first`): how far ahead of `stop` the next capture sends `migrate` (null:
+        // `stop` first), and how many captures of this QEMU lost that race (or, on 7.2/8.x,
+        // switched the disks after QEMU's own resume) and were taken again.
         if let Some(r) = self
             .running
             .as_ref()
-            .filter(|r| r.plan.resume == Resume::AfterWriteTracking)
+            .filter(|r| self.cfg.capture_order.allows_lead(r.plan.resume))
         {
             m.insert(
                 "capture_migrate_first".into(),

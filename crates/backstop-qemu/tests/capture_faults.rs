@@ -144,6 +144,7 @@ impl Vm {
             disk_shape: vec![("data".into(), true)],
             devices: Default::default(),
             huge_pages: Default::default(),
+            capture_order: Default::default(),
         };
         let mut backend = QemuBackend::new(cfg);
         backend
@@ -220,6 +221,11 @@ impl Vm {
             new_active: next.clone(),
         }]) {
             Ok(s) => s,
+            Err(BackendError::SwitchedAfterResume) => {
+                // The disks switched, the capture was discarded: the guest writes `next` now.
+                self.active = next;
+                return Err(BackendError::SwitchedAfterResume);
+            }
             Err(e) => {
                 if let BackendError::CaptureAfterSwitch(_) = e {
                     self.active = next;
@@ -489,5 +495,123 @@ fn migrate_goes_in_before_stop_on_qemus_that_keep_a_stopped_guest_stopped() {
         vm.last_tick() > ticks_before,
         "the guest ran through the 3 s lead"
     );
+    vm.wait_ticks(2, Duration::from_secs(30));
+}
+
+/// `vm.capture_order = "migrate-first"` on a QEMU whose snapshot thread resumes the guest by
+/// itself (7.2/8.x): `migrate` goes in before `stop` there too (the pause loses QEMU's
+/// pre-fault of guest RAM), and a capture whose disk switch was done only after QEMU's own
+/// resume is no snapshot: it is discarded with `SwitchedAfterResume` (the disks stay
+/// switched, the guest runs on), and the next capture goes `stop` first. On ≥ 9.0 the order
+/// changes nothing (`auto` sends `migrate` first there already; the test above).
+#[test]
+fn migrate_first_on_a_qemu_that_resumes_by_itself_discards_a_switch_after_that_resume() {
+    let name = "migrate_first_on_a_qemu_that_resumes_by_itself_discards_a_switch_after_that_resume";
+    if skip(name) {
+        return;
+    }
+    let mut vm = Vm::boot_with("order", 1024);
+    let plan = vm.backend.capture_plan().unwrap();
+    if plan.resume != backstop_qemu::Resume::ByQemu {
+        eprintln!(
+            "SKIPPED {name}: QEMU {} keeps a stopped guest stopped (the test above covers it)",
+            plan.version
+        );
+        return;
+    }
+    vm.backend
+        .set_capture_order(backstop_qemu::version::CaptureOrder::MigrateFirst);
+    let (first, _) = vm.snapshot_report().unwrap();
+    assert!(
+        phases(&first).contains(&"migrate"),
+        "the first capture on a QEMU has no lead yet: {:?}",
+        first.pause_breakdown
+    );
+    assert!(
+        vm.backend
+            .status_details()
+            .get("capture_migrate_first")
+            .is_some(),
+        "migrate-first status on 7.2/8.x once the order allows it"
+    );
+    // `stop` right behind `migrate`: up to five tries for one capture in that order (a `stop`
+    // whose STOP came after QEMU's `active` counts as lost and is taken again, `stop` first).
+    vm.backend.force_migrate_lead(Some(Duration::ZERO));
+    let mut early = None;
+    for i in 0..5 {
+        let lost_before = vm.backend.lost_races();
+        let (report, bytes) = vm.snapshot_report().unwrap();
+        let lost = vm.backend.lost_races() - lost_before;
+        eprintln!(
+            "no lead, snapshot {i}: pause {} us {:?}, lost {lost}",
+            report.pause_us, report.pause_breakdown
+        );
+        assert!(bytes > 1 << 20 && report.pause_us > 0);
+        assert_eq!(
+            phases(&report).contains(&"migrate"),
+            lost == 1,
+            "lost {lost}: {:?}",
+            report.pause_breakdown
+        );
+        assert_eq!(vm.status(), "running");
+        if lost == 0 {
+            early = Some(report);
+            break;
+        }
+    }
+    let early = early.expect("stop right behind migrate lost to QEMU's stop 5 times");
+    // QEMU's own device save, write-protection start and resume end the pause.
+    assert_eq!(
+        phases(&early).last(),
+        Some(&"resume"),
+        "{:?}",
+        early.pause_breakdown
+    );
+    // A switch held back 1.5 s after a `stop` that won: QEMU's thread resumes the guest long
+    // before it. That capture must not be kept.
+    vm.backend.delay_switch(Duration::from_millis(1500));
+    let ticks_before = vm.last_tick();
+    let mut discarded = false;
+    for i in 0..5 {
+        let lost_before = vm.backend.lost_races();
+        match vm.snapshot_report() {
+            Err(BackendError::SwitchedAfterResume) => {
+                assert_eq!(vm.backend.lost_races(), lost_before + 1);
+                discarded = true;
+                break;
+            }
+            Ok((report, _)) => {
+                // Only a lost race (QEMU's stop first, taken again `stop` first) is kept.
+                assert_eq!(
+                    vm.backend.lost_races(),
+                    lost_before + 1,
+                    "try {i}: a capture switched 1.5 s after its stop was kept: {:?}",
+                    report.pause_breakdown
+                );
+                assert!(phases(&report).contains(&"migrate"));
+            }
+            Err(e) => panic!("try {i}: {e}"),
+        }
+    }
+    assert!(discarded, "no capture won its race in 5 tries");
+    assert_eq!(vm.status(), "running", "after a discarded capture");
+    assert!(
+        vm.last_tick() > ticks_before,
+        "the guest ran while the switch was held back (QEMU resumed it)"
+    );
+    // The next capture goes `stop` first whatever the lead, and works on the switched disk.
+    let (report, bytes) = vm
+        .snapshot_report()
+        .expect("the capture after a discarded one");
+    assert!(
+        phases(&report).contains(&"migrate"),
+        "taken again with stop first: {:?}",
+        report.pause_breakdown
+    );
+    assert!(bytes > 1 << 20 && report.pause_us > 0);
+    vm.backend.delay_switch(Duration::ZERO);
+    vm.backend.force_migrate_lead(None);
+    vm.snapshot().expect("a stop-first snapshot afterwards");
+    assert_eq!(vm.status(), "running");
     vm.wait_ticks(2, Duration::from_secs(30));
 }

@@ -387,6 +387,12 @@ impl Config {
                 return bad("rollback.standby", &why);
             }
         }
+        if vm.backend != "qemu" && vm.capture_order != backstop_qemu::version::CaptureOrder::Auto {
+            return bad(
+                "vm.capture_order",
+                "for the qemu backend only (a libvirt domain is suspended before its capture)",
+            );
+        }
         if self.rollback.preload && !self.rollback.standby {
             return bad(
                 "rollback.preload",

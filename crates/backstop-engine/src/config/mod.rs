@@ -456,6 +456,15 @@ pub struct VmConfig {
     /// 7.2/8.x and for a libvirt domain it falls back to `resident` with a warning.
     #[serde(default)]
     pub huge_pages: backstop_qemu::huge_pages::HugePages,
+    /// Whether a capture may send `migrate` before `stop`, so that QEMU's setup (it reads one
+    /// byte of every page of guest RAM: ~10-25 ms at 1 GiB) runs while the guest still runs
+    /// and only the rest is inside the pause: `auto` (default) on QEMU ≥ 9.0 only,
+    /// `migrate-first` on 7.2/8.x too (where QEMU resumes the guest itself, so a capture
+    /// whose disk switch came after that resume is discarded and taken again, `stop` first),
+    /// `stop-first` never. The lead is learnt per QEMU (README, "`migrate` before `stop`").
+    /// QEMU backend.
+    #[serde(default)]
+    pub capture_order: backstop_qemu::version::CaptureOrder,
     /// `backend = "libvirt"`: the running libvirt domain to adopt (`[vm.libvirt]`).
     pub libvirt: Option<LibvirtSection>,
 }

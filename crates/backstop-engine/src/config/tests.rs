@@ -462,6 +462,50 @@ fn huge_pages_are_regathered_where_resident_unless_all_is_asked_for() {
 }
 
 #[test]
+fn the_capture_order_is_auto_unless_set_and_qemu_only() {
+    use backstop_qemu::version::CaptureOrder;
+    let with = |extra: &str| {
+        DEFAULT_CONFIG.replace("memory_mib = 256", &format!("memory_mib = 256\n{extra}"))
+    };
+    assert_eq!(
+        Config::parse(DEFAULT_CONFIG).unwrap().vm.capture_order,
+        CaptureOrder::Auto
+    );
+    for (value, order) in [
+        ("auto", CaptureOrder::Auto),
+        ("migrate-first", CaptureOrder::MigrateFirst),
+        ("stop-first", CaptureOrder::StopFirst),
+    ] {
+        let cfg = Config::parse(&with(&format!("capture_order = \"{value}\""))).unwrap();
+        assert_eq!(cfg.vm.capture_order, order);
+        assert_eq!(order.as_str(), value);
+    }
+    for bad in ["\"migrate_first\"", "\"Auto\"", "true", "1"] {
+        let err = Config::parse(&with(&format!("capture_order = {bad}")))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("capture_order"), "{bad}: {err}");
+    }
+    if backstop_libvirt::AVAILABLE {
+        let on_libvirt = LIBVIRT.replace(
+            "backend = \"libvirt\"",
+            "backend = \"libvirt\"\ncapture_order = \"migrate-first\"",
+        );
+        let err = Config::parse(&on_libvirt).unwrap_err().to_string();
+        assert!(
+            err.contains("vm.capture_order") && err.contains("qemu backend only"),
+            "{err}"
+        );
+        assert!(!err.contains('\n'), "{err}");
+        let auto = LIBVIRT.replace(
+            "backend = \"libvirt\"",
+            "backend = \"libvirt\"\ncapture_order = \"auto\"",
+        );
+        Config::parse(&auto).unwrap();
+    }
+}
+
+#[test]
 fn libvirt_devices_are_one_checked_device_element() {
     if !backstop_libvirt::AVAILABLE {
         return;
