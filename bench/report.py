@@ -6,6 +6,7 @@ import textwrap
 
 CONTENDERS = [("backstop", "backstop"), ("bsstandby", "backstop + standby"),
               ("bspreload", "backstop + preload"), ("bshuge", "backstop, huge_pages all"),
+              ("bsorder", "backstop, migrate first"),
               ("bslibvirt", "backstop on libvirt"), ("virsh", "virsh internal"),
               ("stopcopy", "stop-and-copy"), ("qemubg", "QEMU bg-snap"), ("host", "host")]
 # Columns backstop is divided by. "QEMU bg-snap" is plain QEMU's own live snapshot into a file
@@ -437,7 +438,7 @@ def chart_one(summary, path):
         return False
     f = summary["figures"]
     names = dict(CONTENDERS)
-    colors = {"backstop": "#1f77b4", "bsstandby": "#17becf", "bspreload": "#bcbd22", "bshuge": "#8c564b", "bslibvirt": "#9467bd", "virsh": "#d62728", "stopcopy": "#ff7f0e", "qemubg": "#2ca02c",
+    colors = {"backstop": "#1f77b4", "bsstandby": "#17becf", "bspreload": "#bcbd22", "bshuge": "#8c564b", "bsorder": "#e377c2", "bslibvirt": "#9467bd", "virsh": "#d62728", "stopcopy": "#ff7f0e", "qemubg": "#2ca02c",
               "host": "#7f7f7f"}
     panels = [
         ("Guest pause per snapshot (ms, log)", ["pause_stopped", "pause_silence", "pause_guest_clock"],
@@ -554,18 +555,22 @@ def headline(raw, per):
             lambda m: m <= pause_goal)
         row("pause seen by the guest (its clock stopped)", _g(f, "pause_stopped", "values", "backstop"),
             "ms", f"<= {pause_goal} ms at 1 GiB", lambda m: m <= pause_goal)
-        # The same with `vm.huge_pages = "all"` (the guest's whole RAM mapped huge after each
-        # snapshot), when that contender ran.
-        hp = _g(f, "pause_qemu_events", "values", "bshuge")
-        if hp:
-            row('huge_pages = "all": pause (QEMU STOP->RESUME)', hp, "ms",
-                f"<= {pause_goal} ms at 1 GiB", lambda m: m <= pause_goal)
-            row('huge_pages = "all": pause seen by the guest',
-                _g(f, "pause_stopped", "values", "bshuge"), "ms", f"<= {pause_goal} ms at 1 GiB",
-                lambda m: m <= pause_goal)
+        # The same with one backstop option set, when that contender ran: `vm.huge_pages = "all"`
+        # (the guest's whole RAM mapped huge after each snapshot), `vm.capture_order =
+        # "migrate-first"` (QEMU < 9.0; on >= 9.0 that is what backstop does by default).
+        for contender, what in (("bshuge", 'huge_pages = "all"'),
+                                ("bsorder", 'capture_order = "migrate-first"')):
+            st = _g(f, "pause_qemu_events", "values", contender)
+            if st:
+                row(f"{what}: pause (QEMU STOP->RESUME)", st, "ms",
+                    f"<= {pause_goal} ms at 1 GiB", lambda m: m <= pause_goal)
+                row(f"{what}: pause seen by the guest",
+                    _g(f, "pause_stopped", "values", contender), "ms",
+                    f"<= {pause_goal} ms at 1 GiB", lambda m: m <= pause_goal)
         # Where the pause went, phase by phase (backstop's manifest, every snapshot of this QEMU).
         for contender, key in (("backstop", "pause_breakdown_ms"),
-                               ("bshuge", "huge_pages_all_pause_breakdown_ms")):
+                               ("bshuge", "huge_pages_all_pause_breakdown_ms"),
+                               ("bsorder", "migrate_first_pause_breakdown_ms")):
             phases = {}
             for r in raw["records"]:
                 if r["contender"] != contender or (lab != "None" and r.get("qemu") != lab):
@@ -698,6 +703,7 @@ def headline_table(summary):
             lines.append("  pause breakdown (ms, median [min..max]): "
                          + ", ".join(f"{k} {_cell(st)}" for k, st in pb.items()))
         for key, what in (("huge_pages_all_pause_breakdown_ms", 'huge_pages = "all": pause breakdown'),
+                          ("migrate_first_pause_breakdown_ms", 'capture_order = "migrate-first": pause breakdown'),
                           ("rollback_breakdown_ms", "rollback breakdown"),
                           ("standby_rollback_breakdown_ms", "with a standby: rollback breakdown"),
                           ("preload_rollback_breakdown_ms", "with a preload: rollback breakdown"),

@@ -191,6 +191,14 @@ def qemu_version(binary):
     return first, (m.group(1) if m else None)
 
 
+def qemu_major(label):
+    """The major version in a QEMU label ("7.2.22" -> 7); 0 when the label is no version."""
+    try:
+        return int(str(label).split(".")[0])
+    except ValueError:
+        return 0
+
+
 def rollback_and_wait(c, busy):
     """Rolls `c` back to its snapshot `busy` and waits (up to 120 s) until the restored guest's
     first workload tick is on the console, so the figures after it see a running guest."""
@@ -360,9 +368,10 @@ def main(argv=None):
     ap.add_argument("--contenders",
                     help="comma-separated subset of backstop,bsstandby (backstop with a standby "
                          "QEMU),bspreload (the same, the snapshot preloaded into it),bshuge "
-                         "(backstop with vm.huge_pages = \"all\"),bslibvirt "
+                         "(backstop with vm.huge_pages = \"all\"),bsorder (backstop with "
+                         "vm.capture_order = \"migrate-first\", QEMU < 9.0 only),bslibvirt "
                          "(backstop guarding a libvirt domain),virsh,stopcopy "
-                         "(default: all; --quick leaves bsstandby, bspreload and bshuge out)")
+                         "(default: all; --quick leaves bsstandby, bspreload, bshuge and bsorder out)")
     ap.add_argument("--qemu", action="append", metavar="BINARY",
                     help="a QEMU to run every contender on (repeat for several; default: the "
                          "system qemu-system-x86_64 and $BENCH_QEMU10, which scripts/bench.sh sets "
@@ -426,7 +435,7 @@ def main(argv=None):
         f" backstop.dirty_every={env.dirty_every}"
     )
     contenders = a.contenders or ("backstop,bslibvirt,virsh,stopcopy" if a.quick
-                                  else "backstop,bsstandby,bspreload,bshuge,bslibvirt,virsh,stopcopy")
+                                  else "backstop,bsstandby,bspreload,bshuge,bsorder,bslibvirt,virsh,stopcopy")
     names = [n.strip() for n in contenders.split(",") if n.strip()]
     for n in names:
         if n not in C.CONTENDERS:
@@ -436,7 +445,7 @@ def main(argv=None):
     for f in ("vmlinuz", "initrd.img", "disk-base.qcow2"):
         if not (env.guest / f).exists():
             ap.error(f"guest file {env.guest / f} missing (scripts/setup.sh builds it)")
-    if {"backstop", "bsstandby", "bspreload", "bshuge", "bslibvirt"} & set(names) and not env.backstopd.exists():
+    if {"backstop", "bsstandby", "bspreload", "bshuge", "bsorder", "bslibvirt"} & set(names) and not env.backstopd.exists():
         ap.error(f"{env.backstopd} missing (cargo build --release -p backstopd -p backstop-cli)")
 
     t_run = time.monotonic()
@@ -499,6 +508,9 @@ def main(argv=None):
                 env.qemu, env.qemu_label = q["binary"], q["label"]
                 for n in names:
                     if n in ("virsh", "bslibvirt") and not q["virsh"]:
+                        continue
+                    # On >= 9.0 `migrate` goes first by default: bsorder would be backstop again.
+                    if n == "bsorder" and qemu_major(q["label"]) >= 9:
                         continue
                     records.append(run_rep(C.CONTENDERS[n], env, rep))
                     save()

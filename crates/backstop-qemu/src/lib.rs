@@ -617,13 +617,7 @@ impl QemuBackend {
                 // drain, all of it a pause when the guest waited for it). `cont` only once
                 // QEMU's write tracking is on: QEMU's snapshot thread and its resume are then
                 // behind us (see `wait_write_tracking`); meanwhile the stream is still read.
-                let setup_us = guard
-                    .qmp()
-                    .queued_event(|e| {
-                        e.name == "MIGRATION"
-                            && e.data.get("status").and_then(Value::as_str) == Some("active")
-                    })
-                    .map(|active| active.timestamp_us.saturating_sub(migrate_sent_us));
+                let setup_us = queued_setup_us(guard.qmp(), migrate_sent_us);
                 let tracking = wait_write_tracking(guard.qmp(), t, &clock);
                 // The guest's last stop so far: QEMU's own STOP comes first when it won, and
                 // backstop's after QEMU's RESUME (a `stop` that landed inside QEMU's own pause
@@ -696,13 +690,7 @@ impl QemuBackend {
             && plan.resume == Resume::ByQemu
             && guard.qmp().queued().any(|e| e.name == "RESUME")
         {
-            let setup_us = guard
-                .qmp()
-                .queued_event(|e| {
-                    e.name == "MIGRATION"
-                        && e.data.get("status").and_then(Value::as_str) == Some("active")
-                })
-                .map(|active| active.timestamp_us.saturating_sub(migrate_sent_us));
+            let setup_us = queued_setup_us(guard.qmp(), migrate_sent_us);
             drop(guard);
             capture.abandon(&mut r.qmp, t);
             if let Some(us) = setup_us {
@@ -1218,6 +1206,15 @@ fn wait_write_tracking(qmp: &mut Qmp, t: Duration, clock: &pause::PauseClock) ->
         }
         std::thread::sleep(Duration::from_micros(200));
     }
+}
+
+/// QEMU's setup for a capture whose `migrate` went in at `migrate_sent_us` (on the pause
+/// clock): until its `MIGRATION` `active`, if that event is still queued.
+fn queued_setup_us(qmp: &Qmp, migrate_sent_us: u64) -> Option<u64> {
+    qmp.queued_event(|e| {
+        e.name == "MIGRATION" && e.data.get("status").and_then(Value::as_str) == Some("active")
+    })
+    .map(|active| active.timestamp_us.saturating_sub(migrate_sent_us))
 }
 
 /// µs as ms to a tenth, for `status`.

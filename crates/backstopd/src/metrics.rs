@@ -190,7 +190,9 @@ pub fn exposition(
         granted
             .get_or_create(&vm)
             .set(gauge_i64(s.granted_devices.len() as u64));
-        // QEMU ≥ 9.0 only (the backend says it under `capture_migrate_first`).
+        // Where captures may send `migrate` first (QEMU ≥ 9.0, or 7.2/8.x with
+        // `vm.capture_order = "migrate-first"`: the backend says it under
+        // `capture_migrate_first`).
         if let Some(lost) = s
             .backend_details
             .get("capture_migrate_first")
