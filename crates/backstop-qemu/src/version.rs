@@ -375,7 +375,11 @@ mod tests {
         let mut t = SetupTimes::default();
         t.record(1_000); // the QEMU's first capture: not counted
         t.record(40_000);
-        assert_eq!(t.lead(), None, "a single (possibly long) setup time: stop first");
+        assert_eq!(
+            t.lead(),
+            None,
+            "a single (possibly long) setup time: stop first"
+        );
         t.record(24_000);
         assert_eq!(t.lead(), Some(std::time::Duration::from_millis(18)));
     }
