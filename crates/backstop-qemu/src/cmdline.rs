@@ -106,7 +106,9 @@ fn command_line_with(
     let run = &cfg.run_dir;
     let mut a: Vec<String> = Vec::new();
     let mut push = |parts: &[&str]| a.extend(parts.iter().map(|s| s.to_string()));
-    push(&["-name", &cfg.vm_name]);
+    // Named threads (`debug-threads`): the capture watches the CPU time of QEMU's snapshot
+    // thread (`snapshot_thread.rs`), and `top -H` shows an operator which thread is busy.
+    push(&["-name", &format!("{},debug-threads=on", cfg.vm_name)]);
     // UEFI: OVMF's code read-only, the VM's own variable store (a captured disk) writable.
     let flash = match &cfg.ovmf_code {
         Some(_) => format!(

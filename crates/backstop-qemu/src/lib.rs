@@ -32,6 +32,7 @@ mod preload;
 pub mod qga;
 pub mod qmp;
 mod serial_log;
+mod snapshot_thread;
 mod standby;
 pub mod stream_chunks;
 pub mod version;
@@ -551,6 +552,19 @@ impl QemuBackend {
         // sets the run state.
         let mut capture = Capture::Pipe(reader);
         let mut migrate_sent_us = 0;
+        // Where `migrate` may go first on this QEMU: QEMU's snapshot thread's CPU time from
+        // `migrate` on (`snapshot_thread.rs`), to learn what its setup costs and, once learnt,
+        // to send `stop` by that instead of by the clock.
+        let watch_cpu = was_running && self.cfg.capture_order.allows_lead(plan.resume);
+        let qemu_pid = r.child.id();
+        let start_trace = || {
+            watch_cpu
+                .then(|| snapshot_thread::SnapshotThread::find(qemu_pid, Duration::from_millis(5)))
+                .flatten()
+                .map(|thread| snapshot_thread::CpuTrace::start(thread, clock))
+        };
+        let mut trace = None;
+        let cpu_target = r.setup_times.cpu_target();
         // With no lead at all, `stop` is written right behind `migrate`, before its answer.
         let mut stop_answer = None;
         if let Some(lead) = early {
@@ -581,7 +595,20 @@ impl QemuBackend {
                 close_nodes(r, &opened, t);
                 return Err(e);
             }
-            std::thread::sleep(lead.saturating_sub(sent.elapsed()));
+            trace = start_trace();
+            match (&trace, cpu_target) {
+                // `stop` once QEMU's thread has done that much of its setup's work, however
+                // long the host's load makes it take; but never later than a bound (a thread
+                // that gets no CPU at all would otherwise hold the capture).
+                (Some(cpu), Some(target)) if !lead.is_zero() => {
+                    let bound = (lead * 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
+                    let target_ns = target.as_nanos() as u64;
+                    while cpu.latest_ns() < target_ns && sent.elapsed() < bound {
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                }
+                _ => std::thread::sleep(lead.saturating_sub(sent.elapsed())),
+            }
         }
         let stopped = if was_running {
             stop_answer
@@ -646,9 +673,7 @@ impl QemuBackend {
                 capture.abandon(&mut r.qmp, t);
                 close_nodes(r, &opened, t);
                 // Its setup time, shorter than the lead, shortens the next one.
-                if let Some(us) = setup_us {
-                    r.setup_times.record(us);
-                }
+                learn_setup(&mut r.setup_times, migrate_sent_us, setup_us, trace);
                 r.setup_times.raced(true);
                 r.lost_races += 1;
                 return Ok(None);
@@ -693,9 +718,7 @@ impl QemuBackend {
             let setup_us = queued_setup_us(guard.qmp(), migrate_sent_us);
             drop(guard);
             capture.abandon(&mut r.qmp, t);
-            if let Some(us) = setup_us {
-                r.setup_times.record(us);
-            }
+            learn_setup(&mut r.setup_times, migrate_sent_us, setup_us, trace);
             r.setup_times.raced(true);
             r.lost_races += 1;
             r.stop_first_next = true;
@@ -708,6 +731,9 @@ impl QemuBackend {
             migrate_sent_us = clock.now_us();
             let sent = migrate(guard.qmp()).map(|_| ());
             ends.push(("migrate", clock.now_us()));
+            if sent.is_ok() {
+                trace = start_trace();
+            }
             sent
         });
         if let Err(e) = started {
@@ -743,8 +769,8 @@ impl QemuBackend {
         // QEMU's setup for this capture, from `migrate` to its `active` (which ended "setup").
         if let Some(&(_, active_us)) = ends.iter().find(|(phase, _)| *phase == "setup") {
             if migrate_sent_us > 0 {
-                r.setup_times
-                    .record(active_us.saturating_sub(migrate_sent_us));
+                let setup_us = active_us.saturating_sub(migrate_sent_us);
+                learn_setup(&mut r.setup_times, migrate_sent_us, Some(setup_us), trace);
             }
         }
         if early.is_some() {
@@ -1206,6 +1232,21 @@ fn wait_write_tracking(qmp: &mut Qmp, t: Duration, clock: &pause::PauseClock) ->
         }
         std::thread::sleep(Duration::from_micros(200));
     }
+}
+
+/// Records a capture's setup: its time from `migrate` (sent at `migrate_sent_us` on the pause
+/// clock) to QEMU's `active`, and the CPU QEMU's snapshot thread had used by then, if traced.
+fn learn_setup(
+    times: &mut version::SetupTimes,
+    migrate_sent_us: u64,
+    setup_us: Option<u64>,
+    trace: Option<snapshot_thread::CpuTrace>,
+) {
+    let Some(us) = setup_us else { return };
+    if let Some(cpu_us) = trace.and_then(|t| t.finish(migrate_sent_us.saturating_add(us))) {
+        times.record_cpu(cpu_us);
+    }
+    times.record(us);
 }
 
 /// QEMU's setup for a capture whose `migrate` went in at `migrate_sent_us` (on the pause
@@ -1905,6 +1946,10 @@ impl VmBackend for QemuBackend {
                     // What the lead is learnt from: QEMU's recent setup times (`migrate` to
                     // `MIGRATION active`), oldest first.
                     "setup_ms": r.setup_times.recent_us().map(ms_tenths).collect::<Vec<_>>(),
+                    // The CPU time QEMU's snapshot thread used for those setups, and how much
+                    // of it the next capture lets pass before `stop` (null: by the clock).
+                    "setup_cpu_ms": r.setup_times.recent_cpu_us().map(ms_tenths).collect::<Vec<_>>(),
+                    "stop_at_cpu_ms": r.setup_times.cpu_target().map(|c| ms_tenths(c.as_micros() as u64)),
                 }),
             );
         }

@@ -196,6 +196,7 @@ impl Prefetch {
 /// Host instants on the axis of QEMU's event timestamps (the host's real time, µs since the
 /// epoch). Host-side marks are read on the monotonic clock and placed on that axis by one anchor
 /// taken when the capture begins, so a wall-clock step during the pause cannot bend them.
+#[derive(Clone, Copy)]
 pub(crate) struct PauseClock {
     anchor_us: u64,
     anchor: std::time::Instant,

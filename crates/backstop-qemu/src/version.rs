@@ -172,6 +172,9 @@ pub struct SetupTimes {
     races: std::collections::VecDeque<bool>,
     /// The QEMU's first capture was seen (and not counted).
     first_seen: bool,
+    /// CPU time QEMU's snapshot thread had used by `active`, in µs, of the captures whose
+    /// thread was watched (`snapshot_thread.rs`), the QEMU's first not counted.
+    recent_cpu: std::collections::VecDeque<u64>,
 }
 
 impl SetupTimes {
@@ -179,6 +182,42 @@ impl SetupTimes {
     pub const KEEP: usize = 8;
     /// Below this a lead is not worth a discarded capture's risk.
     pub const MIN_LEAD: std::time::Duration = std::time::Duration::from_millis(3);
+
+    /// The CPU time QEMU's snapshot thread used from `migrate` to `active` in one capture,
+    /// in µs. Called before [`Self::record`] of the same capture (the QEMU's first is skipped).
+    pub fn record_cpu(&mut self, cpu_us: u64) {
+        if !self.first_seen {
+            return;
+        }
+        if self.recent_cpu.len() == Self::KEEP {
+            self.recent_cpu.pop_front();
+        }
+        self.recent_cpu.push_back(cpu_us);
+    }
+
+    /// The remembered CPU times, oldest first, in µs.
+    pub fn recent_cpu_us(&self) -> impl Iterator<Item = u64> + '_ {
+        self.recent_cpu.iter().copied()
+    }
+
+    /// How much CPU QEMU's snapshot thread may use after `migrate` before the next capture
+    /// sends `stop` (used instead of [`Self::lead`]'s clock where the thread can be watched):
+    /// 85% of the least its setup took in the remembered captures (at least two), 60% while a
+    /// race was lost among the last [`Self::KEEP`]. The setup's CPU time varies far less than
+    /// its wall time (4.7-7.6 ms against 9-110 ms, 1 GiB, loaded host), so the margin can be
+    /// narrower than the clock's three quarters.
+    pub fn cpu_target(&self) -> Option<std::time::Duration> {
+        if self.recent_cpu.len() < 2 {
+            return None;
+        }
+        let least = *self.recent_cpu.iter().min()?;
+        let us = if self.races.contains(&true) {
+            least / 10 * 6
+        } else {
+            least / 20 * 17
+        };
+        Some(std::time::Duration::from_micros(us))
+    }
 
     /// One capture's time from sending `migrate` to QEMU's `MIGRATION` `active`, in µs.
     pub fn record(&mut self, setup_us: u64) {
@@ -368,6 +407,39 @@ mod tests {
         assert!(CaptureOrder::MigrateFirst.allows_lead(AfterWriteTracking));
         assert!(!CaptureOrder::StopFirst.allows_lead(AfterWriteTracking));
         assert!(!CaptureOrder::StopFirst.allows_lead(ByQemu));
+    }
+
+    #[test]
+    fn the_cpu_target_is_most_of_the_least_cpu_setup_and_less_after_a_loss() {
+        let mut t = SetupTimes::default();
+        t.record_cpu(9_000); // the QEMU's first capture: not counted
+        t.record(30_000);
+        assert_eq!(t.cpu_target(), None);
+        t.record_cpu(6_000);
+        t.record(20_000);
+        assert_eq!(t.cpu_target(), None, "one CPU time alone");
+        t.record_cpu(5_000);
+        t.record(60_000);
+        assert_eq!(
+            t.cpu_target(),
+            Some(std::time::Duration::from_micros(4_250))
+        );
+        assert_eq!(t.recent_cpu_us().collect::<Vec<_>>(), [6_000, 5_000]);
+        t.raced(true);
+        assert_eq!(
+            t.cpu_target(),
+            Some(std::time::Duration::from_micros(3_000))
+        );
+        for _ in 0..SetupTimes::KEEP {
+            t.raced(false);
+            t.record_cpu(8_000);
+            t.record(10_000);
+        }
+        assert_eq!(
+            t.cpu_target(),
+            Some(std::time::Duration::from_micros(6_800)),
+            "the loss and the short ones aged out"
+        );
     }
 
     #[test]

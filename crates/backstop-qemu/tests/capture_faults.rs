@@ -615,3 +615,56 @@ fn migrate_first_on_a_qemu_that_resumes_by_itself_discards_a_switch_after_that_r
     assert_eq!(vm.status(), "running");
     vm.wait_ticks(2, Duration::from_secs(30));
 }
+
+/// The CPU time of QEMU's background-snapshot thread (named through `-name ...,debug-threads=on`)
+/// is read while its setup runs, on both QEMUs: after a few captures `status` shows what the
+/// setups cost in CPU and the share of it the next capture lets pass before `stop`, and captures
+/// sent `migrate` first by that measure are whole (each either won or was taken again).
+#[test]
+fn the_snapshot_threads_cpu_time_is_learnt_and_times_the_stop() {
+    if skip("the_snapshot_threads_cpu_time_is_learnt_and_times_the_stop") {
+        return;
+    }
+    let mut vm = Vm::boot_with("cpu", 1024);
+    // `migrate` may go first on every version (on ≥ 9.0 that is the default anyway).
+    vm.backend
+        .set_capture_order(backstop_qemu::version::CaptureOrder::MigrateFirst);
+    for i in 0..3 {
+        let (report, bytes) = vm.snapshot_report().unwrap();
+        eprintln!("snapshot {i}: {:?}", report.pause_breakdown);
+        assert!(bytes > 1 << 20);
+    }
+    let details = vm.backend.status_details();
+    let m = &details["capture_migrate_first"];
+    let cpu: Vec<f64> = m["setup_cpu_ms"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no setup_cpu_ms: {details:?}"))
+        .iter()
+        .filter_map(|v| v.as_f64())
+        .collect();
+    // The QEMU's first capture is not counted: two of three.
+    assert_eq!(cpu.len(), 2, "{m}");
+    assert!(
+        cpu.iter().all(|&c| c > 0.0 && c < 2000.0),
+        "QEMU's snapshot thread used {cpu:?} ms of CPU in its setups"
+    );
+    let target = m["stop_at_cpu_ms"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no stop_at_cpu_ms after two setups: {m}"));
+    let least = cpu.iter().copied().fold(f64::MAX, f64::min);
+    assert!(target > 0.0 && target <= least, "{target} of {cpu:?}");
+    for i in 0..3 {
+        let lost_before = vm.backend.lost_races();
+        let (report, bytes) = vm.snapshot_report().unwrap();
+        let lost = vm.backend.lost_races() - lost_before;
+        eprintln!(
+            "by CPU, snapshot {i}: pause {} us {:?}, lost {lost}, {}",
+            report.pause_us,
+            report.pause_breakdown,
+            vm.backend.status_details()["capture_migrate_first"]
+        );
+        assert!(bytes > 1 << 20 && report.pause_us > 0);
+        assert_eq!(vm.status(), "running");
+    }
+    vm.wait_ticks(2, Duration::from_secs(30));
+}

@@ -1,0 +1,195 @@
+//! QEMU's background-snapshot thread, watched from outside: how much CPU it has used since
+//! `migrate` (Linux `/proc/<pid>/task/<tid>/schedstat`).
+//!
+//! Why: with `migrate` sent before `stop` (`version::SetupTimes`), backstop's `stop` must land
+//! while that thread still pre-faults guest RAM. The pre-fault is CPU work of a nearly fixed
+//! size per guest, but its *wall* time stretches with the host's load (2-9x between consecutive
+//! captures on a loaded 2-core host), so a lead in wall time is either too short (QEMU's setup
+//! left inside the pause) or too long (a lost race). The thread's CPU time tracks its progress
+//! whatever the load (4.7-7.6 ms at `active` over 9 captures of a 1 GiB guest under load,
+//! `bench/pause_probe.py --cpu-stop`).
+//!
+//! QEMU names its threads only with `-name ...,debug-threads=on` (set by `cmdline.rs`): 7.2
+//! calls this one `bg_snapshot`, 9.0 and later `mig/snapshot`. Where it cannot be found (another
+//! name, no `/proc`), captures fall back to the lead in wall time.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::pause::PauseClock;
+
+/// The names QEMU gives its background-snapshot thread (`comm`, at most 15 bytes).
+const NAMES: &[&str] = &["bg_snapshot", "mig/snapshot"];
+
+/// How often the CPU time is read while a capture's setup runs.
+const EVERY: Duration = Duration::from_micros(200);
+
+/// The thread's `schedstat` file (its first field: CPU time used, in ns).
+#[derive(Debug, Clone)]
+pub(crate) struct SnapshotThread {
+    schedstat: PathBuf,
+}
+
+impl SnapshotThread {
+    /// Looks for QEMU `pid`'s background-snapshot thread for up to `wait` (QEMU creates it
+    /// while it handles `migrate`).
+    pub(crate) fn find(pid: u32, wait: Duration) -> Option<SnapshotThread> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let tasks = PathBuf::from(format!("/proc/{pid}/task"));
+            for entry in std::fs::read_dir(&tasks).ok()?.flatten() {
+                let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+                if NAMES.contains(&comm.trim_end()) {
+                    return Some(SnapshotThread {
+                        schedstat: entry.path().join("schedstat"),
+                    });
+                }
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(EVERY);
+        }
+    }
+
+    /// CPU time the thread has used, in ns; `None` once it is gone.
+    pub(crate) fn cpu_ns(&self) -> Option<u64> {
+        parse_schedstat(&std::fs::read_to_string(&self.schedstat).ok()?)
+    }
+}
+
+/// The first field of a `schedstat` line (`<ns on CPU> <ns waiting> <timeslices>`).
+fn parse_schedstat(line: &str) -> Option<u64> {
+    line.split_whitespace().next()?.parse().ok()
+}
+
+/// Reads the thread's CPU time every [`EVERY`] on a thread of its own, from `migrate` until
+/// [`CpuTrace::finish`]: the latest value for a capture waiting to send `stop`, and every
+/// (time on the pause clock, CPU ns) pair to find what the thread had used by QEMU's `active`.
+pub(crate) struct CpuTrace {
+    latest: Arc<AtomicU64>,
+    done: Arc<AtomicBool>,
+    samples: Arc<Mutex<Vec<(u64, u64)>>>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CpuTrace {
+    /// At most this long (a setup that runs longer is not learnt from).
+    const LIMIT: Duration = Duration::from_secs(2);
+
+    pub(crate) fn start(thread: SnapshotThread, clock: PauseClock) -> CpuTrace {
+        let latest = Arc::new(AtomicU64::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let samples = Arc::new(Mutex::new(Vec::with_capacity(256)));
+        let (l, d, s) = (latest.clone(), done.clone(), samples.clone());
+        let handle = std::thread::Builder::new()
+            .name("snapshot-cpu".into())
+            .spawn(move || {
+                let started = Instant::now();
+                while !d.load(Ordering::Relaxed) && started.elapsed() < Self::LIMIT {
+                    let Some(ns) = thread.cpu_ns() else { break };
+                    l.store(ns, Ordering::Relaxed);
+                    if let Ok(mut v) = s.lock() {
+                        v.push((clock.now_us(), ns));
+                    }
+                    std::thread::sleep(EVERY);
+                }
+            })
+            .ok();
+        CpuTrace {
+            latest,
+            done,
+            samples,
+            handle,
+        }
+    }
+
+    /// The thread's CPU time at the last reading, in ns (0 before the first).
+    pub(crate) fn latest_ns(&self) -> u64 {
+        self.latest.load(Ordering::Relaxed)
+    }
+
+    /// Stops reading; returns the CPU time the thread had used by `at_us` (on the pause clock:
+    /// QEMU's `active` timestamp), in µs, if a reading was taken before it and one after (a
+    /// reading after shows the trace was still running then).
+    pub(crate) fn finish(mut self, at_us: u64) -> Option<u64> {
+        self.done.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        let samples = self.samples.lock().ok()?;
+        cpu_at(&samples, at_us)
+    }
+}
+
+impl Drop for CpuTrace {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// From (time µs, CPU ns) readings in time order: the CPU time (µs) of the last reading at or
+/// before `at_us`, provided some reading came after it.
+fn cpu_at(samples: &[(u64, u64)], at_us: u64) -> Option<u64> {
+    let after = samples.iter().position(|&(t, _)| t > at_us)?;
+    let (_, ns) = samples[..after].last()?;
+    Some(ns / 1000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedstat_lines_parse() {
+        assert_eq!(parse_schedstat("123456 7890 12\n"), Some(123_456));
+        assert_eq!(parse_schedstat(""), None);
+        assert_eq!(parse_schedstat("x 1 2"), None);
+    }
+
+    #[test]
+    fn the_cpu_at_active_is_the_last_reading_before_it() {
+        let s = [(100, 1_000_000), (300, 2_000_000), (500, 2_500_000)];
+        assert_eq!(cpu_at(&s, 350), Some(2_000));
+        assert_eq!(cpu_at(&s, 300), Some(2_000));
+        assert_eq!(cpu_at(&s, 50), None, "no reading before it");
+        assert_eq!(
+            cpu_at(&s, 600),
+            None,
+            "no reading after it: the trace had stopped"
+        );
+        assert_eq!(cpu_at(&[], 10), None);
+    }
+
+    #[test]
+    fn this_process_threads_are_found_by_name_and_read() {
+        // A thread of this test process named like QEMU 10's snapshot thread.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let h = std::thread::Builder::new()
+            .name("mig/snapshot".into())
+            .spawn(move || {
+                let t = Instant::now();
+                while t.elapsed() < Duration::from_millis(30) {
+                    std::hint::black_box(0u64);
+                }
+                let _ = rx.recv();
+            })
+            .unwrap();
+        let found = SnapshotThread::find(std::process::id(), Duration::from_secs(1))
+            .expect("the named thread");
+        std::thread::sleep(Duration::from_millis(40));
+        let ns = found.cpu_ns().expect("its schedstat");
+        assert!(ns >= 10_000_000, "it spun ~30 ms: {ns} ns");
+        tx.send(()).unwrap();
+        h.join().unwrap();
+        assert!(
+            SnapshotThread::find(std::process::id(), Duration::ZERO).is_none(),
+            "gone once it ended"
+        );
+    }
+}
