@@ -343,6 +343,15 @@ impl QemuBackend {
             .and_then(|r| r.setup_times.lead())
     }
 
+    /// Whether the lead is forced by a test (`force_migrate_lead`, the `capture.migrate-first`
+    /// faults): then `stop` goes exactly that long after `migrate`, not by QEMU's CPU time.
+    fn lead_forced(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        return self.forced_lead.is_some() || migrate_first_fault();
+        #[cfg(not(feature = "fault-injection"))]
+        false
+    }
+
     /// How many times a capture whose `stop` lost the race is tried again in the same order
     /// before `stop` goes first: never, but with the test-only `capture.migrate-first` fault
     /// (same-instant tests must see that order even where QEMU's setup is ~1 ms).
@@ -455,6 +464,7 @@ impl QemuBackend {
         let t = self.cfg.qmp_timeout;
         let discard_delay = self.discard_delay();
         let switch_delay = self.switch_delay();
+        let lead_forced = self.lead_forced();
         // Which node each disk's device currently writes to: its active layer's node name.
         let mut actions = Vec::new();
         let mut frozen = Vec::new();
@@ -564,7 +574,7 @@ impl QemuBackend {
                 .map(|thread| snapshot_thread::CpuTrace::start(thread, clock))
         };
         let mut trace = None;
-        let cpu_target = r.setup_times.cpu_target();
+        let cpu_target = r.setup_times.cpu_target().filter(|_| !lead_forced);
         // With no lead at all, `stop` is written right behind `migrate`, before its answer.
         let mut stop_answer = None;
         if let Some(lead) = early {

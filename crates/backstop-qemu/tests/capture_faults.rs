@@ -540,7 +540,25 @@ fn migrate_first_on_a_qemu_that_resumes_by_itself_discards_a_switch_after_that_r
     let mut early = None;
     for i in 0..5 {
         let lost_before = vm.backend.lost_races();
-        let (report, bytes) = vm.snapshot_report().unwrap();
+        let (report, bytes) = match vm.snapshot_report() {
+            Err(BackendError::SwitchedAfterResume) => {
+                // On a loaded host backstop's switch can come after QEMU's own resume even with
+                // no lead (seen in CI): discarded, and the next capture goes `stop` first.
+                assert_eq!(vm.backend.lost_races(), lost_before + 1);
+                let (report, _) = vm.snapshot_report().unwrap();
+                eprintln!(
+                    "no lead, snapshot {i}: switched after QEMU's resume, discarded; then {:?}",
+                    report.pause_breakdown
+                );
+                assert!(
+                    phases(&report).contains(&"migrate"),
+                    "{:?}",
+                    report.pause_breakdown
+                );
+                continue;
+            }
+            r => r.unwrap(),
+        };
         let lost = vm.backend.lost_races() - lost_before;
         eprintln!(
             "no lead, snapshot {i}: pause {} us {:?}, lost {lost}",
@@ -559,7 +577,7 @@ fn migrate_first_on_a_qemu_that_resumes_by_itself_discards_a_switch_after_that_r
             break;
         }
     }
-    let early = early.expect("stop right behind migrate lost to QEMU's stop 5 times");
+    let early = early.expect("no capture of 5 with stop right behind migrate was kept");
     // QEMU's own device save, write-protection start and resume end the pause.
     assert_eq!(
         phases(&early).last(),
@@ -655,7 +673,12 @@ fn the_snapshot_threads_cpu_time_is_learnt_and_times_the_stop() {
     assert!(target > 0.0 && target <= least, "{target} of {cpu:?}");
     for i in 0..3 {
         let lost_before = vm.backend.lost_races();
-        let (report, bytes) = vm.snapshot_report().unwrap();
+        // As the engine does: a capture whose switch came after QEMU 7.2's own resume (a loaded
+        // host) is taken again at once, `stop` first.
+        let (report, bytes) = match vm.snapshot_report() {
+            Err(BackendError::SwitchedAfterResume) => vm.snapshot_report().unwrap(),
+            r => r.unwrap(),
+        };
         let lost = vm.backend.lost_races() - lost_before;
         eprintln!(
             "by CPU, snapshot {i}: pause {} us {:?}, lost {lost}, {}",
