@@ -186,13 +186,9 @@ impl SetupTimes {
     /// The CPU time QEMU's snapshot thread used from `migrate` to `active` in one capture,
     /// in µs. Called before [`Self::record`] of the same capture (the QEMU's first is skipped).
     pub fn record_cpu(&mut self, cpu_us: u64) {
-        if !self.first_seen {
-            return;
+        if self.first_seen {
+            keep_last(&mut self.recent_cpu, cpu_us);
         }
-        if self.recent_cpu.len() == Self::KEEP {
-            self.recent_cpu.pop_front();
-        }
-        self.recent_cpu.push_back(cpu_us);
     }
 
     /// The remembered CPU times, oldest first, in µs.
@@ -221,21 +217,14 @@ impl SetupTimes {
 
     /// One capture's time from sending `migrate` to QEMU's `MIGRATION` `active`, in µs.
     pub fn record(&mut self, setup_us: u64) {
-        if !std::mem::replace(&mut self.first_seen, true) {
-            return;
+        if std::mem::replace(&mut self.first_seen, true) {
+            keep_last(&mut self.recent, setup_us);
         }
-        if self.recent.len() == Self::KEEP {
-            self.recent.pop_front();
-        }
-        self.recent.push_back(setup_us);
     }
 
     /// A capture sent `migrate` first won (`lost == false`) or lost its race.
     pub fn raced(&mut self, lost: bool) {
-        if self.races.len() == Self::KEEP {
-            self.races.pop_front();
-        }
-        self.races.push_back(lost);
+        keep_last(&mut self.races, lost);
     }
 
     /// The remembered setup times, oldest first, in µs.
@@ -262,6 +251,14 @@ impl SetupTimes {
         let lead = std::time::Duration::from_micros(lead_us);
         (lead >= Self::MIN_LEAD).then_some(lead)
     }
+}
+
+/// Appends `v`, dropping the oldest beyond [`SetupTimes::KEEP`].
+fn keep_last<T>(recent: &mut std::collections::VecDeque<T>, v: T) {
+    if recent.len() == SetupTimes::KEEP {
+        recent.pop_front();
+    }
+    recent.push_back(v);
 }
 
 /// With `migrate` sent before `stop`: whether backstop's `stop` paused the guest before QEMU's
