@@ -133,12 +133,18 @@ impl Drop for CpuTrace {
     }
 }
 
+/// How far before `active` the reading it is learnt from may be: on a loaded host the reading
+/// thread itself waits for a CPU, and a reading long before `active` (seen in CI: one before
+/// the snapshot thread had run at all, 0 ms) says little about the setup.
+const NEAR_US: u64 = 1_000;
+
 /// From (time µs, CPU ns) readings in time order: the CPU time (µs) of the last reading at or
-/// before `at_us`, provided some reading came after it.
+/// before `at_us`, provided it is within [`NEAR_US`] of it, shows the thread ran, and some
+/// reading came after it.
 fn cpu_at(samples: &[(u64, u64)], at_us: u64) -> Option<u64> {
     let after = samples.iter().position(|&(t, _)| t > at_us)?;
-    let (_, ns) = samples[..after].last()?;
-    Some(ns / 1000)
+    let &(t, ns) = samples[..after].last()?;
+    (at_us - t <= NEAR_US && ns > 0).then_some(ns / 1000)
 }
 
 #[cfg(test)]
@@ -164,6 +170,11 @@ mod tests {
             "no reading after it: the trace had stopped"
         );
         assert_eq!(cpu_at(&[], 10), None);
+        // A reading long before `active` (the reader starved) or before the thread ran at all.
+        let sparse = [(100, 1_000_000), (5_000, 9_000_000)];
+        assert_eq!(cpu_at(&sparse, 1_100), Some(1_000));
+        assert_eq!(cpu_at(&sparse, 1_200), None);
+        assert_eq!(cpu_at(&[(100, 0), (400, 3_000_000)], 300), None);
     }
 
     #[test]

@@ -647,30 +647,43 @@ fn the_snapshot_threads_cpu_time_is_learnt_and_times_the_stop() {
     // `migrate` may go first on every version (on ≥ 9.0 that is the default anyway).
     vm.backend
         .set_capture_order(backstop_qemu::version::CaptureOrder::MigrateFirst);
-    for i in 0..3 {
-        let (report, bytes) = vm.snapshot_report().unwrap();
-        eprintln!("snapshot {i}: {:?}", report.pause_breakdown);
+    // A setup is learnt when a reading of the thread's CPU came within 1 ms before `active`
+    // (a loaded host starves the reader too): until two are, up to eight captures.
+    let learnt = |vm: &Vm| -> Vec<f64> {
+        vm.backend.status_details()["capture_migrate_first"]["setup_cpu_ms"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
+            .unwrap_or_default()
+    };
+    for i in 0..8 {
+        let (report, bytes) = match vm.snapshot_report() {
+            Err(BackendError::SwitchedAfterResume) => vm.snapshot_report().unwrap(),
+            r => r.unwrap(),
+        };
+        eprintln!(
+            "snapshot {i}: {:?}, learnt {:?}",
+            report.pause_breakdown,
+            learnt(&vm)
+        );
         assert!(bytes > 1 << 20);
+        if learnt(&vm).len() >= 2 {
+            break;
+        }
     }
     let details = vm.backend.status_details();
     let m = &details["capture_migrate_first"];
-    let cpu: Vec<f64> = m["setup_cpu_ms"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no setup_cpu_ms: {details:?}"))
-        .iter()
-        .filter_map(|v| v.as_f64())
-        .collect();
-    // The QEMU's first capture is not counted: two of three.
-    assert_eq!(cpu.len(), 2, "{m}");
+    let cpu = learnt(&vm);
+    // The QEMU's first capture is not counted.
+    assert!(cpu.len() >= 2, "{m}");
     assert!(
-        cpu.iter().all(|&c| c > 0.0 && c < 2000.0),
+        cpu.iter().all(|&c| (0.0..2000.0).contains(&c)),
         "QEMU's snapshot thread used {cpu:?} ms of CPU in its setups"
     );
     let target = m["stop_at_cpu_ms"]
         .as_f64()
         .unwrap_or_else(|| panic!("no stop_at_cpu_ms after two setups: {m}"));
     let least = cpu.iter().copied().fold(f64::MAX, f64::min);
-    assert!(target > 0.0 && target <= least, "{target} of {cpu:?}");
+    assert!((0.0..=least).contains(&target), "{target} of {cpu:?}");
     for i in 0..3 {
         let lost_before = vm.backend.lost_races();
         // As the engine does: a capture whose switch came after QEMU 7.2's own resume (a loaded
