@@ -241,6 +241,22 @@ impl Running {
         );
     }
 
+    /// A capture sent `migrate` first was discarded (QEMU's stop came first, or on 7.2/8.x its
+    /// resume came before the disk switch): its setup is learnt, the race counted as lost, and
+    /// the huge pages it split are collapsed before the capture is taken again.
+    fn race_lost(
+        &mut self,
+        migrate_sent_us: u64,
+        setup_us: Option<u64>,
+        trace: Option<snapshot_thread::CpuTrace>,
+        mode: huge_pages::HugePages,
+    ) {
+        learn_setup(&mut self.setup_times, migrate_sent_us, setup_us, trace);
+        self.regather_now(mode);
+        self.setup_times.raced(true);
+        self.lost_races += 1;
+    }
+
     /// Backstop's agent channel and qemu-ga's: nothing more is read from the guest or said to it.
     fn close_guest_channels(&mut self) {
         self.agent.close();
@@ -570,7 +586,9 @@ impl QemuBackend {
         let mut ends: Vec<(&'static str, u64)> = Vec::new();
         // `migrate` before `stop` (≥ 9.0, a running guest, a lead learnt on this QEMU): QEMU
         // pre-faults guest RAM while the guest still runs (`version::SetupTimes`).
-        let early = lead.filter(|_| was_running && self.cfg.capture_order.allows_lead(plan.resume));
+        // Where `migrate` may go first on this QEMU (and the guest runs).
+        let may_lead = was_running && self.cfg.capture_order.allows_lead(plan.resume);
+        let early = lead.filter(|_| may_lead);
         let migrate_args = json!({ "uri": format!("fd:{CAPTURE_FD}") });
         let migrate = |qmp: &mut Qmp| qmp.execute("migrate", Some(migrate_args.clone()), t);
         // Once `migrate` went in, QEMU writes the stream: it is read from then on, and an
@@ -578,13 +596,12 @@ impl QemuBackend {
         // sets the run state.
         let mut capture = Capture::Pipe(reader);
         let mut migrate_sent_us = 0;
-        // Where `migrate` may go first on this QEMU: QEMU's snapshot thread's CPU time from
-        // `migrate` on (`snapshot_thread.rs`), to learn what its setup costs and, once learnt,
-        // to send `stop` by that instead of by the clock.
-        let watch_cpu = was_running && self.cfg.capture_order.allows_lead(plan.resume);
+        // Where `migrate` may go first: QEMU's snapshot thread's CPU time from `migrate` on
+        // (`snapshot_thread.rs`), to learn what its setup costs and, once learnt, to send
+        // `stop` by that instead of by the clock.
         let qemu_pid = r.child.id();
         let start_trace = || {
-            watch_cpu
+            may_lead
                 .then(|| snapshot_thread::SnapshotThread::find(qemu_pid, Duration::from_millis(5)))
                 .flatten()
                 .map(|thread| snapshot_thread::CpuTrace::start(thread, clock))
@@ -699,10 +716,7 @@ impl QemuBackend {
                 capture.abandon(&mut r.qmp, t);
                 close_nodes(r, &opened, t);
                 // Its setup time, shorter than the lead, shortens the next one.
-                learn_setup(&mut r.setup_times, migrate_sent_us, setup_us, trace);
-                r.regather_now(huge_pages);
-                r.setup_times.raced(true);
-                r.lost_races += 1;
+                r.race_lost(migrate_sent_us, setup_us, trace, huge_pages);
                 return Ok(None);
             }
             Err(e) => {
@@ -745,10 +759,7 @@ impl QemuBackend {
             let setup_us = queued_setup_us(guard.qmp(), migrate_sent_us);
             drop(guard);
             capture.abandon(&mut r.qmp, t);
-            learn_setup(&mut r.setup_times, migrate_sent_us, setup_us, trace);
-            r.regather_now(huge_pages);
-            r.setup_times.raced(true);
-            r.lost_races += 1;
+            r.race_lost(migrate_sent_us, setup_us, trace, huge_pages);
             r.stop_first_next = true;
             return Err(BackendError::SwitchedAfterResume);
         }

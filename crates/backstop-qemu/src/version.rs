@@ -203,16 +203,29 @@ impl SetupTimes {
     /// its wall time (4.7-7.6 ms against 9-110 ms, 1 GiB, loaded host), so the margin can be
     /// narrower than the clock's three quarters.
     pub fn cpu_target(&self) -> Option<std::time::Duration> {
-        if self.recent_cpu.len() < 2 {
+        self.share_of_least(&self.recent_cpu, (17, 20), (6, 10))
+            .map(std::time::Duration::from_micros)
+    }
+
+    /// `share` (numerator, denominator) of the least of `recent`, `after_loss` while a race was
+    /// lost among the last [`Self::KEEP`]; `None` with fewer than two values (one is no
+    /// minimum: setups scatter 2-9x between consecutive captures on a loaded host).
+    fn share_of_least(
+        &self,
+        recent: &std::collections::VecDeque<u64>,
+        share: (u64, u64),
+        after_loss: (u64, u64),
+    ) -> Option<u64> {
+        if recent.len() < 2 {
             return None;
         }
-        let least = *self.recent_cpu.iter().min()?;
-        let us = if self.races.contains(&true) {
-            least / 10 * 6
+        let least = *recent.iter().min()?;
+        let (num, den) = if self.races.contains(&true) {
+            after_loss
         } else {
-            least / 20 * 17
+            share
         };
-        Some(std::time::Duration::from_micros(us))
+        Some(least / den * num)
     }
 
     /// One capture's time from sending `migrate` to QEMU's `MIGRATION` `active`, in µs.
@@ -235,19 +248,10 @@ impl SetupTimes {
     /// How long after `migrate` the next capture sends `stop`; `None`: `stop` first (no
     /// capture measured yet on this QEMU, or a lead too short to matter).
     pub fn lead(&self) -> Option<std::time::Duration> {
-        // One setup time is no minimum: setups scatter 2-9x between consecutive captures on a
-        // loaded host, and every race the bench runs of 2026-11-28 lost (QEMU 10 with `auto`,
-        // 7.2 with `migrate-first`, even with half of it as the lead) was a QEMU's third
-        // capture, led by its second capture's long setup alone.
-        if self.recent.len() < 2 {
-            return None;
-        }
-        let shortest = *self.recent.iter().min()?;
-        let lead_us = if self.races.contains(&true) {
-            shortest / 2
-        } else {
-            shortest / 4 * 3
-        };
+        // At least two setup times: every race the bench runs of 2026-11-28 lost (QEMU 10 with
+        // `auto`, 7.2 with `migrate-first`, even with half of it as the lead) was a QEMU's
+        // third capture, led by its second capture's long setup alone.
+        let lead_us = self.share_of_least(&self.recent, (3, 4), (1, 2))?;
         let lead = std::time::Duration::from_micros(lead_us);
         (lead >= Self::MIN_LEAD).then_some(lead)
     }
