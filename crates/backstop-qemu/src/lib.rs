@@ -251,7 +251,13 @@ impl Running {
         trace: Option<snapshot_thread::CpuTrace>,
         mode: huge_pages::HugePages,
     ) {
-        learn_setup(&mut self.setup_times, migrate_sent_us, setup_us, trace);
+        learn_setup(
+            &mut self.setup_times,
+            migrate_sent_us,
+            setup_us,
+            trace,
+            true,
+        );
         self.regather_now(mode);
         self.setup_times.raced(true);
         self.lost_races += 1;
@@ -371,7 +377,7 @@ impl QemuBackend {
         self.running
             .as_ref()
             .filter(|r| self.cfg.capture_order.allows_lead(r.plan.resume))
-            .and_then(|r| r.setup_times.lead())
+            .and_then(|r| r.setup_times.early_lead())
     }
 
     /// Whether the lead is forced by a test (`force_migrate_lead`, the `capture.migrate-first`
@@ -607,7 +613,7 @@ impl QemuBackend {
                 .map(|thread| snapshot_thread::CpuTrace::start(thread, clock))
         };
         let mut trace = None;
-        let cpu_target = r.setup_times.cpu_target().filter(|_| !lead_forced);
+        let cpu_target = r.setup_times.cpu_stop_point().filter(|_| !lead_forced);
         // With no lead at all, `stop` is written right behind `migrate`, before its answer.
         let mut stop_answer = None;
         if let Some(lead) = early {
@@ -639,6 +645,8 @@ impl QemuBackend {
                 return Err(e);
             }
             trace = start_trace();
+            // Woken on time however busy QEMU keeps the cores (`snapshot_thread::Urgent`).
+            let urgent = snapshot_thread::Urgent::begin();
             match (&trace, cpu_target) {
                 // `stop` once QEMU's thread has done that much of its setup's work, however
                 // long the host's load makes it take; but never later than a bound (a thread
@@ -646,13 +654,22 @@ impl QemuBackend {
                 (Some(cpu), Some(target)) if !lead.is_zero() => {
                     let bound = (lead * 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
                     let target_ns = target.as_nanos() as u64;
-                    while cpu.latest_ns() < target_ns && sent.elapsed() < bound {
-                        std::thread::sleep(Duration::from_micros(200));
+                    while cpu.read_now_ns() < target_ns && sent.elapsed() < bound {
+                        std::thread::sleep(Duration::from_micros(100));
                     }
                 }
                 _ => std::thread::sleep(lead.saturating_sub(sent.elapsed())),
             }
+            tracing::debug!(
+                after_migrate_us = sent.elapsed().as_micros() as u64,
+                cpu_us = trace.as_ref().map(|c| c.latest_ns() / 1000),
+                target_us = cpu_target.map(|c| c.as_micros() as u64),
+                urgent = urgent.applied(),
+                "stop after migrate"
+            );
+            drop(urgent);
         }
+        let stop_sent_us = clock.now_us();
         let stopped = if was_running {
             stop_answer
                 .take()
@@ -809,15 +826,29 @@ impl QemuBackend {
         if let Some(&(_, active_us)) = ends.iter().find(|(phase, _)| *phase == "setup") {
             if migrate_sent_us > 0 {
                 let setup_us = active_us.saturating_sub(migrate_sent_us);
-                learn_setup(&mut r.setup_times, migrate_sent_us, Some(setup_us), trace);
+                learn_setup(
+                    &mut r.setup_times,
+                    migrate_sent_us,
+                    Some(setup_us),
+                    trace,
+                    early.is_some(),
+                );
             }
         }
-        if early.is_some() {
-            r.setup_times.raced(false);
+        if let Some(stop) = &stop {
+            r.setup_times
+                .record_stop_latency(stop.timestamp_us.saturating_sub(stop_sent_us));
         }
+        // Every capture taken ages the last lost race, led or not: one that went `stop` first
+        // because of it would otherwise keep it remembered for good.
+        r.setup_times.raced(false);
         tracing::debug!(
             pause_us,
             ?pause_breakdown,
+            // From backstop's `stop` to QEMU's STOP (how long QEMU took to act on it).
+            stop_latency_us = stop
+                .as_ref()
+                .map(|s| s.timestamp_us.saturating_sub(stop_sent_us)),
             lead_ms = early.map(|l| l.as_secs_f64() * 1e3),
             "capture started"
         );
@@ -1274,16 +1305,22 @@ fn wait_write_tracking(qmp: &mut Qmp, t: Duration, clock: &pause::PauseClock) ->
 }
 
 /// Records a capture's setup: its time from `migrate` (sent at `migrate_sent_us` on the pause
-/// clock) to QEMU's `active`, and the CPU QEMU's snapshot thread had used by then, if traced.
+/// clock) to QEMU's `active`, and the CPU QEMU's snapshot thread had used by then, if traced;
+/// `led`: `migrate` went in while the guest still ran (its CPU time is learnt apart).
 fn learn_setup(
     times: &mut version::SetupTimes,
     migrate_sent_us: u64,
     setup_us: Option<u64>,
     trace: Option<snapshot_thread::CpuTrace>,
+    led: bool,
 ) {
     let Some(us) = setup_us else { return };
-    if let Some(cpu_us) = trace.and_then(|t| t.finish(migrate_sent_us.saturating_add(us))) {
-        times.record_cpu(cpu_us);
+    let cpu_us = trace.and_then(|t| t.finish(migrate_sent_us.saturating_add(us)));
+    tracing::debug!(setup_us = us, cpu_us, led, "setup learnt");
+    match cpu_us {
+        Some(cpu_us) if led => times.record_led_cpu(cpu_us),
+        Some(cpu_us) => times.record_cpu(cpu_us),
+        None => {}
     }
     times.record(us);
 }
@@ -1988,7 +2025,13 @@ impl VmBackend for QemuBackend {
                     // The CPU time QEMU's snapshot thread used for those setups, and how much
                     // of it the next capture lets pass before `stop` (null: by the clock).
                     "setup_cpu_ms": r.setup_times.recent_cpu_us().map(ms_tenths).collect::<Vec<_>>(),
-                    "stop_at_cpu_ms": r.setup_times.cpu_target().map(|c| ms_tenths(c.as_micros() as u64)),
+                    // Those of the captures sent `migrate` first (the guest running), which
+                    // the target is learnt from once there are two.
+                    "setup_cpu_led_ms": r.setup_times.recent_led_cpu_us().map(ms_tenths).collect::<Vec<_>>(),
+                    "stop_at_cpu_ms": r.setup_times.cpu_stop_point().map(|c| ms_tenths(c.as_micros() as u64)),
+                    // How long QEMU took from `stop` to its `STOP` (the stop point allows for
+                    // the longest).
+                    "stop_latency_ms": r.setup_times.recent_stop_latency_us().map(ms_tenths).collect::<Vec<_>>(),
                 }),
             );
         }

@@ -69,6 +69,7 @@ fn parse_schedstat(line: &str) -> Option<u64> {
 /// [`CpuTrace::finish`]: the latest value for a capture waiting to send `stop`, and every
 /// (time on the pause clock, CPU ns) pair to find what the thread had used by QEMU's `active`.
 pub(crate) struct CpuTrace {
+    thread: SnapshotThread,
     latest: Arc<AtomicU64>,
     done: Arc<AtomicBool>,
     samples: Arc<Mutex<Vec<(u64, u64)>>>,
@@ -84,6 +85,7 @@ impl CpuTrace {
         let done = Arc::new(AtomicBool::new(false));
         let samples = Arc::new(Mutex::new(Vec::with_capacity(256)));
         let (l, d, s) = (latest.clone(), done.clone(), samples.clone());
+        let watched = thread.clone();
         let handle = std::thread::Builder::new()
             .name("snapshot-cpu".into())
             .spawn(move || {
@@ -99,6 +101,7 @@ impl CpuTrace {
             })
             .ok();
         CpuTrace {
+            thread: watched,
             latest,
             done,
             samples,
@@ -109,6 +112,15 @@ impl CpuTrace {
     /// The thread's CPU time at the last reading, in ns (0 before the first).
     pub(crate) fn latest_ns(&self) -> u64 {
         self.latest.load(Ordering::Relaxed)
+    }
+
+    /// The thread's CPU time read now, by the caller (the sampling thread's latest value can
+    /// be a scheduling delay old on a busy host), in ns; the latest sample if it is gone.
+    pub(crate) fn read_now_ns(&self) -> u64 {
+        match self.thread.cpu_ns() {
+            Some(ns) => ns.max(self.latest_ns()),
+            None => self.latest_ns(),
+        }
     }
 
     /// Stops reading; returns the CPU time the thread had used by `at_us` (on the pause clock:
@@ -145,6 +157,57 @@ fn cpu_at(samples: &[(u64, u64)], at_us: u64) -> Option<u64> {
     let after = samples.iter().position(|&(t, _)| t > at_us)?;
     let &(t, ns) = samples[..after].last()?;
     (at_us - t <= NEAR_US && ns > 0).then_some(ns / 1000)
+}
+
+/// The calling thread runs under the real-time policy (`SCHED_FIFO`, lowest priority) until
+/// dropped, then as before.
+///
+/// Why: a capture that sent `migrate` first waits a few ms for QEMU's snapshot thread before
+/// it sends `stop`, and that `stop` must land before the thread's own. On a 2-core host both
+/// QEMU's vCPU (TCG) and its snapshot thread keep a core busy then, and a waiting thread of
+/// normal priority woke up to 4-6 ms late (traced 2026-11-29: `stop` sent at 6.9-8.9 ms of the
+/// thread's CPU against a target of 1.9-3.3 ms; each of those captures lost its race). The wait
+/// sleeps between readings, so the policy costs nothing while it sleeps; it is held for one
+/// lead (at most a second). Without the privilege (not root, `RLIMIT_RTPRIO` 0) nothing
+/// changes.
+pub(crate) struct Urgent {
+    previous: Option<(libc::c_int, libc::sched_param)>,
+}
+
+impl Urgent {
+    pub(crate) fn begin() -> Urgent {
+        // SAFETY: pid 0 is the calling thread; the structs are plain data the kernel fills.
+        let previous = unsafe {
+            let policy = libc::sched_getscheduler(0);
+            let mut param: libc::sched_param = std::mem::zeroed();
+            if policy < 0 || libc::sched_getparam(0, &mut param) != 0 {
+                None
+            } else {
+                let fifo = libc::sched_param {
+                    sched_priority: libc::sched_get_priority_min(libc::SCHED_FIFO),
+                };
+                (libc::sched_setscheduler(0, libc::SCHED_FIFO, &fifo) == 0)
+                    .then_some((policy, param))
+            }
+        };
+        Urgent { previous }
+    }
+
+    /// Whether the policy was applied.
+    pub(crate) fn applied(&self) -> bool {
+        self.previous.is_some()
+    }
+}
+
+impl Drop for Urgent {
+    fn drop(&mut self) {
+        if let Some((policy, param)) = self.previous.take() {
+            // SAFETY: as in `begin`; restores what `sched_getscheduler` returned.
+            unsafe {
+                libc::sched_setscheduler(0, policy, &param);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -202,5 +265,24 @@ mod tests {
             SnapshotThread::find(std::process::id(), Duration::ZERO).is_none(),
             "gone once it ended"
         );
+    }
+
+    #[test]
+    fn urgent_restores_the_threads_policy() {
+        // SAFETY: reads the calling thread's policy.
+        let policy = || unsafe { libc::sched_getscheduler(0) };
+        std::thread::spawn(move || {
+            let before = policy();
+            let urgent = Urgent::begin();
+            if urgent.applied() {
+                assert_eq!(policy(), libc::SCHED_FIFO);
+            } else {
+                assert_eq!(policy(), before, "not permitted here: nothing changed");
+            }
+            drop(urgent);
+            assert_eq!(policy(), before);
+        })
+        .join()
+        .unwrap();
     }
 }

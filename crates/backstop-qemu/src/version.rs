@@ -175,6 +175,15 @@ pub struct SetupTimes {
     /// CPU time QEMU's snapshot thread had used by `active`, in µs, of the captures whose
     /// thread was watched (`snapshot_thread.rs`), the QEMU's first not counted.
     recent_cpu: std::collections::VecDeque<u64>,
+    /// Those of captures sent `migrate` first (the guest running through QEMU's setup),
+    /// won or lost: such a setup used 1.5-2.5x the CPU of one with the guest stopped (QEMU
+    /// 10.0, 1 GiB, 2026-11-29: 6.9-9.1 ms against 3.1-4.6 ms on the same QEMU), so a target
+    /// learnt from `stop`-first captures alone sends `stop` less than half way through.
+    recent_led_cpu: std::collections::VecDeque<u64>,
+    /// From backstop's `stop` to QEMU's `STOP`, in µs, of the last captures: QEMU's snapshot
+    /// thread runs on for that long after `stop` is sent (0.55-1.6 ms under TCG on 2 cores,
+    /// 2026-11-29), so the CPU figure to send `stop` at is at least that far below the least.
+    recent_stop_latency: std::collections::VecDeque<u64>,
 }
 
 impl SetupTimes {
@@ -196,15 +205,61 @@ impl SetupTimes {
         self.recent_cpu.iter().copied()
     }
 
+    /// The CPU time QEMU's snapshot thread used from `migrate` to `active` in one capture
+    /// whose `migrate` went in while the guest ran (won or lost), in µs.
+    /// Counted among all captures' too ([`Self::recent_cpu_us`]).
+    pub fn record_led_cpu(&mut self, cpu_us: u64) {
+        self.record_cpu(cpu_us);
+        keep_last(&mut self.recent_led_cpu, cpu_us);
+    }
+
+    /// The remembered CPU times of captures sent `migrate` first, oldest first, in µs.
+    pub fn recent_led_cpu_us(&self) -> impl Iterator<Item = u64> + '_ {
+        self.recent_led_cpu.iter().copied()
+    }
+
     /// How much CPU QEMU's snapshot thread may use after `migrate` before the next capture
     /// sends `stop` (used instead of [`Self::lead`]'s clock where the thread can be watched):
     /// 85% of the least its setup took in the remembered captures (at least two), 60% while a
     /// race was lost among the last [`Self::KEEP`]. The setup's CPU time varies far less than
     /// its wall time (4.7-7.6 ms against 9-110 ms, 1 GiB, loaded host), so the margin can be
-    /// narrower than the clock's three quarters.
+    /// narrower than the clock's three quarters. Learnt from the captures sent `migrate` first
+    /// once there are two of them (their setups ran beside the guest, as the next one's will),
+    /// else from all.
     pub fn cpu_target(&self) -> Option<std::time::Duration> {
-        self.share_of_least(&self.recent_cpu, (17, 20), (6, 10))
+        self.share_of_least(self.cpu_basis(), (17, 20), (6, 10))
             .map(std::time::Duration::from_micros)
+    }
+
+    /// The CPU times [`Self::cpu_target`] is learnt from.
+    fn cpu_basis(&self) -> &std::collections::VecDeque<u64> {
+        if self.recent_led_cpu.len() >= 2 {
+            &self.recent_led_cpu
+        } else {
+            &self.recent_cpu
+        }
+    }
+
+    /// The remembered `stop` latencies, oldest first, in µs.
+    pub fn recent_stop_latency_us(&self) -> impl Iterator<Item = u64> + '_ {
+        self.recent_stop_latency.iter().copied()
+    }
+
+    /// One capture's time from backstop's `stop` to QEMU's `STOP` event, in µs.
+    pub fn record_stop_latency(&mut self, us: u64) {
+        keep_last(&mut self.recent_stop_latency, us);
+    }
+
+    /// The CPU time of QEMU's snapshot thread at which the next capture sends `stop`:
+    /// [`Self::cpu_target`], but no later than the least setup's CPU less the longest recent
+    /// `stop` latency (the thread keeps running until QEMU acts on `stop`).
+    pub fn cpu_stop_point(&self) -> Option<std::time::Duration> {
+        let target = self.cpu_target()?.as_micros() as u64;
+        let least = self.cpu_basis().iter().copied().min()?;
+        let latency = self.recent_stop_latency.iter().copied().max().unwrap_or(0);
+        Some(std::time::Duration::from_micros(
+            target.min(least.saturating_sub(latency)),
+        ))
     }
 
     /// `share` (numerator, denominator) of the least of `recent`, `after_loss` while a race was
@@ -235,7 +290,9 @@ impl SetupTimes {
         }
     }
 
-    /// A capture sent `migrate` first won (`lost == false`) or lost its race.
+    /// A capture lost its race (`true`: sent `migrate` first, discarded), or was taken
+    /// (`false`, whichever order it went in). A loss counts for the next [`Self::KEEP`]
+    /// captures; a capture that went `stop` first because of it ages it too.
     pub fn raced(&mut self, lost: bool) {
         keep_last(&mut self.races, lost);
     }
@@ -254,6 +311,25 @@ impl SetupTimes {
         let lead_us = self.share_of_least(&self.recent, (3, 4), (1, 2))?;
         let lead = std::time::Duration::from_micros(lead_us);
         (lead >= Self::MIN_LEAD).then_some(lead)
+    }
+}
+
+impl SetupTimes {
+    /// Whether the next capture sends `migrate` first where QEMU's snapshot thread can be
+    /// watched, and the lead on the clock if it cannot: [`Self::lead`], or, when that is
+    /// `None` but the CPU figure to send `stop` at ([`Self::cpu_stop_point`]) is at least
+    /// [`Self::MIN_LEAD`], the clock's share of the least setup however short (only a
+    /// fallback). Traced 2026-11-29: after one lost race the capture taken again (`stop`
+    /// first, huge pages just collapsed) had a 5.6 ms setup, half of which is under
+    /// `MIN_LEAD`, and the next 7 captures went `stop` first although the CPU figure (4.6 ms)
+    /// still left most of the setup outside the pause.
+    pub fn early_lead(&self) -> Option<std::time::Duration> {
+        if let Some(lead) = self.lead() {
+            return Some(lead);
+        }
+        self.cpu_stop_point().filter(|p| *p >= Self::MIN_LEAD)?;
+        self.share_of_least(&self.recent, (3, 4), (1, 2))
+            .map(std::time::Duration::from_micros)
     }
 }
 
@@ -532,5 +608,125 @@ mod tests {
             ("MIGRATION", Some("failed")),
             ("STOP", None)
         ]));
+    }
+
+    #[test]
+    fn the_cpu_target_is_learnt_from_captures_sent_migrate_first_once_two_are_known() {
+        let mut t = SetupTimes::default();
+        t.record_cpu(11_000); // the QEMU's first capture: not counted
+        t.record(15_000);
+        for cpu in [3_800, 4_000] {
+            t.record_cpu(cpu);
+            t.record(8_000);
+        }
+        assert_eq!(
+            t.cpu_target(),
+            Some(std::time::Duration::from_micros(3_230)),
+            "stop-first captures only"
+        );
+        t.record_led_cpu(7_100);
+        assert_eq!(
+            t.cpu_target(),
+            Some(std::time::Duration::from_micros(3_230)),
+            "one led capture alone is no minimum"
+        );
+        t.record_led_cpu(8_000);
+        assert_eq!(
+            t.cpu_target(),
+            Some(std::time::Duration::from_micros(6_035)),
+            "85% of the least led setup"
+        );
+        assert_eq!(t.recent_led_cpu_us().collect::<Vec<_>>(), [7_100, 8_000]);
+        t.raced(true);
+        assert_eq!(
+            t.cpu_target(),
+            Some(std::time::Duration::from_micros(4_260)),
+            "60% after a loss"
+        );
+    }
+
+    #[test]
+    fn a_loss_ages_out_over_captures_that_went_stop_first() {
+        let mut t = SetupTimes::default();
+        t.record(0);
+        t.record(8_000);
+        t.record(8_000);
+        t.raced(true);
+        assert_eq!(t.lead(), Some(std::time::Duration::from_millis(4)));
+        // The captures after it go `stop` first (no lead under MIN_LEAD, say), and are taken.
+        for _ in 0..SetupTimes::KEEP {
+            t.raced(false);
+        }
+        assert_eq!(t.lead(), Some(std::time::Duration::from_millis(6)));
+    }
+
+    #[test]
+    fn stop_is_sent_early_enough_for_qemu_to_act_on_it_before_the_least_setup_ends() {
+        let mut t = SetupTimes::default();
+        t.record_cpu(11_000); // the QEMU's first capture: not counted
+        t.record(15_000);
+        assert_eq!(t.cpu_stop_point(), None, "nothing learnt yet");
+        t.record_led_cpu(8_000);
+        t.record_led_cpu(9_000);
+        assert_eq!(t.cpu_stop_point(), t.cpu_target(), "no latency known");
+        assert_eq!(
+            t.cpu_target(),
+            Some(std::time::Duration::from_micros(6_800))
+        );
+        t.record_stop_latency(600);
+        assert_eq!(
+            t.cpu_stop_point(),
+            Some(std::time::Duration::from_micros(6_800)),
+            "85% leaves more than the latency"
+        );
+        t.record_stop_latency(1_600);
+        t.record_stop_latency(700);
+        assert_eq!(
+            t.cpu_stop_point(),
+            Some(std::time::Duration::from_micros(6_400)),
+            "the least less the longest latency"
+        );
+        t.record_stop_latency(20_000);
+        assert_eq!(
+            t.cpu_stop_point(),
+            Some(std::time::Duration::ZERO),
+            "never below zero"
+        );
+    }
+
+    #[test]
+    fn the_cpu_figure_keeps_migrate_first_when_the_clocks_lead_is_too_short() {
+        let mut t = SetupTimes::default();
+        t.record(0); // the QEMU's first capture: not counted
+        for (setup, cpu) in [(11_000, 10_100), (14_000, 10_800)] {
+            t.record_led_cpu(cpu);
+            t.record(setup);
+        }
+        assert_eq!(t.early_lead(), t.lead());
+        // A loss, then the capture taken again (`stop` first) with a short setup.
+        t.raced(true);
+        t.record_led_cpu(7_700);
+        t.record(11_000);
+        t.record_cpu(3_800);
+        t.record(5_600);
+        assert_eq!(t.lead(), None, "half of 5.6 ms is under MIN_LEAD");
+        assert_eq!(
+            t.cpu_stop_point(),
+            Some(std::time::Duration::from_micros(4_620))
+        );
+        assert_eq!(
+            t.early_lead(),
+            Some(std::time::Duration::from_micros(2_800)),
+            "still first, by the CPU; the clock's half only if the thread is not found"
+        );
+        // A CPU figure under MIN_LEAD: `stop` first.
+        let mut small = SetupTimes::default();
+        small.record(0);
+        for _ in 0..2 {
+            small.record_cpu(3_000);
+            small.record(3_500);
+        }
+        assert_eq!(small.lead(), None);
+        assert_eq!(small.early_lead(), None);
     }
 }
