@@ -684,6 +684,28 @@ fn the_snapshot_threads_cpu_time_is_learnt_and_times_the_stop() {
         .unwrap_or_else(|| panic!("no stop_at_cpu_ms after two setups: {m}"));
     let least = cpu.iter().copied().fold(f64::MAX, f64::min);
     assert!((0.0..=least).contains(&target), "{target} of {cpu:?}");
+    // `stop` goes early enough for QEMU to act on it before the least setup's CPU is used:
+    // the longest recent time from backstop's `stop` to QEMU's STOP is allowed for.
+    let floats = |key: &str| -> Vec<f64> {
+        m[key]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_f64()).collect())
+            .unwrap_or_default()
+    };
+    let latencies = floats("stop_latency_ms");
+    assert!(
+        !latencies.is_empty() && latencies.iter().all(|&l| (0.0..1000.0).contains(&l)),
+        "{m}"
+    );
+    let led = floats("setup_cpu_led_ms");
+    let basis = if led.len() >= 2 { &led } else { &cpu };
+    let least_basis = basis.iter().copied().fold(f64::MAX, f64::min);
+    let longest = latencies.iter().copied().fold(0.0, f64::max);
+    // Figures are rounded to tenths of a ms.
+    assert!(
+        target <= (least_basis - longest).max(0.0) + 0.15,
+        "stop at {target} ms of CPU, least setup {least_basis}, longest stop latency {longest}: {m}"
+    );
     for i in 0..3 {
         let lost_before = vm.backend.lost_races();
         // As the engine does: a capture whose switch came after QEMU 7.2's own resume (a loaded
