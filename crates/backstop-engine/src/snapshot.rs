@@ -647,6 +647,7 @@ impl VmActor {
                     source,
                 })?;
             info!(snapshot_id = %m.snapshot_id, pause_us = report.pause_us, capture_ms, bytes_stored = m.bytes_stored, "snapshot published");
+            release_freed_memory();
             Ok(m)
         })();
         if result.is_err() {
@@ -684,5 +685,28 @@ impl VmActor {
 fn remove_created(switches: &[DiskSwitch]) {
     for sw in switches {
         let _ = std::fs::remove_file(&sw.new_active);
+    }
+}
+
+/// Hands the memory a capture's ingest freed back to the kernel (glibc only).
+///
+/// Why: a capture's buffers are allocated and freed on several threads, and glibc keeps what
+/// its per-thread arenas freed (and raises its mmap threshold after each large free, so later
+/// large buffers come from the arenas too). In one CI run under load the daemon's RSS climbed
+/// from ~48 MB to 130 MB over the last 20 of 100 snapshots of the soak test, while the same test
+/// on an idle host stayed at ~49 MB. `malloc_trim` returns every free page of every arena; it
+/// runs after the snapshot is published, outside the pause, and took 0.3-3 ms per snapshot of a
+/// 1 GiB guest (the most after a full first capture), and every call had memory to return.
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let started = std::time::Instant::now();
+        // SAFETY: `malloc_trim` only returns free memory to the kernel; no pointer is involved.
+        let released = unsafe { libc::malloc_trim(0) } == 1;
+        tracing::debug!(
+            released,
+            us = started.elapsed().as_micros() as u64,
+            "freed memory handed back"
+        );
     }
 }

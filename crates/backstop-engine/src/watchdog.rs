@@ -135,9 +135,11 @@ pub fn heartbeat_verdict(
     let timeout = allowed_silence(hb, watchdog);
     (now > deadline).then(|| {
         let silent = now.saturating_duration_since(deadline - timeout);
+        // Rounded up: the verdict is "longer than the timeout", and a silence 0.3 ms past a
+        // 5 s timeout read "for 5000 ms" (a CI run's assertion caught it).
         format!(
             "no valid heartbeat for {} ms (timeout {} s; {} credited, {} rejected)",
-            silent.as_millis(),
+            silent.as_micros().div_ceil(1000),
             timeout.as_secs(),
             hb.count,
             hb.rejected
@@ -694,6 +696,15 @@ mod verdict_tests {
             r.starts_with("no valid heartbeat for 11000 ms (timeout 10 s; 3 credited, 2 rejected)"),
             "{r}"
         );
+        // Just past the bound: the silence reads longer than the timeout, never equal to it.
+        let r = heartbeat_verdict(
+            &hb(3, Some(t0)),
+            Some(t0),
+            t0 + s(10) + Duration::from_micros(300),
+            &w,
+        )
+        .unwrap();
+        assert!(r.starts_with("no valid heartbeat for 10001 ms"), "{r}");
         // A heartbeat older than the instance (before a rollback) counts from the start.
         let started = t0 + s(30);
         assert_eq!(

@@ -131,6 +131,13 @@ impl CpuTrace {
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+        let minflt = std::fs::read_to_string(self.thread.schedstat.with_file_name("stat"))
+            .ok()
+            .and_then(|l| {
+                l.rsplit_once(')')
+                    .and_then(|(_, rest)| rest.split_whitespace().nth(7)?.parse::<u64>().ok())
+            });
+        tracing::debug!(?minflt, "snapshot thread faults");
         let samples = self.samples.lock().ok()?;
         cpu_at(&samples, at_us)
     }
