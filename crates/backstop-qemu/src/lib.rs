@@ -669,7 +669,12 @@ impl QemuBackend {
             );
             drop(urgent);
         }
-        let stop_sent_us = clock.now_us();
+        // When `stop` went in (with `migrate`, where it was written right behind it).
+        let stop_sent_us = if stop_answer.is_some() {
+            migrate_sent_us
+        } else {
+            clock.now_us()
+        };
         let stopped = if was_running {
             stop_answer
                 .take()

@@ -207,10 +207,13 @@ impl SetupTimes {
 
     /// The CPU time QEMU's snapshot thread used from `migrate` to `active` in one capture
     /// whose `migrate` went in while the guest ran (won or lost), in µs.
-    /// Counted among all captures' too ([`Self::recent_cpu_us`]).
+    /// Counted among all captures' too ([`Self::recent_cpu_us`]); the QEMU's first capture
+    /// (sent `migrate` first only where a test forces a lead) is not counted either way.
     pub fn record_led_cpu(&mut self, cpu_us: u64) {
-        self.record_cpu(cpu_us);
-        keep_last(&mut self.recent_led_cpu, cpu_us);
+        if self.first_seen {
+            self.record_cpu(cpu_us);
+            keep_last(&mut self.recent_led_cpu, cpu_us);
+        }
     }
 
     /// The remembered CPU times of captures sent `migrate` first, oldest first, in µs.
@@ -637,6 +640,12 @@ mod tests {
             "85% of the least led setup"
         );
         assert_eq!(t.recent_led_cpu_us().collect::<Vec<_>>(), [7_100, 8_000]);
+        // A QEMU's first capture, sent `migrate` first by a forced lead: not counted.
+        let mut forced = SetupTimes::default();
+        forced.record_led_cpu(20_000);
+        forced.record(30_000);
+        assert_eq!(forced.recent_led_cpu_us().count(), 0);
+        assert_eq!(forced.recent_cpu_us().count(), 0);
         t.raced(true);
         assert_eq!(
             t.cpu_target(),
