@@ -647,6 +647,8 @@ impl QemuBackend {
             trace = start_trace();
             // Woken on time however busy QEMU keeps the cores (`snapshot_thread::Urgent`).
             let urgent = snapshot_thread::Urgent::begin();
+            // The thread's CPU when the wait ended (for the debug log).
+            let mut stop_at_cpu_ns = None;
             match (&trace, cpu_target) {
                 // `stop` once QEMU's thread has done that much of its setup's work, however
                 // long the host's load makes it take; but never later than a bound (a thread
@@ -654,7 +656,11 @@ impl QemuBackend {
                 (Some(cpu), Some(target)) if !lead.is_zero() => {
                     let bound = (lead * 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
                     let target_ns = target.as_nanos() as u64;
-                    while cpu.read_now_ns() < target_ns && sent.elapsed() < bound {
+                    loop {
+                        stop_at_cpu_ns = Some(cpu.read_now_ns());
+                        if stop_at_cpu_ns >= Some(target_ns) || sent.elapsed() >= bound {
+                            break;
+                        }
                         std::thread::sleep(Duration::from_micros(100));
                     }
                 }
@@ -662,7 +668,7 @@ impl QemuBackend {
             }
             tracing::debug!(
                 after_migrate_us = sent.elapsed().as_micros() as u64,
-                cpu_us = trace.as_ref().map(|c| c.latest_ns() / 1000),
+                cpu_us = stop_at_cpu_ns.map(|ns| ns / 1000),
                 target_us = cpu_target.map(|c| c.as_micros() as u64),
                 urgent = urgent.applied(),
                 "stop after migrate"

@@ -58,6 +58,18 @@ impl SnapshotThread {
     pub(crate) fn cpu_ns(&self) -> Option<u64> {
         parse_schedstat(&std::fs::read_to_string(&self.schedstat).ok()?)
     }
+
+    /// The thread's minor page faults so far (`stat` field 10), for the debug log only.
+    fn minor_faults(&self) -> Option<u64> {
+        let stat = std::fs::read_to_string(self.schedstat.with_file_name("stat")).ok()?;
+        // Fields after the `(comm)`, which may hold spaces, start at field 3.
+        stat.rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(7)?
+            .parse()
+            .ok()
+    }
 }
 
 /// The first field of a `schedstat` line (`<ns on CPU> <ns waiting> <timeslices>`).
@@ -66,7 +78,8 @@ fn parse_schedstat(line: &str) -> Option<u64> {
 }
 
 /// Reads the thread's CPU time every [`EVERY`] on a thread of its own, from `migrate` until
-/// [`CpuTrace::finish`]: the latest value for a capture waiting to send `stop`, and every
+/// [`CpuTrace::finish`]: the latest value (a fallback for a capture waiting to send `stop`,
+/// which reads the thread itself: [`CpuTrace::read_now_ns`]), and every
 /// (time on the pause clock, CPU ns) pair to find what the thread had used by QEMU's `active`.
 pub(crate) struct CpuTrace {
     thread: SnapshotThread,
@@ -131,13 +144,9 @@ impl CpuTrace {
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
-        let minflt = std::fs::read_to_string(self.thread.schedstat.with_file_name("stat"))
-            .ok()
-            .and_then(|l| {
-                l.rsplit_once(')')
-                    .and_then(|(_, rest)| rest.split_whitespace().nth(7)?.parse::<u64>().ok())
-            });
-        tracing::debug!(?minflt, "snapshot thread faults");
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(minflt = ?self.thread.minor_faults(), "snapshot thread faults");
+        }
         let samples = self.samples.lock().ok()?;
         cpu_at(&samples, at_us)
     }
