@@ -210,7 +210,9 @@ forensic_ram_for = []
         e = self.env
         conf = self.dir / "backstop.toml"
         conf.write_text(cfg)
-        env = dict(os.environ, BACKSTOP_LOG="info")
+        # BENCH_BACKSTOP_LOG (e.g. "info,backstop_qemu=debug"): the daemon's log filter, for a
+        # run that is traced rather than measured.
+        env = dict(os.environ, BACKSTOP_LOG=os.environ.get("BENCH_BACKSTOP_LOG", "info"))
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [str(e.backstopd), "--config", str(conf)],

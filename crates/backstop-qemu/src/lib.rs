@@ -233,7 +233,7 @@ impl Running {
     fn regather_now(&mut self, mode: huge_pages::HugePages) {
         self.stop_regather();
         let started = Instant::now();
-        let outcome = huge_pages::Regather::start(self.child.id(), mode).wait();
+        let outcome = huge_pages::Regather::once(self.child.id(), mode).wait();
         tracing::debug!(
             ?outcome,
             ms = started.elapsed().as_millis() as u64,
@@ -538,6 +538,15 @@ impl QemuBackend {
             .ok_or(BackendError::NotRunning { step: "capture" })?;
         let plan = r.plan;
         r.stop_regather();
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            if let Some((rss, huge)) = huge_pages::guest_ram_residency(r.child.id()) {
+                tracing::debug!(
+                    rss_mib = rss >> 20,
+                    huge_mib = huge >> 20,
+                    "guest RAM before the capture"
+                );
+            }
+        }
         // A migration still being cleaned up would make `migrate` fail (duplicate yank instance).
         pause::wait_migration_released(&mut r.qmp, t, t)?;
         // Run-state and migration events of earlier captures and pauses must not be taken for
