@@ -17,7 +17,9 @@
 //! shared zero page in it is left alone: collapsing it would allocate memory the guest never
 //! touched. So QEMU's resident memory does not grow, no byte the guest sees changes, and a kernel
 //! that refuses leaves everything as it was. The next capture stops the thread ([`Regather::stop`])
-//! before its pause begins, so it never competes with one.
+//! before its pause begins, so it never competes with one. Until then it looks again every
+//! [`REPEAT`]: memory the guest writes for the first time after a capture is mapped small too
+//! (see below), and a later look collapses it before the next capture's pause walks it.
 //!
 //! That leaves the guest RAM the guest never wrote. QEMU's snapshot reads one byte of every
 //! page of it before it starts (its pre-fault), which maps the shared zero page there page by
