@@ -709,20 +709,17 @@ THPeligible:    1
         assert_eq!(reads, 1);
     }
 
-    /// Against the running kernel: memory of this process whose huge pages were split is
-    /// collapsed again, and a range with a hole is not filled in.
-    #[test]
-    fn a_split_huge_page_is_collapsed_and_a_hole_is_not_filled() {
-        let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    /// A fresh private anonymous mapping of `len` bytes plus one huge page, and its first
+    /// 2 MiB boundary, from which `len` bytes are advised huge; `None` (the test skips) where
+    /// transparent huge pages are off. The caller unmaps `len + HUGE` bytes at the base.
+    fn huge_advised(len: usize) -> Option<(*mut libc::c_void, u64)> {
         let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
             .unwrap_or_default();
         if !thp.contains("[always]") && !thp.contains("[madvise]") {
             eprintln!("SKIPPED: transparent huge pages are off on this host ({thp:?})");
-            return;
+            return None;
         }
-        let len = 16 * HUGE as usize;
-        // SAFETY: a fresh private anonymous mapping; unmapped at the end of the test, and only
-        // touched through `mem` within its length.
+        // SAFETY: a fresh private anonymous mapping, nothing else refers to it.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -735,11 +732,41 @@ THPeligible:    1
         };
         assert_ne!(base, libc::MAP_FAILED);
         let aligned = (base as u64).div_ceil(HUGE) * HUGE;
-        // SAFETY: [aligned, aligned + len) lies inside the mapping above.
-        let mem = unsafe { std::slice::from_raw_parts_mut(aligned as *mut u8, len) };
-        // SAFETY: madvise(2) on the mapping above.
+        // SAFETY: madvise(2) on [aligned, aligned + len), inside the mapping above.
         let advised = unsafe { libc::madvise(aligned as *mut _, len, libc::MADV_HUGEPAGE) };
         assert_eq!(advised, 0);
+        Some((base, aligned))
+    }
+
+    /// Splits the mapping of each of the `n` huge pages from `aligned`: the write right of its
+    /// small page `page` taken and given back (what lifting a userfaultfd write protection page
+    /// by page does).
+    fn split_each(aligned: u64, n: u64, page: u64) {
+        for i in 0..n {
+            let p = (aligned + i * HUGE + page * PAGE) as *mut libc::c_void;
+            // SAFETY: one page inside a mapping made by `huge_advised`.
+            unsafe {
+                assert_eq!(libc::mprotect(p, PAGE as usize, libc::PROT_READ), 0);
+                assert_eq!(
+                    libc::mprotect(p, PAGE as usize, libc::PROT_READ | libc::PROT_WRITE),
+                    0
+                );
+            }
+        }
+    }
+
+    /// Against the running kernel: memory of this process whose huge pages were split is
+    /// collapsed again, and a range with a hole is not filled in.
+    #[test]
+    fn a_split_huge_page_is_collapsed_and_a_hole_is_not_filled() {
+        let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let len = 16 * HUGE as usize;
+        let Some((base, aligned)) = huge_advised(len) else {
+            return;
+        };
+        // SAFETY: [aligned, aligned + len) lies inside the mapping `huge_advised` made; it is
+        // unmapped at the end of the test and only touched through `mem` within its length.
+        let mem = unsafe { std::slice::from_raw_parts_mut(aligned as *mut u8, len) };
         // Every huge page written whole, then the second half of the last one given back to
         // the kernel: a hole (a write fault in a huge-page mapping takes a whole huge page).
         let written = len - HUGE as usize / 2;
@@ -751,17 +778,7 @@ THPeligible:    1
         assert_eq!(discarded, 0);
         // Split every huge page's mapping: take the write right from one small page of each
         // and give it back (what lifting a userfaultfd write protection page by page does).
-        for i in 0..16 {
-            let p = (aligned + i * HUGE + 5 * PAGE) as *mut libc::c_void;
-            // SAFETY: one page inside the mapping above.
-            unsafe {
-                assert_eq!(libc::mprotect(p, PAGE as usize, libc::PROT_READ), 0);
-                assert_eq!(
-                    libc::mprotect(p, PAGE as usize, libc::PROT_READ | libc::PROT_WRITE),
-                    0
-                );
-            }
-        }
+        split_each(aligned, 16, 5);
         let ours = |smaps: &str| {
             parse_smaps(smaps)
                 .into_iter()
@@ -826,32 +843,13 @@ THPeligible:    1
     #[test]
     fn a_running_regather_collapses_small_pages_that_appear_after_its_first_pass() {
         let _one_at_a_time = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-            .unwrap_or_default();
-        if !thp.contains("[always]") && !thp.contains("[madvise]") {
-            eprintln!("SKIPPED: transparent huge pages are off on this host ({thp:?})");
-            return;
-        }
         let len = 8 * HUGE as usize;
-        // SAFETY: a fresh private anonymous mapping; unmapped at the end of the test, and only
-        // touched through `mem` within its length.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len + HUGE as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
+        let Some((base, aligned)) = huge_advised(len) else {
+            return;
         };
-        assert_ne!(base, libc::MAP_FAILED);
-        let aligned = (base as u64).div_ceil(HUGE) * HUGE;
-        // SAFETY: [aligned, aligned + len) lies inside the mapping above.
+        // SAFETY: [aligned, aligned + len) lies inside the mapping `huge_advised` made; it is
+        // unmapped at the end of the test and only touched through `mem` within its length.
         let mem = unsafe { std::slice::from_raw_parts_mut(aligned as *mut u8, len) };
-        // SAFETY: madvise(2) on the mapping above.
-        let advised = unsafe { libc::madvise(aligned as *mut _, len, libc::MADV_HUGEPAGE) };
-        assert_eq!(advised, 0);
         let ours = || {
             parse_smaps(&std::fs::read_to_string("/proc/self/smaps").unwrap())
                 .into_iter()
@@ -871,17 +869,7 @@ THPeligible:    1
         // Now written, and every huge page's mapping split (one small page's write right
         // taken and given back, as lifting a write protection page by page does).
         mem.fill(0x33);
-        for i in 0..8 {
-            let p = (aligned + i * HUGE + 7 * PAGE) as *mut libc::c_void;
-            // SAFETY: one page inside the mapping above.
-            unsafe {
-                assert_eq!(libc::mprotect(p, PAGE as usize, libc::PROT_READ), 0);
-                assert_eq!(
-                    libc::mprotect(p, PAGE as usize, libc::PROT_READ | libc::PROT_WRITE),
-                    0
-                );
-            }
-        }
+        split_each(aligned, 8, 7);
         let split = ours();
         let t0 = Instant::now();
         let mut now = split.clone();

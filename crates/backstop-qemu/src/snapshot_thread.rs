@@ -59,6 +59,11 @@ impl SnapshotThread {
         parse_schedstat(&std::fs::read_to_string(&self.schedstat).ok()?)
     }
 
+    /// CPU time the thread has used and time it spent runnable but waiting for a CPU, in ns.
+    fn cpu_and_wait_ns(&self) -> Option<(u64, u64)> {
+        parse_schedstat_wait(&std::fs::read_to_string(&self.schedstat).ok()?)
+    }
+
     /// The thread's minor page faults so far (`stat` field 10), for the debug log only.
     fn minor_faults(&self) -> Option<u64> {
         let stat = std::fs::read_to_string(self.schedstat.with_file_name("stat")).ok()?;
@@ -74,7 +79,13 @@ impl SnapshotThread {
 
 /// The first field of a `schedstat` line (`<ns on CPU> <ns waiting> <timeslices>`).
 fn parse_schedstat(line: &str) -> Option<u64> {
-    line.split_whitespace().next()?.parse().ok()
+    parse_schedstat_wait(line).map(|(cpu, _)| cpu)
+}
+
+/// The first two fields of a `schedstat` line: CPU time and time waiting for a CPU, in ns.
+fn parse_schedstat_wait(line: &str) -> Option<(u64, u64)> {
+    let mut f = line.split_whitespace().map(str::parse::<u64>);
+    Some((f.next()?.ok()?, f.next()?.ok()?))
 }
 
 /// Reads the thread's CPU time every [`EVERY`] on a thread of its own, from `migrate` until
@@ -86,6 +97,9 @@ pub(crate) struct CpuTrace {
     latest: Arc<AtomicU64>,
     done: Arc<AtomicBool>,
     samples: Arc<Mutex<Vec<(u64, u64)>>>,
+    /// (time on the pause clock, ns spent waiting for a CPU), read with `samples`: for the
+    /// debug log, to tell a setup that waited for a CPU from one that waited for QEMU.
+    waits: Arc<Mutex<Vec<(u64, u64)>>>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -97,17 +111,24 @@ impl CpuTrace {
         let latest = Arc::new(AtomicU64::new(0));
         let done = Arc::new(AtomicBool::new(false));
         let samples = Arc::new(Mutex::new(Vec::with_capacity(256)));
-        let (l, d, s) = (latest.clone(), done.clone(), samples.clone());
+        let waits = Arc::new(Mutex::new(Vec::with_capacity(256)));
+        let (l, d, s, w) = (latest.clone(), done.clone(), samples.clone(), waits.clone());
         let watched = thread.clone();
         let handle = std::thread::Builder::new()
             .name("snapshot-cpu".into())
             .spawn(move || {
                 let started = Instant::now();
                 while !d.load(Ordering::Relaxed) && started.elapsed() < Self::LIMIT {
-                    let Some(ns) = thread.cpu_ns() else { break };
+                    let Some((ns, wait_ns)) = thread.cpu_and_wait_ns() else {
+                        break;
+                    };
                     l.store(ns, Ordering::Relaxed);
+                    let now = clock.now_us();
                     if let Ok(mut v) = s.lock() {
-                        v.push((clock.now_us(), ns));
+                        v.push((now, ns));
+                    }
+                    if let Ok(mut v) = w.lock() {
+                        v.push((now, wait_ns));
                     }
                     std::thread::sleep(EVERY);
                 }
@@ -118,6 +139,7 @@ impl CpuTrace {
             latest,
             done,
             samples,
+            waits,
             handle,
         }
     }
@@ -145,7 +167,17 @@ impl CpuTrace {
             let _ = h.join();
         }
         if tracing::enabled!(tracing::Level::DEBUG) {
-            tracing::debug!(minflt = ?self.thread.minor_faults(), "snapshot thread faults");
+            let waited_us = self.waits.lock().ok().and_then(|w| {
+                w.iter()
+                    .rev()
+                    .find(|&&(t, _)| t <= at_us)
+                    .map(|&(_, ns)| ns / 1000)
+            });
+            tracing::debug!(
+                minflt = ?self.thread.minor_faults(),
+                runnable_wait_us_by_active = ?waited_us,
+                "snapshot thread faults"
+            );
         }
         let samples = self.samples.lock().ok()?;
         cpu_at(&samples, at_us)
@@ -235,6 +267,11 @@ mod tests {
         assert_eq!(parse_schedstat("123456 7890 12\n"), Some(123_456));
         assert_eq!(parse_schedstat(""), None);
         assert_eq!(parse_schedstat("x 1 2"), None);
+        assert_eq!(
+            parse_schedstat_wait("123456 7890 12\n"),
+            Some((123_456, 7_890))
+        );
+        assert_eq!(parse_schedstat_wait("123456"), None);
     }
 
     #[test]
