@@ -96,10 +96,10 @@ pub(crate) struct CpuTrace {
     thread: SnapshotThread,
     latest: Arc<AtomicU64>,
     done: Arc<AtomicBool>,
-    samples: Arc<Mutex<Vec<(u64, u64)>>>,
-    /// (time on the pause clock, ns spent waiting for a CPU), read with `samples`: for the
-    /// debug log, to tell a setup that waited for a CPU from one that waited for QEMU.
-    waits: Arc<Mutex<Vec<(u64, u64)>>>,
+    /// (time on the pause clock, CPU ns, ns spent runnable but waiting for a CPU): the wait
+    /// only for the debug log, to tell a setup that waited for a CPU from one that waited for
+    /// QEMU.
+    samples: Arc<Mutex<Vec<(u64, u64, u64)>>>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -111,8 +111,7 @@ impl CpuTrace {
         let latest = Arc::new(AtomicU64::new(0));
         let done = Arc::new(AtomicBool::new(false));
         let samples = Arc::new(Mutex::new(Vec::with_capacity(256)));
-        let waits = Arc::new(Mutex::new(Vec::with_capacity(256)));
-        let (l, d, s, w) = (latest.clone(), done.clone(), samples.clone(), waits.clone());
+        let (l, d, s) = (latest.clone(), done.clone(), samples.clone());
         let watched = thread.clone();
         let handle = std::thread::Builder::new()
             .name("snapshot-cpu".into())
@@ -123,12 +122,8 @@ impl CpuTrace {
                         break;
                     };
                     l.store(ns, Ordering::Relaxed);
-                    let now = clock.now_us();
                     if let Ok(mut v) = s.lock() {
-                        v.push((now, ns));
-                    }
-                    if let Ok(mut v) = w.lock() {
-                        v.push((now, wait_ns));
+                        v.push((clock.now_us(), ns, wait_ns));
                     }
                     std::thread::sleep(EVERY);
                 }
@@ -139,7 +134,6 @@ impl CpuTrace {
             latest,
             done,
             samples,
-            waits,
             handle,
         }
     }
@@ -166,21 +160,21 @@ impl CpuTrace {
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
+        let samples = self.samples.lock().ok()?;
         if tracing::enabled!(tracing::Level::DEBUG) {
-            let waited_us = self.waits.lock().ok().and_then(|w| {
-                w.iter()
-                    .rev()
-                    .find(|&&(t, _)| t <= at_us)
-                    .map(|&(_, ns)| ns / 1000)
-            });
+            let waited_us = samples
+                .iter()
+                .rev()
+                .find(|&&(t, _, _)| t <= at_us)
+                .map(|&(_, _, wait_ns)| wait_ns / 1000);
             tracing::debug!(
                 minflt = ?self.thread.minor_faults(),
                 runnable_wait_us_by_active = ?waited_us,
                 "snapshot thread faults"
             );
         }
-        let samples = self.samples.lock().ok()?;
-        cpu_at(&samples, at_us)
+        let cpu: Vec<(u64, u64)> = samples.iter().map(|&(t, ns, _)| (t, ns)).collect();
+        cpu_at(&cpu, at_us)
     }
 }
 
