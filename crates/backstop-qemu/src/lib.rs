@@ -524,6 +524,11 @@ impl QemuBackend {
                 .cloned()
                 .unwrap_or_else(|| cmdline::node_name(&sw.id));
             let fresh = cmdline::fresh_node_name(&sw.id, &sw.new_active);
+            let node = if pause::rejects_switch(fault) {
+                "backstop-no-such-node".to_string()
+            } else {
+                node
+            };
             actions.push(json!({
                 "type": "blockdev-snapshot",
                 "data": { "node": node, "overlay": fresh }
@@ -687,17 +692,64 @@ impl QemuBackend {
             );
             drop(urgent);
         }
+        // `stop` first: `stop`, the disk switch and `migrate` go in one write, and QEMU runs
+        // them back to back, with no round trip of ours between them inside the pause.
+        let mut batch = Batch::default();
+        if early.is_none() && pause::may_batch(fault) {
+            let mut commands = Vec::new();
+            if was_running {
+                commands.push(("stop", None));
+            }
+            if !actions.is_empty() {
+                let args = json!({ "actions": actions.clone() });
+                commands.push(("transaction", Some(args)));
+            }
+            commands.push(("migrate", Some(migrate_args.clone())));
+            // Read from before `migrate` goes in (see the lead's case above).
+            capture = capture.started();
+            let written_us = clock.now_us();
+            let mut replies = guard
+                .qmp()
+                .execute_batch(commands, t)
+                .into_iter()
+                .map(|(reply, at)| (reply, clock.at_us(at)));
+            batch.stop = if was_running { replies.next() } else { None };
+            batch.switch = if actions.is_empty() {
+                None
+            } else {
+                replies.next()
+            };
+            batch.stop_sent_us = Some(written_us);
+            // QEMU starts on `migrate` once the command before it has answered: its setup is
+            // timed from there, as when `migrate` is sent after that answer.
+            migrate_sent_us = batch
+                .switch
+                .as_ref()
+                .or(batch.stop.as_ref())
+                .map_or(written_us, |(_, at)| *at);
+            batch.migrate = replies.next();
+            if matches!(batch.migrate, Some((Err(_), _))) {
+                // No stream will come, and QEMU may still hold the fd: back to the pipe, so
+                // that abandoning the capture closes QEMU's copy instead of waiting for data.
+                capture = Capture::Pipe(capture.finish().0);
+            }
+        }
         // When `stop` went in (with `migrate`, where it was written right behind it).
         let stop_sent_us = if stop_answer.is_some() {
             migrate_sent_us
+        } else if let Some(us) = batch.stop_sent_us {
+            us
         } else {
             clock.now_us()
         };
         let stopped = if was_running {
-            stop_answer
-                .take()
-                .unwrap_or_else(|| guard.qmp().execute("stop", None, t))
-                .map(|_| ends.push(("stop", clock.now_us())))
+            let answered = match (stop_answer.take(), batch.stop.take()) {
+                (Some(reply), _) => reply.map(|_| clock.now_us()),
+                (None, Some((reply, at))) => reply.map(|_| at),
+                (None, None) => guard.qmp().execute("stop", None, t).map(|_| clock.now_us()),
+            };
+            answered
+                .map(|at| ends.push(("stop", at)))
                 .and_then(|()| {
                     // With `migrate` already in: was this STOP ours, before QEMU's own?
                     let first = early.is_none()
@@ -762,6 +814,13 @@ impl QemuBackend {
             Err(e) => {
                 capture.abandon(guard.qmp(), t);
                 drop(guard);
+                if matches!(batch.switch, Some((Ok(_), _))) {
+                    // Written behind the `stop` that failed, the switch went through: the
+                    // guest writes the new overlays now.
+                    self.disks = new_disks;
+                    self.active_nodes = new_nodes;
+                    return Err(BackendError::CaptureAfterSwitch(Box::new(e)));
+                }
                 close_nodes(r, &opened, t);
                 return Err(e);
             }
@@ -769,14 +828,23 @@ impl QemuBackend {
         if early.is_some() && !switch_delay.is_zero() {
             std::thread::sleep(switch_delay);
         }
-        let switched = if actions.is_empty() {
-            Ok(Value::Null)
-        } else {
-            guard
-                .qmp()
-                .execute("transaction", Some(json!({ "actions": actions })), t)
+        let switched = match batch.switch.take() {
+            Some((reply, at)) => {
+                ends.push(("switch", at));
+                reply
+            }
+            None => {
+                let reply = if actions.is_empty() {
+                    Ok(Value::Null)
+                } else {
+                    guard
+                        .qmp()
+                        .execute("transaction", Some(json!({ "actions": actions })), t)
+                };
+                ends.push(("switch", clock.now_us()));
+                reply
+            }
         };
-        ends.push(("switch", clock.now_us()));
         if let Err(e) = switched {
             capture.abandon(guard.qmp(), t);
             drop(guard);
@@ -804,6 +872,13 @@ impl QemuBackend {
             return Err(BackendError::SwitchedAfterResume);
         }
         let started = fault_point!(fault, AfterTransaction).and_then(|()| {
+            if let Some((sent, at)) = batch.migrate.take() {
+                ends.push(("migrate", at));
+                if sent.is_ok() {
+                    trace = start_trace();
+                }
+                return sent.map(|_| ());
+            }
             if capture.is_started() {
                 return Ok(());
             }
@@ -1255,6 +1330,18 @@ fn migrate_first_fault() -> bool {
 #[cfg(feature = "fault-injection")]
 fn switch_after_resume_fault() -> bool {
     std::env::var("BACKSTOP_FAULT_INJECT").as_deref() == Ok(cmdline::SWITCH_AFTER_RESUME_FAULT)
+}
+
+/// The answers to a `stop`-first capture's commands written in one go (`begin_capture_once`),
+/// each with when it was read on the pause clock, taken by the steps that would otherwise send
+/// them one by one.
+#[derive(Default)]
+struct Batch {
+    stop: Option<(Result<Value>, u64)>,
+    switch: Option<(Result<Value>, u64)>,
+    migrate: Option<(Result<Value>, u64)>,
+    /// When the batch was written: `stop`'s send time.
+    stop_sent_us: Option<u64>,
 }
 
 /// The capture stream's read end through `begin_capture`: the pipe until `migrate` went in,

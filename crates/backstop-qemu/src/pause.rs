@@ -214,8 +214,13 @@ impl PauseClock {
 
     /// Now, in µs since the epoch.
     pub fn now_us(&self) -> u64 {
+        self.at_us(std::time::Instant::now())
+    }
+
+    /// `instant` (taken after the anchor), in µs since the epoch.
+    pub fn at_us(&self, instant: std::time::Instant) -> u64 {
         self.anchor_us
-            .saturating_add(self.anchor.elapsed().as_micros() as u64)
+            .saturating_add(instant.saturating_duration_since(self.anchor).as_micros() as u64)
     }
 }
 
@@ -253,6 +258,11 @@ pub enum FaultStep {
     AfterMigrate,
     /// In `finish_capture`, after the stream ended.
     InFinish,
+    /// Not a failure of backstop's: QEMU refuses the disk switch (it names a block node that
+    /// does not exist). In a `stop`-first capture that switch is written together with `stop`
+    /// and `migrate` ([`may_batch`]), so QEMU has started the RAM capture when it fails. Not in
+    /// [`FaultStep::ALL`]: the error is QEMU's own.
+    SwitchRejected,
 }
 
 #[cfg(feature = "fault-injection")]
@@ -264,6 +274,32 @@ impl FaultStep {
         FaultStep::AfterMigrate,
         FaultStep::InFinish,
     ];
+}
+
+/// Whether a `stop`-first capture may write `stop`, the disk switch and `migrate` in one go
+/// (QEMU then runs them back to back): not where a test fault is armed between them, since it
+/// must strike with the guest stopped and the disks not yet switched, or switched and the RAM
+/// capture not started.
+#[cfg(feature = "fault-injection")]
+pub(crate) fn may_batch(fault: Fault) -> bool {
+    !matches!(
+        fault,
+        Some(FaultStep::AfterStop | FaultStep::AfterTransaction)
+    )
+}
+#[cfg(not(feature = "fault-injection"))]
+pub(crate) fn may_batch(_fault: Fault) -> bool {
+    true
+}
+
+/// Whether the armed fault makes QEMU refuse the disk switch ([`FaultStep::SwitchRejected`]).
+#[cfg(feature = "fault-injection")]
+pub(crate) fn rejects_switch(fault: Fault) -> bool {
+    fault == Some(FaultStep::SwitchRejected)
+}
+#[cfg(not(feature = "fault-injection"))]
+pub(crate) fn rejects_switch(_fault: Fault) -> bool {
+    false
 }
 
 /// The fault armed for the next capture (nothing without the feature).

@@ -106,28 +106,53 @@ impl Qmp {
     }
 
     /// Sends `first` and, without waiting for its answer, `second`: QEMU runs them one right
-    /// after the other, in that order. Returns both results (the second's is not read when
-    /// the first's could not be: its reply would be unaccounted for).
+    /// after the other, in that order. Returns both results.
     pub fn execute_pipelined(
         &mut self,
         first: (&'static str, Option<Value>),
         second: (&'static str, Option<Value>),
         timeout: Duration,
     ) -> (Result<Value>, Result<Value>) {
-        let id1 = match self.send_command(first.0, first.1, None) {
-            Ok(id) => id,
-            Err(e) => {
-                let not_sent = BackendError::Command {
-                    step: second.0,
+        let mut replies = self
+            .execute_batch(vec![first, second], timeout)
+            .into_iter()
+            .map(|(reply, _)| reply);
+        match (replies.next(), replies.next()) {
+            (Some(r1), Some(r2)) => (r1, r2),
+            _ => unreachable!("execute_batch answers every command"),
+        }
+    }
+
+    /// Writes all of `commands` before reading any answer, so QEMU runs them back to back
+    /// with no round trip between them; returns each one's result, in order, with when its
+    /// answer was read. A command after one that could not be written is not sent (its result
+    /// says so); every command that was sent is waited for, so no answer is left to be taken
+    /// for a later command's.
+    pub fn execute_batch(
+        &mut self,
+        commands: Vec<(&'static str, Option<Value>)>,
+        timeout: Duration,
+    ) -> Vec<(Result<Value>, Instant)> {
+        let mut sent = Vec::with_capacity(commands.len());
+        let mut unsent = false;
+        for (command, args) in commands {
+            let id = if unsent {
+                Err(BackendError::Command {
+                    step: command,
                     message: "not sent".into(),
-                };
-                return (Err(e), Err(not_sent));
-            }
-        };
-        let id2 = self.send_command(second.0, second.1, None);
-        let r1 = self.await_reply(first.0, id1, timeout);
-        let r2 = id2.and_then(|id| self.await_reply(second.0, id, timeout));
-        (r1, r2)
+                })
+            } else {
+                self.send_command(command, args, None)
+            };
+            unsent |= id.is_err();
+            sent.push((command, id));
+        }
+        sent.into_iter()
+            .map(|(command, id)| {
+                let reply = id.and_then(|id| self.await_reply(command, id, timeout));
+                (reply, Instant::now())
+            })
+            .collect()
     }
 
     /// Writes one command; returns its id.
@@ -582,6 +607,61 @@ mod tests {
         let err = q.execute("junk", None, Duration::from_secs(5)).unwrap_err();
         assert!(matches!(err, BackendError::Protocol { .. }), "{err}");
         server.join().unwrap();
+    }
+
+    /// A batch is written whole before any answer is read (the peer answers only once it has
+    /// all three), and each command gets its own answer, an error in the middle included.
+    #[test]
+    fn a_batch_is_written_before_any_answer_and_each_command_gets_its_own() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let server = std::thread::spawn(move || {
+            use std::io::BufRead;
+            let mut r = std::io::BufReader::new(b.try_clone().unwrap());
+            let mut lines = Vec::new();
+            for _ in 0..3 {
+                let mut line = String::new();
+                r.read_line(&mut line).unwrap();
+                lines.push(serde_json::from_str::<Value>(&line).unwrap());
+            }
+            b.write_all(
+                b"{\"return\":{},\"id\":1}\r\n{\"event\":\"STOP\",\"timestamp\":{\"seconds\":1,\"microseconds\":0}}\r\n\
+                  {\"error\":{\"class\":\"GenericError\",\"desc\":\"no node\"},\"id\":2}\r\n\
+                  {\"return\":{\"x\":3},\"id\":3}\r\n",
+            )
+            .unwrap();
+            lines
+        });
+        let mut q = Qmp {
+            stream: a,
+            buf: Vec::new(),
+            events: VecDeque::new(),
+            next_id: 1,
+        };
+        let replies = q.execute_batch(
+            vec![
+                ("stop", None),
+                ("transaction", Some(json!({"actions": []}))),
+                ("migrate", Some(json!({"uri": "fd:x"}))),
+            ],
+            Duration::from_secs(5),
+        );
+        let sent = server.join().unwrap();
+        let names: Vec<_> = sent.iter().map(|m| m["execute"].clone()).collect();
+        assert_eq!(
+            names,
+            [json!("stop"), json!("transaction"), json!("migrate")]
+        );
+        assert_eq!(sent[2]["arguments"]["uri"], "fd:x");
+        assert_eq!(replies.len(), 3);
+        assert!(replies[0].0.is_ok());
+        let err = replies[1].0.as_ref().unwrap_err().to_string();
+        assert!(
+            err.contains("no node") && err.contains("transaction"),
+            "{err}"
+        );
+        assert_eq!(replies[2].0.as_ref().unwrap(), &json!({"x": 3}));
+        assert!(replies[0].1 <= replies[1].1 && replies[1].1 <= replies[2].1);
+        assert!(q.queued().any(|e| e.name == "STOP"), "the event is kept");
     }
 
     #[test]

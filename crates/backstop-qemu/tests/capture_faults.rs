@@ -297,6 +297,79 @@ fn a_failure_at_any_capture_step_leaves_the_guest_running_and_the_next_snapshot_
     }
 }
 
+/// The image files QEMU's block devices write to (their top layers), from `query-block`.
+fn top_layers(vm: &mut Vm) -> Vec<String> {
+    let blocks = vm.backend.qmp_execute("query-block", None).unwrap();
+    blocks
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["inserted"]["file"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// A `stop`-first capture writes `stop`, the disk switch and `migrate` to QEMU in one go. When
+/// QEMU refuses the switch, it has already started the RAM capture behind it: that capture is
+/// read out and discarded, the guest runs on its old top layer (nothing switched), and the next
+/// snapshot works. A guest the operator paused stays paused through the same failure.
+#[test]
+fn a_disk_switch_qemu_refuses_after_stop_leaves_the_guest_on_its_disks_and_running() {
+    let name = "a_disk_switch_qemu_refuses_after_stop_leaves_the_guest_on_its_disks_and_running";
+    if skip(name) {
+        return;
+    }
+    let mut vm = Vm::boot("refused");
+    vm.backend
+        .set_capture_order(backstop_qemu::version::CaptureOrder::StopFirst);
+    for paused in [false, true] {
+        if paused {
+            vm.backend.pause().unwrap();
+        }
+        let before = vm.active.to_string_lossy().into_owned();
+        assert!(top_layers(&mut vm).contains(&before));
+        vm.backend.inject_fault(FaultStep::SwitchRejected);
+        let e = vm
+            .snapshot()
+            .expect_err("QEMU refused the disk switch: the capture must fail");
+        assert!(
+            !matches!(
+                e,
+                BackendError::CaptureAfterSwitch(_) | BackendError::SwitchedAfterResume
+            ),
+            "paused={paused}: nothing switched, yet the error says so: {e}"
+        );
+        assert!(
+            e.to_string().contains("backstop-no-such-node"),
+            "paused={paused}: not QEMU's refusal: {e}"
+        );
+        assert_eq!(
+            top_layers(&mut vm),
+            std::slice::from_ref(&before),
+            "paused={paused}: the guest must still write its old top layer"
+        );
+        let expected = if paused { "paused" } else { "running" };
+        assert_eq!(vm.status(), expected, "paused={paused}: after the refusal");
+        let (pause_us, bytes) = vm
+            .snapshot()
+            .unwrap_or_else(|e| panic!("paused={paused}: the snapshot after it failed: {e}"));
+        assert!(bytes > 1 << 20, "paused={paused}: {bytes} bytes");
+        assert_eq!(
+            pause_us > 0,
+            !paused,
+            "paused={paused}: pause {pause_us} us"
+        );
+        assert_eq!(
+            vm.status(),
+            expected,
+            "paused={paused}: after the good snapshot"
+        );
+        assert_ne!(top_layers(&mut vm), [before], "paused={paused}: switched");
+        if !paused {
+            vm.wait_ticks(2, Duration::from_secs(30));
+        }
+    }
+}
+
 #[test]
 fn a_guest_paused_by_the_operator_stays_paused_through_snapshots() {
     if skip("a_guest_paused_by_the_operator_stays_paused_through_snapshots") {
