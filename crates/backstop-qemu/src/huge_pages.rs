@@ -138,13 +138,14 @@ struct SmapsEntry {
 }
 
 impl SmapsEntry {
-    /// Private anonymous writable and at least `min_bytes`: what guest RAM looks like.
+    /// Private anonymous, readable and writable but not executable, and at least
+    /// `min_bytes`: what guest RAM looks like. Not executable: under TCG, QEMU's translated
+    /// code lives in a private anonymous `rwx` mapping as large as guest RAM (1 GiB here, huge
+    /// pages advised), which is not the guest's memory; `all` would fill it with up to 1 GiB of
+    /// memory of its own (seen on QEMU 10.0: its collapse failed part way, `EINVAL`).
     fn is_guest_ram_like(&self, min_bytes: u64) -> bool {
         let m = &self.mapping;
-        m.end.saturating_sub(m.start) >= min_bytes
-            && self.perms.starts_with("rw")
-            && self.perms.ends_with('p')
-            && self.path.is_empty()
+        m.end.saturating_sub(m.start) >= min_bytes && self.perms == "rw-p" && self.path.is_empty()
     }
 }
 
@@ -652,6 +653,31 @@ THPeligible:    0
             candidate_mappings(SMAPS, MIN_MAPPING_BYTES, HugePages::All),
             m
         );
+    }
+
+    /// QEMU 10.0 under TCG (smaps of a bench run, 2026-11-29): guest RAM, and the translated
+    /// code's buffer of nearly the same size, executable, huge pages advised.
+    #[test]
+    fn tcgs_code_buffer_is_not_guest_ram() {
+        let smaps = "\
+7f6743e00000-7f6783e00000 rw-p 00000000 00:00 0 
+Size:            1048576 kB
+Rss:              516436 kB
+AnonHugePages:    296960 kB
+THPeligible:           1
+VmFlags: rd wr mr mw me uw dc ac hg mg
+7f6784000000-7f67c3fff000 rwxp 00000000 00:00 0 
+Size:            1048572 kB
+Rss:               57344 kB
+AnonHugePages:         0 kB
+THPeligible:           1
+VmFlags: rd wr ex mr mw me ac hg
+";
+        for mode in [HugePages::Resident, HugePages::All] {
+            let m = candidate_mappings(smaps, MIN_MAPPING_BYTES, mode);
+            assert_eq!(m.len(), 1, "{mode:?}: {m:?}");
+            assert_eq!(m[0].start, 0x7f6743e00000, "{mode:?}");
+        }
     }
 
     #[test]
