@@ -99,7 +99,7 @@ class Disk:
     pause as backstop does (created and opened before `stop`, `blockdev-snapshot` after it)."""
 
     def __init__(self, path, node):
-        self.path, self.node, self.n = Path(path), node, 0
+        self.path, self.node, self.base, self.n = Path(path), node, node, 0
 
     def prepare(self, q):
         self.n += 1
@@ -107,7 +107,7 @@ class Disk:
         size = json.loads(C.run(["qemu-img", "info", "-U", "--output=json", str(self.path)]).stdout)["virtual-size"]
         C.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "qcow2", "-b", str(self.path), str(new),
                str(size)])
-        node = f"{self.node}-{self.n}"
+        node = f"{self.base}-{self.n}"
         q.execute("blockdev-add", {"driver": "qcow2", "node-name": node, "backing": None,
                                    "file": {"driver": "file", "filename": str(new)}})
         return new, node
@@ -232,12 +232,24 @@ def boost_thread(pid, nice):
     return tid
 
 
-def snapshot_once(q, disk=None, early_ms=None, boost=None):
+def snapshot_once(q, disk=None, early_ms=None, boost=None, batch=False):
     """One capture in backstop's order; returns (host step times in ms, QEMU events). With
-    `boost` = (QEMU's pid, nice), QEMU's snapshot thread is reniced right after `migrate`."""
+    `boost` = (QEMU's pid, nice), QEMU's snapshot thread is reniced right after `migrate`. With
+    `batch`, `stop`, the disk switch and `migrate` are written in one go (`stop` first only)."""
     r, reader = open_capture(q)
     prepared = disk.prepare(q) if disk else None
-    if early_ms is None:
+    if early_ms is None and batch:
+        t0 = time.monotonic()
+        commands = [("stop", None)]
+        if disk:
+            new, node = prepared
+            commands.append(("transaction", {"actions": [
+                {"type": "blockdev-snapshot", "data": {"node": disk.node, "overlay": node}}]}))
+            disk.path, disk.node = new, node
+        commands.append(("migrate", {"uri": "fd:probe"}))
+        q.execute_batch(commands)
+        t1 = t2 = time.monotonic()
+    elif early_ms is None:
         t0 = time.monotonic()
         q.execute("stop")
         if disk:
@@ -320,6 +332,10 @@ def main():
     ap.add_argument("--early-stop", type=float, metavar="MS",
                     help="send `migrate` on the running guest and `stop` MS later (QEMU >= 9.0: QEMU"
                          " pre-faults RAM meanwhile, outside the pause)")
+    ap.add_argument("--batch", choices=["off", "on", "alternate"], default="off",
+                    help="`stop` first: write `stop`, the disk switch and `migrate` in one go, as "
+                         "backstop does since 2026-11-29 (alternate: every other snapshot, to compare "
+                         "both in one run: prints STOP -> MIGRATION setup per mode)")
     ap.add_argument("--guest-dir", default=os.environ.get("BACKSTOP_GUEST_DIR")
                     or os.path.expanduser("~/.cache/backstop/guest"))
     a = ap.parse_args()
@@ -360,7 +376,7 @@ def main():
                 raise C.BenchError("the guest did not finish its fill")
             time.sleep(0.5)
         time.sleep(2)
-        pauses, rows, cpu_hist = [], [], []
+        pauses, rows, cpu_hist, by_mode = [], [], [], {}
         disk_state = Disk(disk, "disk-data") if a.switch else None
         for rep in range(a.reps):
             ram = guest_ram(proc.pid, a.memory_mib << 20)
@@ -392,8 +408,15 @@ def main():
             boost = None
             if a.boost is not None:
                 boost = (int((work / "qemu.pid").read_text().strip()), a.boost)
-            host, events = snapshot_once(q, disk_state, a.early_stop, boost)
+            batched = a.batch == "on" or (a.batch == "alternate" and rep % 2 == 1)
+            host, events = snapshot_once(q, disk_state, a.early_stop, boost, batched)
             base = qmplib.event_us(events[0]) if events else 0
+            setup = [e for e in events if e["event"] == "MIGRATION" and e["data"]["status"] == "setup"]
+            if events and setup and events[0]["event"] == "STOP":
+                # From the pause's start to QEMU starting on `migrate`: what the order costs.
+                host["stop_to_migrate_setup"] = (qmplib.event_us(setup[0]) - base) / 1e3
+                by_mode.setdefault("batched" if batched else "one by one", []).append(
+                    host["stop_to_migrate_setup"])
             marks = " ".join(
                 e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
                 + f"@{(qmplib.event_us(e) - base) / 1e3:.2f}" for e in events)
@@ -410,7 +433,10 @@ def main():
                   f"{statistics.median(pauses[1:] or pauses):.2f} ms")
             q.execute("quit")
             return
-        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        for mode, v in by_mode.items():
+            print(f"STOP -> MIGRATION setup, {mode}: median {statistics.median(v):.3f} ms "
+                  f"[{min(v):.3f}..{max(v):.3f}] over {len(v)}")
+        med = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]}
         later = pauses[1:] or pauses
         print(f"guest pause STOP->RESUME: first {pauses[0]:.2f} ms, later ones median {statistics.median(later):.2f} ms"
               + (" (huge pages collapsed before each)" if a.collapse else ""))

@@ -64,6 +64,24 @@ class QMP:
         finally:
             self.sock.settimeout(old)
 
+    def execute_batch(self, commands):
+        """Writes every (command, arguments) before reading any answer, as backstop's `stop`-first
+        capture does; returns the answers in order (an error answer raises, once all are read)."""
+        data = b"".join(json.dumps({"execute": c, **({"arguments": a} if a is not None else {})}).encode()
+                        + b"\n" for c, a in commands)
+        self.sock.sendall(data)
+        answers = []
+        while len(answers) < len(commands):
+            r = self._read()
+            if "event" in r:
+                self.events.append(r)
+            else:
+                answers.append(r)
+        for (c, _), r in zip(commands, answers):
+            if "error" in r:
+                raise QMPError(f"{c}: {r['error'].get('desc')}")
+        return [r.get("return") for r in answers]
+
     def wait_event(self, pred, timeout=60.0):
         """Returns (and consumes) the first event for which pred(event) holds."""
         deadline = time.monotonic() + timeout
