@@ -886,12 +886,14 @@ THPeligible:    1
                 .expect("our mapping")
         };
         let me = std::process::id();
-        // Started on memory that holds nothing yet, looking again every 50 ms.
+        // Started on memory that holds nothing yet, looking again every 10 ms (soon enough that
+        // khugepaged, which may collapse the same memory on its own scan, seldom comes first:
+        // once in a CI run at 50 ms, when no look of the regather's found anything to do).
         let running = Regather::spawn(
             me,
             4 * HUGE,
             HugePages::Resident,
-            Some(Duration::from_millis(50)),
+            Some(Duration::from_millis(10)),
         );
         std::thread::sleep(Duration::from_millis(200));
         // Now written, and every huge page's mapping split (one small page's write right
