@@ -112,11 +112,17 @@ class Disk:
                                    "file": {"driver": "file", "filename": str(new)}})
         return new, node
 
-    def switch(self, q, prepared):
+    def switch_command(self, prepared):
+        """The `transaction` that switches to `prepared`, as (command, arguments); from here on
+        the disk's active layer is the new one."""
         new, node = prepared
-        q.execute("transaction", {"actions": [
+        command = ("transaction", {"actions": [
             {"type": "blockdev-snapshot", "data": {"node": self.node, "overlay": node}}]})
         self.path, self.node = new, node
+        return command
+
+    def switch(self, q, prepared):
+        q.execute(*self.switch_command(prepared))
 
 
 def bg_thread(pid, timeout=1.0):
@@ -242,10 +248,7 @@ def snapshot_once(q, disk=None, early_ms=None, boost=None, batch=False):
         t0 = time.monotonic()
         commands = [("stop", None)]
         if disk:
-            new, node = prepared
-            commands.append(("transaction", {"actions": [
-                {"type": "blockdev-snapshot", "data": {"node": disk.node, "overlay": node}}]}))
-            disk.path, disk.node = new, node
+            commands.append(disk.switch_command(prepared))
         commands.append(("migrate", {"uri": "fd:probe"}))
         q.execute_batch(commands)
         t1 = t2 = time.monotonic()

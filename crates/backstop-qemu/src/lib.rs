@@ -633,8 +633,9 @@ impl QemuBackend {
         };
         let mut trace = None;
         let cpu_target = r.setup_times.cpu_stop_point().filter(|_| !lead_forced);
-        // With no lead at all, `stop` is written right behind `migrate`, before its answer.
-        let mut stop_answer = None;
+        // Commands written ahead of their step, and their answers: `stop` right behind
+        // `migrate` with no lead at all, or `stop`, switch and `migrate` of a `stop`-first capture.
+        let mut batch = Batch::default();
         if let Some(lead) = early {
             // Read the pipe from before `migrate` on: if QEMU's thread wins the race and
             // resumes the guest with write tracking on, a vCPU that writes RAM blocks until
@@ -644,13 +645,14 @@ impl QemuBackend {
             let sent = Instant::now();
             migrate_sent_us = clock.now_us();
             let started = if lead.is_zero() {
-                let (migrated, stopped) = guard.qmp().execute_pipelined(
-                    ("migrate", Some(migrate_args.clone())),
-                    ("stop", None),
+                let mut replies = guard.qmp().execute_batch(
+                    vec![("migrate", Some(migrate_args.clone())), ("stop", None)],
                     t,
                 );
-                stop_answer = Some(stopped);
-                migrated
+                let (stopped, at) = replies.pop().expect("one answer per command");
+                batch.stop = Some((stopped, clock.at_us(at)));
+                batch.stop_sent_us = Some(migrate_sent_us);
+                replies.pop().expect("one answer per command").0
             } else {
                 migrate(guard.qmp())
             };
@@ -696,7 +698,6 @@ impl QemuBackend {
         }
         // `stop` first: `stop`, the disk switch and `migrate` go in one write, and QEMU runs
         // them back to back, with no round trip of ours between them inside the pause.
-        let mut batch = Batch::default();
         if early.is_none() && pause::may_batch(fault) {
             let mut commands = Vec::new();
             if was_running {
@@ -736,19 +737,12 @@ impl QemuBackend {
                 capture = Capture::Pipe(capture.finish().0);
             }
         }
-        // When `stop` went in (with `migrate`, where it was written right behind it).
-        let stop_sent_us = if stop_answer.is_some() {
-            migrate_sent_us
-        } else if let Some(us) = batch.stop_sent_us {
-            us
-        } else {
-            clock.now_us()
-        };
+        // When `stop` went in (now, unless it was written ahead).
+        let stop_sent_us = batch.stop_sent_us.unwrap_or_else(|| clock.now_us());
         let stopped = if was_running {
-            let answered = match (stop_answer.take(), batch.stop.take()) {
-                (Some(reply), _) => reply.map(|_| clock.now_us()),
-                (None, Some((reply, at))) => reply.map(|_| at),
-                (None, None) => guard.qmp().execute("stop", None, t).map(|_| clock.now_us()),
+            let answered = match batch.stop.take() {
+                Some((reply, at)) => reply.map(|_| at),
+                None => guard.qmp().execute("stop", None, t).map(|_| clock.now_us()),
             };
             answered
                 .map(|at| ends.push(("stop", at)))
@@ -1334,15 +1328,16 @@ fn switch_after_resume_fault() -> bool {
     std::env::var("BACKSTOP_FAULT_INJECT").as_deref() == Ok(cmdline::SWITCH_AFTER_RESUME_FAULT)
 }
 
-/// The answers to a `stop`-first capture's commands written in one go (`begin_capture_once`),
-/// each with when it was read on the pause clock, taken by the steps that would otherwise send
-/// them one by one.
+/// The answers to a capture's commands written ahead of their step (`begin_capture_once`:
+/// `stop` right behind `migrate` with no lead, or `stop`, switch and `migrate` of a `stop`-first
+/// capture in one write), each with when it was read on the pause clock, taken by the steps
+/// that would otherwise send them one by one.
 #[derive(Default)]
 struct Batch {
     stop: Option<(Result<Value>, u64)>,
     switch: Option<(Result<Value>, u64)>,
     migrate: Option<(Result<Value>, u64)>,
-    /// When the batch was written: `stop`'s send time.
+    /// When `stop` was written, if it was written ahead.
     stop_sent_us: Option<u64>,
 }
 

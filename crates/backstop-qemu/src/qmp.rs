@@ -105,24 +105,6 @@ impl Qmp {
         self.await_reply(command, id, timeout)
     }
 
-    /// Sends `first` and, without waiting for its answer, `second`: QEMU runs them one right
-    /// after the other, in that order. Returns both results.
-    pub fn execute_pipelined(
-        &mut self,
-        first: (&'static str, Option<Value>),
-        second: (&'static str, Option<Value>),
-        timeout: Duration,
-    ) -> (Result<Value>, Result<Value>) {
-        let mut replies = self
-            .execute_batch(vec![first, second], timeout)
-            .into_iter()
-            .map(|(reply, _)| reply);
-        match (replies.next(), replies.next()) {
-            (Some(r1), Some(r2)) => (r1, r2),
-            _ => unreachable!("execute_batch answers every command"),
-        }
-    }
-
     /// Writes all of `commands` before reading any answer, so QEMU runs them back to back
     /// with no round trip between them; returns each one's result, in order, with when its
     /// answer was read. A command after one that could not be written is not sent (its result
