@@ -463,6 +463,10 @@ snapshot = "capture"
             .stdout(log.try_clone().unwrap())
             .stderr(log);
         cmd.env("BACKSTOP_LOG", "info");
+        // A finer filter for one run's diagnosis (`BACKSTOP_E2E_LOG=info,backstop_qemu=debug`).
+        if let Ok(filter) = std::env::var("BACKSTOP_E2E_LOG") {
+            cmd.env("BACKSTOP_LOG", filter);
+        }
         for (k, v) in &self.extra_env {
             cmd.env(k, v);
         }
@@ -514,6 +518,10 @@ snapshot = "capture"
             .stdout(log.try_clone().unwrap())
             .stderr(log);
         cmd.env("BACKSTOP_LOG", "info");
+        // A finer filter for one run's diagnosis (`BACKSTOP_E2E_LOG=info,backstop_qemu=debug`).
+        if let Ok(filter) = std::env::var("BACKSTOP_E2E_LOG") {
+            cmd.env("BACKSTOP_LOG", filter);
+        }
         for (k, v) in &self.extra_env {
             cmd.env(k, v);
         }

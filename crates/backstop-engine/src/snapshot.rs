@@ -30,6 +30,13 @@ use crate::lifecycle::Transition;
 /// one more lookup for QEMU's reads).
 pub const MAX_RUNNING_CHAIN: usize = 16;
 
+/// Tries at one capture's start, each on new overlays. A backend takes a capture discarded for
+/// a switch after QEMU's own resume (`BackendError::SwitchedAfterResume`) again `stop` first, so
+/// the second try is the last one a real capture needs; the QEMU backend's test-only
+/// `capture.migrate-first` fault keeps the early order for up to four discards in a row
+/// (`switched_retries_early`), and the sixth try goes `stop` first.
+const CAPTURE_TRIES: u32 = 6;
+
 /// How much of the state stream is held in memory while the store is slower than QEMU
 /// (see [`capture_buffer`]).
 const CAPTURE_BUFFER_BYTES: usize = 32 << 20;
@@ -437,10 +444,11 @@ impl VmActor {
                 step: "begin",
                 source,
             })?;
-        // At most two tries: a capture that switched the disks after QEMU had resumed the
-        // guest (7.2/8.x with `migrate` sent first, `BackendError::SwitchedAfterResume`) is
-        // taken again at once on the new layers; the backend sends `stop` first then.
-        let mut tries_left = 2;
+        // A capture that switched the disks after QEMU had resumed the guest (7.2/8.x with
+        // `migrate` sent first, `BackendError::SwitchedAfterResume`) is taken again at once on
+        // the new layers; the backend sends `stop` first then, so two tries are all it takes
+        // (`CAPTURE_TRIES` leaves room for a test fault that keeps the order a few times more).
+        let mut tries_left = CAPTURE_TRIES;
         let (stream, switches) = loop {
             tries_left -= 1;
             let captured: Vec<(String, PathBuf)> = self

@@ -33,6 +33,9 @@ pub struct Qmp {
     buf: Vec<u8>,
     events: VecDeque<QmpEvent>,
     next_id: u64,
+    /// An answer read while waiting for an event ([`Qmp::event_before_answer`]), kept for the
+    /// [`Qmp::await_answer`] that asks for it.
+    answer_ahead: Option<(u64, Value)>,
 }
 
 impl Qmp {
@@ -69,6 +72,7 @@ impl Qmp {
             buf: Vec::with_capacity(4096),
             events: VecDeque::new(),
             next_id: 1,
+            answer_ahead: None,
         };
         let greeting = qmp.read_message("qmp greeting", timeout)?;
         if !is_greeting(&greeting) {
@@ -137,6 +141,61 @@ impl Qmp {
             .collect()
     }
 
+    /// Writes one command and returns its id without waiting for its answer: [`Qmp::await_answer`]
+    /// takes the answer later. For a step that acts on what QEMU reports while it still runs the
+    /// command ([`Qmp::event_before_answer`]).
+    pub fn write_command(&mut self, command: &'static str, args: Option<Value>) -> Result<u64> {
+        self.send_command(command, args, None)
+    }
+
+    /// The answer to a command written with [`Qmp::write_command`] (events are queued on the way).
+    pub fn await_answer(
+        &mut self,
+        command: &'static str,
+        id: u64,
+        timeout: Duration,
+    ) -> Result<Value> {
+        self.await_reply(command, id, timeout)
+    }
+
+    /// With command `id` written and not yet answered: reads until an event for which `pred`
+    /// holds (`true`; it is queued, last) or the command's answer (`false`; kept for
+    /// [`Qmp::await_answer`]), whichever QEMU sends first. Already queued events count.
+    pub fn event_before_answer(
+        &mut self,
+        command: &'static str,
+        id: u64,
+        timeout: Duration,
+        mut pred: impl FnMut(&QmpEvent) -> bool,
+    ) -> Result<bool> {
+        if self.events.iter().any(&mut pred) {
+            return Ok(true);
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                return Err(BackendError::Timeout {
+                    step: command,
+                    timeout,
+                });
+            }
+            let msg = self.read_message(command, remaining)?;
+            if let Some(ev) = parse_event(&msg) {
+                let hit = pred(&ev);
+                self.events.push_back(ev);
+                if hit {
+                    return Ok(true);
+                }
+            } else if msg.get("id").and_then(Value::as_u64) == Some(id) {
+                self.answer_ahead = Some((id, msg));
+                return Ok(false);
+            }
+            // Any other message is an answer to an earlier, timed-out command: dropped, as
+            // `await_reply` does.
+        }
+    }
+
     /// Writes one command; returns its id.
     fn send_command(
         &mut self,
@@ -163,13 +222,17 @@ impl Qmp {
         let deadline = Instant::now() + timeout;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());
-            if remaining.is_zero() {
+            let ahead = self.answer_ahead.take_if(|(ahead, _)| *ahead == id);
+            if remaining.is_zero() && ahead.is_none() {
                 return Err(BackendError::Timeout {
                     step: command,
                     timeout,
                 });
             }
-            let msg = self.read_message(command, remaining)?;
+            let msg = match ahead {
+                Some((_, msg)) => msg,
+                None => self.read_message(command, remaining)?,
+            };
             match classify(msg, id) {
                 Message::Event(ev) => self.events.push_back(ev),
                 // A reply to some earlier, timed-out command: drop it.
@@ -472,6 +535,17 @@ mod tests {
     /// The kept inputs of a fuzz target, replayed by stable `cargo test`.
     use backstop_common::fuzz_corpus::inputs as fuzz_inputs;
 
+    /// A client on one end of a socket pair (a fake QEMU on the other), past the greeting.
+    fn peer(stream: UnixStream) -> Qmp {
+        Qmp {
+            stream,
+            buf: Vec::new(),
+            events: VecDeque::new(),
+            next_id: 1,
+            answer_ahead: None,
+        }
+    }
+
     #[test]
     fn lines_decode_to_objects_or_name_what_is_wrong() {
         assert_eq!(parse_line(b"\r\n"), Ok(None));
@@ -567,12 +641,7 @@ mod tests {
             r.read_line(&mut line).unwrap(); // id 4: huge junk then nothing
             b.write_all(b"[1,2]\r\n").unwrap();
         });
-        let mut q = Qmp {
-            stream: a,
-            buf: Vec::new(),
-            events: VecDeque::new(),
-            next_id: 1,
-        };
+        let mut q = peer(a);
         let g = q.read_message("greeting", Duration::from_secs(5)).unwrap();
         assert!(g.get("QMP").is_some());
         q.execute("qmp_capabilities", None, Duration::from_secs(5))
@@ -613,12 +682,7 @@ mod tests {
             .unwrap();
             lines
         });
-        let mut q = Qmp {
-            stream: a,
-            buf: Vec::new(),
-            events: VecDeque::new(),
-            next_id: 1,
-        };
+        let mut q = peer(a);
         let replies = q.execute_batch(
             vec![
                 ("stop", None),
@@ -643,6 +707,61 @@ mod tests {
         );
         assert_eq!(replies[2].0.as_ref().unwrap(), &json!({"x": 3}));
         assert!(replies[0].1 <= replies[1].1 && replies[1].1 <= replies[2].1);
+        assert!(q.queued().any(|e| e.name == "STOP"), "the event is kept");
+    }
+
+    /// A command written ahead of its answer: the event QEMU sends while it runs the command is
+    /// seen before the answer (the peer answers `stop` only once the next command came, as
+    /// QEMU's monitor may), and an answer that comes first is kept for `await_answer`.
+    #[test]
+    fn an_event_seen_before_its_commands_answer_lets_the_next_command_go_first() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let server = std::thread::spawn(move || {
+            use std::io::BufRead;
+            let mut r = std::io::BufReader::new(b.try_clone().unwrap());
+            let mut read = || {
+                let mut line = String::new();
+                r.read_line(&mut line).unwrap();
+                serde_json::from_str::<Value>(&line).unwrap()
+            };
+            let stop = read();
+            b.write_all(
+                b"{\"event\":\"STOP\",\"timestamp\":{\"seconds\":1,\"microseconds\":0}}\r\n",
+            )
+            .unwrap();
+            // No answer to `stop` until the switch has been written.
+            let switch = read();
+            b.write_all(b"{\"return\":{},\"id\":1}\r\n{\"return\":{\"s\":1},\"id\":2}\r\n")
+                .unwrap();
+            // `cont`: answered before its RESUME.
+            let cont = read();
+            b.write_all(b"{\"return\":{},\"id\":3}\r\n{\"event\":\"RESUME\",\"timestamp\":{\"seconds\":2,\"microseconds\":0}}\r\n")
+                .unwrap();
+            [stop, switch, cont].map(|m| m["execute"].clone())
+        });
+        let mut q = peer(a);
+        let t = Duration::from_secs(5);
+        let stop = q.write_command("stop", None).unwrap();
+        assert!(q
+            .event_before_answer("stop", stop, t, |e| e.name == "STOP")
+            .unwrap());
+        let switch = q.write_command("transaction", None).unwrap();
+        assert_eq!(q.await_answer("stop", stop, t).unwrap(), json!({}));
+        assert_eq!(
+            q.await_answer("transaction", switch, t).unwrap(),
+            json!({"s": 1})
+        );
+        // The answer first: kept, and the event still comes afterwards.
+        let cont = q.write_command("cont", None).unwrap();
+        assert!(!q
+            .event_before_answer("cont", cont, t, |e| e.name == "RESUME")
+            .unwrap());
+        assert_eq!(q.await_answer("cont", cont, t).unwrap(), json!({}));
+        q.wait_event("RESUME", t, "test").unwrap();
+        assert_eq!(
+            server.join().unwrap(),
+            [json!("stop"), json!("transaction"), json!("cont")]
+        );
         assert!(q.queued().any(|e| e.name == "STOP"), "the event is kept");
     }
 
