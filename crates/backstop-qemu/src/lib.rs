@@ -937,16 +937,9 @@ impl QemuBackend {
         }
         // QEMU writes the stream from now on: keep reading it while talking to QEMU.
         capture = capture.started();
-        let resumed = Self::resume_after_migrate(
-            guard.qmp(),
-            t,
-            plan,
-            was_running,
-            &clock,
-            &mut ends,
-            capture.prefetch(),
-        )
-        .and_then(|resume| fault_point!(fault, AfterMigrate).map(|()| resume));
+        let resumed =
+            Self::resume_after_migrate(guard.qmp(), t, plan, was_running, &clock, &mut ends)
+                .and_then(|resume| fault_point!(fault, AfterMigrate).map(|()| resume));
         let resume = match resumed {
             Ok(resume) => resume,
             Err(e) => {
@@ -1018,10 +1011,9 @@ impl QemuBackend {
     /// of a guest that was running.
     ///
     /// The ends of the pause's phases after `migrate` go into `ends` (see [`pause::breakdown`]):
-    /// `setup` ends with QEMU's `MIGRATION` `active`; on ≥ 9.0 `tracking` ends when the stream
-    /// (`stream`, the capture's reader) or `query-migrate` shows write tracking on; `resume`
-    /// ends with the `RESUME` (QEMU's own on 7.2/8.x, after device state and write tracking;
-    /// after backstop's `cont` on ≥ 9.0).
+    /// `setup` ends with QEMU's `MIGRATION` `active`; on ≥ 9.0 `tracking` ends when
+    /// `query-migrate` shows write tracking on; `resume` ends with the `RESUME` (QEMU's own on
+    /// 7.2/8.x, after device state and write tracking; after backstop's `cont` on ≥ 9.0).
     fn resume_after_migrate(
         qmp: &mut Qmp,
         t: Duration,
@@ -1029,7 +1021,6 @@ impl QemuBackend {
         was_running: bool,
         clock: &pause::PauseClock,
         ends: &mut Vec<(&'static str, u64)>,
-        stream: Option<&pause::Prefetch>,
     ) -> Result<Option<qmp::QmpEvent>> {
         match (plan.resume, was_running) {
             (Resume::ByQemu, true) => {
@@ -1062,43 +1053,9 @@ impl QemuBackend {
                         && e.data.get("status").and_then(Value::as_str) != Some("setup")
                 })?;
                 ends.push(("setup", active.timestamp_us));
-                let is_active = active.data.get("status").and_then(Value::as_str) == Some("active");
-                // All QEMU had written by its `active` (its setup), at most.
-                let setup_bytes = stream
-                    .filter(|_| is_active)
-                    .and_then(pause::Prefetch::bytes_written_at_most);
-                let started = Instant::now();
-                let moved = match (stream, setup_bytes) {
-                    (Some(stream), Some(setup)) => stream_moved_past(stream, setup),
-                    _ => false,
-                };
-                if moved {
-                    ends.push(("tracking", clock.now_us()));
-                    tracing::debug!(
-                        setup_bytes,
-                        waited_us = started.elapsed().as_micros() as u64,
-                        "write tracking seen on in the stream"
-                    );
-                    // `query-migrate` first, in the same write: QEMU dispatches `cont` at least
-                    // one main-loop pass after it, so QEMU's resume bottom half (scheduled
-                    // before the big lock was released, hence before the query ran) has run
-                    // by then, as with `wait_write_tracking`.
-                    let mut replies =
-                        qmp.execute_batch(vec![("query-migrate", None), ("cont", None)], t);
-                    let (cont, _) = replies.pop().expect("one answer per command");
-                    let (query, _) = replies.pop().expect("one answer per command");
-                    if !query.as_ref().is_ok_and(version::write_tracking_on) {
-                        tracing::warn!(
-                            reply = ?query,
-                            "the stream moved on but query-migrate does not show write tracking on"
-                        );
-                    }
-                    cont?;
-                } else {
-                    wait_write_tracking(qmp, t, clock)?;
-                    ends.push(("tracking", clock.now_us()));
-                    qmp.execute("cont", None, t)?;
-                }
+                wait_write_tracking(qmp, t, clock)?;
+                ends.push(("tracking", clock.now_us()));
+                qmp.execute("cont", None, t)?;
                 let resume = qmp.wait_event("RESUME", t, "resume")?;
                 ends.push(("resume", resume.timestamp_us));
                 Ok(Some(resume))
@@ -1451,14 +1408,6 @@ impl Capture {
         matches!(self, Capture::Reading(_))
     }
 
-    /// The reader, once `migrate` went in.
-    fn prefetch(&self) -> Option<&pause::Prefetch> {
-        match self {
-            Capture::Reading(prefetch) => Some(prefetch),
-            Capture::Pipe(_) => None,
-        }
-    }
-
     /// Ends a capture that will not be kept: before `migrate`, QEMU's copy of the fd is closed;
     /// after it, the stream is read to its end (`pause::drain_to_end`: never cancelled).
     fn abandon(self, qmp: &mut Qmp, t: Duration) {
@@ -1474,34 +1423,6 @@ impl Capture {
             Capture::Pipe(pipe) => (pipe, Vec::new()),
             Capture::Reading(prefetch) => prefetch.finish(),
         }
-    }
-}
-
-/// How long [`stream_moved_past`] waits before the capture falls back to polling
-/// `query-migrate`: QEMU's device save and write-protection start took 3-12 ms at 1 GiB here,
-/// up to ~30 ms on a loaded host. A stream that no longer moves (the whole capture written
-/// before backstop looked, or a failed migration) must not hold the guest stopped for long.
-const STREAM_MOVE_WAIT: Duration = Duration::from_millis(50);
-
-/// Waits (at most [`STREAM_MOVE_WAIT`]) until QEMU has written more of the capture stream than
-/// `setup_bytes`, all it had written by its `MIGRATION` `active`; whether it did. On ≥ 9.0
-/// QEMU's snapshot thread writes nothing to the stream between `active` and the end of its
-/// big-lock section (stop, device state into a buffer that goes out at the end of the
-/// snapshot, write-protection start, resume bottom half scheduled): the next bytes are RAM
-/// pages, written after the lock is released. The same proof as `wait_write_tracking`'s
-/// first counted page, seen as soon as QEMU writes it instead of through a `query-migrate`
-/// that waits for the big lock and then often answers just before the first page is counted
-/// (0.4-1.9 ms more per pause in a bench run on 2026-11-29).
-fn stream_moved_past(stream: &pause::Prefetch, setup_bytes: u64) -> bool {
-    let deadline = Instant::now() + STREAM_MOVE_WAIT;
-    loop {
-        if stream.bytes_read() > setup_bytes {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_micros(20));
     }
 }
 

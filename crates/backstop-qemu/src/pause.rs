@@ -150,23 +150,16 @@ pub(crate) fn drain_to_end(qmp: &mut Qmp, t: Duration, mut stream: impl std::io:
 /// The libvirt backend, whose `cont` goes through libvirt, needs the same.
 pub struct Prefetch {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// Bytes taken from the pipe so far.
-    read: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    /// The pipe's read end (owned by the thread) for `FIONREAD`.
-    fd: std::os::fd::RawFd,
     thread: std::thread::JoinHandle<(std::fs::File, Vec<u8>)>,
 }
 
 impl Prefetch {
     pub fn start(mut pipe: std::fs::File) -> Prefetch {
         use std::io::Read;
-        use std::os::fd::{AsFd, AsRawFd};
+        use std::os::fd::AsFd;
         use std::sync::atomic::Ordering;
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let flag = std::sync::Arc::clone(&stop);
-        let read = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let counted = std::sync::Arc::clone(&read);
-        let fd = pipe.as_raw_fd();
         let thread = std::thread::spawn(move || {
             let mut buf = Vec::new();
             let mut chunk = vec![0u8; 1 << 20];
@@ -182,40 +175,12 @@ impl Prefetch {
                 }
                 match pipe.read(&mut chunk) {
                     Ok(0) | Err(_) => break,
-                    Ok(n) => {
-                        buf.extend_from_slice(&chunk[..n]);
-                        counted.fetch_add(n as u64, Ordering::Release);
-                    }
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
                 }
             }
             (pipe, buf)
         });
-        Prefetch {
-            stop,
-            read,
-            fd,
-            thread,
-        }
-    }
-
-    /// Bytes read from the pipe so far: QEMU had written at least this many.
-    pub fn bytes_read(&self) -> u64 {
-        self.read.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// At least as many bytes as QEMU had written to the pipe when this was called: those
-    /// still in the pipe (`FIONREAD`, asked first), plus those read from it (asked after, so a
-    /// byte moved between the two is counted twice rather than not at all). `None` if the pipe
-    /// cannot be asked.
-    pub fn bytes_written_at_most(&self) -> Option<u64> {
-        let mut pending: libc::c_int = 0;
-        // SAFETY: FIONREAD writes one c_int through the pointer; `fd` is the pipe the thread
-        // holds open until `finish` joins it, which takes `self`.
-        let rc = unsafe { libc::ioctl(self.fd, libc::FIONREAD, &mut pending) };
-        if rc != 0 || pending < 0 {
-            return None;
-        }
-        Some(pending as u64 + self.bytes_read())
+        Prefetch { stop, thread }
     }
 
     /// Stops reading; returns the pipe and what was read from it.
@@ -369,31 +334,6 @@ macro_rules! fault_point {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// What the capture's reader says QEMU wrote: never less than what is in the pipe or read
-    /// from it (the bound `stream_moved_past` compares against), and all of it read in the end.
-    #[test]
-    fn the_reader_counts_what_was_written_to_the_pipe() {
-        use std::io::Write;
-        let (r, w) = nix::unistd::pipe().unwrap();
-        let mut w = std::fs::File::from(w);
-        w.write_all(&[7u8; 3000]).unwrap();
-        let prefetch = Prefetch::start(std::fs::File::from(r));
-        assert!(prefetch.bytes_written_at_most().unwrap() >= 3000);
-        w.write_all(&[8u8; 5000]).unwrap();
-        // Whether the reader has taken them yet or not, they are counted at once.
-        assert!(prefetch.bytes_written_at_most().unwrap() >= 8000);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while prefetch.bytes_read() < 8000 && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        assert_eq!(prefetch.bytes_read(), 8000);
-        assert_eq!(prefetch.bytes_written_at_most(), Some(8000));
-        drop(w);
-        let (_, bytes) = prefetch.finish();
-        assert_eq!(bytes.len(), 8000);
-        assert_eq!(&bytes[2999..3001], &[7, 8]);
-    }
 
     #[test]
     fn breakdown_partitions_the_pause() {
