@@ -1,4 +1,5 @@
-//! A small, strict QMP client: one command at a time, replies matched by `id`, events queued.
+//! A small, strict QMP client: replies matched by `id`, events queued. A command may be written
+//! before the one ahead of it is answered ([`Qmp::execute_batch`], [`Qmp::write_command`]).
 //!
 //! QEMU is trusted more than the guest, but its replies are still parsed strictly and bounded:
 //! a line longer than [`MAX_QMP_LINE`] or a reply that is not a JSON object is a protocol error,
