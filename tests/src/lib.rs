@@ -710,6 +710,14 @@ snapshot = "capture"
             if let Some(at) = self.serial_since(from).find(line) {
                 return from + at;
             }
+            if Instant::now() >= deadline {
+                // The tail below may be one line a guest workload repeats: with repeats
+                // collapsed, what came before it (the boot's messages) shows too.
+                eprintln!(
+                    "console, repeated lines collapsed:\n{}",
+                    tail(&collapse_repeats(&self.serial()), 60)
+                );
+            }
             assert!(
                 Instant::now() < deadline,
                 "guest never printed {line:?} within {within:?}:\n{}\ndaemon log:\n{}",
@@ -774,6 +782,33 @@ pub fn read_journal(path: &Path) -> Vec<Value> {
         .lines()
         .filter_map(|l| serde_json::from_str(l).ok())
         .collect()
+}
+
+/// `s` with each run of identical lines written once, followed by how many there were.
+pub fn collapse_repeats(s: &str) -> String {
+    let written = |(line, n): (&str, usize)| match n {
+        1 => line.to_string(),
+        n => format!("{line}  (x{n})"),
+    };
+    let mut out = Vec::new();
+    let mut run: Option<(&str, usize)> = None;
+    for line in s.lines() {
+        match &mut run {
+            Some((prev, n)) if *prev == line => *n += 1,
+            _ => out.extend(run.replace((line, 1)).map(written)),
+        }
+    }
+    out.extend(run.map(written));
+    out.join("\n")
+}
+
+#[test]
+fn repeated_console_lines_are_written_once_with_their_count() {
+    assert_eq!(
+        collapse_repeats("boot\nabsent\nabsent\nabsent\nup\nabsent"),
+        "boot\nabsent  (x3)\nup\nabsent"
+    );
+    assert_eq!(collapse_repeats(""), "");
 }
 
 pub fn tail(s: &str, n: usize) -> String {
