@@ -413,8 +413,8 @@ impl QemuBackend {
     /// `migrate`, a 256 MiB guest) QEMU 7.2's setup (1.3-2.3 ms) is about as long as backstop's
     /// `stop` and switch (~2 ms): in a run on 2026-11-29, of 12 tries 8 lost the race, 3 won it
     /// but had their switch answered after QEMU's resume and 1 was kept, so a capture kept its
-    /// order only one time in four and the same-instant test that needs one of three failed in
-    /// about half the runs. Four: the capture after a fifth discard in a row goes `stop` first,
+    /// order only one time in four and the same-instant test that needs one of three failed
+    /// about four runs in ten (0.75³). Four: the capture after a fifth discard in a row goes `stop` first,
     /// within the engine's tries (`backstop_engine`'s `CAPTURE_TRIES`).
     fn switched_retries_early(&self) -> u32 {
         #[cfg(feature = "fault-injection")]
