@@ -791,13 +791,7 @@ impl QemuBackend {
                 .map(|at| ends.push(("stop", at)))
                 .and_then(|()| {
                     // With `migrate` already in: was this STOP ours, before QEMU's own?
-                    let first = early.is_none()
-                        || version::stopped_before_qemu(guard.qmp().queued().map(|e| {
-                            (
-                                e.name.as_str(),
-                                e.data.get("status").and_then(Value::as_str),
-                            )
-                        }));
+                    let first = early.is_none() || stop_came_first(guard.qmp());
                     guard
                         .qmp()
                         .wait_event("STOP", t, "stop")
@@ -1485,14 +1479,7 @@ fn switch_behind_won_stop(
     };
     let won = qmp
         .event_before_answer("stop", stop, t, decisive)
-        .map(|seen| {
-            seen && version::stopped_before_qemu(qmp.queued().map(|e| {
-                (
-                    e.name.as_str(),
-                    e.data.get("status").and_then(Value::as_str),
-                )
-            }))
-        });
+        .map(|seen| seen && stop_came_first(qmp));
     let switching = match (&won, switch) {
         (Ok(true), Some(args)) => Some(qmp.write_command("transaction", Some(args))),
         _ => None,
@@ -1503,6 +1490,17 @@ fn switch_behind_won_stop(
         let reply = id.and_then(|id| qmp.await_answer("transaction", id, t));
         batch.switch = Some((reply, clock.now_us()));
     }
+}
+
+/// With `migrate` already in: whether backstop's `STOP` came before QEMU's own stop, by the
+/// run-state and migration events queued so far ([`version::stopped_before_qemu`]).
+fn stop_came_first(qmp: &Qmp) -> bool {
+    version::stopped_before_qemu(qmp.queued().map(|e| {
+        (
+            e.name.as_str(),
+            e.data.get("status").and_then(Value::as_str),
+        )
+    }))
 }
 
 /// Records a capture's setup: its time from `migrate` (sent at `migrate_sent_us` on the pause
