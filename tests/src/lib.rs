@@ -462,11 +462,7 @@ snapshot = "capture"
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
-        cmd.env("BACKSTOP_LOG", "info");
-        // A finer filter for one run's diagnosis (`BACKSTOP_E2E_LOG=info,backstop_qemu=debug`).
-        if let Ok(filter) = std::env::var("BACKSTOP_E2E_LOG") {
-            cmd.env("BACKSTOP_LOG", filter);
-        }
+        cmd.env("BACKSTOP_LOG", daemon_log_filter());
         for (k, v) in &self.extra_env {
             cmd.env(k, v);
         }
@@ -517,11 +513,7 @@ snapshot = "capture"
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log);
-        cmd.env("BACKSTOP_LOG", "info");
-        // A finer filter for one run's diagnosis (`BACKSTOP_E2E_LOG=info,backstop_qemu=debug`).
-        if let Ok(filter) = std::env::var("BACKSTOP_E2E_LOG") {
-            cmd.env("BACKSTOP_LOG", filter);
-        }
+        cmd.env("BACKSTOP_LOG", daemon_log_filter());
         for (k, v) in &self.extra_env {
             cmd.env(k, v);
         }
@@ -809,6 +801,12 @@ fn repeated_console_lines_are_written_once_with_their_count() {
         "boot\nabsent  (x3)\nup\nabsent"
     );
     assert_eq!(collapse_repeats(""), "");
+}
+
+/// The daemons' log filter: `info`, or `BACKSTOP_E2E_LOG` for one run's diagnosis
+/// (`BACKSTOP_E2E_LOG=info,backstop_qemu=debug`).
+pub fn daemon_log_filter() -> String {
+    std::env::var("BACKSTOP_E2E_LOG").unwrap_or_else(|_| "info".into())
 }
 
 pub fn tail(s: &str, n: usize) -> String {

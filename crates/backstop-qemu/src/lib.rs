@@ -672,11 +672,7 @@ impl QemuBackend {
                     .qmp()
                     .write_command("migrate", Some(migrate_args.clone()))
                     .and_then(|migrating| {
-                        batch.stop_sent_us = Some(migrate_sent_us);
-                        match guard.qmp().write_command("stop", None) {
-                            Ok(id) => stop_written = Some(id),
-                            Err(e) => batch.stop = Some((Err(e), clock.now_us())),
-                        }
+                        stop_written = write_stop(guard.qmp(), &clock, migrate_sent_us, &mut batch);
                         guard.qmp().await_answer("migrate", migrating, t)
                     })
             } else {
@@ -724,11 +720,7 @@ impl QemuBackend {
                 "stop after migrate"
             );
             if !lead.is_zero() {
-                batch.stop_sent_us = Some(clock.now_us());
-                match guard.qmp().write_command("stop", None) {
-                    Ok(id) => stop_written = Some(id),
-                    Err(e) => batch.stop = Some((Err(e), clock.now_us())),
-                }
+                stop_written = write_stop(guard.qmp(), &clock, clock.now_us(), &mut batch);
             }
             if let Some(stop) = stop_written {
                 // Not when a test holds the switch back, or fails a step between the two.
@@ -1489,6 +1481,24 @@ fn switch_behind_won_stop(
     if let Some(id) = switching {
         let reply = id.and_then(|id| qmp.await_answer("transaction", id, t));
         batch.switch = Some((reply, clock.now_us()));
+    }
+}
+
+/// Writes `stop` ahead of its answer, sent at `sent_us` on the pause clock; its id, or `None`
+/// with the failure recorded as `stop`'s answer in `batch`.
+fn write_stop(
+    qmp: &mut Qmp,
+    clock: &pause::PauseClock,
+    sent_us: u64,
+    batch: &mut Batch,
+) -> Option<u64> {
+    batch.stop_sent_us = Some(sent_us);
+    match qmp.write_command("stop", None) {
+        Ok(id) => Some(id),
+        Err(e) => {
+            batch.stop = Some((Err(e), clock.now_us()));
+            None
+        }
     }
 }
 
