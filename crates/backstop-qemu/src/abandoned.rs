@@ -109,10 +109,7 @@ impl AbandonedVm for AbandonedQemu {
             .qmp
             .wait_event_matching("save abandoned vm", bound, |e| {
                 e.name == "MIGRATION"
-                    && matches!(
-                        e.data.get("status").and_then(Value::as_str),
-                        Some("completed" | "failed" | "cancelled")
-                    )
+                    && matches!(e.status(), Some("completed" | "failed" | "cancelled"))
             });
         let result = match done {
             Ok(ev) => {

@@ -87,11 +87,7 @@ pub(crate) fn wait_migration_released(qmp: &mut Qmp, t: Duration, bound: Duratio
 pub(crate) fn cancel_migration(qmp: &mut Qmp, t: Duration) {
     let _ = qmp.execute("migrate_cancel", None, t);
     let _ = qmp.wait_event_matching("migration end after cancel", t, |e| {
-        e.name == "MIGRATION"
-            && matches!(
-                e.data.get("status").and_then(Value::as_str),
-                Some("completed" | "failed" | "cancelled")
-            )
+        e.name == "MIGRATION" && matches!(e.status(), Some("completed" | "failed" | "cancelled"))
     });
     let _ = wait_migration_released(qmp, t, t);
 }
@@ -126,10 +122,7 @@ pub(crate) fn drain_to_end(qmp: &mut Qmp, t: Duration, mut stream: impl std::io:
         }
         let end = qmp.wait_event_matching("migration end", t, |e| {
             e.name == "MIGRATION"
-                && matches!(
-                    e.data.get("status").and_then(Value::as_str),
-                    Some("completed" | "failed" | "cancelled")
-                )
+                && matches!(e.status(), Some("completed" | "failed" | "cancelled"))
         });
         if end.is_err() {
             // QEMU did not finish: cancelling is all that is left (the thread ends at EOF).

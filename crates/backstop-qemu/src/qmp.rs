@@ -29,6 +29,13 @@ pub struct QmpEvent {
     pub timestamp_us: u64,
 }
 
+impl QmpEvent {
+    /// The `status` a `MIGRATION` event carries (`None` for events without one).
+    pub fn status(&self) -> Option<&str> {
+        self.data.get("status").and_then(Value::as_str)
+    }
+}
+
 pub struct Qmp {
     stream: UnixStream,
     buf: Vec<u8>,
@@ -107,7 +114,7 @@ impl Qmp {
         timeout: Duration,
     ) -> Result<Value> {
         let id = self.send_command(command, args, fd)?;
-        self.await_reply(command, id, timeout)
+        self.await_answer(command, id, timeout)
     }
 
     /// Writes all of `commands` before reading any answer, so QEMU runs them back to back
@@ -136,7 +143,7 @@ impl Qmp {
         }
         sent.into_iter()
             .map(|(command, id)| {
-                let reply = id.and_then(|id| self.await_reply(command, id, timeout));
+                let reply = id.and_then(|id| self.await_answer(command, id, timeout));
                 (reply, Instant::now())
             })
             .collect()
@@ -147,16 +154,6 @@ impl Qmp {
     /// command ([`Qmp::event_before_answer`]).
     pub fn write_command(&mut self, command: &'static str, args: Option<Value>) -> Result<u64> {
         self.send_command(command, args, None)
-    }
-
-    /// The answer to a command written with [`Qmp::write_command`] (events are queued on the way).
-    pub fn await_answer(
-        &mut self,
-        command: &'static str,
-        id: u64,
-        timeout: Duration,
-    ) -> Result<Value> {
-        self.await_reply(command, id, timeout)
     }
 
     /// With command `id` written and not yet answered: reads until an event for which `pred`
@@ -193,7 +190,7 @@ impl Qmp {
                 return Ok(false);
             }
             // Any other message is an answer to an earlier, timed-out command: dropped, as
-            // `await_reply` does.
+            // `await_answer` does.
         }
     }
 
@@ -218,8 +215,14 @@ impl Qmp {
         Ok(id)
     }
 
-    /// Reads until the reply to command `id` (events are queued on the way).
-    fn await_reply(&mut self, command: &'static str, id: u64, timeout: Duration) -> Result<Value> {
+    /// Reads until the answer to command `id` (events are queued on the way), or takes the one
+    /// [`Qmp::event_before_answer`] read ahead. The second half of [`Qmp::write_command`].
+    pub fn await_answer(
+        &mut self,
+        command: &'static str,
+        id: u64,
+        timeout: Duration,
+    ) -> Result<Value> {
         let deadline = Instant::now() + timeout;
         loop {
             let remaining = deadline.saturating_duration_since(Instant::now());

@@ -357,15 +357,24 @@ fn keep_last<T>(recent: &mut std::collections::VecDeque<T>, v: T) {
 pub fn stopped_before_qemu<'a>(
     events: impl IntoIterator<Item = (&'a str, Option<&'a str>)>,
 ) -> bool {
-    for (name, status) in events {
-        match (name, status) {
-            ("STOP", _) => return true,
-            ("MIGRATION", Some("setup")) => continue,
-            ("MIGRATION" | "RESUME", _) => return false,
-            _ => continue,
-        }
+    events
+        .into_iter()
+        .find_map(|(name, status)| decides_race(name, status))
+        .unwrap_or(false)
+}
+
+/// What one run-state or migration event says of the race [`stopped_before_qemu`] reads:
+/// `Some(true)`, backstop's `stop` came first (a `STOP` before any other deciding event);
+/// `Some(false)`, QEMU's own stop did, or QEMU already resumed (a `MIGRATION` past `setup`, a
+/// `RESUME`); `None`, it decides nothing (`setup`, any other event). The capture waits for the
+/// first event for which this is `Some` before it writes the disk switch behind a won `stop`.
+pub fn decides_race(name: &str, status: Option<&str>) -> Option<bool> {
+    match (name, status) {
+        ("STOP", _) => Some(true),
+        ("MIGRATION", Some("setup")) => None,
+        ("MIGRATION" | "RESUME", _) => Some(false),
+        _ => None,
     }
-    false
 }
 
 #[cfg(test)]
@@ -611,6 +620,33 @@ mod tests {
             ("MIGRATION", Some("failed")),
             ("STOP", None)
         ]));
+    }
+
+    #[test]
+    fn only_stop_resume_and_migration_past_setup_decide_the_race() {
+        // The early disk switch waits for the first deciding event: one that decides nothing
+        // must not end its wait, and each deciding one must read as the whole race does.
+        for undecided in [
+            ("MIGRATION", Some("setup")),
+            ("BLOCK_JOB_READY", None),
+            ("NIC_RX_FILTER_CHANGED", None),
+        ] {
+            assert_eq!(
+                decides_race(undecided.0, undecided.1),
+                None,
+                "{undecided:?}"
+            );
+        }
+        assert_eq!(decides_race("STOP", None), Some(true));
+        for lost in [
+            ("RESUME", None),
+            ("MIGRATION", Some("active")),
+            ("MIGRATION", Some("failed")),
+            ("MIGRATION", Some("completed")),
+        ] {
+            assert_eq!(decides_race(lost.0, lost.1), Some(false), "{lost:?}");
+            assert!(!stopped_before_qemu([lost, ("STOP", None)]), "{lost:?}");
+        }
     }
 
     #[test]
