@@ -230,6 +230,41 @@ def snapshot_cpu(q, pid, disk, target_ns, fraction):
     return last, won, events
 
 
+def snapshot_qemu_stops(q, disk):
+    """`migrate` on the running guest and no `stop` of ours: QEMU stops the guest itself at the
+    end of its setup and resumes it after its device save and write-protection start. The disk
+    switch is written the moment QEMU's STOP arrives, so that QEMU reads it while its snapshot
+    thread still holds the big lock. Disks and RAM share one instant only if the switch ran
+    before QEMU's resume: QEMU answers and emits in the order things happen, so the switch's
+    answer must come before RESUME. Returns (switch answered before RESUME, QEMU events)."""
+    r, reader = open_capture(q)
+    prepared = disk.prepare(q) if disk else None
+    q.execute("migrate", {"uri": "fd:probe"})
+    stop = q.wait_event(qmplib.name_is("STOP"), timeout=30)
+    in_time = None
+    if disk:
+        command, args = disk.switch_command(prepared)
+        q.sock.sendall(json.dumps({"execute": command, "arguments": args}).encode() + b"\n")
+        while True:
+            m = q._read()
+            if "event" in m:
+                q.events.append(m)
+                continue
+            if "error" in m:
+                raise C.BenchError(f"switch: {m['error'].get('desc')}")
+            break
+        in_time = not any(e.get("event") == "RESUME" for e in q.events)
+    ev = q.wait_event(qmplib.migrate_status("completed", "failed", "cancelled"), timeout=600)
+    reader.join()
+    os.close(r)
+    if ev["data"]["status"] != "completed":
+        raise C.BenchError(f"background snapshot {ev['data']['status']}")
+    events = sorted([stop] + [e for e in q.events if e.get("event") in ("STOP", "RESUME", "MIGRATION")],
+                    key=qmplib.event_us)
+    q.events = []
+    return in_time, events
+
+
 def boost_thread(pid, nice):
     """Renices QEMU's snapshot thread (found by name) to `nice`; returns its tid or None."""
     tid = bg_thread(pid, timeout=0.05)
@@ -339,6 +374,10 @@ def main():
                     help="`stop` first: write `stop`, the disk switch and `migrate` in one go, as "
                          "backstop does since 2026-11-29 (alternate: every other snapshot, to compare "
                          "both in one run: prints STOP -> MIGRATION setup per mode)")
+    ap.add_argument("--qemu-stops", action="store_true",
+                    help="send `migrate` on the running guest and no `stop`: QEMU stops and resumes"
+                         " the guest itself; with --switch the disk switch is written when QEMU's"
+                         " STOP arrives (prints whether it ran before QEMU's RESUME)")
     ap.add_argument("--guest-dir", default=os.environ.get("BACKSTOP_GUEST_DIR")
                     or os.path.expanduser("~/.cache/backstop/guest"))
     a = ap.parse_args()
@@ -408,6 +447,20 @@ def main():
                       f" | {marks} | {thp}", flush=True)
                 time.sleep(2)
                 continue
+            if a.qemu_stops:
+                in_time, events = snapshot_qemu_stops(q, disk_state)
+                base = qmplib.event_us(events[0])
+                marks = " ".join(e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
+                                 + f"@{(qmplib.event_us(e) - base) / 1e3:.2f}" for e in events)
+                stops = [e for e in events if e["event"] == "STOP"]
+                resumes = [e for e in events if e["event"] == "RESUME"]
+                pause = (qmplib.event_us(resumes[0]) - qmplib.event_us(stops[0])) / 1e3
+                pauses.append(pause)
+                verdict = {None: "no switch", True: "switch before RESUME", False: "LATE: switch after RESUME"}
+                print(f"snapshot {rep + 1}: pause {pause:.2f} ms, {verdict[in_time]} | {marks} | {thp}",
+                      flush=True)
+                time.sleep(2)
+                continue
             boost = None
             if a.boost is not None:
                 boost = (int((work / "qemu.pid").read_text().strip()), a.boost)
@@ -431,7 +484,7 @@ def main():
             print(f"snapshot {rep + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items())
                   + f" ms | QEMU events (ms): {marks} | before it: {thp}", flush=True)
             time.sleep(2)
-        if a.cpu_stop:
+        if a.cpu_stop or a.qemu_stops:
             print(f"guest pause STOP->RESUME: first {pauses[0]:.2f} ms, later ones median "
                   f"{statistics.median(pauses[1:] or pauses):.2f} ms")
             q.execute("quit")
