@@ -273,19 +273,25 @@ def boost_thread(pid, nice):
     return tid
 
 
-def snapshot_once(q, disk=None, early_ms=None, boost=None, batch=False):
+def snapshot_once(q, disk=None, early_ms=None, boost=None, batch=None):
     """One capture in backstop's order; returns (host step times in ms, QEMU events). With
     `boost` = (QEMU's pid, nice), QEMU's snapshot thread is reniced right after `migrate`. With
-    `batch`, `stop`, the disk switch and `migrate` are written in one go (`stop` first only)."""
+    `batch`, `stop`, the disk switch and `migrate` are written in one go (`stop` first only):
+    "switch-first" in that order, "switch-last" with the switch behind `migrate` (QEMU's setup
+    then runs beside the switch; on 7.2/8.x a switch answered after RESUME is reported late)."""
     r, reader = open_capture(q)
     prepared = disk.prepare(q) if disk else None
     if early_ms is None and batch:
         t0 = time.monotonic()
         commands = [("stop", None)]
-        if disk:
-            commands.append(disk.switch_command(prepared))
-        commands.append(("migrate", {"uri": "fd:probe"}))
+        switch = [disk.switch_command(prepared)] if disk else []
+        if batch == "switch-last":
+            commands += [("migrate", {"uri": "fd:probe"})] + switch
+        else:
+            commands += switch + [("migrate", {"uri": "fd:probe"})]
         q.execute_batch(commands)
+        if batch == "switch-last" and disk and any(e.get("event") == "RESUME" for e in q.events):
+            print("  late: QEMU resumed the guest before the disk switch answered", flush=True)
         t1 = t2 = time.monotonic()
     elif early_ms is None:
         t0 = time.monotonic()
@@ -370,10 +376,13 @@ def main():
     ap.add_argument("--early-stop", type=float, metavar="MS",
                     help="send `migrate` on the running guest and `stop` MS later (QEMU >= 9.0: QEMU"
                          " pre-faults RAM meanwhile, outside the pause)")
-    ap.add_argument("--batch", choices=["off", "on", "alternate"], default="off",
+    ap.add_argument("--batch", choices=["off", "on", "alternate", "switch-last", "alternate-order"],
+                    default="off",
                     help="`stop` first: write `stop`, the disk switch and `migrate` in one go, as "
                          "backstop does since 2026-11-29 (alternate: every other snapshot, to compare "
-                         "both in one run: prints STOP -> MIGRATION setup per mode)")
+                         "both in one run: prints STOP -> MIGRATION setup per mode); switch-last: "
+                         "`stop`, `migrate`, then the switch, in one go; alternate-order: every other "
+                         "snapshot switch-last, to compare both orders in one run")
     ap.add_argument("--qemu-stops", action="store_true",
                     help="send `migrate` on the running guest and no `stop`: QEMU stops and resumes"
                          " the guest itself; with --switch the disk switch is written when QEMU's"
@@ -418,7 +427,7 @@ def main():
                 raise C.BenchError("the guest did not finish its fill")
             time.sleep(0.5)
         time.sleep(2)
-        pauses, rows, cpu_hist, by_mode = [], [], [], {}
+        pauses, rows, cpu_hist, by_mode, pause_by_mode = [], [], [], {}, {}
         disk_state = Disk(disk, "disk-data") if a.switch else None
         for rep in range(a.reps):
             ram = guest_ram(proc.pid, a.memory_mib << 20)
@@ -464,14 +473,17 @@ def main():
             boost = None
             if a.boost is not None:
                 boost = (int((work / "qemu.pid").read_text().strip()), a.boost)
-            batched = a.batch == "on" or (a.batch == "alternate" and rep % 2 == 1)
+            batched = {"on": "switch-first", "switch-last": "switch-last",
+                       "alternate": "switch-first" if rep % 2 == 1 else None,
+                       "alternate-order": "switch-last" if rep % 2 == 1 else "switch-first",
+                       }.get(a.batch)
             host, events = snapshot_once(q, disk_state, a.early_stop, boost, batched)
             base = qmplib.event_us(events[0]) if events else 0
             setup = [e for e in events if e["event"] == "MIGRATION" and e["data"]["status"] == "setup"]
             if events and setup and events[0]["event"] == "STOP":
                 # From the pause's start to QEMU starting on `migrate`: what the order costs.
                 host["stop_to_migrate_setup"] = (qmplib.event_us(setup[0]) - base) / 1e3
-                by_mode.setdefault("batched" if batched else "one by one", []).append(
+                by_mode.setdefault(f"batched, {batched}" if batched else "one by one", []).append(
                     host["stop_to_migrate_setup"])
             marks = " ".join(
                 e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
@@ -480,6 +492,8 @@ def main():
             resumes = [e for e in events if e["event"] == "RESUME"]
             if stops and resumes:
                 pauses.append((qmplib.event_us(resumes[0]) - qmplib.event_us(stops[0])) / 1e3)
+                if rep > 0:  # the first snapshot builds page tables: 2-3x the later ones
+                    pause_by_mode.setdefault(batched or "one by one", []).append(pauses[-1])
             rows.append(host)
             print(f"snapshot {rep + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in host.items())
                   + f" ms | QEMU events (ms): {marks} | before it: {thp}", flush=True)
@@ -492,6 +506,10 @@ def main():
         for mode, v in by_mode.items():
             print(f"STOP -> MIGRATION setup, {mode}: median {statistics.median(v):.3f} ms "
                   f"[{min(v):.3f}..{max(v):.3f}] over {len(v)}")
+        if len(pause_by_mode) > 1:
+            for mode, v in pause_by_mode.items():
+                print(f"guest pause STOP->RESUME after the first, {mode}: median {statistics.median(v):.2f} ms "
+                      f"[{min(v):.2f}..{max(v):.2f}] over {len(v)}")
         med = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]}
         later = pauses[1:] or pauses
         print(f"guest pause STOP->RESUME: first {pauses[0]:.2f} ms, later ones median {statistics.median(later):.2f} ms"
