@@ -244,15 +244,8 @@ def snapshot_qemu_stops(q, disk):
     in_time = None
     if disk:
         command, args = disk.switch_command(prepared)
-        q.sock.sendall(json.dumps({"execute": command, "arguments": args}).encode() + b"\n")
-        while True:
-            m = q._read()
-            if "event" in m:
-                q.events.append(m)
-                continue
-            if "error" in m:
-                raise C.BenchError(f"switch: {m['error'].get('desc')}")
-            break
+        q.send(command, args)
+        q.answer(command)
         in_time = not any(e.get("event") == "RESUME" for e in q.events)
     ev = q.wait_event(qmplib.migrate_status("completed", "failed", "cancelled"), timeout=600)
     reader.join()
@@ -352,6 +345,18 @@ def snapshot_once(q, disk=None, early_ms=None, boost=None, batch=None):
     return host, events
 
 
+def event_marks(events):
+    """QEMU's events of one snapshot as `NAME[/status]@ms` from the first, and the guest's pause
+    (the first STOP to the first RESUME after it, in ms; None without both)."""
+    base = qmplib.event_us(events[0]) if events else 0
+    marks = " ".join(e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
+                     + f"@{(qmplib.event_us(e) - base) / 1e3:.2f}" for e in events)
+    stops = [qmplib.event_us(e) for e in events if e["event"] == "STOP"]
+    resumes = [qmplib.event_us(e) for e in events if e["event"] == "RESUME"]
+    pause = (resumes[0] - stops[0]) / 1e3 if stops and resumes else None
+    return marks, pause
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--qemu", required=True)
@@ -444,12 +449,7 @@ def main():
                 qemu_pid = int((work / "qemu.pid").read_text().strip())
                 used, won, events = snapshot_cpu(q, qemu_pid, disk_state, target, a.cpu_stop)
                 cpu_hist.append(used)
-                base = qmplib.event_us(events[0])
-                marks = " ".join(e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
-                                 + f"@{(qmplib.event_us(e) - base) / 1e3:.2f}" for e in events)
-                stops = [e for e in events if e["event"] == "STOP"]
-                resumes = [e for e in events if e["event"] == "RESUME"]
-                pause = (qmplib.event_us(resumes[0]) - qmplib.event_us(stops[0])) / 1e3
+                marks, pause = event_marks(events)
                 pauses.append(pause)
                 print(f"snapshot {rep + 1}: thread CPU at active {used / 1e6:.2f} ms, target "
                       f"{(target or 0) / 1e6:.2f} ms, {'won' if won else 'stop after active'}, pause {pause:.2f} ms"
@@ -458,12 +458,7 @@ def main():
                 continue
             if a.qemu_stops:
                 in_time, events = snapshot_qemu_stops(q, disk_state)
-                base = qmplib.event_us(events[0])
-                marks = " ".join(e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
-                                 + f"@{(qmplib.event_us(e) - base) / 1e3:.2f}" for e in events)
-                stops = [e for e in events if e["event"] == "STOP"]
-                resumes = [e for e in events if e["event"] == "RESUME"]
-                pause = (qmplib.event_us(resumes[0]) - qmplib.event_us(stops[0])) / 1e3
+                marks, pause = event_marks(events)
                 pauses.append(pause)
                 verdict = {None: "no switch", True: "switch before RESUME", False: "LATE: switch after RESUME"}
                 print(f"snapshot {rep + 1}: pause {pause:.2f} ms, {verdict[in_time]} | {marks} | {thp}",
@@ -485,13 +480,9 @@ def main():
                 host["stop_to_migrate_setup"] = (qmplib.event_us(setup[0]) - base) / 1e3
                 by_mode.setdefault(f"batched, {batched}" if batched else "one by one", []).append(
                     host["stop_to_migrate_setup"])
-            marks = " ".join(
-                e["event"] + ("/" + e["data"]["status"] if e["event"] == "MIGRATION" else "")
-                + f"@{(qmplib.event_us(e) - base) / 1e3:.2f}" for e in events)
-            stops = [e for e in events if e["event"] == "STOP"]
-            resumes = [e for e in events if e["event"] == "RESUME"]
-            if stops and resumes:
-                pauses.append((qmplib.event_us(resumes[0]) - qmplib.event_us(stops[0])) / 1e3)
+            marks, pause = event_marks(events)
+            if pause is not None:
+                pauses.append(pause)
                 if rep > 0:  # the first snapshot builds page tables: 2-3x the later ones
                     pause_by_mode.setdefault(batched or "one by one", []).append(pauses[-1])
             rows.append(host)

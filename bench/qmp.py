@@ -41,6 +41,17 @@ class QMP:
         return json.loads(line)
 
     def execute(self, cmd, args=None, fd=None, timeout=None):
+        self.send(cmd, args, fd)
+        old = self.sock.gettimeout()
+        if timeout is not None:
+            self.sock.settimeout(timeout)
+        try:
+            return self.answer(cmd)
+        finally:
+            self.sock.settimeout(old)
+
+    def send(self, cmd, args=None, fd=None):
+        """Writes one command without reading its answer (`answer` reads it)."""
         msg = {"execute": cmd}
         if args is not None:
             msg["arguments"] = args
@@ -49,20 +60,17 @@ class QMP:
             socket.send_fds(self.sock, [data], [fd])
         else:
             self.sock.sendall(data)
-        old = self.sock.gettimeout()
-        if timeout is not None:
-            self.sock.settimeout(timeout)
-        try:
-            while True:
-                r = self._read()
-                if "event" in r:
-                    self.events.append(r)
-                    continue
-                if "error" in r:
-                    raise QMPError(f"{cmd}: {r['error'].get('desc')}")
-                return r.get("return")
-        finally:
-            self.sock.settimeout(old)
+
+    def answer(self, cmd):
+        """Reads until the next answer (events are kept), for the command `cmd` just sent."""
+        while True:
+            r = self._read()
+            if "event" in r:
+                self.events.append(r)
+                continue
+            if "error" in r:
+                raise QMPError(f"{cmd}: {r['error'].get('desc')}")
+            return r.get("return")
 
     def execute_batch(self, commands):
         """Writes every (command, arguments) before reading any answer, as backstop's `stop`-first
