@@ -26,9 +26,16 @@ class QMP:
         self.buf = b""
         self.events = []
         self.sock.settimeout(timeout)
-        greeting = self._read()
-        if "QMP" not in greeting:
-            raise QMPError(f"unexpected greeting {greeting}")
+        # A QEMU that starts running while we connect may send an event (its RESUME) before
+        # the greeting: QEMU's monitor emits to a connection it has not greeted yet (seen once
+        # in CI, stop-and-copy on QEMU 7.2). Such events are kept; anything else is an error.
+        while True:
+            greeting = self._read()
+            if "QMP" in greeting:
+                break
+            if "event" not in greeting or len(self.events) >= 16:
+                raise QMPError(f"unexpected greeting {greeting}")
+            self.events.append(greeting)
         self.execute("qmp_capabilities")
 
     def _read(self):

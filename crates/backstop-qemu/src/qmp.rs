@@ -36,6 +36,10 @@ impl QmpEvent {
     }
 }
 
+/// How many events a QEMU may send before its greeting (see [`Qmp::read_greeting`]); the
+/// start of a VM sends one or two.
+const MAX_EVENTS_BEFORE_GREETING: usize = 16;
+
 pub struct Qmp {
     stream: UnixStream,
     buf: Vec<u8>,
@@ -82,15 +86,36 @@ impl Qmp {
             next_id: 1,
             answer_ahead: None,
         };
-        let greeting = qmp.read_message("qmp greeting", timeout)?;
-        if !is_greeting(&greeting) {
-            return Err(BackendError::Protocol {
-                step: "qmp greeting",
-                detail: truncate(&greeting.to_string()),
-            });
-        }
+        qmp.read_greeting(timeout)?;
         qmp.execute("qmp_capabilities", None, timeout)?;
         Ok(qmp)
+    }
+
+    /// Reads QEMU's greeting. A QEMU that starts running while the client connects may send an
+    /// event first: its monitor emits events to a connection it has not greeted yet (seen in
+    /// CI: QEMU 7.2's `RESUME` of its own start before the greeting). Up to
+    /// [`MAX_EVENTS_BEFORE_GREETING`] such events are queued like any other; anything else
+    /// before the greeting is a protocol error.
+    fn read_greeting(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let msg = self.read_message("qmp greeting", remaining)?;
+            if is_greeting(&msg) {
+                return Ok(());
+            }
+            match parse_event(&msg) {
+                Some(ev) if self.events.len() < MAX_EVENTS_BEFORE_GREETING => {
+                    self.events.push_back(ev)
+                }
+                _ => {
+                    return Err(BackendError::Protocol {
+                        step: "qmp greeting",
+                        detail: truncate(&msg.to_string()),
+                    })
+                }
+            }
+        }
     }
 
     /// Runs one command and returns its `return` value. A QMP `error` becomes
@@ -767,6 +792,70 @@ mod tests {
             [json!("stop"), json!("transaction"), json!("cont")]
         );
         assert!(q.queued().any(|e| e.name == "STOP"), "the event is kept");
+    }
+
+    /// A fake QEMU on a listening socket at `path` that writes `lines` to its first client,
+    /// then answers `qmp_capabilities`.
+    fn fake_qemu(path: &Path, lines: Vec<String>) -> std::thread::JoinHandle<()> {
+        let listener = std::os::unix::net::UnixListener::bind(path).unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            for l in lines {
+                // A client that gave up early closed its end: nothing more to write.
+                let _ = s.write_all(format!("{l}\n").as_bytes());
+            }
+            let mut line = String::new();
+            let _ = std::io::BufRead::read_line(
+                &mut std::io::BufReader::new(s.try_clone().unwrap()),
+                &mut line,
+            );
+            let _ = s.write_all(b"{\"return\": {}, \"id\": 1}\n");
+        })
+    }
+
+    #[test]
+    fn an_event_before_the_greeting_is_kept_and_the_greeting_still_read() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("qmp.sock");
+        let resume = r#"{"timestamp": {"seconds": 1, "microseconds": 2}, "event": "RESUME"}"#;
+        let greeting = r#"{"QMP": {"version": {}, "capabilities": []}}"#;
+        let server = fake_qemu(&path, vec![resume.into(), greeting.into()]);
+        let q = Qmp::connect(&path, Duration::from_secs(10), || None).unwrap();
+        server.join().unwrap();
+        let queued: Vec<_> = q
+            .queued()
+            .map(|e| (e.name.clone(), e.timestamp_us))
+            .collect();
+        assert_eq!(queued, [("RESUME".to_string(), 1_000_002)]);
+    }
+
+    #[test]
+    fn anything_else_before_the_greeting_is_refused_in_one_line() {
+        let d = tempfile::tempdir().unwrap();
+        for (i, (first, named)) in [
+            (r#"{"return": {}}"#, "return"),
+            // More events than a starting QEMU sends.
+            (r#"{"event": "RESUME"}"#, "RESUME"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let path = d.path().join(format!("qmp-{i}.sock"));
+            let n = if i == 0 {
+                1
+            } else {
+                MAX_EVENTS_BEFORE_GREETING + 1
+            };
+            let server = fake_qemu(&path, vec![first.to_string(); n]);
+            let err = Qmp::connect(&path, Duration::from_secs(10), || None)
+                .err()
+                .unwrap()
+                .to_string();
+            drop(server);
+            assert!(err.contains("qmp greeting"), "{err}");
+            assert!(err.contains(named), "{err}");
+            assert!(!err.contains('\n'), "{err}");
+        }
     }
 
     #[test]
