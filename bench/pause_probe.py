@@ -184,6 +184,17 @@ def open_capture(q):
     return r, reader
 
 
+def switched_in_time(q):
+    """Right after the disk switch's answer: whether it came before any RESUME (printing when
+    not). On 7.2/8.x QEMU resumes the guest itself once its write tracking is on, and QEMU
+    answers and emits in the order things happen: a RESUME already read let the guest write
+    the old layer after the RAM instant (backstop discards such a capture and takes it again)."""
+    if any(e.get("event") == "RESUME" for e in q.events):
+        print("  late: QEMU resumed the guest before the disk switch answered", flush=True)
+        return False
+    return True
+
+
 def snapshot_cpu(q, pid, disk, target_ns, fraction):
     """`migrate` first; `stop` once QEMU's snapshot thread has used `fraction` of `target_ns`
     of CPU (its pre-fault of guest RAM is pure CPU work, so its progress shows there whatever
@@ -207,11 +218,7 @@ def snapshot_cpu(q, pid, disk, target_ns, fraction):
         won = bool(order) and order[0]["event"] == "STOP"
         if disk and won:
             disk.switch(q, prepared)
-            # On 7.2/8.x QEMU resumes the guest itself once its write tracking is on: a RESUME
-            # that arrived before the switch's answer let the guest write the old layer after
-            # the RAM instant (backstop discards such a capture and takes it again).
-            if any(e.get("event") == "RESUME" for e in q.events):
-                print("  late: QEMU resumed the guest before the disk switch answered", flush=True)
+            switched_in_time(q)
     else:
         q.execute("stop")
         if disk:
@@ -246,7 +253,7 @@ def snapshot_qemu_stops(q, disk):
         command, args = disk.switch_command(prepared)
         q.send(command, args)
         q.answer(command)
-        in_time = not any(e.get("event") == "RESUME" for e in q.events)
+        in_time = switched_in_time(q)
     ev = q.wait_event(qmplib.migrate_status("completed", "failed", "cancelled"), timeout=600)
     reader.join()
     os.close(r)
@@ -283,8 +290,8 @@ def snapshot_once(q, disk=None, early_ms=None, boost=None, batch=None):
         else:
             commands += switch + [("migrate", {"uri": "fd:probe"})]
         q.execute_batch(commands)
-        if batch == "switch-last" and disk and any(e.get("event") == "RESUME" for e in q.events):
-            print("  late: QEMU resumed the guest before the disk switch answered", flush=True)
+        if batch == "switch-last" and disk:
+            switched_in_time(q)
         t1 = t2 = time.monotonic()
     elif early_ms is None:
         t0 = time.monotonic()
@@ -314,11 +321,7 @@ def snapshot_once(q, disk=None, early_ms=None, boost=None, batch=None):
         won = bool(order) and order[0]["event"] == "STOP"
         if disk and won:
             disk.switch(q, prepared)
-            # On 7.2/8.x QEMU resumes the guest itself once its write tracking is on: a RESUME
-            # that arrived before the switch's answer let the guest write the old layer after
-            # the RAM instant (backstop discards such a capture and takes it again).
-            if any(e.get("event") == "RESUME" for e in q.events):
-                print("  late: QEMU resumed the guest before the disk switch answered", flush=True)
+            switched_in_time(q)
         if not won:
             print(f"  lost: QEMU's stop came first (events {[e['event'] for e in order]})", flush=True)
     while True:

@@ -107,10 +107,7 @@ impl AbandonedVm for AbandonedQemu {
         let t = self.qmp_timeout;
         let done = self
             .qmp
-            .wait_event_matching("save abandoned vm", bound, |e| {
-                e.name == "MIGRATION"
-                    && matches!(e.status(), Some("completed" | "failed" | "cancelled"))
-            });
+            .wait_event_matching("save abandoned vm", bound, |e| e.ends_migration());
         let result = match done {
             Ok(ev) => {
                 let status = ev

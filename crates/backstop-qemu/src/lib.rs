@@ -1012,9 +1012,7 @@ impl QemuBackend {
             (Resume::ByQemu, true) => {
                 let resume = qmp.wait_event("RESUME", t, "resume by qemu")?;
                 // QEMU's thread sets `active` before it saves device state: still queued.
-                if let Some(active) =
-                    qmp.queued_event(|e| e.name == "MIGRATION" && e.status() == Some("active"))
-                {
+                if let Some(active) = qmp.queued_event(|e| e.migration_status() == Some("active")) {
                     ends.push(("setup", active.timestamp_us));
                 }
                 ends.push(("resume", resume.timestamp_us));
@@ -1034,7 +1032,7 @@ impl QemuBackend {
             }
             (Resume::AfterWriteTracking, true) => {
                 let active = qmp.wait_event_matching("migration active", t, |e| {
-                    e.name == "MIGRATION" && e.status() != Some("setup")
+                    e.migration_status().is_some_and(|s| s != "setup")
                 })?;
                 ends.push(("setup", active.timestamp_us));
                 wait_write_tracking(qmp, t, clock)?;
@@ -1329,10 +1327,8 @@ const STATE_PIPE_BYTES: nix::libc::c_int = 1 << 20;
 
 /// Waits for QEMU's migration to end; returns how (`completed`, `failed`, `cancelled`).
 fn migration_end(qmp: &mut Qmp, step: &'static str) -> Result<String> {
-    let done = qmp.wait_event_matching(step, Duration::from_secs(600), |e| {
-        e.name == "MIGRATION" && matches!(e.status(), Some("completed" | "failed" | "cancelled"))
-    })?;
-    Ok(done.status().unwrap_or("").to_string())
+    let done = qmp.wait_event_matching(step, Duration::from_secs(600), |e| e.ends_migration())?;
+    Ok(done.migration_status().unwrap_or("").to_string())
 }
 
 /// Test-only: whether `BACKSTOP_FAULT_INJECT` arms `cmdline::MIGRATE_FIRST_FAULT` (or
@@ -1453,7 +1449,8 @@ fn switch_behind_won_stop(
     switch: Option<Value>,
     batch: &mut Batch,
 ) {
-    let decisive = |e: &qmp::QmpEvent| version::decides_race(&e.name, e.status()).is_some();
+    let decisive =
+        |e: &qmp::QmpEvent| version::decides_race(&e.name, e.migration_status()).is_some();
     let won = qmp
         .event_before_answer("stop", stop, t, decisive)
         .map(|seen| seen && stop_came_first(qmp));
@@ -1490,7 +1487,10 @@ fn write_stop(
 /// With `migrate` already in: whether backstop's `STOP` came before QEMU's own stop, by the
 /// run-state and migration events queued so far ([`version::stopped_before_qemu`]).
 fn stop_came_first(qmp: &Qmp) -> bool {
-    version::stopped_before_qemu(qmp.queued().map(|e| (e.name.as_str(), e.status())))
+    version::stopped_before_qemu(
+        qmp.queued()
+            .map(|e| (e.name.as_str(), e.migration_status())),
+    )
 }
 
 /// Records a capture's setup: its time from `migrate` (sent at `migrate_sent_us` on the pause
@@ -1517,7 +1517,7 @@ fn learn_setup(
 /// QEMU's setup for a capture whose `migrate` went in at `migrate_sent_us` (on the pause
 /// clock): until its `MIGRATION` `active`, if that event is still queued.
 fn queued_setup_us(qmp: &Qmp, migrate_sent_us: u64) -> Option<u64> {
-    qmp.queued_event(|e| e.name == "MIGRATION" && e.status() == Some("active"))
+    qmp.queued_event(|e| e.migration_status() == Some("active"))
         .map(|active| active.timestamp_us.saturating_sub(migrate_sent_us))
 }
 

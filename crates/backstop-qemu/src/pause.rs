@@ -86,9 +86,7 @@ pub(crate) fn wait_migration_released(qmp: &mut Qmp, t: Duration, bound: Duratio
 /// cleanup), so the guest's state can be set without racing QEMU's own resume.
 pub(crate) fn cancel_migration(qmp: &mut Qmp, t: Duration) {
     let _ = qmp.execute("migrate_cancel", None, t);
-    let _ = qmp.wait_event_matching("migration end after cancel", t, |e| {
-        e.name == "MIGRATION" && matches!(e.status(), Some("completed" | "failed" | "cancelled"))
-    });
+    let _ = qmp.wait_event_matching("migration end after cancel", t, |e| e.ends_migration());
     let _ = wait_migration_released(qmp, t, t);
 }
 
@@ -120,10 +118,7 @@ pub(crate) fn drain_to_end(qmp: &mut Qmp, t: Duration, mut stream: impl std::io:
         if matches!(over.as_deref(), Some("completed" | "failed" | "cancelled")) {
             return reader.join().unwrap_or(0);
         }
-        let end = qmp.wait_event_matching("migration end", t, |e| {
-            e.name == "MIGRATION"
-                && matches!(e.status(), Some("completed" | "failed" | "cancelled"))
-        });
+        let end = qmp.wait_event_matching("migration end", t, |e| e.ends_migration());
         if end.is_err() {
             // QEMU did not finish: cancelling is all that is left (the thread ends at EOF).
             let _ = qmp.execute("migrate_cancel", None, t);

@@ -30,9 +30,21 @@ pub struct QmpEvent {
 }
 
 impl QmpEvent {
-    /// The `status` a `MIGRATION` event carries (`None` for events without one).
-    pub fn status(&self) -> Option<&str> {
+    /// The `status` of a `MIGRATION` event (`None` for any other event).
+    pub fn migration_status(&self) -> Option<&str> {
+        if self.name != "MIGRATION" {
+            return None;
+        }
         self.data.get("status").and_then(Value::as_str)
+    }
+
+    /// Whether this is the `MIGRATION` event that ends a migration (`completed`, `failed`,
+    /// `cancelled`).
+    pub fn ends_migration(&self) -> bool {
+        matches!(
+            self.migration_status(),
+            Some("completed" | "failed" | "cancelled")
+        )
     }
 }
 
@@ -92,8 +104,8 @@ impl Qmp {
     }
 
     /// Reads QEMU's greeting. A QEMU that starts running while the client connects may send an
-    /// event first: its monitor emits events to a connection it has not greeted yet (seen in
-    /// CI: QEMU 7.2's `RESUME` of its own start before the greeting). Up to
+    /// event first: its monitor emits events to a connection it has not greeted yet (seen by
+    /// the bench's client in CI: QEMU 7.2's `RESUME` of its own start before the greeting). Up to
     /// [`MAX_EVENTS_BEFORE_GREETING`] such events are queued like any other; anything else
     /// before the greeting is a protocol error.
     fn read_greeting(&mut self, timeout: Duration) -> Result<()> {
