@@ -146,6 +146,10 @@ error_codes! {
         "another live snapshot of the VM has this name already; nothing changed";
     SnapshotDeleteRefused = "ERR_SNAPSHOT_DELETE_REFUSED", Failed,
         "the snapshot cannot be deleted (the message names why: current, retention, only verified, a chain needs its layers, forensic hold); nothing changed";
+    LayerExists = "ERR_LAYER_EXISTS", Failed,
+        "a disk layer file backstop was about to create is already there: it was left as it was and nothing was changed";
+    VmAlreadyGuarded = "ERR_VM_ALREADY_GUARDED", Failed,
+        "another guardian (a VM file of this daemon, another daemon, or another host) holds this domain: nothing on it was changed";
     SnapshotNoSpace = "ERR_SNAPSHOT_NO_SPACE", Failed,
         "the VM's state directory has less free space than min_free_mib: the snapshot is refused";
     // Host actions and devices.

@@ -133,6 +133,11 @@ audit_events! {
     VmStarted = "vm.started" [];
     /// A VM that already ran (a libvirt domain) was taken over without a restart.
     VmAdopted = "vm.adopted" ["uri", "domain", "uuid", "pid", "libvirt_version", "qemu_version", "capture_mode", "capture_mode_reason"];
+    /// Files in the VM's layers directory that its record does not name were found and left
+    /// untouched (a state reset, another daemon or host sharing the directory).
+    LayersForeignFound = "layers.foreign_found" ["layers_dir", "files"];
+    /// A guard claim whose holder is proven gone (its lock is free) was taken over.
+    VmClaimTakenOver = "vm.claim_taken_over" ["claim", "previous"];
     /// A VM was brought back from the final snapshot of a clean stop (not a rollback).
     VmResumed = "vm.resumed" ["stopped_at"];
     /// The VM's lifecycle moved from one state to another.

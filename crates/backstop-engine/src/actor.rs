@@ -175,11 +175,15 @@ impl VmActor {
         // Never ran here: a snapshot in its store was put there for its first start (`vm add
         // --from-snapshot`).
         let first_start = vm.is_none();
-        let vm = vm.unwrap_or_default();
-        let layers = Layers {
-            dir: cfg.layers_dir(),
-            qemu_img: cfg.vm.qemu_img.clone(),
-        };
+        let vm = vm.unwrap_or_else(|| VmRecord {
+            lineage: crate::layers::new_lineage(),
+            ..VmRecord::default()
+        });
+        let layers = Layers::new(
+            cfg.layers_dir(),
+            cfg.vm.qemu_img.clone(),
+            vm.refused_layers.iter().cloned().collect(),
+        );
         let fault = crate::fault::armed();
         let mut engine = VmActor {
             backend,
@@ -230,7 +234,7 @@ impl VmActor {
             "id_seed": engine.ids.seed(),
         }))?;
         info!(vm = %engine.cfg.vm.name, accel = %accel, "backstopd starting");
-        if let Some(a) = &engine.adoption {
+        if let Some(a) = engine.adoption.clone() {
             // Journaled at every start that took a running VM over (the first, and each restart).
             let mut f = Map::new();
             for (k, v) in [
@@ -244,9 +248,72 @@ impl VmActor {
             }
             f.extend(a.details.clone());
             engine.journal(AuditEvent::VmAdopted, Value::Object(f))?;
+            let taken_over = a.details.get("claim_taken_over").cloned();
+            let claim = a.details.get("claim").cloned().unwrap_or(Value::Null);
+            if let Some(previous) = taken_over {
+                // The previous guardian's lock was free (it is gone): said once, with who it was.
+                let sid = engine.session_id.clone();
+                engine.journal(
+                    AuditEvent::VmClaimTakenOver,
+                    json!({
+                        "session_id": sid, "trace_id": Value::Null, "snapshot_id": Value::Null,
+                        "result": "ok", "claim": claim, "previous": previous,
+                    }),
+                )?;
+            }
+        }
+        if first_start {
+            engine.journal_foreign_layers()?;
         }
         engine.reconcile(first_start)?;
         Ok(engine)
+    }
+
+    /// A new record over a layers directory that already holds files (a state moved aside, a
+    /// second daemon or host sharing it): they are journaled as found and left untouched (the
+    /// sweep only ever considers this record's lineage). Files a snapshot in the store lists
+    /// (placed by `vm add --from-snapshot`) are this VM's and not reported.
+    fn journal_foreign_layers(&mut self) -> Result<(), EngineError> {
+        /// At most this many names go into the entry; `count` says how many there were.
+        const LISTED: usize = 64;
+        let known = self
+            .store
+            .referenced_layers()
+            .map_err(EngineError::Store)?
+            .unwrap_or_default();
+        let mut found = Vec::new();
+        let mut stack = vec![(self.layers.dir.clone(), 0u32)];
+        while let Some((dir, depth)) = stack.pop() {
+            for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let Ok(t) = e.file_type() else { continue };
+                if t.is_dir() && depth < 3 {
+                    stack.push((e.path(), depth + 1));
+                } else if t.is_file() && !known.contains(&e.path()) {
+                    found.push(e.path());
+                }
+            }
+        }
+        if found.is_empty() {
+            return Ok(());
+        }
+        found.sort();
+        warn!(
+            layers_dir = %self.layers.dir.display(),
+            files = found.len(),
+            "the layers directory holds files this VM's record does not name: left untouched"
+        );
+        let sid = self.session_id.clone();
+        let count = found.len();
+        let files: Vec<String> = found
+            .iter()
+            .take(LISTED)
+            .map(|p| p.display().to_string())
+            .collect();
+        self.journal(AuditEvent::LayersForeignFound, json!({
+            "session_id": sid, "trace_id": Value::Null, "snapshot_id": Value::Null, "result": "ok",
+            "layers_dir": self.layers.dir.display().to_string(), "files": files, "count": count,
+            "lineage": self.vm.lineage,
+        }))
     }
 
     /// Whether any snapshot in the store passes the listing's checks (a rollback target may
@@ -455,16 +522,17 @@ impl VmActor {
 
     pub(crate) fn next_layer(&mut self, disk: &str) -> PathBuf {
         self.vm.next_layer += 1;
-        self.layers.layer_path(disk, self.vm.next_layer)
+        self.layers
+            .layer_path(disk, &self.vm.lineage, self.vm.next_layer)
     }
 
     pub(crate) fn save_vm(&self) -> Result<(), EngineError> {
-        self.records
-            .save_vm(&self.vm)
-            .map_err(|source| EngineError::Io {
-                step: "write vm-state.json",
-                source,
-            })
+        let mut vm = self.vm.clone();
+        vm.refused_layers = self.layers.refused().into_iter().collect();
+        self.records.save_vm(&vm).map_err(|source| EngineError::Io {
+            step: "write vm-state.json",
+            source,
+        })
     }
 
     /// Boots the guest from its disks (first start, or no snapshot to come back to), then takes
@@ -831,6 +899,7 @@ impl VmActor {
                     "vm": self.cfg.vm.name, "clean": false, "vm_left_running": true,
                 }),
             );
+            self.backend.release();
             info!("adopted domain left running (libvirt owns it)");
             return;
         }

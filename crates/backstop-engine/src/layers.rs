@@ -5,9 +5,18 @@
 //! snapshot interval. At a capture the writable top layer is frozen (QEMU switches the guest to a
 //! new overlay in the same pause) and becomes part of the snapshot; frozen layers are made
 //! read-only on disk. A restore puts a fresh overlay on the snapshot's top layer.
+//!
+//! Never harm what is there: every file made here is created exclusively, so a name already in
+//! use is refused (`ERR_LAYER_EXISTS`) and the file in the way is left byte for byte as it was.
+//! A layer's name carries its VM record's lineage (`<lineage>-NNNNNN.qcow2`, random per record),
+//! so a state reset, a second daemon or another host sharing the directory never reuses a name.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use backstop_common::codes::ErrorCode;
 
 use crate::error::EngineError;
 
@@ -15,12 +24,52 @@ use crate::error::EngineError;
 pub struct Layers {
     pub dir: PathBuf,
     pub qemu_img: PathBuf,
+    /// Names a create found taken (`ERR_LAYER_EXISTS`): the files there are not ours, though
+    /// named like ours, and the layer sweep never considers them. Kept in the VM record.
+    pub refused: Arc<Mutex<BTreeSet<PathBuf>>>,
 }
 
 impl Layers {
-    /// Path of the `n`-th layer of `disk`.
-    pub fn layer_path(&self, disk: &str, n: u64) -> PathBuf {
-        self.dir.join(disk).join(format!("{n:06}.qcow2"))
+    pub fn new(dir: PathBuf, qemu_img: PathBuf, refused: BTreeSet<PathBuf>) -> Layers {
+        Layers {
+            dir,
+            qemu_img,
+            refused: Arc::new(Mutex::new(refused)),
+        }
+    }
+
+    /// The names a create found taken (see [`Layers::refused`]).
+    pub fn refused(&self) -> BTreeSet<PathBuf> {
+        self.refused
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_else(|p| p.into_inner().clone())
+    }
+
+    /// The refusal for a layer name already taken, remembered so nothing ever sweeps the file.
+    fn layer_exists(&self, path: &Path) -> EngineError {
+        match self.refused.lock() {
+            Ok(mut r) => {
+                r.insert(path.to_path_buf());
+            }
+            Err(p) => {
+                p.into_inner().insert(path.to_path_buf());
+            }
+        }
+        tracing::warn!(layer = %path.display(), "a disk layer's name is taken: the file there is left as it is");
+        EngineError::Refused {
+            code: ErrorCode::LayerExists,
+            message: format!(
+                "disk layer {} already exists: backstop never replaces a file it did not make; nothing was changed",
+                path.display()
+            ),
+        }
+    }
+
+    /// Path of the `n`-th layer of `disk` in `lineage` (empty: a record older than lineages,
+    /// whose layers are named `NNNNNN.qcow2`).
+    pub fn layer_path(&self, disk: &str, lineage: &str, n: u64) -> PathBuf {
+        self.dir.join(disk).join(layer_name(lineage, n))
     }
 
     /// Creates an empty overlay at `path` backed by `backing` (format `backing_fmt`).
@@ -45,7 +94,7 @@ impl Layers {
     }
 
     /// Writes the overlay itself (`qcow2.rs`: no qemu-img process); false where that does not
-    /// apply (or a file is in the way, which qemu-img replaces as it always did).
+    /// apply. A file in the way is refused, never replaced.
     fn write_overlay(
         &self,
         path: &Path,
@@ -56,7 +105,7 @@ impl Layers {
         create_parent(path)?;
         match crate::qcow2::create_overlay(path, backing, backing_fmt, size) {
             Ok(done) => Ok(done),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(self.layer_exists(path)),
             Err(source) => Err(EngineError::Io {
                 step: "write qcow2 overlay",
                 source,
@@ -117,6 +166,8 @@ impl Layers {
     }
 
     /// `qemu-img create -q -f qcow2 BEFORE... PATH AFTER...` (parent directory created first).
+    /// qemu-img replaces whatever is at `path`, so the name is first taken exclusively: the
+    /// file it replaces is the empty one made here, never one that was there before.
     fn qemu_img_create(
         &self,
         path: &Path,
@@ -125,6 +176,22 @@ impl Layers {
         step: &'static str,
     ) -> Result<(), EngineError> {
         create_parent(path)?;
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+        {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                return Err(self.layer_exists(path))
+            }
+            Err(source) => {
+                return Err(EngineError::Io {
+                    step: "create layer file",
+                    source,
+                })
+            }
+        }
         let out = Command::new(&self.qemu_img)
             .args(["create", "-q", "-f", "qcow2"])
             .args(before)
@@ -134,8 +201,13 @@ impl Layers {
             .map_err(|source| EngineError::Io {
                 step: "run qemu-img",
                 source,
-            })?;
-        check_output(out, step)
+            });
+        let done = out.and_then(|out| check_output(out, step));
+        if done.is_err() {
+            // The file is the one made above (qemu-img failed on it): ours, and used by nothing.
+            let _ = std::fs::remove_file(path);
+        }
+        done
     }
 
     /// Makes a frozen layer read-only on disk and flushes it.
@@ -154,6 +226,37 @@ impl Layers {
                 source,
             })
     }
+}
+
+/// A layer's file name: `<lineage>-NNNNNN.qcow2`, or `NNNNNN.qcow2` for a record older than
+/// lineages.
+pub fn layer_name(lineage: &str, n: u64) -> String {
+    if lineage.is_empty() {
+        format!("{n:06}.qcow2")
+    } else {
+        format!("{lineage}-{n:06}.qcow2")
+    }
+}
+
+/// Whether `name` is a layer name of `lineage` (as [`layer_name`] makes them).
+pub fn is_layer_of(name: &str, lineage: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".qcow2") else {
+        return false;
+    };
+    let digits = if lineage.is_empty() {
+        stem
+    } else {
+        match stem.strip_prefix(lineage).and_then(|r| r.strip_prefix('-')) {
+            Some(d) => d,
+            None => return false,
+        }
+    };
+    digits.len() >= 6 && digits.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// A fresh lineage for a new VM record: 12 hex digits from the OS's random source.
+pub fn new_lineage() -> String {
+    backstop_common::ids::random_id().chars().take(12).collect()
 }
 
 /// A failed `qemu-img` becomes an error carrying its stderr.
@@ -198,13 +301,10 @@ mod tests {
             return;
         }
         let d = tempfile::tempdir().unwrap();
-        let l = Layers {
-            dir: d.path().into(),
-            qemu_img: "qemu-img".into(),
-        };
+        let l = Layers::new(d.path().into(), "qemu-img".into(), BTreeSet::new());
         let base = d.path().join("a/base.qcow2");
         l.create_image(&base, 4).unwrap();
-        let top = l.layer_path("data", 1);
+        let top = l.layer_path("data", "", 1);
         l.create_overlay(&top, &base, "qcow2").unwrap();
         assert!(top.exists());
         let err = l
@@ -218,7 +318,7 @@ mod tests {
 
         // An overlay on a layer QEMU holds open: size read with -U, backing recorded unopened.
         assert_eq!(l.virtual_size(&top).unwrap(), 4 << 20);
-        let next = l.layer_path("data", 2);
+        let next = l.layer_path("data", "", 2);
         l.create_overlay_on_active(&next, &top, 4 << 20).unwrap();
         let info = Command::new("qemu-img")
             .args(["info", "--output=json"])
@@ -231,5 +331,78 @@ mod tests {
         assert_eq!(info["virtual-size"], 4 << 20);
         let err = l.virtual_size(&d.path().join("missing.qcow2")).unwrap_err();
         assert!(err.to_string().contains("qemu-img info"), "{err}");
+    }
+
+    #[test]
+    fn a_name_in_use_is_refused_on_every_path_and_the_file_is_left_as_it_was() {
+        if !qemu_img_present() {
+            eprintln!("SKIPPED a_name_in_use_is_refused_on_every_path_and_the_file_is_left_as_it_was: no qemu-img");
+            return;
+        }
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let l = Layers::new(d.path().into(), "qemu-img".into(), BTreeSet::new());
+        let base = d.path().join("base.qcow2");
+        l.create_image(&base, 4).unwrap();
+        let taken = l.layer_path("data", "0123456789ab", 7);
+        assert!(taken.ends_with("data/0123456789ab-000007.qcow2"));
+        std::fs::create_dir_all(taken.parent().unwrap()).unwrap();
+        std::fs::write(&taken, b"someone else's bytes").unwrap();
+        let ino = std::fs::metadata(&taken).unwrap().ino();
+        let relative = Path::new("base.qcow2"); // not absolute: the qemu-img path
+        let tries: [(&str, Box<dyn Fn() -> Result<(), EngineError>>); 4] = [
+            (
+                "overlay written directly",
+                Box::new(|| l.create_overlay(&taken, &base, "qcow2")),
+            ),
+            (
+                "overlay by qemu-img",
+                Box::new(|| l.create_overlay(&taken, relative, "qcow2")),
+            ),
+            (
+                "overlay on the active layer",
+                Box::new(|| l.create_overlay_on_active(&taken, &base, 4 << 20)),
+            ),
+            ("standalone image", Box::new(|| l.create_image(&taken, 4))),
+        ];
+        for (what, create) in tries {
+            let err = create().unwrap_err();
+            assert_eq!(err.code(), ErrorCode::LayerExists, "{what}: {err}");
+            assert!(
+                err.to_string().contains(taken.to_str().unwrap()),
+                "{what}: {err}"
+            );
+            assert_eq!(
+                std::fs::read(&taken).unwrap(),
+                b"someone else's bytes",
+                "{what}"
+            );
+            assert_eq!(std::fs::metadata(&taken).unwrap().ino(), ino, "{what}");
+        }
+        assert_eq!(l.refused(), [taken.clone()].into());
+        // A qemu-img failure removes only the file it was given (made here), nothing else.
+        let fresh = l.layer_path("data", "0123456789ab", 8);
+        let err = l
+            .create_overlay(&fresh, Path::new("missing.qcow2"), "qcow2")
+            .unwrap_err();
+        assert!(err.to_string().contains("qemu-img create overlay"), "{err}");
+        assert!(!fresh.exists() && taken.exists());
+    }
+
+    #[test]
+    fn layer_names_carry_their_lineage() {
+        assert_eq!(layer_name("", 3), "000003.qcow2");
+        assert_eq!(layer_name("a1b2c3d4e5f6", 3), "a1b2c3d4e5f6-000003.qcow2");
+        assert!(is_layer_of("a1b2c3d4e5f6-000003.qcow2", "a1b2c3d4e5f6"));
+        assert!(is_layer_of("a1b2c3d4e5f6-1000000.qcow2", "a1b2c3d4e5f6"));
+        assert!(!is_layer_of("a1b2c3d4e5f6-000003.qcow2", ""));
+        assert!(!is_layer_of("000003.qcow2", "a1b2c3d4e5f6"));
+        assert!(!is_layer_of("a1b2c3d4e5f6-00003.qcow2", "a1b2c3d4e5f6"));
+        assert!(!is_layer_of("a1b2c3d4e5f6-000003.raw", "a1b2c3d4e5f6"));
+        assert!(!is_layer_of("ffffffffffff-000003.qcow2", "a1b2c3d4e5f6"));
+        let (a, b) = (new_lineage(), new_lineage());
+        assert_eq!(a.len(), 12);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b);
     }
 }

@@ -37,6 +37,7 @@ pub mod fault;
 pub mod firmware;
 pub mod forensic;
 pub mod host;
+mod in_use;
 mod layers;
 pub mod lifecycle;
 pub mod mailbox;

@@ -50,7 +50,8 @@ impl VmActor {
         if v.manifest.config_fingerprint != self.backend.config_fingerprint() {
             return Err(format!("{id} was taken of another VM shape"));
         }
-        // Recorded before its layers exist, so a failure below still removes them.
+        // Each layer is recorded as soon as it is made, so a failure below removes exactly
+        // the ones made.
         let mut record = Preloaded {
             snapshot_id: id.clone(),
             manifest_sha256: digest,
@@ -62,12 +63,13 @@ impl VmActor {
             };
             let fmt = self.layer_format(&disk, &chain);
             let new_top = self.next_layer(&disk);
-            record.tops.insert(disk.clone(), new_top.clone());
-            self.preloaded = Some(record.clone());
             if let Err(e) = self.layers.create_overlay(&new_top, top, &fmt) {
+                // Only the overlays this preload made are removed, never one that was in the way.
                 self.drop_preload();
                 return Err(format!("overlay for {disk}: {e}"));
             }
+            record.tops.insert(disk.clone(), new_top.clone());
+            self.preloaded = Some(record.clone());
         }
         let Some(disks) = preload_disks(&self.cfg, &record.tops) else {
             self.drop_preload();

@@ -25,6 +25,15 @@ pub struct VmRecord {
     pub chains: BTreeMap<String, Vec<PathBuf>>,
     /// Counter for new layer file names.
     pub next_layer: u64,
+    /// Random per record (`layers::new_lineage`), part of every layer name it makes, so a new
+    /// record (a state reset, a second daemon or host on the same layers directory) never
+    /// names a file an older one made. Empty in records older than lineages: their layers
+    /// keep the plain `NNNNNN.qcow2` names.
+    #[serde(default)]
+    pub lineage: String,
+    /// Layer names a create found taken by a file backstop did not make: never swept.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused_layers: Vec<PathBuf>,
     /// The snapshot the running VM descends from (lineage): the last one published of it, or
     /// the one it was restored from; `None` after a cold boot.
     #[serde(default)]

@@ -137,6 +137,11 @@ pub(crate) fn libvirt_backend(cfg: &Config) -> Result<Box<dyn VmBackend>, Engine
             max_bandwidth: 16 << 30,
             capture: l.capture,
             huge_pages: cfg.vm.huge_pages,
+            claims_dir: backstop_hypervisor::claim::HOST_CLAIMS_DIR.into(),
+            guardian: backstop_hypervisor::claim::Guardian::this_daemon(
+                &cfg.vm.name,
+                &cfg.daemon.state_dir,
+            ),
         },
     )))
 }

@@ -464,13 +464,15 @@ impl VmActor {
             let created = (|| {
                 for (id, active) in &captured {
                     let new_active = self.next_layer(id);
-                    switches.push(DiskSwitch {
-                        id: id.clone(),
-                        new_active: new_active.clone(),
-                    });
                     let size = self.layers.virtual_size(active)?;
                     self.layers
                         .create_overlay_on_active(&new_active, active, size)?;
+                    // Listed once made: a failure removes only what this capture created,
+                    // never a file that was in the way.
+                    switches.push(DiskSwitch {
+                        id: id.clone(),
+                        new_active,
+                    });
                 }
                 Ok(())
             })();

@@ -15,6 +15,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub mod claim;
+
 /// One disk as the VM sees it: `active` is the writable top layer the guest writes to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DiskAttachment {
@@ -247,6 +249,9 @@ pub trait VmBackend: Send {
     fn adopt(&mut self) -> Result<Option<Adoption>> {
         Ok(None)
     }
+    /// The daemon stops guarding this VM and leaves it running (an adopted domain at a clean
+    /// stop): the marks naming this daemon as its guardian are removed and its claim ends.
+    fn release(&mut self) {}
     fn run_state(&mut self) -> Result<RunState>;
     /// Events that arrived since the last call.
     fn poll_events(&mut self) -> Result<Vec<VmEvent>>;

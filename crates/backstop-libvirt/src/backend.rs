@@ -34,6 +34,7 @@ use crate::save_image::{self, RestoreImageWriter};
 use crate::{CaptureMode, LibvirtConfig};
 
 mod devices;
+mod guard;
 mod supervision;
 
 /// How long a state poll that finds the domain ended waits for libvirt's event saying why
@@ -96,6 +97,10 @@ pub struct LibvirtBackend {
     /// libvirt's domain events (`events.rs`): they wake the actor; the state poll decides.
     events: Feed,
     /// Granted devices: config id → the alias libvirt knows them by (`backend/devices.rs`).
+    /// The host-wide claim on the domain's UUID, held while it is guarded (`guard.rs`).
+    claim: Option<backstop_hypervisor::claim::Claim>,
+    /// The domain's `<metadata>` names this daemon as its guardian.
+    marked: bool,
     grants: BTreeMap<String, String>,
     /// Aliases whose `DEVICE_REMOVED` arrived while nobody waited for it.
     removed: BTreeSet<String>,
@@ -167,6 +172,8 @@ impl LibvirtBackend {
             events: Feed::new(),
             grants: BTreeMap::new(),
             removed: BTreeSet::new(),
+            claim: None,
+            marked: false,
         }
     }
 
@@ -358,6 +365,11 @@ impl LibvirtBackend {
                 ));
             }
         }
+        // Before anything touches the domain: one guardian per domain, host-wide.
+        let me = self.cfg.guardian.clone();
+        let (claim, taken_over) =
+            guard::claim_domain(&dom, &self.cfg.claims_dir, &shape.name, &shape.uuid, &me)?;
+        self.claim = Some(claim);
         self.conn = Some(conn);
         self.dom = Some(dom);
         self.shape = Some(shape.clone());
@@ -447,7 +459,16 @@ impl LibvirtBackend {
             .map(|d| (d.target.clone(), d.source.clone()))
             .collect();
         self.agent = Some(AgentChannel::connect(&shape.agent_socket));
+        guard::mark(self.dom("adopt")?, &me)?;
+        self.marked = true;
         let mut details = serde_json::Map::new();
+        if let Some(g) = &taken_over {
+            details.insert("claim_taken_over".into(), json!(g));
+        }
+        details.insert(
+            "claim".into(),
+            json!(self.claim.as_ref().map(|c| c.path().display().to_string())),
+        );
         for (k, v) in [
             ("uri", json!(uri)),
             ("domain", json!(shape.name)),
@@ -869,7 +890,14 @@ impl VmBackend for LibvirtBackend {
                 Ok(Some(a))
             }
             Err(e) => {
-                // Nothing was changed: drop what was opened.
+                // Nothing was changed: drop what was opened, the claim and its mark included.
+                if self.marked {
+                    if let Some(d) = &self.dom {
+                        guard::unmark(d);
+                    }
+                    self.marked = false;
+                }
+                self.claim = None;
                 self.events.unregister();
                 self.agent = None;
                 self.dom = None;
@@ -877,6 +905,18 @@ impl VmBackend for LibvirtBackend {
                 self.shape = None;
                 Err(e)
             }
+        }
+    }
+
+    fn release(&mut self) {
+        if self.marked {
+            if let Some(d) = &self.dom {
+                guard::unmark(d);
+            }
+            self.marked = false;
+        }
+        if let Some(c) = self.claim.take() {
+            c.release();
         }
     }
 

@@ -72,6 +72,10 @@ pub struct LibvirtConfig {
     pub capture: CaptureMode,
     /// Which ranges of guest RAM are mapped huge again after each capture (`vm.huge_pages`).
     pub huge_pages: backstop_qemu::huge_pages::HugePages,
+    /// Where the host-wide guard claims live (`backstop_hypervisor::claim::HOST_CLAIMS_DIR`).
+    pub claims_dir: PathBuf,
+    /// This daemon as the domain's guardian (claim file and `<metadata>`).
+    pub guardian: backstop_hypervisor::claim::Guardian,
 }
 
 /// `[vm.libvirt] capture`: how a snapshot gets RAM at the same instant as the disks.

@@ -193,6 +193,8 @@ fn adopt_capture_restore_through_libvirt() {
         max_bandwidth: 16 << 30,
         capture: Default::default(),
         huge_pages: Default::default(),
+        claims_dir: dom.dir.join("claims"),
+        guardian: backstop_hypervisor::claim::Guardian::this_daemon("bs-live", &dom.dir),
     });
     let adoption = b.adopt().unwrap().unwrap();
     eprintln!("adopted: {:?}", adoption.details);

@@ -252,8 +252,7 @@ impl VmActor {
         let mut keep: BTreeSet<PathBuf> = self.vm.chains.values().flatten().cloned().collect();
         keep.extend(self.cfg.vm.disks.iter().map(|d| d.path.clone()));
         keep.extend(self.preload_layers());
-        let mut layers = remove_layers(&report.unreferenced_layers, &keep, &self.layers.dir)
-            .map_err(EngineError::Store)?;
+        let mut layers = self.remove_unused_layers(&report.unreferenced_layers, keep)?;
         layers.extend(self.collect_orphan_layers()?);
         out.chunks_removed = report.chunks_removed;
         out.layers = layers;
@@ -263,7 +262,8 @@ impl VmActor {
     /// Deletes the layer files no published snapshot lists and the running VM does not use:
     /// the abandoned line's overlays after a rollback, a restart's, an interrupted capture's.
     /// Nothing is deleted when some manifest cannot be read (its layers are unknown), and only
-    /// files named like a layer (`disks/<disk>/NNNNNN.qcow2`) are candidates.
+    /// files named like a layer of this record's lineage (`<disk>/<lineage>-NNNNNN.qcow2`)
+    /// are candidates.
     fn collect_orphan_layers(&mut self) -> Result<Vec<PathBuf>, EngineError> {
         let Some(mut keep) = self.store.referenced_layers().map_err(EngineError::Store)? else {
             tracing::warn!("a manifest cannot be read: unreferenced layers are kept");
@@ -277,25 +277,42 @@ impl VmActor {
         use std::os::unix::fs::MetadataExt;
         let identity = |p: &PathBuf| std::fs::metadata(p).ok().map(|m| (m.dev(), m.ino()));
         let needed: BTreeSet<(u64, u64)> = keep.iter().filter_map(identity).collect();
-        let candidates: Vec<PathBuf> = layer_files(&self.layers.dir)
+        let candidates: Vec<PathBuf> = layer_files(&self.layers.dir, &self.vm.lineage)
             .into_iter()
             .filter(|p| identity(p).is_some_and(|id| !needed.contains(&id)))
             .collect();
-        let removed =
-            remove_layers(&candidates, &keep, &self.layers.dir).map_err(EngineError::Store)?;
+        let removed = self.remove_unused_layers(&candidates, keep)?;
         if !removed.is_empty() {
             info!(layers = removed.len(), "unreferenced disk layers removed");
         }
         Ok(removed)
     }
+
+    /// Deletes `candidates` except `keep` and any a process on this host holds open (a running
+    /// QEMU's chain, whoever started it): that last check runs right before the unlink.
+    fn remove_unused_layers(
+        &self,
+        candidates: &[PathBuf],
+        mut keep: BTreeSet<PathBuf>,
+    ) -> Result<Vec<PathBuf>, EngineError> {
+        // Named like ours but found in the way of a create: not ours.
+        keep.extend(self.layers.refused());
+        let open = crate::in_use::held_open(candidates);
+        if !open.is_empty() {
+            tracing::warn!(
+                layers = open.len(),
+                "disk layers no record names are held open by a running process: kept"
+            );
+        }
+        keep.extend(open);
+        remove_layers(candidates, &keep, &self.layers.dir).map_err(EngineError::Store)
+    }
 }
 
-/// Every file under `dir/<disk>/` named like a layer (`NNNNNN.qcow2`, see `Layers::layer_path`).
-fn layer_files(dir: &std::path::Path) -> Vec<PathBuf> {
-    let is_layer = |name: &str| {
-        name.strip_suffix(".qcow2")
-            .is_some_and(|n| n.len() >= 6 && n.bytes().all(|b| b.is_ascii_digit()))
-    };
+/// Every file under `dir/<disk>/` named like a layer of `lineage` (see `Layers::layer_path`):
+/// another lineage's files (a reset state's, another daemon's) are never candidates.
+pub(crate) fn layer_files(dir: &std::path::Path, lineage: &str) -> Vec<PathBuf> {
+    let is_layer = |name: &str| crate::layers::is_layer_of(name, lineage);
     let mut out = Vec::new();
     for disk in std::fs::read_dir(dir).into_iter().flatten().flatten() {
         if !disk.file_type().is_ok_and(|t| t.is_dir()) {
@@ -333,13 +350,39 @@ mod tests {
             std::fs::write(d.path().join("data").join(name), b"").unwrap();
         }
         std::fs::write(d.path().join("000003.qcow2"), b"").unwrap(); // not in a disk dir
-        let found = super::layer_files(d.path());
+        let found = super::layer_files(d.path(), "");
         assert_eq!(
             found,
             vec![
                 d.path().join("data/000001.qcow2"),
                 d.path().join("data/000002.qcow2")
             ]
+        );
+    }
+
+    #[test]
+    fn another_lineages_layers_are_never_candidates() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("data")).unwrap();
+        for name in [
+            "000001.qcow2",
+            "a1b2c3d4e5f6-000001.qcow2",
+            "a1b2c3d4e5f6-000002.qcow2",
+            "0f0f0f0f0f0f-000001.qcow2",
+            "a1b2c3d4e5f6-00001.qcow2",
+        ] {
+            std::fs::write(d.path().join("data").join(name), b"").unwrap();
+        }
+        assert_eq!(
+            super::layer_files(d.path(), "a1b2c3d4e5f6"),
+            vec![
+                d.path().join("data/a1b2c3d4e5f6-000001.qcow2"),
+                d.path().join("data/a1b2c3d4e5f6-000002.qcow2")
+            ]
+        );
+        assert_eq!(
+            super::layer_files(d.path(), ""),
+            vec![d.path().join("data/000001.qcow2")]
         );
     }
 }

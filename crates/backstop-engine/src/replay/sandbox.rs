@@ -92,10 +92,11 @@ impl VmActor {
                 "error": "the sandbox's shape differs from the snapshot's config fingerprint",
             }));
         }
-        let layers = Layers {
-            dir: dir.join("disks"),
-            qemu_img: self.cfg.vm.qemu_img.clone(),
-        };
+        let layers = Layers::new(
+            dir.join("disks"),
+            self.cfg.vm.qemu_img.clone(),
+            Default::default(),
+        );
         std::fs::create_dir_all(&layers.dir).map_err(|e| ("sandbox dir", e.to_string()))?;
         // In the config's order, as the VM had them (QEMU's device order must match the state).
         let chains: std::collections::BTreeMap<String, Vec<PathBuf>> =

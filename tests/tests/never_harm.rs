@@ -1,0 +1,139 @@
+//! Never harm what is there (QEMU backend, real guest): a file already at the name of the next
+//! disk layer is refused with `ERR_LAYER_EXISTS` and left byte for byte as it was, through
+//! the refused snapshot, the next snapshots, a rollback, a prune and a daemon restart; the
+//! VM's snapshots and rollbacks go on around it.
+#![allow(clippy::unwrap_used)]
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use backstop_e2e::{skip_unless_ready, Daemon};
+use serde_json::Value;
+
+const STEP: Duration = Duration::from_secs(120);
+
+/// Identity and content of a file: inode, size, mtime, bytes.
+fn fingerprint(p: &Path) -> (u64, u64, i64, i64, Vec<u8>) {
+    let m = std::fs::metadata(p).unwrap();
+    (
+        m.ino(),
+        m.size(),
+        m.mtime(),
+        m.mtime_nsec(),
+        std::fs::read(p).unwrap(),
+    )
+}
+
+/// The name of the next layer the VM record will make for `disk`.
+fn next_layer_path(d: &Daemon, disk: &str) -> PathBuf {
+    let rec: Value =
+        serde_json::from_slice(&std::fs::read(d.state_dir().join("vm-state.json")).unwrap())
+            .unwrap();
+    let lineage = rec["lineage"].as_str().unwrap();
+    assert_eq!(lineage.len(), 12, "a fresh record has a lineage: {rec}");
+    let n = rec["next_layer"].as_u64().unwrap() + 1;
+    d.state_dir()
+        .join("disks")
+        .join(disk)
+        .join(format!("{lineage}-{n:06}.qcow2"))
+}
+
+fn snapshot(d: &Daemon, reason: &str) -> String {
+    let v = d.ok(&["snapshot", "create", "--reason", reason]);
+    v["summary"]["snapshot_id"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn a_file_at_the_next_layers_name_is_refused_and_never_touched() {
+    let test = "a_file_at_the_next_layers_name_is_refused_and_never_touched";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let mut d = Daemon::start("never-harm");
+    d.wait_journal(STEP, "baseline snapshot", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    // Every layer name carries the record's lineage.
+    let chain: Value =
+        serde_json::from_slice(&std::fs::read(d.state_dir().join("vm-state.json")).unwrap())
+            .unwrap();
+    let lineage = chain["lineage"].as_str().unwrap().to_string();
+    let top = chain["chains"]["data"].as_array().unwrap().last().unwrap();
+    let top_name = Path::new(top.as_str().unwrap())
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(top_name.starts_with(&format!("{lineage}-")), "{top_name}");
+
+    // Someone else's file where the next overlay would go.
+    let planted = next_layer_path(&d, "data");
+    std::fs::write(&planted, b"not backstop's: an operator's file\n").unwrap();
+    let before = fingerprint(&planted);
+    let snapshots_before = d.ok(&["snapshot", "list"])["snapshots"]
+        .as_array()
+        .unwrap()
+        .len();
+
+    let out = d.cli(&["snapshot", "create", "--reason", "e2e: name taken"]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "refused: {stderr}");
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("refused: {doc}");
+    assert_eq!(doc["error"]["code"], "ERR_LAYER_EXISTS", "{doc}");
+    assert!(
+        doc["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(planted.to_str().unwrap()),
+        "the refusal names the file: {doc}"
+    );
+    assert_eq!(stderr.lines().count(), 1, "one line: {stderr}");
+    assert_eq!(
+        fingerprint(&planted),
+        before,
+        "the file in the way is untouched"
+    );
+    assert_eq!(
+        d.ok(&["snapshot", "list"])["snapshots"]
+            .as_array()
+            .unwrap()
+            .len(),
+        snapshots_before,
+        "nothing was published"
+    );
+
+    // The VM goes on: snapshots, a rollback, a prune; the file stays as it was.
+    let _a = snapshot(&d, "e2e: after the refusal");
+    let b = snapshot(&d, "e2e: another");
+    let rb = d.ok(&["rollback", "--to", &b, "--reason", "e2e: back"]);
+    assert_eq!(rb["snapshot_id"], b.as_str());
+    d.ok(&["snapshot", "prune"]);
+    assert_eq!(
+        fingerprint(&planted),
+        before,
+        "kept through rollback and prune"
+    );
+
+    // A restart (the record keeps the refused name): the sweep still never takes it.
+    d.stop();
+    d.launch();
+    d.wait_journal(STEP, "resumed after the clean stop", |e| {
+        e["event"] == "vm.resumed"
+    });
+    let c = snapshot(&d, "e2e: after the restart");
+    d.ok(&["rollback", "--to", &c, "--reason", "e2e: back again"]);
+    d.ok(&["snapshot", "prune"]);
+    assert_eq!(fingerprint(&planted), before, "kept across a restart");
+    let rec: Value =
+        serde_json::from_slice(&std::fs::read(d.state_dir().join("vm-state.json")).unwrap())
+            .unwrap();
+    assert!(
+        rec["refused_layers"]
+            .as_array()
+            .is_some_and(|r| r.iter().any(|p| p == planted.to_str().unwrap())),
+        "the record keeps the refused name: {rec}"
+    );
+    d.ok(&["audit", "verify"]);
+}
