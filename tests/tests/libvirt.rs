@@ -1879,3 +1879,275 @@ fn libvirt_guest_ram_is_mapped_huge_again_after_each_snapshot() {
     assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
     d.kill9();
 }
+
+/// Every file under `dir` (recursively) with its inode, size and mtime.
+fn files_with_identity(dir: &Path) -> std::collections::BTreeMap<PathBuf, (u64, u64, i64, i64)> {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = std::collections::BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let m = std::fs::symlink_metadata(e.path()).unwrap();
+            if m.is_dir() {
+                stack.push(e.path());
+            } else {
+                out.insert(e.path(), (m.ino(), m.size(), m.mtime(), m.mtime_nsec()));
+            }
+        }
+    }
+    out
+}
+
+/// Waits until VM `vm` of a many-VM daemon journals `event`; returns the entry.
+fn wait_vm_event(d: &Daemon, vm: &str, what: &str, event: &str) -> Value {
+    let deadline = Instant::now() + STEP;
+    loop {
+        if let Some(e) = d.vm_journal(vm).into_iter().find(|e| e["event"] == event) {
+            return e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: no {event}; log:\n{}",
+            backstop_e2e::tail(&d.log(), 30)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The disk `vda`'s writable top layer as libvirt runs it.
+fn live_vda(dom: &TestDomain) -> PathBuf {
+    virsh_text(&["domblklist", &dom.name])
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("vda")
+                .map(|p| PathBuf::from(p.trim()))
+        })
+        .unwrap()
+}
+
+/// One guardian per domain, and nothing of the operator's ever replaced:
+/// - two VM files of one daemon naming one domain: one adopts it, the other is refused with
+///   `ERR_VM_ALREADY_GUARDED` naming the first; a second daemon on another state dir is
+///   refused the same way and writes nothing; the domain's `<metadata>` names its guardian;
+/// - the guardian's snapshots and rollbacks work on;
+/// - the obvious state reset (the VM's state moved aside, the daemon restarted): the domain
+///   is adopted again on a new lineage, the files it finds in its layers directory are
+///   journaled and left exactly as they were (inode, size, mtime) through three snapshots, a
+///   rollback and a prune, and the guest's RAM and disk land at one instant.
+#[test]
+fn libvirt_one_guardian_per_domain_and_a_state_reset_replaces_no_layer() {
+    let test = "libvirt_one_guardian_per_domain_and_a_state_reset_replaces_no_layer";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    let dom = TestDomain::start("bs-e2e-guard", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let pid = dom.pid();
+    let uuid = virsh_text(&["domuuid", &dom.name]).trim().to_string();
+
+    // One daemon, two VM files for the same domain.
+    let (name, root) = (dom.name.clone(), dom.dir.clone());
+    let mut d = Daemon::prepare_custom(
+        "lv-guard",
+        &move |s: &Path, r: &Path| {
+            let vms = s.parent().unwrap().join("vms.d");
+            std::fs::create_dir_all(&vms).unwrap();
+            for vm in ["lva", "lvb"] {
+                std::fs::write(
+                    vms.join(format!("{vm}.toml")),
+                    format!(
+                        "[vm]\nname = \"{vm}\"\nbackend = \"libvirt\"\n\n[vm.libvirt]\n\
+                         uri = \"qemu:///system\"\ndomain = \"{name}\"\nlayers_dir = \"{}\"\n\n\
+                         [watchdog]\nheartbeat_timeout_s = 30\nboot_grace_s = 120\n",
+                        root.join(format!("layers-{vm}")).display()
+                    ),
+                )
+                .unwrap();
+            }
+            format!(
+                "[daemon]\nstate_dir = \"{}\"\nrun_dir = \"{}\"\nvms_dir = \"{}\"\n",
+                s.display(),
+                r.display(),
+                vms.display()
+            )
+        },
+        &[],
+    );
+    d.launch_answering();
+    let adopted_by = |vm: &str| d.vm_journal(vm).iter().any(|e| e["event"] == "vm.adopted");
+    let deadline = Instant::now() + STEP;
+    while !(adopted_by("lva") || adopted_by("lvb")) {
+        assert!(Instant::now() < deadline, "no adoption; log:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (winner, loser) = if adopted_by("lva") {
+        ("lva", "lvb")
+    } else {
+        ("lvb", "lva")
+    };
+    let refusal = {
+        let deadline = Instant::now() + STEP;
+        loop {
+            let log = d.log();
+            if let Some(l) = log
+                .lines()
+                .find(|l| l.contains("could not start") && l.contains(loser))
+            {
+                break l.to_string();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{loser} not refused; log:\n{log}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    eprintln!("second VM file: {refusal}");
+    assert!(refusal.contains("ERR_VM_ALREADY_GUARDED"), "{refusal}");
+    assert!(
+        refusal.contains(&format!(
+            "vm '{winner}' of backstopd pid {}",
+            d.pid().unwrap()
+        )),
+        "the refusal names the first guardian: {refusal}"
+    );
+    assert!(!adopted_by(loser), "{loser} must not adopt");
+    let vms = d.ok(&["vms"]);
+    eprintln!("vms: {vms}");
+    assert!(vms.to_string().contains("ERR_VM_ALREADY_GUARDED"), "{vms}");
+    wait_vm_event(&d, winner, "baseline", "snapshot.create.completed");
+    assert_eq!(dom.pid(), pid, "adopted, not restarted");
+    let xml = virsh_text(&["dumpxml", &dom.name]);
+    assert!(
+        xml.contains("urn:backstop:guard:1") && xml.contains(&format!("vm=\"{winner}\"")),
+        "the domain's metadata names its guardian: {xml}"
+    );
+
+    // A second daemon, another state dir, the same domain: refused, nothing written.
+    let (name, l2) = (dom.name.clone(), dom.dir.join("layers-other"));
+    let mut other = Daemon::prepare_custom(
+        "lv-guard2",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &[],
+    );
+    other.launch_answering();
+    let st = other.cli(&["status"]);
+    let text = String::from_utf8_lossy(&st.stdout).to_string();
+    assert!(text.contains("ERR_VM_ALREADY_GUARDED"), "{text}");
+    let log = other.log();
+    let line = log.lines().find(|l| l.contains("could not start")).unwrap();
+    eprintln!("second daemon: {line}");
+    assert!(
+        line.contains(&format!("vm '{winner}'")) && line.contains(&uuid),
+        "{line}"
+    );
+    assert!(
+        !other.journal_path().exists(),
+        "the refused daemon journaled"
+    );
+    assert!(!dom.dir.join("layers-other").exists(), "layers dir created");
+    assert_eq!(dom.pid(), pid);
+    other.kill9();
+
+    // The guardian works on.
+    let a = d.ok_vm(winner, &["snapshot", "create", "--reason", "e2e: guarded"]);
+    let a = a["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    d.ok_vm(
+        winner,
+        &["rollback", "--to", &a, "--reason", "e2e: guarded rollback"],
+    );
+    dom.renice();
+
+    // The state reset: stop, move the VM's state aside, keep one VM file, start again.
+    let layers = dom.dir.join(format!("layers-{winner}"));
+    d.stop();
+    assert!(
+        !virsh_text(&["dumpxml", &dom.name]).contains("urn:backstop:guard:1"),
+        "a clean stop removes the guard mark"
+    );
+    let before = files_with_identity(&layers);
+    assert!(before.len() >= 3, "{before:?}");
+    let live_top = live_vda(&dom);
+    let aside = d.state_dir().join("vms").join(format!("{winner}.aside"));
+    std::fs::rename(d.vm_state_dir(winner), &aside).unwrap();
+    std::fs::remove_file(d.dir.path().join(format!("vms.d/{loser}.toml"))).unwrap();
+    d.launch();
+    let found = wait_vm_event(
+        &d,
+        winner,
+        "foreign layers journaled",
+        "layers.foreign_found",
+    );
+    eprintln!("layers.foreign_found: {}", found["fields"]);
+    assert_eq!(
+        found["fields"]["count"],
+        before.len(),
+        "{}",
+        found["fields"]
+    );
+    wait_vm_event(&d, winner, "new baseline", "snapshot.create.completed");
+    let mut last = String::new();
+    for i in 0..3 {
+        let v = d.ok_vm(
+            winner,
+            &[
+                "snapshot",
+                "create",
+                "--reason",
+                &format!("e2e: after reset {i}"),
+            ],
+        );
+        last = v["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    }
+    let show = d.ok_vm(winner, &["snapshot", "show", &last]);
+    let snap_disk = disk_sector0(&frozen_vda_top(&show));
+    dom.wait_ticks(0, "guest moving on", |t| {
+        t.last().is_some_and(|t| t.ram >= snap_disk + 3)
+    });
+    let from = dom.serial().len();
+    d.ok_vm(
+        winner,
+        &[
+            "rollback",
+            "--to",
+            &last,
+            "--reason",
+            "e2e: after the reset",
+        ],
+    );
+    dom.renice();
+    let after = dom.wait_ticks(from, "restored guest ticking", |t| {
+        t.iter().skip_while(|t| t.ram > snap_disk + 1).count() >= 2
+    });
+    let restored: Vec<Tick> = after
+        .into_iter()
+        .skip_while(|t| t.ram > snap_disk + 1)
+        .collect();
+    assert_eq!(
+        restored[0].ram, restored[0].disk,
+        "RAM and disk at one instant: {restored:?}"
+    );
+    d.ok_vm(winner, &["snapshot", "prune"]);
+    // Every file that was there is there as it was; the one the guest was writing at the reset
+    // (the live top) only grew, and is the same file.
+    let now = files_with_identity(&layers);
+    for (p, id) in &before {
+        let seen = now
+            .get(p)
+            .unwrap_or_else(|| panic!("{} is gone", p.display()));
+        if *p == live_top {
+            assert_eq!(seen.0, id.0, "the live top is the same file");
+            assert!(seen.1 >= id.1, "the live top was not truncated");
+        } else {
+            assert_eq!(seen, id, "{} changed", p.display());
+        }
+    }
+    assert!(
+        aside.join("audit/journal.jsonl").exists(),
+        "the old evidence is kept"
+    );
+    d.ok_vm(winner, &["audit", "verify"]);
+}
