@@ -26,6 +26,11 @@ phase lint
 features=backstopd/fault-injection,backstopd/libvirt
 cargo build --workspace --all-targets --features "$features"
 phase build
+# Every console command the docs name is one the built `backstop` has, and every config key
+# they name is one the config structs have (ci/check-docs.py; its link and length part ran in
+# ci/lint.sh).
+BACKSTOP_BIN="${CARGO_TARGET_DIR:-target}/debug/backstop" python3 ci/check-docs.py --verbs
+phase "docs check"
 # The test binaries run side by side (scripts/run-tests.py): most are one end-to-end test that
 # boots a TCG guest and then waits on it, and `cargo test` runs them one after another. Four
 # test threads at once (run-tests.py's default; BACKSTOP_TEST_SLOTS sets it), at most two per
