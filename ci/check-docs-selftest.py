@@ -83,7 +83,7 @@ class CheckDocs(unittest.TestCase):
         rc, lines = self.run_check(
             {
                 "README.md": "# Top\n\n[ok](docs/m.md#config-1) [bad](docs/m.md#config-2) [here](#nope) [ok](#top)\n",
-                "docs/m.md": "# M\n\n## Config\n\n## Config\n\n```\n## Config\n```\n",
+                "docs/m.md": "# M\n\n## Config\n\nConfig\n------\n\n```\n## Config\n```\n",
             }
         )
         self.assertEqual(rc, 1)

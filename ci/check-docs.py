@@ -117,13 +117,21 @@ def github_slug(heading):
 def anchors_of(text):
     seen = {}
     out = set()
+    prev = None  # the text line before, for setext headings (`Title` over `===` or `---`)
     for _n, line, kind, _f in md_lines(text):
         if kind != "text":
+            prev = None
             continue
         m = re.match(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$", line)
-        if not m:
+        if m:
+            title = m.group(2)
+        elif prev and re.match(r"^ {0,3}(=+|-+)\s*$", line) and not re.match(r"^\s*([-*+]|\d+\.)\s", prev):
+            title = prev.strip()
+        else:
+            prev = line if line.strip() else None
             continue
-        slug = github_slug(m.group(2))
+        prev = None
+        slug = github_slug(title)
         if slug in seen:
             seen[slug] += 1
             out.add(f"{slug}-{seen[slug]}")
