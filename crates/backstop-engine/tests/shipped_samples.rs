@@ -8,6 +8,7 @@
 //! disk images, `/srv/vm/...`): that is `Config::check_files`, which backstopd runs after the
 //! load and which depends on the host, not on the text. Everything else the loader checks
 //! (strict keys, bounds, backend rules) is.
+#![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
 
