@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A throwaway single-host Ceph cluster with a RADOS Gateway (S3) for backstop's off-host
-# replication tests (issue 20): one monitor, one OSD on memstore (data in RAM), one radosgw on a
-# loopback port, cephx on, no mgr (S3 does not need one). Everything lives in DIR: nothing is
-# written to /etc/ceph, /var/lib/ceph or /var/log/ceph. Packages: scripts/setup-ceph.sh.
+# replication tests: one monitor, one OSD on memstore (data in RAM), one radosgw on a loopback port,
+# cephx on, no mgr (S3 does not need one). Everything lives in DIR: nothing is written to /etc/ceph,
+# /var/lib/ceph or /var/log/ceph. Packages: scripts/setup-ceph.sh.
 #
 #   ceph-cluster.sh start DIR       DIR must be empty or absent; free loopback ports are chosen.
 #                                   Prints KEY=VALUE lines: S3_ENDPOINT, S3_ACCESS_KEY,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Prepare a Debian 12 host for backstop's off-host replication tests (issue 20): install the
-# Ceph daemons a throwaway single-host cluster needs (one monitor, one memory-backed OSD, one
-# RADOS Gateway; scripts/ceph-cluster.sh starts and stops it). Idempotent and
-# non-interactive; prints the Ceph version on stdout.
+# Prepare a Debian 12 host for backstop's off-host replication tests: install the Ceph daemons a
+# throwaway single-host cluster needs (one monitor, one memory-backed OSD, one RADOS Gateway;
+# scripts/ceph-cluster.sh starts and stops it). Idempotent and non-interactive; prints the Ceph
+# version on stdout.
 #
 # Called by scripts/setup.sh when BACKSTOP_WITH_CEPH=1. Needs root. No mgr (S3 does not need
 # one) and --no-install-recommends: ~53 packages, ~62 MB.

@@ -82,16 +82,15 @@ if ! cmp -s "$tmp" "$conf"; then
 fi
 rm -f "$tmp"
 
-# QEMU 10 for libvirt's domains (the libvirt tests' second pass, issue 21): scripts/setup.sh
-# unpacks it under root's home, which libvirt's QEMU user (libvirt-qemu) cannot traverse, so
-# a copy of the binary, its firmware and modules goes where it can, behind its own wrapper.
-# QEMU resolves its module and firmware directories relative to its binary when a
-# `qemu-bundle` directory sits beside it: without one, libvirt's capability probe
-# (`qom-list-types` loads every module) made the 10.0 binary load the system 7.2's modules and
-# abort (`Only modules from the same build can be loaded`, then an assertion in
-# util/module.c), so libvirt refused to define the domain. The bundle points the modules and
-# QEMU's data at the copy, and SeaBIOS and iPXE at the system's packages (where the unpacked
-# QEMU found them before). Idempotent: redone only when the source binary changes.
+# QEMU 10 for libvirt's domains (the libvirt tests' second pass): scripts/setup.sh unpacks it under
+# root's home, which libvirt's QEMU user (libvirt-qemu) cannot traverse, so a copy of the binary,
+# its firmware and modules goes where it can, behind its own wrapper. QEMU resolves its module and
+# firmware directories relative to its binary when a `qemu-bundle` directory sits beside it: without
+# one, libvirt's capability probe (`qom-list-types` loads every module) made the 10.0 binary load
+# the system 7.2's modules and abort (`Only modules from the same build can be loaded`, then an
+# assertion in util/module.c), so libvirt refused to define the domain. The bundle points the
+# modules and QEMU's data at the copy, and SeaBIOS and iPXE at the system's packages (where the
+# unpacked QEMU found them before). Idempotent: redone only when the source binary changes.
 qemu10_src=${BACKSTOP_QEMU10_DIR:-$HOME/.cache/backstop/qemu-10}
 qemu10_dst=${BACKSTOP_LIBVIRT_QEMU10_DIR:-/var/lib/backstop-qemu10}
 if [[ -x $qemu10_src/usr/bin/qemu-system-x86_64 ]]; then

@@ -122,9 +122,9 @@ if [[ ${BACKSTOP_WITH_LIBVIRT:-0} == 1 ]]; then
 	"$here/setup-libvirt.sh" >&2 || die "setting up libvirt failed"
 fi
 
-# Ceph (one monitor, a memstore OSD and a RADOS Gateway for the off-host replication tests,
-# issue 20): opt-in, ~21 s on a fresh machine (apt, 62 MB); scripts/ceph-cluster.sh starts the
-# throwaway clusters the tests use.
+# Ceph (one monitor, a memstore OSD and a RADOS Gateway for the off-host replication tests):
+# opt-in, ~21 s on a fresh machine (apt, 62 MB); scripts/ceph-cluster.sh starts the throwaway
+# clusters the tests use.
 if [[ ${BACKSTOP_WITH_CEPH:-0} == 1 ]]; then
 	"$here/setup-ceph.sh" >&2 || die "setting up Ceph failed"
 fi

@@ -939,8 +939,8 @@ pub fn skip_unless_huge_pages(test: &str) -> bool {
     true
 }
 
-/// The guest RAM mapping of a QEMU process (issue 21, huge pages): its largest private anonymous writable mapping
-/// (`-m` RAM is one). Returns (size, resident, resident in huge pages) in bytes.
+/// The guest RAM mapping of a QEMU process (huge pages): its largest private anonymous writable
+/// mapping (`-m` RAM is one). Returns (size, resident, resident in huge pages) in bytes.
 pub fn qemu_guest_ram(pid: u64) -> (u64, u64, u64) {
     let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
     let mut best = (0, 0, 0);

@@ -1,8 +1,8 @@
-//! Issue 21: `[daemon] chunk_hash = "blake3"` on a real guest. Snapshots name their chunks by
-//! BLAKE3 (index version 1.1), a rollback brings RAM and disk back to the snapshot point from
-//! them, a full verification reads them all, and a chunk changed behind the daemon's back is
-//! caught. With no forensic RAM to keep, the abandoned QEMU is killed and reaped beside the
-//! restore: gone by the time the rollback answers.
+//! `[daemon] chunk_hash = "blake3"` on a real guest. Snapshots name their chunks by BLAKE3 (index
+//! version 1.1), a rollback brings RAM and disk back to the snapshot point from them, a full
+//! verification reads them all, and a chunk changed behind the daemon's back is caught. With no
+//! forensic RAM to keep, the abandoned QEMU is killed and reaped beside the restore: gone by the
+//! time the rollback answers.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! A stock distribution guest (issue 17): Debian 12 built from Debian's own packages
+//! A stock distribution guest: Debian 12 built from Debian's own packages
 //! (scripts/build-debian-guest.sh), booted by SeaBIOS from its own disk — no kernel given to
 //! QEMU — and guarded through the qemu-guest-agent it runs like any Debian install. It is
 //! snapshotted, writes a file, is rolled back: the file is gone, its agent answers again and its

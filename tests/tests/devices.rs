@@ -1,4 +1,4 @@
-//! Hardware revocation (spec/000 §8, §13; issue 4): no device access survives a rollback.
+//! Hardware revocation (spec/000 §8, §13): no device access survives a rollback.
 //!
 //! Real daemon, real QEMU 7.2 guest, real console. The devices are emulated stand-ins (there is
 //! no passthrough hardware here): `usb-tablet` (input), `usb-audio` (microphone; QEMU 7.2 marks
@@ -671,9 +671,9 @@ fn a_failed_host_release_halts_and_never_resumes_the_vm() {
     assert_eq!(fake.driver(GPU).as_deref(), Some("nvidia"));
 }
 
-/// Issue 18: every rollback takes each NIC's link down (spec/000 §8), so a NIC that no
-/// `[[devices]]` entry controls must still be grantable — under its own name, journaled, with
-/// a lease — or the guest's network stays down for good after the first rollback.
+/// Every rollback takes each NIC's link down (spec/000 §8), so a NIC that no `[[devices]]` entry
+/// controls must still be grantable — under its own name, journaled, with a lease — or the guest's
+/// network stays down for good after the first rollback.
 #[test]
 fn a_configured_nic_can_be_granted_again_after_a_rollback() {
     if skip_unless_ready("a_configured_nic_can_be_granted_again_after_a_rollback") {

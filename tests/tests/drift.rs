@@ -1,8 +1,8 @@
-//! Drift detection (spec/002 §3, issue 16) against a real QEMU guest: a snapshot damaged in the
-//! store while the daemon runs is found by the active reconciliation pass, journaled as
-//! `DriftDetectedEvent`, marked unusable (never a rollback target again, even repaired), and a
-//! fresh snapshot resolves it; a device added through QEMU's monitor behind backstop's back is
-//! found and taken away by an emergency rollback.
+//! Drift detection (spec/002 §3) against a real QEMU guest: a snapshot damaged in the store while
+//! the daemon runs is found by the active reconciliation pass, journaled as `DriftDetectedEvent`,
+//! marked unusable (never a rollback target again, even repaired), and a fresh snapshot resolves
+//! it; a device added through QEMU's monitor behind backstop's back is found and taken away by an
+//! emergency rollback.
 #![allow(clippy::unwrap_used)]
 
 use std::io::{BufRead, BufReader, Write};

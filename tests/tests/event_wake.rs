@@ -1,6 +1,6 @@
-//! QEMU's own reports wake the VM's actor at once (issue 21: watchdog expiry → running ≤ 0.3 s):
-//! a QEMU that dies and an i6300esb that fires are acted on through QEMU's listen-only events
-//! monitor, not at the actor's next idle look.
+//! QEMU's own reports wake the VM's actor at once (watchdog expiry → running ≤ 0.3 s): a QEMU that
+//! dies and an i6300esb that fires are acted on through QEMU's listen-only events monitor, not at
+//! the actor's next idle look.
 //!
 //! The daemon runs with the test-only fault `tick.slow` (the idle look every 60 s instead of
 //! every 250 ms) and a heartbeat timeout far off, so nothing but a wake can make the actor look

@@ -1,6 +1,6 @@
-//! Fail-closed everywhere (issue 15 item 7, spec/000 §12): a rollback whose in-flight marker
-//! cannot be written halts the VM instead of leaving it running unrecorded; a VM whose baseline
-//! snapshot fails after a cold boot is retried and then HALTED, never run unprotected.
+//! Fail-closed everywhere (spec/000 §12): a rollback whose in-flight marker cannot be written halts
+//! the VM instead of leaving it running unrecorded; a VM whose baseline snapshot fails after a cold
+//! boot is retried and then HALTED, never run unprotected.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

@@ -1,6 +1,6 @@
-//! UEFI firmware (issue 17): a VM booted by OVMF keeps its UEFI variable store as VM state. A
-//! variable the guest sets after a snapshot is gone after a rollback to it — the store is a
-//! captured disk of the VM, not a file on the host that outlives rollbacks.
+//! UEFI firmware: a VM booted by OVMF keeps its UEFI variable store as VM state. A variable the
+//! guest sets after a snapshot is gone after a rollback to it — the store is a captured disk of the
+//! VM, not a file on the host that outlives rollbacks.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

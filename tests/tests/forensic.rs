@@ -1,6 +1,6 @@
-//! Forensic capture (issue 15 item 3): a rollback keeps the disks it abandons as a `forensic`
-//! snapshot (frozen, not copied) that its record names, whose disk layer holds the guest's last
-//! pre-rollback write, which is never a rollback target, and which replay accounts for.
+//! Forensic capture: a rollback keeps the disks it abandons as a `forensic` snapshot (frozen, not
+//! copied) that its record names, whose disk layer holds the guest's last pre-rollback write, which
+//! is never a rollback target, and which replay accounts for.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

@@ -1,9 +1,9 @@
-//! Forensic capture with RAM (issue 15 item 3): a console rollback keeps the abandoned VM's RAM
-//! and device state in its forensic snapshot, saved beside the restore within
-//! `[rollback] forensic_ram_budget`; `rollback --to F --include-forensic` brings the guest back
-//! to where it was before that rollback; without the flag the target is refused and nothing
-//! changes; a watchdog rollback keeps no RAM by default; a budget too small for the save leaves
-//! the disks alone (`ram: false`, with the reason) and the rollback still completes.
+//! Forensic capture with RAM: a console rollback keeps the abandoned VM's RAM and device state in
+//! its forensic snapshot, saved beside the restore within `[rollback] forensic_ram_budget`;
+//! `rollback --to F --include-forensic` brings the guest back to where it was before that rollback;
+//! without the flag the target is refused and nothing changes; a watchdog rollback keeps no RAM by
+//! default; a budget too small for the save leaves the disks alone (`ram: false`, with the reason)
+//! and the rollback still completes.
 #![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};

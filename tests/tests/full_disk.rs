@@ -274,10 +274,10 @@ fn mount_tmpfs(dir: &std::path::Path, size: &str, test: &str) -> Option<Mount> {
     None
 }
 
-/// Issue 19 item 1: a snapshot that runs out of space mid-capture (the free-space floor passed,
-/// the store filled up while the state streamed) costs the guest nothing: the capture ends in
-/// QEMU, the write protection is lifted, the guest runs on the same QEMU at full speed, nothing
-/// is published; with space back the next snapshot works.
+/// A snapshot that runs out of space mid-capture (the free-space floor passed, the store filled up
+/// while the state streamed) costs the guest nothing: the capture ends in QEMU, the write
+/// protection is lifted, the guest runs on the same QEMU at full speed, nothing is published; with
+/// space back the next snapshot works.
 #[test]
 fn a_snapshot_that_runs_out_of_space_midway_costs_the_guest_nothing() {
     const TEST: &str = "a_snapshot_that_runs_out_of_space_midway_costs_the_guest_nothing";
@@ -340,11 +340,11 @@ fn a_snapshot_that_runs_out_of_space_midway_costs_the_guest_nothing() {
     d.stop();
 }
 
-/// Issue 19 item 4: a store that stalls mid-capture (fault `capture.stall`: the store takes no
-/// state for 10 s) cannot keep the guest stalled: past `max_capture_stall_ms` the capture is
-/// abandoned and its stream drained, the guest ticks on during the stall on the same QEMU, and
-/// the snapshot fails with `ERR_SNAPSHOT_STALLED`, publishing nothing. The guest holds 96 MiB of
-/// random data so the stream is far larger than backstop's 32 MiB buffer.
+/// A store that stalls mid-capture (fault `capture.stall`: the store takes no state for 10 s)
+/// cannot keep the guest stalled: past `max_capture_stall_ms` the capture is abandoned and its
+/// stream drained, the guest ticks on during the stall on the same QEMU, and the snapshot fails
+/// with `ERR_SNAPSHOT_STALLED`, publishing nothing. The guest holds 96 MiB of random data so the
+/// stream is far larger than backstop's 32 MiB buffer.
 #[test]
 fn a_stalled_store_cannot_stall_the_guest_past_the_bound() {
     if skip_unless_ready("a_stalled_store_cannot_stall_the_guest_past_the_bound") {
@@ -435,9 +435,9 @@ fn a_stalled_store_cannot_stall_the_guest_past_the_bound() {
     d.stop();
 }
 
-/// Issue 19 item 8: on a completely full filesystem the HALT record and its journal entry are
-/// still written: the VM's 1 MiB `reserve.bin` is released for them. Here a daemon starts on a
-/// full state directory holding a rollback marker (a crash mid-rollback), so it must HALT.
+/// On a completely full filesystem the HALT record and its journal entry are still written: the
+/// VM's 1 MiB `reserve.bin` is released for them. Here a daemon starts on a full state directory
+/// holding a rollback marker (a crash mid-rollback), so it must HALT.
 #[test]
 fn a_full_filesystem_still_gets_its_halt_record() {
     const TEST: &str = "a_full_filesystem_still_gets_its_halt_record";
@@ -495,9 +495,9 @@ fn a_full_filesystem_still_gets_its_halt_record() {
     d.stop();
 }
 
-/// Issue 19 item 8, the publish phase: the state filesystem fills up after the chunks were
-/// stored and before the manifest is published (fault `publish.fill-disk`). Nothing is published,
-/// the build directory is gone, the guest runs on the same QEMU; with space back snapshots work.
+/// The publish phase: the state filesystem fills up after the chunks were stored and before the
+/// manifest is published (fault `publish.fill-disk`). Nothing is published, the build directory is
+/// gone, the guest runs on the same QEMU; with space back snapshots work.
 #[test]
 fn a_disk_that_fills_up_right_before_publish_publishes_nothing_and_costs_the_guest_nothing() {
     const TEST: &str =

@@ -1,8 +1,8 @@
-//! A guest guarded by the stock QEMU guest agent (`vm.heartbeat = "qemu-ga"`, issue 17): the
-//! real `qemu-ga` of Debian's package runs in the test guest on `org.qemu.guest_agent.0`, and
-//! backstop's own agent does not run at all (`backstop.hb=off`). Its pongs keep the VM alive; a
-//! rollback brings the agent back and sets the restored guest's clock through it; an agent that
-//! stops answering is an emergency rollback like a silent backstop agent.
+//! A guest guarded by the stock QEMU guest agent (`vm.heartbeat = "qemu-ga"`): the real `qemu-ga`
+//! of Debian's package runs in the test guest on `org.qemu.guest_agent.0`, and backstop's own agent
+//! does not run at all (`backstop.hb=off`). Its pongs keep the VM alive; a rollback brings the
+//! agent back and sets the restored guest's clock through it; an agent that stops answering is an
+//! emergency rollback like a silent backstop agent.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

@@ -236,9 +236,9 @@ fn descriptor_exhaustion_during_a_rollback_is_reported_as_such_and_never_halts()
     d.stop();
 }
 
-/// Issue 18: `halt clear --to ID` restores the snapshot a person chose. One the restore gate
-/// refuses (not the newest verified, no reviewer evidence) or that does not exist leaves the VM
-/// HALTED exactly as it was — same code, no QEMU; the newest verified one needs no evidence.
+/// `halt clear --to ID` restores the snapshot a person chose. One the restore gate refuses (not the
+/// newest verified, no reviewer evidence) or that does not exist leaves the VM HALTED exactly as it
+/// was — same code, no QEMU; the newest verified one needs no evidence.
 #[test]
 fn halt_clear_to_a_chosen_snapshot_and_a_refused_one_stays_halted() {
     if skip_unless_ready("halt_clear_to_a_chosen_snapshot_and_a_refused_one_stays_halted") {

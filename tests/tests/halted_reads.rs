@@ -1,7 +1,7 @@
-//! Issue 18: a HALTED VM can be inspected. The person deciding whether to clear a HALT reads
-//! the snapshots (`snapshot show`, `snapshot verify`, `snapshot tree`) and the journal; none of
-//! it starts QEMU or changes a snapshot. `snapshot list` stays refused with exit 4 (scripts
-//! rely on it, `halt.rs`), and its refusal names the views that work.
+//! A HALTED VM can be inspected. The person deciding whether to clear a HALT reads the snapshots
+//! (`snapshot show`, `snapshot verify`, `snapshot tree`) and the journal; none of it starts QEMU or
+//! changes a snapshot. `snapshot list` stays refused with exit 4 (scripts rely on it, `halt.rs`),
+//! and its refusal names the views that work.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
@@ -44,7 +44,7 @@ fn a_halted_vm_shows_and_verifies_its_snapshots_and_stays_halted() {
     let tree = d.ok(&["snapshot", "tree"]);
     assert!(!tree["nodes"].as_array().unwrap().is_empty(), "{tree}");
 
-    // snapshot list: refused as before (exit 4), naming what works instead.
+    // snapshot list: refused while HALTED (exit 4), naming what works instead.
     let out = d.cli(&["snapshot", "list"]);
     assert_eq!(out.status.code(), Some(4));
     let err: Value = serde_json::from_slice(&out.stdout).unwrap();

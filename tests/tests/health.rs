@@ -1,6 +1,6 @@
-//! A snapshot records the guest's health (issue 15 item 1): a scheduled snapshot of a guest
-//! whose agent went silent is deferred and journaled; one taken anyway (console) is marked
-//! unhealthy; the watchdog rollback passes it over for the newest snapshot of a healthy guest.
+//! A snapshot records the guest's health: a scheduled snapshot of a guest whose agent went silent
+//! is deferred and journaled; one taken anyway (console) is marked unhealthy; the watchdog rollback
+//! passes it over for the newest snapshot of a healthy guest.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

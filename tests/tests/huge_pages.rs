@@ -1,9 +1,9 @@
-//! After each background snapshot the guest's RAM is mapped in huge pages again (issue 21, the
-//! pause). QEMU's background snapshot lifts its write protection page by page and so splits
-//! every huge page of guest RAM it saves; the next snapshot's write protection, inside the
-//! guest's pause, then walks 512 times as many entries (crates/backstop-qemu/src/huge_pages.rs
-//! has the measurements). backstop collapses them again once a capture is over. Runs against
-//! every QEMU the tests are given (`BACKSTOP_QEMU`; scripts/test.sh runs it on 7.2 and 10.0).
+//! After each background snapshot the guest's RAM is mapped in huge pages again, for the next
+//! snapshot's pause. QEMU's background snapshot lifts its write protection page by page and so
+//! splits every huge page of guest RAM it saves; the next snapshot's write protection, inside the
+//! guest's pause, then walks 512 times as many entries (crates/backstop-qemu/src/huge_pages.rs has
+//! the measurements). backstop collapses them again once a capture is over. Runs against every QEMU
+//! the tests are given (`BACKSTOP_QEMU`; scripts/test.sh runs it on 7.2 and 10.0).
 #![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};

@@ -1,6 +1,6 @@
-//! Incremental storage on a real guest (issue 5): RAM is cut at QEMU's page records, so an idle
-//! guest's second snapshot stores a small fraction of the first, dirtied RAM costs about what
-//! was dirtied, and a rollback through chunks shared by several snapshots restores the guest.
+//! Incremental storage on a real guest: RAM is cut at QEMU's page records, so an idle guest's
+//! second snapshot stores a small fraction of the first, dirtied RAM costs about what was dirtied,
+//! and a rollback through chunks shared by several snapshots restores the guest.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
@@ -83,7 +83,7 @@ fn idle_second_snapshot_stores_a_small_fraction_and_dirtied_ram_costs_its_size()
         first_b > FILL_MIB as f64 * MIB,
         "the first snapshot holds the guest's random data"
     );
-    // The issue's goal, < 10%, is for an idle 1 GiB guest with 400 MiB resident
+    // The target, < 10%, is for an idle 1 GiB guest with 400 MiB resident
     // (scripts/bench-incremental.sh: 3.7%). This 256 MiB guest has 128 MiB resident, and its
     // init forks a few processes every tick, which scatters ~20-25 MiB of changed 64 KiB runs:
     // measured 14.6% here, where the store's blind FastCDC stored ~98% of the first again.

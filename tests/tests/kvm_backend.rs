@@ -1,4 +1,4 @@
-//! The embedded KVM backend behind the same engine and console as QEMU (issue 6 item 5).
+//! The embedded KVM backend behind the same engine and console as QEMU.
 #![allow(clippy::unwrap_used)]
 
 use std::process::{Command, Stdio};

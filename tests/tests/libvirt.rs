@@ -584,12 +584,12 @@ fn libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant() {
     dom.wait_ticks(from, "cold-started guest ticking", |t| t.len() >= 2);
 }
 
-/// Issue 21 under libvirt (run on the system QEMU and, in scripts/test.sh's second pass, on
-/// QEMU 10): three snapshots in a row on one QEMU instance (QEMU ≥ 9.0 refuses a `migrate`
-/// until the previous one is cleaned up: `duplicate yank instance`), each ended by this QEMU's
-/// rule (≥ 9.0 keeps the guest paused: backstop resumes it once write tracking is on, seen as
-/// the `tracking` phase of the pause), the capability off and libvirt and QMP on the same top
-/// after each, then a rollback to the second lands at its instant on the same emulator.
+/// Captures and rollbacks under libvirt on each QEMU (run on the system QEMU and, in
+/// scripts/test.sh's second pass, on QEMU 10): three snapshots in a row on one QEMU instance (QEMU
+/// ≥ 9.0 refuses a `migrate` until the previous one is cleaned up: `duplicate yank instance`), each
+/// ended by this QEMU's rule (≥ 9.0 keeps the guest paused: backstop resumes it once write tracking
+/// is on, seen as the `tracking` phase of the pause), the capability off and libvirt and QMP on the
+/// same top after each, then a rollback to the second lands at its instant on the same emulator.
 #[test]
 fn libvirt_snapshots_in_a_row_on_one_qemu_then_rollback_to_the_second() {
     let test = "libvirt_snapshots_in_a_row_on_one_qemu_then_rollback_to_the_second";
@@ -881,9 +881,9 @@ fn libvirt_bad_input_is_one_line_with_a_code_and_changes_nothing() {
     d.kill9();
 }
 
-/// Issue 14: a host that keeps `vm.unprivileged_userfaultfd=0` (Debian's default) can still
-/// guard a domain: with `capture = "auto"` adoption falls back to the live pre-copy capture, the
-/// disks switch at QEMU's switchover, and a rollback lands RAM and disk at one instant.
+/// A host that keeps `vm.unprivileged_userfaultfd=0` (Debian's default) can still guard a domain:
+/// with `capture = "auto"` adoption falls back to the live pre-copy capture, the disks switch at
+/// QEMU's switchover, and a rollback lands RAM and disk at one instant.
 #[test]
 fn libvirt_precopy_capture_without_userfaultfd_keeps_one_instant() {
     let test = "libvirt_precopy_capture_without_userfaultfd_keeps_one_instant";
@@ -1125,10 +1125,10 @@ fn newest_layer(layers: &Path, disk: &str) -> Option<PathBuf> {
         .max()
 }
 
-/// Issue 14, the pre-copy's failure path: when the disk switch at the switchover fails (here the
-/// new overlay vanished while the store stalled), the migration is cancelled, the guest runs on
-/// its old top layer in the same QEMU, nothing is published, the capabilities and downtime limit
-/// are back, and the next snapshot switches and publishes normally.
+/// The pre-copy's failure path: when the disk switch at the switchover fails (here the new overlay
+/// vanished while the store stalled), the migration is cancelled, the guest runs on its old top
+/// layer in the same QEMU, nothing is published, the capabilities and downtime limit are back, and
+/// the next snapshot switches and publishes normally.
 #[test]
 fn libvirt_precopy_switch_failure_leaves_the_guest_on_its_disk() {
     let test = "libvirt_precopy_switch_failure_leaves_the_guest_on_its_disk";
@@ -1271,10 +1271,10 @@ fn restart_libvirtd() {
     }
 }
 
-/// Issue 14 item 5, supervision through libvirt: a libvirtd restart is survived without a
-/// rollback (backstop opens its connection again and snapshots on), and an operator's
-/// `virsh destroy` makes the VM HALTED — not restarted behind their back — until `halt clear`
-/// brings the domain back, same name and UUID, from the newest snapshot.
+/// Supervision through libvirt: a libvirtd restart is survived without a rollback (backstop opens
+/// its connection again and snapshots on), and an operator's `virsh destroy` makes the VM HALTED —
+/// not restarted behind their back — until `halt clear` brings the domain back, same name and UUID,
+/// from the newest snapshot.
 #[test]
 fn libvirt_destroy_by_hand_halts_and_a_libvirtd_restart_is_survived() {
     let test = "libvirt_destroy_by_hand_halts_and_a_libvirtd_restart_is_survived";
@@ -1378,11 +1378,11 @@ fn libvirt_destroy_by_hand_halts_and_a_libvirtd_restart_is_survived() {
     d.kill9();
 }
 
-/// Issue 14 item 6: libvirt refuses backing chains deeper than 200, and every snapshot adds a
-/// layer. Past 16 the running chain is merged through libvirt (`virDomainBlockRebase`, a block
-/// pull), so libvirt's own view stays short; the layers older snapshots name stay intact, so a
-/// rollback to one from before the merge still lands RAM and disk at one instant.
-/// `BACKSTOP_LIBVIRT_SNAPSHOTS` sets the count (CI: 24; the issue's full run: 210).
+/// libvirt refuses backing chains deeper than 200, and every snapshot adds a layer. Past 16 the
+/// running chain is merged through libvirt (`virDomainBlockRebase`, a block pull), so libvirt's own
+/// view stays short; the layers older snapshots name stay intact, so a rollback to one from before
+/// the merge still lands RAM and disk at one instant. `BACKSTOP_LIBVIRT_SNAPSHOTS` sets the count
+/// (CI: 24; 210 would pass libvirt's limit of 200 without the merges).
 #[test]
 fn libvirt_many_snapshots_keep_libvirts_chain_bounded() {
     let test = "libvirt_many_snapshots_keep_libvirts_chain_bounded";
@@ -1473,11 +1473,11 @@ fn libvirt_many_snapshots_keep_libvirts_chain_bounded() {
     d.kill9();
 }
 
-/// Issue 14: the hardware watchdog of an adopted domain. The guest's kicker feeds its i6300esb
-/// (`<watchdog model='i6300esb' action='pause'/>`, as adoption requires) and is killed at a set
-/// uptime; the device fires, libvirt pauses the domain for the watchdog, and backstop rolls it
-/// back to the newest snapshot as an emergency (`watchdog_device`): the guest runs again at
-/// that point, told the new epoch, under the same domain name and UUID.
+/// The hardware watchdog of an adopted domain. The guest's kicker feeds its i6300esb (`<watchdog
+/// model='i6300esb' action='pause'/>`, as adoption requires) and is killed at a set uptime; the
+/// device fires, libvirt pauses the domain for the watchdog, and backstop rolls it back to the
+/// newest snapshot as an emergency (`watchdog_device`): the guest runs again at that point, told
+/// the new epoch, under the same domain name and UUID.
 #[test]
 fn libvirt_an_unkicked_i6300esb_rolls_the_adopted_domain_back() {
     let test = "libvirt_an_unkicked_i6300esb_rolls_the_adopted_domain_back";
@@ -1550,9 +1550,9 @@ fn libvirt_an_unkicked_i6300esb_rolls_the_adopted_domain_back() {
     d.kill9();
 }
 
-/// Two devices granted through libvirt (issue 14 item 4): emulated USB input devices, hot-plugged
-/// into the default `qemu-xhci` controller libvirt gives a q35 domain (no USB host device exists
-/// in these containers).
+/// Two devices granted through libvirt: emulated USB input devices, hot-plugged into the default
+/// `qemu-xhci` controller libvirt gives a q35 domain (no USB host device exists in these
+/// containers).
 const LIBVIRT_DEVICES: &str = r#"
 [[devices]]
 id = "tablet"
@@ -1756,9 +1756,9 @@ fn journal_ts_ms(ts: &str) -> i64 {
     ((days * 24 + n(11..13)) * 60 + n(14..16)) * 60_000 + n(17..19) * 1000 + n(20..23)
 }
 
-/// Issue 14 item 5: supervision hears libvirt's lifecycle event. `virsh destroy` → HALTED within
-/// one supervision tick (250 ms, the actor's idle tick, not configurable), named by the event,
-/// not by the next tick's state poll.
+/// Supervision hears libvirt's lifecycle event. `virsh destroy` → HALTED within one supervision
+/// tick (250 ms, the actor's idle tick, not configurable), named by the event, not by the next
+/// tick's state poll.
 #[test]
 fn libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event() {
     let test = "libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event";
@@ -1827,9 +1827,9 @@ fn libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event() {
     d.kill9();
 }
 
-/// Issue 21, the pause: after each background snapshot of an adopted domain, its QEMU's guest
-/// RAM is mapped in huge pages again (QEMU's snapshot splits them all; see
-/// crates/backstop-qemu/src/huge_pages.rs and tests/huge_pages.rs for the QEMU backend).
+/// The pause: after each background snapshot of an adopted domain, its QEMU's guest RAM is mapped
+/// in huge pages again (QEMU's snapshot splits them all; see crates/backstop-qemu/src/huge_pages.rs
+/// and tests/huge_pages.rs for the QEMU backend).
 #[test]
 fn libvirt_guest_ram_is_mapped_huge_again_after_each_snapshot() {
     let test = "libvirt_guest_ram_is_mapped_huge_again_after_each_snapshot";

@@ -1,7 +1,7 @@
-//! Lineage (issue 15 item 2, spec/004): every manifest names its parent and epoch; a rollback
-//! marks only what descends from its target on the line it abandons, never another line;
-//! `snapshot tree` shows the tree and the current position (also while HALTED); and the
-//! temporal bound asks for reviewer evidence for an old target, even for `--emergency`.
+//! Lineage (spec/004): every manifest names its parent and epoch; a rollback marks only what
+//! descends from its target on the line it abandons, never another line; `snapshot tree` shows the
+//! tree and the current position (also while HALTED); and the temporal bound asks for reviewer
+//! evidence for an old target, even for `--emergency`.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

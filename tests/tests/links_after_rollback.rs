@@ -1,6 +1,6 @@
-//! Issue 18: whether NIC links come back after a rollback is a per-VM choice. By default every
-//! rollback leaves them down (`rollback.rs`, `devices.rs`); with `vm.links_after_rollback = "up"`
-//! the restored guest reads its link up at once and the rollback's record says so.
+//! Whether NIC links come back after a rollback is a per-VM choice. By default every rollback
+//! leaves them down (`rollback.rs`, `devices.rs`); with `vm.links_after_rollback = "up"` the
+//! restored guest reads its link up at once and the rollback's record says so.
 #![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};

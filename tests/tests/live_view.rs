@@ -1,6 +1,6 @@
-//! Issue 18, "seeing it live": `backstop vms` (and `vms --watch`) shows every VM's last
-//! rollback and how long it took, the guest's NIC links and its granted devices, beside state,
-//! epoch, snapshot age and heartbeat age.
+//! Seeing it live: `backstop vms` (and `vms --watch`) shows every VM's last rollback and how long
+//! it took, the guest's NIC links and its granted devices, beside state, epoch, snapshot age and
+//! heartbeat age.
 #![allow(clippy::unwrap_used)]
 
 use std::process::Command;

@@ -1,6 +1,6 @@
-//! Several VMs in one daemon (issue 13): each snapshots and rolls back on its own, a rollback of
-//! one leaves the others' guests running, at most `max_concurrent_captures` captures overlap, a
-//! refused VM file or a panicking actor takes down only its own VM, and the console names VMs.
+//! Several VMs in one daemon: each snapshots and rolls back on its own, a rollback of one leaves
+//! the others' guests running, at most `max_concurrent_captures` captures overlap, a refused VM
+//! file or a panicking actor takes down only its own VM, and the console names VMs.
 #![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};
@@ -366,9 +366,9 @@ fn reload_applies_a_changed_file_of_the_same_shape_and_keeps_the_guests_work() {
     d.stop();
 }
 
-/// Issue 18: `backstop vms --watch` keeps the view live — one JSON line per refresh under
-/// `--json`, no terminal escapes when stdout is not a terminal — and a daemon that goes away
-/// is shown as such while the watch goes on.
+/// `backstop vms --watch` keeps the view live — one JSON line per refresh under `--json`, no
+/// terminal escapes when stdout is not a terminal — and a daemon that goes away is shown as such
+/// while the watch goes on.
 #[test]
 fn vms_watch_redraws_and_outlives_the_daemon() {
     if skip_unless_ready("vms_watch_redraws_and_outlives_the_daemon") {
@@ -501,11 +501,11 @@ fn process_ended(pid: u64) -> bool {
     }
 }
 
-/// Issue 13: an actor that wedges (injected: it sleeps for good inside a snapshot, without a
-/// sign of life) HALTs its own VM and nothing else. Past `actor_silence_limit_secs` the
-/// supervisor writes the HALTED record, ends that guest and answers the waiting console;
-/// the other VM keeps counting and snapshotting; the daemon's stop does not wait for the wedged
-/// thread, and the next start keeps the VM HALTED with the same code.
+/// An actor that wedges (injected: it sleeps for good inside a snapshot, without a sign of life)
+/// HALTs its own VM and nothing else. Past `actor_silence_limit_secs` the supervisor writes the
+/// HALTED record, ends that guest and answers the waiting console; the other VM keeps counting and
+/// snapshotting; the daemon's stop does not wait for the wedged thread, and the next start keeps
+/// the VM HALTED with the same code.
 #[test]
 fn a_wedged_actor_halts_its_own_vm_and_no_other() {
     if skip_unless_ready("a_wedged_actor_halts_its_own_vm_and_no_other") {

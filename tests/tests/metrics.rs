@@ -1,6 +1,6 @@
-//! The live view (issue 18 item 3): `status` carries the last rollback, heartbeat age, links and
-//! grants; an OpenMetrics endpoint (`daemon.metrics`, off by default, this host only) serves
-//! every VM's figures at `GET /metrics` over a Unix socket or a loopback port.
+//! The live view: `status` carries the last rollback, heartbeat age, links and grants; an
+//! OpenMetrics endpoint (`daemon.metrics`, off by default, this host only) serves every VM's
+//! figures at `GET /metrics` over a Unix socket or a loopback port.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;

@@ -1,8 +1,8 @@
-//! An operator moves the one VM of a single-file config into `vms.d/` (issue 13): at the next
-//! start its state (store, audit chain, records, serial log) moves into `state_dir/vms/NAME/`
-//! once, journaled, and the VM goes on as if nothing happened — it resumes from the clean stop's
-//! final snapshot, its older snapshots still restore (their disk layers stayed where they were),
-//! and its audit chain is the same chain.
+//! An operator moves the one VM of a single-file config into `vms.d/`: at the next start its state
+//! (store, audit chain, records, serial log) moves into `state_dir/vms/NAME/` once, journaled, and
+//! the VM goes on as if nothing happened — it resumes from the clean stop's final snapshot, its
+//! older snapshots still restore (their disk layers stayed where they were), and its audit chain is
+//! the same chain.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

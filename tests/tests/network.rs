@@ -1,8 +1,8 @@
-//! A guest on a real network (issue 17): its NIC sits on a host tap device attached to a bridge
-//! — made here in a private network namespace, as an operator's would be on the host — and
-//! backstopd (with its QEMU) runs in that namespace. Before a rollback the guest and a host-side
-//! peer on the bridge reach each other; after it the NIC's link is down (spec/000 §8: network
-//! access is revoked on every rollback) and they no longer do.
+//! A guest on a real network: its NIC sits on a host tap device attached to a bridge — made here in
+//! a private network namespace, as an operator's would be on the host — and backstopd (with its
+//! QEMU) runs in that namespace. Before a rollback the guest and a host-side peer on the bridge
+//! reach each other; after it the NIC's link is down (spec/000 §8: network access is revoked on
+//! every rollback) and they no longer do.
 #![allow(clippy::unwrap_used)]
 
 use std::process::Command;

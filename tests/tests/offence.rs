@@ -1,6 +1,6 @@
-//! The target precedes the offence (issue 15 item 1): a host trigger naming an action rolls back
-//! to the newest verified snapshot taken *before* that action began — not the newest snapshot,
-//! which may already hold the bad change. The guest's own counter proves which one it got.
+//! The target precedes the offence: a host trigger naming an action rolls back to the newest
+//! verified snapshot taken *before* that action began — not the newest snapshot, which may already
+//! hold the bad change. The guest's own counter proves which one it got.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! Off-host replication against a real Ceph RADOS Gateway (scripts/ceph-cluster.sh) and real
-//! QEMU guests; two daemons with their own state directories stand for two hosts (issue 20).
-//! Skipped loudly without Ceph; CI sets BACKSTOP_REQUIRE_CEPH=1 (scripts/setup-ceph.sh).
+//! QEMU guests; two daemons with their own state directories stand for two hosts. Skipped loudly
+//! without Ceph; CI sets BACKSTOP_REQUIRE_CEPH=1 (scripts/setup-ceph.sh).
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
@@ -278,7 +278,7 @@ fn a_snapshot_replicated_by_host_a_restores_host_b_and_a_corrupted_chunk_is_refu
         "the second upload sent {b2} bytes: more than its new chunks and layer"
     );
     // tests/tests/incremental.rs: on this 256 MiB test guest the store itself keeps ~15% of the
-    // first snapshot for an idle second one (the issue's < 10% is for a 1 GiB guest).
+    // first snapshot for an idle second one (the < 10% target is for a 1 GiB guest).
     assert!(b2 * 4 <= b1, "second upload {b2} > 25% of first {b1}");
     let journal_a = a.daemon_journal();
     assert!(
@@ -839,7 +839,7 @@ fn remote_retention_and_gc_keep_what_remaining_manifests_and_uploads_in_progress
             && e["fields"]["objects_swept"] == r["objects_swept"]));
 }
 
-/// Like [`host_daemon`], with a short `lease_ttl_s` (issue 20: leases).
+/// Like [`host_daemon`], with a short `lease_ttl_s`, for the lease tests.
 fn lease_daemon(name: &str, host: &str, c: &Cluster, creds_dir: &Path, ttl_s: u64) -> Daemon {
     let creds = creds_dir.join(format!("{host}.credentials"));
     std::fs::write(

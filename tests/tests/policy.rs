@@ -1,8 +1,7 @@
-//! Snapshot policy on a real guest (issue 5): scheduled snapshots and missed slots, retention
-//! (never an open action's snapshot, never what a kept snapshot needs), the pre-action gate and
-//! its refusals, micro/session/emergency rollbacks with soft-rollback marks, the restore gate
-//! (reviewer evidence, compatibility), excluded state across every rollback type, and no key
-//! in the store.
+//! Snapshot policy on a real guest: scheduled snapshots and missed slots, retention (never an open
+//! action's snapshot, never what a kept snapshot needs), the pre-action gate and its refusals,
+//! micro/session/emergency rollbacks with soft-rollback marks, the restore gate (reviewer evidence,
+//! compatibility), excluded state across every rollback type, and no key in the store.
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
@@ -318,8 +317,8 @@ fn pre_action_gate_rollback_types_restore_gate_and_excluded_state() {
         String::from_utf8_lossy(&out.stdout).contains(&baseline),
         "the refusal names the target"
     );
-    // Issue 18: the refusal names both ways forward — the signing command for this very
-    // snapshot with the configured key, and the emergency rollback with what it journals.
+    // The refusal names both ways forward — the signing command for this very snapshot with the
+    // configured key, and the emergency rollback with what it journals.
     let refusal = String::from_utf8_lossy(&out.stdout).to_string();
     for way in [
         "backstop review sign --key",

@@ -1,6 +1,6 @@
-//! Priority (issue 15 item 4): a console emergency rollback is never queued behind routine
-//! work — it preempts a capture in flight (abandoned, never published, cleaned up) and starts
-//! within a second or so: the time QEMU takes to drain the abandoned capture (printed).
+//! Priority: a console emergency rollback is never queued behind routine work — it preempts a
+//! capture in flight (abandoned, never published, cleaned up) and starts within a second or so: the
+//! time QEMU takes to drain the abandoned capture (printed).
 #![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};

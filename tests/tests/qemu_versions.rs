@@ -1,7 +1,7 @@
-//! Issue 21's tests that run against every supported QEMU (the harness takes the binary from
-//! `BACKSTOP_QEMU`; scripts/test.sh runs this file against Debian's 7.2 and the unpacked 10.0):
-//! the daemon runs the QEMU it was given, several snapshots in a row on one QEMU instance, and
-//! a rollback to one in the middle brings RAM and disk back to that snapshot's point.
+//! The capture and rollback tests that run against every supported QEMU (the harness takes the
+//! binary from `BACKSTOP_QEMU`; scripts/test.sh runs this file against Debian's 7.2 and the
+//! unpacked 10.0): the daemon runs the QEMU it was given, several snapshots in a row on one QEMU
+//! instance, and a rollback to one in the middle brings RAM and disk back to that snapshot's point.
 //!
 //! The operator-paused guest is tested at the backend level
 //! (crates/backstop-qemu/tests/capture_faults.rs): the console has no pause order.

@@ -83,8 +83,8 @@ fn a_clean_stop_resumes_where_the_guest_was_and_a_crash_stays_fail_closed() {
         "the guest was told of a rollback that did not happen"
     );
 
-    // Crash: fail-closed as before — the next start is an emergency rollback to the newest
-    // verified snapshot, never a second resume of the consumed clean stop.
+    // Crash: fail-closed — the next start is an emergency rollback to the newest verified snapshot,
+    // never a second resume of the consumed clean stop.
     d.kill9();
     d.launch();
     let rolled = d.wait_journal(Duration::from_secs(90), "start-up rollback", |e| {

@@ -1,8 +1,8 @@
-//! Snapshot names and `snapshot delete` (issue 18 item 2), against the real daemon and guest:
-//! `snapshot create --name`, names and prefixes wherever ids are (show, verify, rollback --to,
-//! review sign), a bad, taken or ambiguous one refused with nothing changed, and `snapshot
-//! delete` refused with its reason (the current snapshot, a layer another snapshot needs) or
-//! done as retention does it and journaled `snapshot.deleted`. `review keygen --json`.
+//! Snapshot names and `snapshot delete`, against the real daemon and guest: `snapshot create
+//! --name`, names and prefixes wherever ids are (show, verify, rollback --to, review sign), a bad,
+//! taken or ambiguous one refused with nothing changed, and `snapshot delete` refused with its
+//! reason (the current snapshot, a layer another snapshot needs) or done as retention does it and
+//! journaled `snapshot.deleted`. `review keygen --json`.
 #![allow(clippy::unwrap_used)]
 
 use std::process::{Command, Output};

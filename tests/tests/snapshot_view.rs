@@ -1,6 +1,6 @@
-//! The console's snapshot views (issue 18): `snapshot list` marks the snapshot the running VM
-//! descends from (the newest taken since the last rollback, or that rollback's target), and
-//! `snapshot show` prints a summary unless asked for `--full` (JSON is always whole).
+//! The console's snapshot views: `snapshot list` marks the snapshot the running VM descends from
+//! (the newest taken since the last rollback, or that rollback's target), and `snapshot show`
+//! prints a summary unless asked for `--full` (JSON is always whole).
 #![allow(clippy::unwrap_used)]
 
 use std::process::Command;

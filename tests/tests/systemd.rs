@@ -1,7 +1,7 @@
-//! systemd as it is meant (issue 18 item 4), against a fake `$NOTIFY_SOCKET` (a datagram socket
-//! this test binds): `EXTEND_TIMEOUT_USEC=` while the VMs start, then `READY=1`, a `STATUS=` line,
-//! `WATCHDOG=1` pings at the pace `$WATCHDOG_USEC` asks that keep flowing through a rollback,
-//! and on SIGTERM `STOPPING=1` with the stop extended while the final snapshot is taken.
+//! systemd as it is meant, against a fake `$NOTIFY_SOCKET` (a datagram socket this test binds):
+//! `EXTEND_TIMEOUT_USEC=` while the VMs start, then `READY=1`, a `STATUS=` line, `WATCHDOG=1` pings
+//! at the pace `$WATCHDOG_USEC` asks that keep flowing through a rollback, and on SIGTERM
+//! `STOPPING=1` with the stop extended while the final snapshot is taken.
 #![allow(clippy::unwrap_used)]
 
 use std::os::unix::net::UnixDatagram;

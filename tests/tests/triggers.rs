@@ -1,6 +1,6 @@
-//! Idempotent host triggers (issue 15): a trigger carries an identity (given, or its kind and
-//! action ids); a repeat of one already executed — or sent at the same time — is a journaled
-//! no-op answered with the first one's outcome, never a second rollback, across a restart too.
+//! Idempotent host triggers: a trigger carries an identity (given, or its kind and action ids); a
+//! repeat of one already executed — or sent at the same time — is a journaled no-op answered with
+//! the first one's outcome, never a second rollback, across a restart too.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

@@ -1,7 +1,7 @@
-//! Issue 21, "verify once and keep a record of it": choosing a rollback target does not hash
-//! again what the daemon already checked (chunks and disk layers it wrote at capture, or read in
-//! a verification) while their files are unchanged; anything changed since is read again and
-//! refused; a restarted daemon trusts nothing; `snapshot verify` always reads everything.
+//! Verify once and keep a record of it: choosing a rollback target does not hash again what the
+//! daemon already checked (chunks and disk layers it wrote at capture, or read in a verification)
+//! while their files are unchanged; anything changed since is read again and refused; a restarted
+//! daemon trusts nothing; `snapshot verify` always reads everything.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;

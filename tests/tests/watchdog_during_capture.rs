@@ -1,8 +1,8 @@
-//! The heartbeat watchdog keeps running while a capture runs (issue 15 item 4): a guest whose
-//! agent goes silent during a slow capture is rolled back within the heartbeat timeout and a
-//! little, not after the capture. The capture is preempted as an urgent trigger preempts it
-//! (abandoned, never published, its build cleaned up, journaled `ERR_SNAPSHOT_ABANDONED`) and the
-//! watchdog rollback runs at once. The measured delay is printed.
+//! The heartbeat watchdog keeps running while a capture runs: a guest whose agent goes silent
+//! during a slow capture is rolled back within the heartbeat timeout and a little, not after the
+//! capture. The capture is preempted as an urgent trigger preempts it (abandoned, never published,
+//! its build cleaned up, journaled `ERR_SNAPSHOT_ABANDONED`) and the watchdog rollback runs at
+//! once. The measured delay is printed.
 #![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};

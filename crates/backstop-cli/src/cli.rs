@@ -1194,7 +1194,7 @@ mod tests {
         for (text, secs) in [("90", 90), ("90s", 90), ("2m", 120), ("1h", 3600)] {
             assert_eq!(lease(text), Ok(secs), "{text}");
         }
-        // Issue 18: the token's lifetime reads like its help text.
+        // The token's lifetime reads like its help text.
         for (text, secs) in [
             ("7d", 604_800),
             ("1h 30m", 5_400),

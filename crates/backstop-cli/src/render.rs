@@ -708,7 +708,7 @@ fn list_text(snapshots: &[SnapshotSummary]) -> String {
     let any_current = snapshots.iter().any(|s| s.current);
     // A NAME column only when some snapshot has a name (unnamed lists look as they did).
     let any_named = snapshots.iter().any(|s| s.name.is_some());
-    // An OFFSITE column only when the daemon replicates (issue 20).
+    // An OFFSITE column only when the daemon replicates.
     let any_offsite = snapshots.iter().any(|s| s.replication.is_some());
     let mut header = vec![
         if any_current { "  ID" } else { "ID" },

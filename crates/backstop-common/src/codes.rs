@@ -242,7 +242,7 @@ error_codes! {
         "backstopd already serves its maximum of connections: retry when one ends";
     ConsoleEncode = "ERR_CONSOLE_ENCODE", Failed,
         "the console could not encode its output";
-    // Off-host replication (issue 20).
+    // Off-host replication.
     OffsiteNotConfigured = "ERR_OFFSITE_NOT_CONFIGURED", Failed,
         "this daemon has no [offsite] target (or no fleet trust file for a pull)";
     OffsiteUnreachable = "ERR_OFFSITE_UNREACHABLE", Failed,

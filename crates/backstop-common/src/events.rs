@@ -64,8 +64,8 @@ audit_events! {
     SnapshotScheduleMissed = "snapshot.schedule.missed" [];
     /// A snapshot was removed by retention.
     SnapshotPruned = "snapshot.pruned" [];
-    /// Off-host replication (issue 20): every object of a published snapshot is in the
-    /// `[offsite]` bucket, its manifest and ed25519 signature last (daemon journal).
+    /// Off-host replication: every object of a published snapshot is in the `[offsite]` bucket, its
+    /// manifest and ed25519 signature last (daemon journal).
     SnapshotReplicated = "snapshot.replicated" ["vm", "host", "bytes_uploaded", "objects_uploaded", "objects_present", "attempts"];
     /// An upload attempt failed; it is retried with backoff (daemon journal).
     SnapshotReplicationFailed = "snapshot.replication.failed" ["vm", "code", "error", "attempts", "retry_in_ms"];
@@ -119,7 +119,7 @@ audit_events! {
     /// A host trigger (or the watchdog) asked for a rollback.
     RollbackTriggered = "rollback.triggered" [];
     /// A host trigger repeated one already executed: nothing was done; the first's outcome
-    /// was answered (issue 15: idempotent triggers).
+    /// was answered (triggers are idempotent).
     RollbackTriggerRepeated = "rollback.trigger.repeated" ["trigger_id", "first_trace_id", "first_result"];
     /// spec/002 `RollbackInitiated`.
     RollbackInitiated = "rollback.initiated" ["rollback_type", "trigger", "reason", "action_ids", "timestamp"];

@@ -3,7 +3,8 @@
 //! `{"version":2,"vm":"web1","op":"snapshot_create","reason":"…"}`. Both added keys are
 //! optional: a line without `version` is version 1 (one VM per daemon), a line without `vm` is
 //! for the daemon's only VM (the daemon refuses it, listing the names, when it guards more than
-//! one). The request itself is decoded exactly as before: unknown ops and fields are refused.
+//! one). The request itself is decoded the same in both versions: unknown ops and fields are
+//! refused.
 
 use serde::de::Error as _;
 use serde_json::Value;

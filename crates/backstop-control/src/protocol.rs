@@ -42,12 +42,12 @@ pub enum Request {
     SnapshotShow { id: String },
     /// Full verification (signature, fields, versions, every checksum) without touching the VM.
     SnapshotVerify { id: String },
-    /// Off-host replication (issue 20): fetch snapshot `id` that host `from` replicated, check
-    /// its ed25519 signature against the fleet trust file and every chunk and layer, and
-    /// publish it into this VM's store. The daemon's own (needs `[offsite]`). Console only.
-    /// `for_start`: the VM is to run here from it: refused (`ERR_OFFSITE_LEASE_HELD`, nothing
-    /// fetched) while another host holds a live lease on the VM; otherwise this host takes the
-    /// lease (an expired one is taken over) and the VM is rolled back to the pulled snapshot.
+    /// Off-host replication: fetch snapshot `id` that host `from` replicated, check its ed25519
+    /// signature against the fleet trust file and every chunk and layer, and publish it into this
+    /// VM's store. The daemon's own (needs `[offsite]`). Console only. `for_start`: the VM is to
+    /// run here from it: refused (`ERR_OFFSITE_LEASE_HELD`, nothing fetched) while another host
+    /// holds a live lease on the VM; otherwise this host takes the lease (an expired one is taken
+    /// over) and the VM is rolled back to the pulled snapshot.
     SnapshotPull {
         id: String,
         from: String,
@@ -957,7 +957,7 @@ pub struct StatusView {
     /// why: the heartbeat watchdog does not judge it until it runs again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guest_paused_outside: Option<String>,
-    /// The daemon's off-host upload queue (issue 20), when it has an `[offsite]` target.
+    /// The daemon's off-host upload queue, when it has an `[offsite]` target.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offsite: Option<OffsiteView>,
 }
@@ -1099,7 +1099,7 @@ pub struct SnapshotSummary {
     /// Set when drift detection found it no longer verifies: never a rollback target again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unusable: Option<String>,
-    /// Its off-host replication (issue 20), when the daemon has an `[offsite]` target.
+    /// Its off-host replication, when the daemon has an `[offsite]` target.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replication: Option<ReplicationView>,
 }

@@ -1,6 +1,6 @@
 //! How fast a stored state stream comes back out of the store, from the page cache and from the
-//! disk (issue 21). A rollback's target is often a snapshot taken long ago, whose chunks the page
-//! cache has dropped; a chunk is a file of its own, so the kernel's readahead stops at each one.
+//! disk. A rollback's target is often a snapshot taken long ago, whose chunks the page cache has
+//! dropped; a chunk is a file of its own, so the kernel's readahead stops at each one.
 //!
 //!     cargo run --release -p backstop-engine --example store_cold_read -- STREAM [DIR] [REPS]
 //!

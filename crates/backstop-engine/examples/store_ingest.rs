@@ -1,5 +1,5 @@
 //! How fast the store ingests a recorded state stream, against writing the same bytes plainly
-//! (issue 21: the store's ingest of a recorded stream ≥ 70% of `dd` with fsync, same disk).
+//! (the target: the store's ingest of a recorded stream ≥ 70% of `dd` with fsync, same disk).
 //!
 //! The stream (a file: QEMU's background snapshot or migration stream, e.g. one kept by
 //! `bench/load_probe.py` or written by `migrate` to a file) goes the way a capture's does: cut at

@@ -1,9 +1,9 @@
-//! Drift detection (spec/002 §3, issue 16): whether the running VM is still the VM the engine
-//! believes it runs. This file is the pure core — the invariants (stable id, severity, action,
-//! which backends can observe them), the check of what was observed against what the engine
-//! expects, the book of open and resolved drift, and the incremental re-verification plan —
-//! all functions of their inputs, unit-tested without QEMU. Observing (QMP, the store, the
-//! journal, statvfs), journaling and acting is the shell, [`shell`], run by the actor.
+//! Drift detection (spec/002 §3): whether the running VM is still the VM the engine believes it
+//! runs. This file is the pure core — the invariants (stable id, severity, action, which backends
+//! can observe them), the check of what was observed against what the engine expects, the book of
+//! open and resolved drift, and the incremental re-verification plan — all functions of their
+//! inputs, unit-tested without QEMU. Observing (QMP, the store, the journal, statvfs), journaling
+//! and acting is the shell, [`shell`], run by the actor.
 //!
 //! Three strategies feed the same check: invariant-based (cheap invariants after every state
 //! change of the VM), active (a reconciliation pass every `drift.reconcile_minutes`, which also

@@ -1,9 +1,9 @@
-//! Forensic capture (issue 15, spec/004): a rollback keeps the state it abandons. Once a
-//! running VM is ended (or let go of, below) and before it is restored (a VM already gone — a crash, a stop — has
-//! no state to abandon), the disks it was writing — its active overlays, frozen
-//! where they are, not copied — are published as a snapshot with trigger `forensic`, whose
-//! parent is where the VM stood. The rollback's record names it, so the state before and after
-//! the rollback can both be rebuilt.
+//! Forensic capture (spec/004): a rollback keeps the state it abandons. Once a running VM is ended
+//! (or let go of, below) and before it is restored (a VM already gone — a crash, a stop — has no
+//! state to abandon), the disks it was writing — its active overlays, frozen where they are, not
+//! copied — are published as a snapshot with trigger `forensic`, whose parent is where the VM
+//! stood. The rollback's record names it, so the state before and after the rollback can both be
+//! rebuilt.
 //!
 //! Within `[rollback] forensic_ram_budget` (default 5 s), and for the rollbacks
 //! `[rollback] forensic_ram_for` names (default `console` and `policy`: not the watchdog's, not
@@ -18,7 +18,8 @@
 //!
 //! A VM holding something only the end of its process takes back (a device the guest did not
 //! release, a VFIO device to give back to the host, a tap NIC a second QEMU cannot open) is
-//! ended first, as before, and keeps no RAM; so does a backend that cannot keep two instances.
+//! ended before the restore, and its snapshot keeps no RAM; so does a backend that cannot keep two
+//! instances.
 //!
 //! A forensic snapshot with RAM is a rollback target only when asked for by name with
 //! `--include-forensic` (the guest then continues from where it was before that rollback); one

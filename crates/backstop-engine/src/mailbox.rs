@@ -279,7 +279,7 @@ impl VmHandle {
         }
         let (reply, rx) = mpsc::channel();
         // A host trigger and a console emergency rollback are never queued behind routine
-        // work (issue 15): they preempt a capture in flight and jump the queue.
+        // work: they preempt a capture in flight and jump the queue.
         let urgent = match &request {
             Request::Trigger { .. } => true,
             Request::Rollback {

@@ -1,4 +1,4 @@
-//! Empty qcow2 overlays written directly (issue 21: a rollback's `overlays` phase).
+//! Empty qcow2 overlays written directly (a rollback's `overlays` phase, on its critical path).
 //!
 //! `qemu-img create -f qcow2 -b B -F F` took 15-40 ms per disk on the rollback's path, nearly all
 //! of it starting the process. An empty overlay is four clusters of fixed content, written here
@@ -14,10 +14,9 @@
 //! Anything outside what this covers (an L1 table longer than a cluster, i.e. a disk over
 //! 4 TiB; a backing file name longer than fits, or relative — qemu-img resolves those against
 //! the overlay's directory; a backing format other than qcow2 or raw, whose size this does not
-//! read) goes to `qemu-img` as before. The unit tests compare the file byte for byte with
-//! `qemu-img create`'s own (but for where the backing name sits), check it with `qemu-img
-//! check`, read and write through it with `qemu-io`; every end-to-end rollback and capture
-//! uses it.
+//! read) goes to `qemu-img create`. The unit tests compare the file byte for byte with `qemu-img
+//! create`'s own (but for where the backing name sits), check it with `qemu-img check`, read and
+//! write through it with `qemu-io`; every end-to-end rollback and capture uses it.
 
 use std::fs::File;
 use std::io::Read;

@@ -1,4 +1,4 @@
-//! Feeding a verified state stream into the fresh VM's loader (issue 21: a rollback's `load`).
+//! Feeding a verified state stream into the fresh VM's loader (a rollback's `load` phase).
 //!
 //! The rollback reads (and re-checks) chunks into 1 MiB buffers on one thread and hands them to
 //! the loader on another. A backend that loads from a pipe (QEMU, `migrate-incoming fd:`) gets
@@ -11,7 +11,8 @@
 //! `capacity / 4096` page slots and a slot holds at most a page, so once `capacity` more bytes
 //! went in after a buffer, every slot of that buffer has left the pipe: only then is it handed
 //! back to be refilled. The last buffers are kept, unchanged, until the loader is done with the
-//! whole stream ([`Held`]). Where `vmsplice` is refused, the feed copies (`write`) as before.
+//! whole stream ([`Held`]). Where `vmsplice` is refused, the feed copies each buffer into the pipe
+//! (`write`).
 
 use std::collections::VecDeque;
 use std::fs::File;

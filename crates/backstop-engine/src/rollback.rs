@@ -344,8 +344,8 @@ impl VmActor {
         }
         let mut skipped = Vec::new();
         let entries = self.rollback_candidates(before)?;
-        // Snapshots of a healthy guest first (issue 15): one of a guest whose agent was silent
-        // may hold the very hang being undone. Only when none of them verifies are those tried.
+        // Snapshots of a healthy guest first: one of a guest whose agent was silent may hold the
+        // very hang being undone. Only when none of them verifies are those tried.
         let unhealthy = |e: &ListEntry| matches!(e, ListEntry::Valid(m) if !crate::snapshot::manifest_healthy(m));
         for entry in &entries {
             if unhealthy(entry) {
@@ -522,8 +522,8 @@ impl VmActor {
         let bound = Duration::from_millis(self.cfg.rollback.revoke_timeout_ms);
         let mut revoked = Vec::new();
         // The fresh overlays on the target's layers do not depend on the old VM: they are made
-        // on another thread while it is revoked and ended (issue 21: `qemu-img create` costs
-        // ~40 ms per disk), and waited for before anything uses them or anything fails.
+        // on another thread while it is revoked and ended (`qemu-img create` costs ~40 ms per
+        // disk), and waited for before anything uses them or anything fails.
         let mut planned: Vec<PlannedDisk> = Vec::new();
         // A standby preloaded with exactly this target already runs on its own fresh overlays.
         let preload = self.take_preload(target);
@@ -573,12 +573,11 @@ impl VmActor {
         // reaps the process.
         let (ram, ending) = ended?;
         made.map_err(|e| ("disk overlays", e))?;
-        // The disks the ended VM was writing are kept as they are (issue 15: forensic capture),
-        // with its RAM when a save runs beside the restore: published as a forensic snapshot
-        // once the guest runs again (issue 21: off the rollback's path). A rollback that fails
-        // on the way still publishes the disks when no RAM was being kept (the VM is halted; a
-        // person will want them); a RAM save is then dropped, which ends the abandoned VM, and
-        // nothing is published, as before.
+        // The disks the ended VM was writing are kept as they are (forensic capture), with its RAM
+        // when a save runs beside the restore: published as a forensic snapshot once the guest runs
+        // again (off the rollback's path). A rollback that fails on the way still publishes the
+        // disks when no RAM was being kept (the VM is halted; a person will want them); a RAM save
+        // is then dropped, which ends the abandoned VM, and nothing is published.
         let origin = self.abandoned();
         let mut due = match ram {
             _ if resume || !was_running => None,
@@ -922,7 +921,7 @@ impl VmActor {
                     .into(),
             );
         }
-        // Why no RAM is kept: the policy's reason first, as before; then what forced the end.
+        // Why no RAM is kept: the policy's reason when it has one; else what forced the end.
         let mut ending = None;
         let ram = match (keep_ram, must_end) {
             (Ok(()), Some(why)) | (Err(why), Some(_)) => ForensicRam::Skipped(why),
@@ -939,8 +938,8 @@ impl VmActor {
             // No RAM to keep, and nothing that only the end of the process gives back: the
             // paused, revoked QEMU (its disks flushed by the pause) is let go of and killed on a
             // thread of its own, so waiting for the kernel to tear down its guest RAM is not on
-            // the rollback's path (issue 21: 30-40 ms at 256 MiB). A backend that cannot keep
-            // two instances ends it below, as before.
+            // the rollback's path (30-40 ms at 256 MiB). A backend that cannot keep two instances
+            // ends it below, on the rollback's path.
             (Err(why), None) => {
                 if let Ok(vm) = self.backend.keep_abandoned() {
                     ending = OldVmEnding::start(vm);

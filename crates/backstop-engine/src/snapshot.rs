@@ -223,8 +223,8 @@ impl VmActor {
         // A VM holding a granted device cannot be snapshotted (see devices.rs): deferred.
         self.defer_snapshot_while_granted(ctx, reason, trigger)?;
         // A scheduled snapshot of a guest that is not healthy (its agent silent) would be a
-        // rollback target holding the hang: put off, journaled (issue 15). Others are taken
-        // and marked unhealthy.
+        // rollback target holding the hang: put off, journaled. Others are taken and marked
+        // unhealthy.
         if trigger == "schedule" {
             let health = self.guest_health();
             if !health.healthy {

@@ -738,12 +738,12 @@ impl Supervisor {
             .all(|h| h.silent_ms() < self.silence_limit_ms)
     }
 
-    /// HALTs every VM whose actor has been silent past the limit, each on its own (issue 13:
-    /// one wedged VM must not take the others down, as a daemon restart by systemd's watchdog
-    /// would): the HALTED record is written durably first, then its guest process is ended, the
-    /// actor is retired (it never touches the VM again, its callers are answered) and the halt
-    /// is journaled in the daemon journal (the VM's own journal is locked by the wedged actor;
-    /// its next start journals the HALTED state it finds). Returns the names it halted.
+    /// HALTs every VM whose actor has been silent past the limit, each on its own (one wedged VM
+    /// must not take the others down, as a daemon restart by systemd's watchdog would): the HALTED
+    /// record is written durably first, then its guest process is ended, the actor is retired (it
+    /// never touches the VM again, its callers are answered) and the halt is journaled in the
+    /// daemon journal (the VM's own journal is locked by the wedged actor; its next start journals
+    /// the HALTED state it finds). Returns the names it halted.
     pub fn halt_wedged(&self) -> Vec<String> {
         let wedged: Vec<(String, Arc<VmHandle>, Box<Config>)> = self
             .members()

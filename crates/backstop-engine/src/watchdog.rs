@@ -423,7 +423,7 @@ impl VmActor {
 
     /// Keeps the heartbeat watchdog running while a capture runs (see [`CaptureWatch`]).
     /// `None` when the backend shares no heartbeat counters, or the watch thread cannot be
-    /// started: the watchdog is then evaluated right after the capture, as before.
+    /// started: the watchdog is then evaluated right after the capture instead.
     pub(crate) fn watch_during_capture(&self) -> Option<CaptureWatch> {
         if self.paused_outside.is_some() {
             return None; // Not judged while paused (see `follow_outside_pause`).

@@ -445,11 +445,11 @@ pub trait VmBackend: Send {
             message: format!("the {} backend cannot read link states", self.kind()),
         })
     }
-    /// For a forensic capture beside a rollback (issue 15): lets go of the running instance —
-    /// paused and revoked by the caller — without ending it, so a fresh one can launch beside
-    /// it while its RAM and device state are saved. The backend no longer runs a VM after
-    /// this. Backends that cannot keep two instances (or save a paused one without resuming
-    /// it) say so, and the caller ends the VM as before, keeping no RAM.
+    /// For a forensic capture beside a rollback (the abandoned VM's RAM is kept): lets go of the
+    /// running instance — paused and revoked by the caller — without ending it, so a fresh one can
+    /// launch beside it while its RAM and device state are saved. The backend no longer runs a VM
+    /// after this. Backends that cannot keep two instances (or save a paused one without resuming
+    /// it) say so, and the caller ends the VM, keeping its disks but no RAM.
     fn keep_abandoned(&mut self) -> Result<Box<dyn AbandonedVm>> {
         Err(BackendError::Command {
             step: "keep the abandoned vm",

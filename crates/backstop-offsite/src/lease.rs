@@ -1,7 +1,7 @@
-//! Leases (issue 20, "restore elsewhere"): one object per VM, `prefix/leases/<vm>.json`, names the
-//! host that runs the VM and until when. The daemon that runs a VM writes it and renews it in
-//! the background every `lease_ttl_s / 3`; a clean stop deletes it. A `snapshot pull
-//! --for-start` on another host is refused while a live lease names someone else.
+//! Leases (so a VM restored elsewhere never runs twice): one object per VM,
+//! `prefix/leases/<vm>.json`, names the host that runs the VM and until when. The daemon that runs
+//! a VM writes it and renews it in the background every `lease_ttl_s / 3`; a clean stop deletes it.
+//! A `snapshot pull --for-start` on another host is refused while a live lease names someone else.
 //!
 //! S3 has no transactions; what this gets from the gateway is a compare-and-swap on PUT, measured
 //! on Ceph 16.2.15's RGW: `If-None-Match: *` (only if absent) and `If-Match: <etag>` (only if

@@ -1,7 +1,6 @@
-//! Off-host replication (issue 20): every published snapshot of this daemon's VMs is uploaded
-//! in the background to an S3-compatible object store (Ceph's RADOS Gateway is the one the tests
-//! run), and another host of the fleet can pull it back, verify it and publish it into its own
-//! store.
+//! Off-host replication: every published snapshot of this daemon's VMs is uploaded in the
+//! background to an S3-compatible object store (Ceph's RADOS Gateway is the one the tests run), and
+//! another host of the fleet can pull it back, verify it and publish it into its own store.
 //!
 //! What it must never do: make a snapshot or a rollback wait on the network (the uploader only
 //! reads published, immutable files, on its own threads); trust a remote byte before checking

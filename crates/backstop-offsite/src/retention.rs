@@ -1,5 +1,5 @@
-//! Remote retention and garbage collection (issue 20 item 4). The bucket keeps what its own
-//! rule (`[offsite.retention]`) says, independently of the local store: by default everything.
+//! Remote retention and garbage collection. The bucket keeps what its own rule
+//! (`[offsite.retention]`) says, independently of the local store: by default everything.
 //!
 //! One pass, in this order:
 //! 1. **Retention**, applied by this host to its own `hosts/<host>/snapshots/*` only (never to

@@ -680,7 +680,7 @@ fn leases_are_compare_and_swap_on_a_real_gateway() {
     }
 }
 
-// ---- https (a private CA) and multipart upload: issue 20, production readiness ----
+// ---- https (a private CA) and multipart upload ----
 
 impl Cluster {
     /// A cluster whose gateway is started with `env` (e.g. CEPH_RGW_TLS_DIR).

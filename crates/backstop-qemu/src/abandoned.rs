@@ -1,5 +1,5 @@
 //! The QEMU a rollback abandoned, kept paused beside its successor while its RAM and device
-//! state are saved for the forensic snapshot (issue 15), then ended.
+//! state are saved for the forensic snapshot, then ended.
 //!
 //! What two QEMUs of one VM must not share, and how they do not:
 //! * the pid file: QEMU holds a lock on it, so a second QEMU with the same `-pidfile` would

@@ -1,4 +1,5 @@
-//! QEMU's own reports, the moment QEMU sends them (issue 21: watchdog expiry → running ≤ 0.3 s).
+//! QEMU's own reports, the moment QEMU sends them (from a watchdog expiry to the guest running
+//! again from its snapshot: ≤ 0.3 s).
 //!
 //! The VM's actor reads QEMU's events on its monitor when it looks at the VM — between jobs,
 //! at its idle tick (250 ms). A fired i6300esb (`WATCHDOG`), a guest that panicked or shut down,

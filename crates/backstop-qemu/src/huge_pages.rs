@@ -273,11 +273,11 @@ fn collapsible_ranges(
 /// How long a running [`Regather`] waits between passes, after its first. Memory the guest
 /// writes for the first time after a capture lands in ranges QEMU's pre-fault mapped page by
 /// page (the shared zero page), so it is mapped small too, and stays so until a pass collapses
-/// it. Traced on QEMU 10.0 (bench, 1 GiB guest, 2026-11-29): a guest that wrote 400 MiB after
-/// the daemon's first capture had 430 MiB of it mapped small at its next capture, which paused
-/// the guest 22-32 ms against 12-17 ms for the one after it, taken once a pass had collapsed it.
-/// A pass that finds no more small memory than the last one left reads nothing else (its
-/// `smaps` read: 0.4-1 ms of CPU for a 1 GiB mapping held by small entries, measured here).
+/// it. Traced on QEMU 10.0 (bench, 1 GiB guest): a guest that wrote 400 MiB after the daemon's
+/// first capture had 430 MiB of it mapped small at its next capture, which paused the guest 22-32
+/// ms against 12-17 ms for the one after it, taken once a pass had collapsed it. A pass that finds
+/// no more small memory than the last one left reads nothing else (its `smaps` read: 0.4-1 ms of
+/// CPU for a 1 GiB mapping held by small entries, measured here).
 pub const REPEAT: Duration = Duration::from_secs(5);
 
 /// What one pass did, or all passes of a [`Regather`] together.
@@ -655,8 +655,8 @@ THPeligible:    0
         );
     }
 
-    /// QEMU 10.0 under TCG (smaps of a bench run, 2026-11-29): guest RAM, and the translated
-    /// code's buffer of nearly the same size, executable, huge pages advised.
+    /// QEMU 10.0 under TCG (smaps of a bench run): guest RAM, and the translated code's buffer of
+    /// nearly the same size, executable, huge pages advised.
     #[test]
     fn tcgs_code_buffer_is_not_guest_ram() {
         let smaps = "\

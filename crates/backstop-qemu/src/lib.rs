@@ -230,8 +230,8 @@ impl Running {
 
     /// After a capture that is discarded and taken again at once: collapses the huge pages it
     /// split, and waits for that (the guest runs meanwhile). The capture taken again goes
-    /// `stop` first, and QEMU's pre-fault of split RAM inside its pause took 45-50 ms (bench,
-    /// QEMU 7.2, 1 GiB, 2026-11-28: 48.8 ms of its snapshot thread's CPU against 3-10 ms).
+    /// `stop` first, and QEMU's pre-fault of split RAM inside its pause took 45-50 ms (measured in
+    /// the bench, QEMU 7.2, 1 GiB: 48.8 ms of its snapshot thread's CPU against 3-10 ms).
     fn regather_now(&mut self, mode: huge_pages::HugePages) {
         self.stop_regather();
         let started = Instant::now();
@@ -395,10 +395,10 @@ impl QemuBackend {
     /// before `stop` goes first: never, but with the test-only `capture.migrate-first` and
     /// `capture.switch-after-resume` faults (same-instant tests must see that order even where
     /// QEMU's setup is ~1 ms). On QEMU 7.2 at 256 MiB `stop` written right behind `migrate`
-    /// lost 5 tries in a row for each of 3 captures in some hours (2026-11-29, also at the
-    /// commit before), so 16: each lost try costs ~0.4 s. A lost try changes nothing (the disks
-    /// did not switch), so the held-back switch's fault retries too: in one CI run all three of
-    /// its captures lost their only try on 7.2 and none reached the switch it holds back.
+    /// lost 5 tries in a row for each of 3 captures in some hours (measured), so 16: each lost try
+    /// costs ~0.4 s. A lost try changes nothing (the disks did not switch), so the held-back
+    /// switch's fault retries too: in one CI run all three of its captures lost their only try on
+    /// 7.2 and none reached the switch it holds back.
     fn early_retries(&self) -> u32 {
         #[cfg(feature = "fault-injection")]
         if self.forced_lead.is_none() && migrate_first_fault() {
@@ -411,10 +411,10 @@ impl QemuBackend {
     /// `SwitchedAfterResume`) are taken again in the same order before `stop` goes first: none,
     /// but with the test-only `capture.migrate-first` fault. There (`stop` written right behind
     /// `migrate`, a 256 MiB guest) QEMU 7.2's setup (1.3-2.3 ms) is about as long as backstop's
-    /// `stop` and switch (~2 ms): in a run on 2026-11-29, of 12 tries 8 lost the race, 3 won it
-    /// but had their switch answered after QEMU's resume and 1 was kept, so a capture kept its
-    /// order only one time in four and the same-instant test that needs one of three failed
-    /// about four runs in ten (0.75³). Four: the capture after a fifth discard in a row goes `stop` first,
+    /// `stop` and switch (~2 ms): measured in one run, of 12 tries 8 lost the race, 3 won it but
+    /// had their switch answered after QEMU's resume and 1 was kept, so a capture kept its order
+    /// only one time in four and the same-instant test that needs one of three failed about four
+    /// runs in ten (0.75³). Four: the capture after a fifth discard in a row goes `stop` first,
     /// within the engine's tries (`backstop_engine`'s `CAPTURE_TRIES`).
     fn switched_retries_early(&self) -> u32 {
         #[cfg(feature = "fault-injection")]
@@ -1437,10 +1437,9 @@ fn wait_write_tracking(qmp: &mut Qmp, t: Duration, clock: &pause::PauseClock) ->
 /// pause, and one less chance for QEMU's snapshot thread to take the big lock first (on
 /// 7.2/8.x that thread then resumes the guest before the switch, and the capture is discarded,
 /// `SwitchedAfterResume`). It does not close that chance: a thread already waiting for the lock
-/// when `stop` ends takes it before QEMU reads the switch (QEMU 7.2 with no lead at 256 MiB,
-/// whose setup is ~2 ms: as many discards with this as without, 2026-11-29). A lost race writes
-/// no switch, so its disks stay as they were. The answers, with when each was read, go into
-/// `batch`.
+/// when `stop` ends takes it before QEMU reads the switch (QEMU 7.2 with no lead at 256 MiB, whose
+/// setup is ~2 ms: as many discards with this as without, measured). A lost race writes no switch,
+/// so its disks stay as they were. The answers, with when each was read, go into `batch`.
 fn switch_behind_won_stop(
     qmp: &mut Qmp,
     t: Duration,
@@ -2052,7 +2051,8 @@ impl VmBackend for QemuBackend {
             Ok(()) => Some(aside),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(source) => {
-                // The successor could not lock its pid file: end this one as before.
+                // The successor could not lock its pid file: the VM stays this backend's, and the
+                // caller ends it (keeping no RAM).
                 self.running = Some(r);
                 return Err(BackendError::Io {
                     step: "rename the abandoned qemu's pid file",

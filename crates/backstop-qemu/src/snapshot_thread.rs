@@ -18,10 +18,10 @@
 //! host's) the figure moves in 4 ms steps, about a whole setup's CPU at 1 GiB (3-4 ms); one
 //! setup learnt here read 0.3 ms where its neighbours read 3.4 ms. A perf task clock on the
 //! thread (`perf_event_open`, `PERF_COUNT_SW_TASK_CLOCK`) reads it to the µs on an idle host
-//! (25-40 µs per read), but in the bench (2026-11-29, QEMU 10.0, 1 GiB) its reads came ~3.5 ms
-//! apart instead of every 200 µs, the first one 7-11 ms after QEMU's `active`, so no setup's CPU
-//! was learnt at all, and QEMU's device save and write-protection start took 12.7 ms (median)
-//! against 7.2 ms without it in the same hour. It is not used.
+//! (25-40 µs per read), but in the bench (QEMU 10.0, 1 GiB) its reads came ~3.5 ms apart instead of
+//! every 200 µs, the first one 7-11 ms after QEMU's `active`, so no setup's CPU was learnt at all,
+//! and QEMU's device save and write-protection start took 12.7 ms (median) against 7.2 ms without
+//! it in the same hour. It is not used.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -215,16 +215,15 @@ fn cpu_at(samples: &[(u64, u64)], at_us: u64) -> Option<u64> {
 }
 
 /// The calling thread runs under the real-time policy (`SCHED_FIFO`, lowest priority) until
-/// dropped, then as before.
+/// dropped, then under the policy it had before.
 ///
 /// Why: a capture that sent `migrate` first waits a few ms for QEMU's snapshot thread before
 /// it sends `stop`, and that `stop` must land before the thread's own. On a 2-core host both
 /// QEMU's vCPU (TCG) and its snapshot thread keep a core busy then, and a waiting thread of
-/// normal priority woke up to 4-6 ms late (traced 2026-11-29: `stop` sent at 6.9-8.9 ms of the
-/// thread's CPU against a target of 1.9-3.3 ms; each of those captures lost its race). The wait
-/// sleeps between readings, so the policy costs nothing while it sleeps; it is held for one
-/// lead (at most a second). Without the privilege (not root, `RLIMIT_RTPRIO` 0) nothing
-/// changes.
+/// normal priority woke up to 4-6 ms late (traced: `stop` sent at 6.9-8.9 ms of the thread's CPU
+/// against a target of 1.9-3.3 ms; each of those captures lost its race). The wait sleeps between
+/// readings, so the policy costs nothing while it sleeps; it is held for one lead (at most a
+/// second). Without the privilege (not root, `RLIMIT_RTPRIO` 0) nothing changes.
 pub(crate) struct Urgent {
     previous: Option<(libc::c_int, libc::sched_param)>,
 }

@@ -150,7 +150,7 @@ pub fn write_tracking_on(query_migrate: &serde_json::Value) -> bool {
 /// `stop` lands during it. The pause then holds only the rest of QEMU's setup, the disk switch,
 /// device state and the write-protection start. If QEMU's thread reaches its own stop first,
 /// the RAM instant was taken on a running guest before the disks switched: that capture is
-/// read out and discarded, and the capture runs again the old way (`stop` first).
+/// read out and discarded, and the capture runs again `stop` first.
 ///
 /// How long after `migrate` to send `stop`: three quarters of the shortest of the last
 /// [`Self::KEEP`] times from `migrate` to QEMU's `MIGRATION` `active` on this QEMU (at least
@@ -176,13 +176,13 @@ pub struct SetupTimes {
     /// thread was watched (`snapshot_thread.rs`), the QEMU's first not counted.
     recent_cpu: std::collections::VecDeque<u64>,
     /// Those of captures sent `migrate` first (the guest running through QEMU's setup),
-    /// won or lost: such a setup used 1.5-2.5x the CPU of one with the guest stopped (QEMU
-    /// 10.0, 1 GiB, 2026-11-29: 6.9-9.1 ms against 3.1-4.6 ms on the same QEMU), so a target
-    /// learnt from `stop`-first captures alone sends `stop` less than half way through.
+    /// won or lost: such a setup used 1.5-2.5x the CPU of one with the guest stopped (measured on
+    /// QEMU 10.0, 1 GiB: 6.9-9.1 ms against 3.1-4.6 ms on the same QEMU), so a target learnt from
+    /// `stop`-first captures alone sends `stop` less than half way through.
     recent_led_cpu: std::collections::VecDeque<u64>,
     /// From backstop's `stop` to QEMU's `STOP`, in µs, of the last captures: QEMU's snapshot
     /// thread runs on for that long after `stop` is sent (0.55-1.6 ms under TCG on 2 cores,
-    /// 2026-11-29), so the CPU figure to send `stop` at is at least that far below the least.
+    /// measured), so the CPU figure to send `stop` at is at least that far below the least.
     recent_stop_latency: std::collections::VecDeque<u64>,
 }
 
@@ -308,9 +308,9 @@ impl SetupTimes {
     /// How long after `migrate` the next capture sends `stop`; `None`: `stop` first (no
     /// capture measured yet on this QEMU, or a lead too short to matter).
     pub fn lead(&self) -> Option<std::time::Duration> {
-        // At least two setup times: every race the bench runs of 2026-11-28 lost (QEMU 10 with
-        // `auto`, 7.2 with `migrate-first`, even with half of it as the lead) was a QEMU's
-        // third capture, led by its second capture's long setup alone.
+        // At least two setup times: every race lost in the bench's runs (QEMU 10 with `auto`, 7.2
+        // with `migrate-first`, even with half of it as the lead) was a QEMU's third capture, led
+        // by its second capture's long setup alone.
         let lead_us = self.share_of_least(&self.recent, (3, 4), (1, 2))?;
         let lead = std::time::Duration::from_micros(lead_us);
         (lead >= Self::MIN_LEAD).then_some(lead)
@@ -322,10 +322,10 @@ impl SetupTimes {
     /// watched, and the lead on the clock if it cannot: [`Self::lead`], or, when that is
     /// `None` but the CPU figure to send `stop` at ([`Self::cpu_stop_point`]) is at least
     /// [`Self::MIN_LEAD`], the clock's share of the least setup however short (only a
-    /// fallback). Traced 2026-11-29: after one lost race the capture taken again (`stop`
-    /// first, huge pages just collapsed) had a 5.6 ms setup, half of which is under
-    /// `MIN_LEAD`, and the next 7 captures went `stop` first although the CPU figure (4.6 ms)
-    /// still left most of the setup outside the pause.
+    /// fallback). Traced: after one lost race the capture taken again (`stop` first, huge pages
+    /// just collapsed) had a 5.6 ms setup, half of which is under `MIN_LEAD`, and the next 7
+    /// captures went `stop` first although the CPU figure (4.6 ms) still left most of the setup
+    /// outside the pause.
     pub fn early_lead(&self) -> Option<std::time::Duration> {
         if let Some(lead) = self.lead() {
             return Some(lead);

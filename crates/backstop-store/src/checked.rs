@@ -1,5 +1,5 @@
 //! What this process has already checked byte for byte, so a rollback need not hash it again
-//! (issue 21: "verify once and keep a record of it").
+//! (verify once and keep a record of it).
 //!
 //! A file's bytes were checked (hashed by a full verification, or hashed in memory by the builder
 //! that wrote them) and found to match given digests; the record keeps those digests with the

@@ -18,13 +18,13 @@ pub const CHUNK_MAX_BYTES: u32 = 4 * 1024 * 1024;
 
 /// The hash that names a chunk (its file under `chunks/`) and proves its bytes.
 ///
-/// sha256 is the default and what every store written before 2026-11 holds. BLAKE3
+/// sha256 is the default (a store written without `chunk_hash` holds sha256 chunks). BLAKE3
 /// (`[daemon] chunk_hash = "blake3"`) hashes ~4.3x faster on this project's machines (5.7 against
-/// 1.3 GB/s on one core, 64 KiB chunks), which is most of a capture's CPU (issue 21). Both are
-/// 256-bit cryptographic hashes, named by 64 lower-case hex digits; a store may hold chunks of
-/// both (the two namespaces never meet: a name is a digest of its bytes under the hash its index
-/// says). Chunks of one index all use one hash; an index of BLAKE3 chunks is index version 1.1,
-/// which a reader of 1.0 refuses (`ERR_SNAPSHOT_COMPATIBILITY_BLOCKED`) rather than misreads.
+/// 1.3 GB/s on one core, 64 KiB chunks), which is most of a capture's CPU. Both are 256-bit
+/// cryptographic hashes, named by 64 lower-case hex digits; a store may hold chunks of both (the
+/// two namespaces never meet: a name is a digest of its bytes under the hash its index says).
+/// Chunks of one index all use one hash; an index of BLAKE3 chunks is index version 1.1, which a
+/// reader of 1.0 refuses (`ERR_SNAPSHOT_COMPATIBILITY_BLOCKED`) rather than misreads.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ChunkHash {

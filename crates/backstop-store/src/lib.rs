@@ -227,7 +227,7 @@ impl Store {
     }
 
     /// Names the chunks of the snapshots this store's builders write from now on by `hash`
-    /// (`[daemon] chunk_hash`). Snapshots already written keep theirs, and read as before.
+    /// (`[daemon] chunk_hash`). Snapshots already written keep theirs and are verified with it.
     pub fn with_chunk_hash(mut self, hash: ChunkHash) -> Store {
         self.chunk_hash = hash;
         self

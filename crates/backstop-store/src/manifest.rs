@@ -80,7 +80,7 @@ pub struct Manifest {
     pub lineage: Option<Lineage>,
     /// What a person called it (`snapshot create --name`; the rule is
     /// [`backstop_common::names::check_snapshot_name`]). Absent in unnamed snapshots and in
-    /// manifests written before names existed, which decode as before. Signed and part of the
+    /// manifests written before names existed, which decode without one. Signed and part of the
     /// content id like every field, so a name cannot be changed or moved to another snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,

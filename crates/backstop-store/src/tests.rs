@@ -1322,7 +1322,7 @@ fn long_work_calls_the_keepalive_per_mib_hashed_and_per_chunk_checked() {
         "6 MiB layer and {} chunks verified with {verified} keepalives",
         payload.chunks
     );
-    // A store without one works as before.
+    // A store without a keepalive verifies the same snapshot and calls nothing.
     fx.store
         .verify(&m.snapshot_id, &VerifyOptions::default())
         .unwrap();
@@ -1356,7 +1356,7 @@ fn a_snapshot_rechecked_chunk_by_chunk_finds_the_damaged_one_and_quarantines_it(
     assert_code(&fx.store.snapshot_chunks(&id).unwrap_err(), INTEGRITY);
 }
 
-// ---------------------------------------------------------------- checked once (issue 21)
+// ---------------------------------------------------------------- checked once
 
 fn verify_trusting(fx: &Fixture, id: &str) -> Result<VerifiedSnapshot, StoreError> {
     fx.store
@@ -1657,9 +1657,9 @@ fn a_chunk_the_writer_cannot_create_fails_the_payload_and_leaves_nothing() {
     assert!(fx.store.list().unwrap().is_empty());
 }
 
-/// `[daemon] chunk_hash = "blake3"` (issue 21): chunks named by BLAKE3, index version 1.1; the
-/// bytes read back, each chunk's file is its BLAKE3 digest, and a flipped byte is caught by
-/// verification as with sha256.
+/// `[daemon] chunk_hash = "blake3"`: chunks named by BLAKE3, index version 1.1; the bytes read
+/// back, each chunk's file is its BLAKE3 digest, and a flipped byte is caught by verification as
+/// with sha256.
 #[test]
 fn a_blake3_store_names_chunks_by_blake3_and_verifies_them() {
     let mut fx = Fixture::new();

@@ -36,7 +36,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // `[offsite]` (issue 20): the daemon file's, parsed strictly; a bad one starts nothing.
+    // `[offsite]`: the daemon file's, parsed strictly; a bad one starts nothing.
     let offsite_cfg = match &args.config {
         Some(p) => std::fs::read_to_string(p)
             .map_err(|e| format!("ERR_CONFIG_INVALID: {}: {e}", p.display()))

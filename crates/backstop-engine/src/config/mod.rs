@@ -58,8 +58,8 @@ pub struct Config {
     /// `backstop-kvm` at load; see vmm-config/kvm.toml.
     #[serde(default)]
     pub kvm: Option<toml::Table>,
-    /// Off-host replication (`[offsite]`, issue 20): a daemon-wide table of the daemon file,
-    /// parsed strictly by `backstop-offsite` in `backstopd`; the engine only lets it through.
+    /// Off-host replication (`[offsite]`): a daemon-wide table of the daemon file, parsed strictly
+    /// by `backstop-offsite` in `backstopd`; the engine only lets it through.
     #[serde(default)]
     pub offsite: Option<toml::Table>,
     /// The KVM backend's parsed settings (`None` for QEMU).
@@ -209,7 +209,8 @@ pub struct DaemonConfig {
     /// The hash that names the chunks of new snapshots: `"sha256"` (default: what every store
     /// before it holds, dedup continues across the upgrade) or `"blake3"` (~4x faster to hash:
     /// captures and full verifications spend less CPU; index version 1.1, which older backstop
-    /// builds refuse to restore). Existing snapshots keep their hash and read as before.
+    /// builds refuse to restore). Existing snapshots keep the hash they were written with and are
+    /// read and verified with it.
     #[serde(default)]
     pub chunk_hash: backstop_store::ChunkHash,
     /// A capture whose store takes no state for this long (its buffer full) is abandoned, so a
@@ -452,7 +453,7 @@ pub struct VmConfig {
     /// (default) only ranges the guest has written, so QEMU's memory never grows; `all` every
     /// range, the never-written ones too: the guest's whole RAM becomes resident (as with
     /// QEMU's `-mem-prealloc`), and the write-protection start inside the pause is ~4 ms shorter
-    /// at 1 GiB (README, issue 21). `all` applies to the QEMU backend on QEMU ≥ 9.0 only; on
+    /// at 1 GiB (README). `all` applies to the QEMU backend on QEMU ≥ 9.0 only; on
     /// 7.2/8.x and for a libvirt domain it falls back to `resident` with a warning.
     #[serde(default)]
     pub huge_pages: backstop_qemu::huge_pages::HugePages,

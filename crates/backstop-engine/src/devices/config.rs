@@ -437,7 +437,7 @@ pub fn validate(devices: &[DeviceConfig], vm: &VmConfig) -> Result<(), ConfigErr
 /// What the VM's base shape needs for the configured devices.
 /// The NICs of `vm.nics` that no `[[devices]]` entry controls, as network devices named after
 /// the NIC (unless that id is taken). They are not part of the VM's shape: such a NIC boots
-/// with its link up as before; only after a rollback took it down does a grant matter.
+/// with its link up; only after a rollback took it down does a grant matter.
 pub fn implicit_nics(devices: &[DeviceConfig], nics: &[String]) -> Vec<DeviceConfig> {
     nics.iter()
         .filter(|n| {

@@ -58,8 +58,8 @@ impl VmActor {
     }
 
     /// What `device grant` may give: the `[[devices]]` entries, and every NIC (`nics`, `tap_nics`) that
-    /// no entry controls, under its own name (issue 18: a rollback takes every link down, and
-    /// the operator must be able to raise it again, journaled, with a lease like any grant).
+    /// no entry controls, under its own name (a rollback takes every link down, and the operator
+    /// must be able to raise it again, journaled, with a lease like any grant).
     pub(crate) fn grantable(&self) -> Vec<DeviceConfig> {
         let mut all = self.cfg.devices.clone();
         all.extend(implicit_nics(&self.cfg.devices, &self.cfg.vm.all_nics()));

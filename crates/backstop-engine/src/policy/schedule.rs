@@ -35,7 +35,7 @@ pub struct Schedule {
     recheck_at: Option<Instant>,
     /// How much earlier than one interval the first slot after start comes (0: not at all).
     /// Many VMs of one daemon start together; without it their schedules stay in step and
-    /// every interval they all queue for the capture slot at once (issue 13: spread them).
+    /// every interval they all queue for the capture slot at once (the phase spreads them).
     phase: Duration,
 }
 
@@ -195,8 +195,8 @@ impl VmActor {
                 }
             }
             Err(e) => {
-                // (This compared with ERR_SNAPSHOT_DEFERRED alone, so a slot put off by a
-                // granted device was journaled as a failure: issue 15.)
+                // Every deferral code counts, not only ERR_SNAPSHOT_DEFERRED: a slot put off by a
+                // granted device is a deferral, not a failure.
                 let why = if e.code().is_deferral() {
                     "snapshot_deferred"
                 } else {
