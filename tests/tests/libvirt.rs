@@ -550,18 +550,50 @@ fn libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant() {
     let stopped = events(&stopped, "daemon.stopped");
     assert_eq!(stopped.last().unwrap()["fields"]["vm_left_running"], true);
 
-    // The next start adopts the still-running domain again and, since it ran unguarded, goes
-    // back to the newest verified snapshot (fail-closed), keeping name and UUID.
-    let before = dom.serial().len();
+    // The next start adopts the still-running domain again and, finding it as the clean stop
+    // left it (same UUID, QEMU process, block graph, epoch), re-attaches to it as it runs: no
+    // rollback, the epoch unchanged, the guest's writes since the newest snapshot kept.
+    let last_before = parse_ticks(&dom.serial()).last().copied().unwrap();
+    let epoch_before = d.status()["epoch"].clone();
+    let rollbacks_before = events(&d.journal(), "rollback.completed").len();
     d.launch();
-    let rb2 = d.wait_journal(STEP, "rollback after restart", |e| {
-        e["event"] == "rollback.completed" && e["fields"]["rollback_type"] == "emergency"
+    let re = d.wait_journal(STEP, "re-attached after a clean stop", |e| {
+        e["event"] == "vm.reattached"
     });
-    eprintln!("after restart: {}", rb2["fields"]);
+    eprintln!("after restart: {}", re["fields"]);
+    assert_eq!(
+        re["fields"]["compared"]["pid"], pid_restored,
+        "{}",
+        re["fields"]
+    );
+    assert_eq!(re["fields"]["compared"]["uuid"], uuid.as_str());
     let j = d.journal();
     let adoptions = events(&j, "vm.adopted");
     assert_eq!(adoptions.len(), 2, "journaled at each adoption");
     assert_eq!(adoptions[1]["fields"]["pid"], pid_restored);
+    assert_eq!(dom.pid(), pid_restored, "the same QEMU after the restart");
+    assert_eq!(d.status()["epoch"], epoch_before, "epoch unchanged");
+    assert_eq!(
+        events(&j, "rollback.completed").len(),
+        rollbacks_before,
+        "no rollback at a clean restart"
+    );
+    let from = dom.serial().len();
+    let on = dom.wait_ticks(from, "guest running on after the restart", |t| t.len() >= 2);
+    assert!(
+        on[0].disk >= last_before.disk && on[0].ram >= last_before.ram,
+        "the guest went on from where it was ({last_before:?} then {on:?})"
+    );
+
+    // A crash of backstopd (kill -9) leaves no such record: the next start takes the
+    // fail-closed way, back to the newest verified snapshot, keeping name and UUID.
+    d.kill9();
+    let before = dom.serial().len();
+    d.launch();
+    let rb2 = d.wait_journal(STEP, "rollback after a crash", |e| {
+        e["event"] == "rollback.completed" && e["fields"]["rollback_type"] == "emergency"
+    });
+    eprintln!("after a crash: {}", rb2["fields"]);
     dom.renice();
     let again = dom.wait_ticks(before, "guest after the restart rollback", |t| t.len() >= 2);
     assert_eq!(again[0].ram, again[0].disk, "{again:?}");

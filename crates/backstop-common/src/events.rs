@@ -140,6 +140,12 @@ audit_events! {
     VmClaimTakenOver = "vm.claim_taken_over" ["claim", "previous"];
     /// A VM was brought back from the final snapshot of a clean stop (not a rollback).
     VmResumed = "vm.resumed" ["stopped_at"];
+    /// An adopted domain left running by a clean stop was found as it was then (UUID, QEMU
+    /// process, block graph, epoch) and guarded again as it runs: no rollback.
+    VmReattached = "vm.reattached" ["stopped_at", "compared"];
+    /// An adopted domain left running was not found as it was: what differs; the VM takes the
+    /// fail-closed way (the newest verified snapshot).
+    VmReattachRefused = "vm.reattach_refused" ["differs"];
     /// The VM's lifecycle moved from one state to another.
     VmStateChanged = "vm.state_changed" ["from", "to", "transition"];
     /// A VM entered HALTED.

@@ -21,7 +21,7 @@ use crate::config::{Config, DiskSnapshotMode};
 use crate::error::EngineError;
 use crate::layers::Layers;
 use crate::lifecycle::{Transition, VmState};
-use crate::records::{CleanStopRecord, HaltRecord, Records, VmRecord};
+use crate::records::{CleanStopRecord, HaltRecord, ReattachRecord, Records, VmRecord};
 use crate::rollback::RollbackPlan;
 use crate::services::accel_choice;
 pub use crate::services::{backend_for, Services};
@@ -397,6 +397,9 @@ impl VmActor {
         };
         let has_snapshot = self.has_snapshot()?;
         self.transition(Transition::Boot, &ctx.trace_id.clone())?;
+        if self.adoption.is_some() && self.reattach(&mut ctx)? {
+            return Ok(());
+        }
         if let Some(stop) = self.records.clean_stop().unwrap_or_else(|e| {
             warn!(error = %e, "clean-stop record unreadable: treated as a crash");
             None
@@ -453,6 +456,102 @@ impl VmActor {
             }
         } else {
             self.cold_boot(&mut ctx)
+        }
+    }
+
+    /// An adopted domain a clean stop left running: guarded again as it runs, with no
+    /// rollback and the epoch unchanged, when the domain found now is the one left (same UUID,
+    /// same QEMU process, same block graph, same epoch). Anything else is journaled with what
+    /// differs and `false` is returned: the caller takes the fail-closed way. The record is
+    /// used once, whatever the outcome.
+    fn reattach(&mut self, ctx: &mut Ctx) -> Result<bool, EngineError> {
+        let left = match self.records.reattach() {
+            Ok(Some(r)) => r,
+            Ok(None) => return Ok(false),
+            Err(e) => {
+                warn!(error = %e, "reattach record unreadable: treated as a crash");
+                ReattachRecord {
+                    uuid: String::new(),
+                    pid: 0,
+                    pid_start: None,
+                    actives: Default::default(),
+                    epoch: u64::MAX,
+                    stopped_at: String::new(),
+                }
+            }
+        };
+        self.records
+            .clear_reattach()
+            .map_err(|source| EngineError::Io {
+                step: "remove reattach.json",
+                source,
+            })?;
+        let now = self.attach_identity(&left.stopped_at, false);
+        let differs = left.differences(&now);
+        let compared = json!({
+            "uuid": now.uuid, "pid": now.pid, "pid_start": now.pid_start,
+            "actives": now.actives, "epoch": now.epoch,
+        });
+        let sid = self.session_id.clone();
+        if !differs.is_empty() {
+            warn!(differs = ?differs, "the adopted domain is not as the clean stop left it: fail-closed");
+            self.journal(AuditEvent::VmReattachRefused, json!({
+                "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": self.vm.position, "result": "refused",
+                "differs": differs, "left": left, "found": compared,
+            }))?;
+            return Ok(false);
+        }
+        let disks = self.attachments();
+        self.backend
+            .launch(&disks, BootMode::Cold)
+            .map_err(|source| EngineError::Backend {
+                step: "reattach",
+                source,
+            })?;
+        self.transition(Transition::Booted, &ctx.trace_id.clone())?;
+        self.running_since = Some(std::time::Instant::now());
+        self.journal(AuditEvent::VmReattached, json!({
+            "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": self.vm.position, "result": "ok",
+            "stopped_at": left.stopped_at, "compared": compared,
+        }))?;
+        info!(pid = ?now.pid, "adopted domain re-attached as it runs (no rollback)");
+        Ok(true)
+    }
+
+    /// What identifies the adopted domain (for [`ReattachRecord`]): its UUID, QEMU process and
+    /// epoch, and its disks' top layers — as the engine set them (`recorded`: at a clean stop),
+    /// or as libvirt reported them at this start's adoption.
+    fn attach_identity(&self, stopped_at: &str, recorded: bool) -> ReattachRecord {
+        let pid = self.backend.pid().unwrap_or(0);
+        ReattachRecord {
+            uuid: self
+                .adoption
+                .as_ref()
+                .and_then(|a| a.details.get("uuid"))
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string(),
+            pid,
+            pid_start: process_start(pid),
+            actives: if recorded {
+                self.vm
+                    .chains
+                    .iter()
+                    .filter_map(|(disk, chain)| Some((disk.clone(), chain.last()?.clone())))
+                    .collect()
+            } else {
+                self.adoption
+                    .as_ref()
+                    .map(|a| {
+                        a.disks
+                            .iter()
+                            .map(|d| (d.id.clone(), d.active.clone()))
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            },
+            epoch: self.vm.epoch,
+            stopped_at: stopped_at.to_string(),
         }
     }
 
@@ -714,6 +813,7 @@ impl VmActor {
                 | AuditEvent::DeviceGranted
                 | AuditEvent::DeviceRevoked
                 | AuditEvent::VmResumed
+                | AuditEvent::VmReattached
                 | AuditEvent::VmStarted
         ) {
             self.drift.check_due = true;
@@ -722,7 +822,10 @@ impl VmActor {
         // the instance's baseline (a pid that changes otherwise is drift).
         if matches!(
             event,
-            AuditEvent::VmStarted | AuditEvent::RollbackCompleted | AuditEvent::VmResumed
+            AuditEvent::VmStarted
+                | AuditEvent::RollbackCompleted
+                | AuditEvent::VmResumed
+                | AuditEvent::VmReattached
         ) {
             self.drift.launched_by_engine();
         }
@@ -732,6 +835,7 @@ impl VmActor {
                 | AuditEvent::RollbackCompleted
                 | AuditEvent::VmHalted
                 | AuditEvent::VmResumed
+                | AuditEvent::VmReattached
                 | AuditEvent::DaemonStopped
         ) {
             self.anchor(event, seq, &hash);
@@ -888,15 +992,27 @@ impl VmActor {
         let trace = self.new_id();
         if self.adoption.is_some() {
             // An adopted domain is the operator's (libvirt owns it): it keeps running, unguarded
-            // until the next start, which treats that window as after a crash and goes back to
-            // the newest verified snapshot (fail-closed). No final snapshot: nothing resumes
-            // from one.
+            // until the next start. A running, guarded domain is recorded as it is now, and the
+            // next start re-attaches to it as it runs when it finds it unchanged; anything else
+            // (a HALTED VM, a job cut short, a domain changed meanwhile) takes the fail-closed
+            // way then. No final snapshot: nothing resumes from one.
+            let recorded = self.state == VmState::Running && {
+                let left = self.attach_identity(&backstop_common::time::now_rfc3339(), true);
+                match self.records.set_reattach(&left) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        warn!(error = %e, "reattach record not written: the next start rolls back");
+                        false
+                    }
+                }
+            };
             let sid = self.session_id.clone();
             let _ = self.journal(
                 AuditEvent::DaemonStopped,
                 json!({
                     "session_id": sid, "trace_id": trace, "snapshot_id": Value::Null, "result": "ok",
-                    "vm": self.cfg.vm.name, "clean": false, "vm_left_running": true,
+                    "vm": self.cfg.vm.name, "clean": recorded, "vm_left_running": true,
+                    "reattach_recorded": recorded,
                 }),
             );
             self.backend.release();
@@ -950,4 +1066,16 @@ impl VmActor {
         info!(snapshot_id = %m.snapshot_id, "final snapshot taken; the next start resumes from it");
         Some(m.snapshot_id)
     }
+}
+
+/// A process's start time (`/proc/PID/stat` field 22, clock ticks since boot), which tells a
+/// reused pid from the process it named.
+fn process_start(pid: u32) -> Option<u64> {
+    if pid == 0 {
+        return None;
+    }
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: count after its end.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
 }

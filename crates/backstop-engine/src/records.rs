@@ -7,6 +7,9 @@
 //! * `halted.json`: the VM is HALTED, why, and since when. Only `halt clear` removes it.
 //! * `clean-stop.json`: the daemon stopped cleanly and took this final snapshot of the paused
 //!   guest; the next start resumes from exactly it, then removes the record.
+//! * `reattach.json`: an adopted domain was left running by a clean stop; what it was then
+//!   (UUID, QEMU pid and start time, block graph, epoch). The next start re-attaches to it
+//!   as it runs when all of that still holds, then removes the record.
 //! * `reserve.bin`: 1 MiB kept allocated so that on a full filesystem the HALT record and the
 //!   journal entries around it can still be written: released when such a write fails (the
 //!   write is then retried once), re-made when the VM starts or is cleared.
@@ -60,6 +63,49 @@ pub struct CleanStopRecord {
     pub snapshot_id: String,
     pub trace_id: String,
     pub stopped_at: String,
+}
+
+/// An adopted domain left running by a clean stop, as it was then: the next start re-attaches
+/// to it without a rollback only when the domain it finds is this one, unchanged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReattachRecord {
+    pub uuid: String,
+    pub pid: u32,
+    /// The QEMU process's start time (`/proc/PID/stat` field 22, clock ticks since boot): a
+    /// reused pid is another process.
+    pub pid_start: Option<u64>,
+    /// Per captured disk, the layer the guest writes (the block graph's top).
+    pub actives: BTreeMap<String, PathBuf>,
+    pub epoch: u64,
+    pub stopped_at: String,
+}
+
+impl ReattachRecord {
+    /// What differs between the domain left (`self`) and the one found (`now`), one line each.
+    pub fn differences(&self, now: &ReattachRecord) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.uuid != now.uuid {
+            out.push(format!("uuid: {} left, {} found", self.uuid, now.uuid));
+        }
+        if self.pid != now.pid {
+            out.push(format!("QEMU pid: {} left, {} found", self.pid, now.pid));
+        } else if self.pid_start.is_none() || self.pid_start != now.pid_start {
+            out.push(format!(
+                "QEMU process start: {:?} left, {:?} found (pid {} reused)",
+                self.pid_start, now.pid_start, now.pid
+            ));
+        }
+        if self.actives != now.actives {
+            out.push(format!(
+                "block graph: {:?} left, {:?} found",
+                self.actives, now.actives
+            ));
+        }
+        if self.epoch != now.epoch {
+            out.push(format!("epoch: {} left, {} found", self.epoch, now.epoch));
+        }
+        out
+    }
 }
 
 pub struct Records {
@@ -137,6 +183,15 @@ impl Records {
     }
     pub fn clear_clean_stop(&self) -> std::io::Result<()> {
         durable::remove_durably(&self.path("clean-stop.json"))
+    }
+    pub fn reattach(&self) -> std::io::Result<Option<ReattachRecord>> {
+        self.read("reattach.json")
+    }
+    pub fn set_reattach(&self, r: &ReattachRecord) -> std::io::Result<()> {
+        self.write("reattach.json", r)
+    }
+    pub fn clear_reattach(&self) -> std::io::Result<()> {
+        durable::remove_durably(&self.path("reattach.json"))
     }
 
     /// Makes the space reserve if it is missing (best effort: on a full disk it stays missing
