@@ -5,8 +5,8 @@
 # libvirtd if they are not running. Idempotent and non-interactive; prints the
 # libvirt version on stdout.
 #
-# Called by scripts/setup.sh when BACKSTOP_WITH_LIBVIRT=1 (see docs/libvirt-notes.md
-# for the measured install time). Needs root.
+# Called by scripts/setup.sh when BACKSTOP_WITH_LIBVIRT=1 (docs/libvirt.md says what the
+# libvirt backend needs of the host). Needs root.
 set -euo pipefail
 
 die() { echo "setup-libvirt: error: $*" >&2; exit 1; }
@@ -56,7 +56,7 @@ fi
 
 # qemu.conf: libvirt's defaults were enough to start a TCG domain in this container
 # (no systemd, cgroup v1 mounted, no AppArmor): security_driver, namespaces and
-# cgroup_controllers stay as shipped (docs/libvirt-notes.md, step 1). A host that needs
+# cgroup_controllers stay as shipped (docs/libvirt.md, "Tried"). A host that needs
 # some of them sets BACKSTOP_LIBVIRT_QEMU_CONF, e.g.
 #   'security_driver="none" namespaces=[] cgroup_controllers=[]'
 # A marked block, rewritten each time: idempotent.
@@ -65,7 +65,7 @@ begin='# >>> backstop setup-libvirt.sh'
 end='# <<< backstop setup-libvirt.sh'
 block=$(
 	echo "$begin"
-	echo "# Added for containers without systemd (see backstop docs/libvirt-notes.md)."
+	echo "# Added for containers without systemd (see backstop docs/libvirt.md)."
 	for kv in ${BACKSTOP_LIBVIRT_QEMU_CONF:-}; do
 		echo "${kv%%=*} = ${kv#*=}"
 	done
