@@ -568,6 +568,20 @@ def check_inline_key(tree, tops, literals, rel, n, span):
 # ---------------------------------------------------------------- main
 
 
+def check_error_codes(root):
+    """Every error code backstop defines (codes.rs) is in the console reference's table."""
+    src = root / "crates/backstop-common/src/codes.rs"
+    doc = root / "docs/console.md"
+    if not src.exists() or not doc.exists():
+        return
+    codes = re.findall(r'=\s*"([A-Z_]+)",\s*\w+,', src.read_text())
+    text = doc.read_text()
+    for c in codes:
+        counts["error codes"] = counts.get("error codes", 0) + 1
+        if f"| `{c}` |" not in text:
+            fail("docs/console.md", 0, f"error code {c} (codes.rs) is not in the error code table")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--verbs", action="store_true", help="also console commands and config keys")
@@ -579,6 +593,7 @@ def main():
 
     check_readme_length(root)
     check_links(root, md_files)
+    check_error_codes(root)
     if args.verbs or args.all:
         binary = os.environ.get("BACKSTOP_BIN") or str(root / "target/debug/backstop")
         check_verbs(root, md_files, binary)
