@@ -539,6 +539,7 @@ fn libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant() {
     d.ok(&["audit", "verify"]);
     // A clean stop of the daemon leaves the operator's domain running, on the same QEMU.
     let pid_restored = dom.pid();
+    let epoch_before = d.status()["epoch"].clone();
     d.stop();
     assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
     assert_eq!(
@@ -554,7 +555,6 @@ fn libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant() {
     // left it (same UUID, QEMU process, block graph, epoch), re-attaches to it as it runs: no
     // rollback, the epoch unchanged, the guest's writes since the newest snapshot kept.
     let last_before = parse_ticks(&dom.serial()).last().copied().unwrap();
-    let epoch_before = d.status()["epoch"].clone();
     let rollbacks_before = events(&d.journal(), "rollback.completed").len();
     d.launch();
     let re = d.wait_journal(STEP, "re-attached after a clean stop", |e| {

@@ -417,6 +417,18 @@ pub enum VmCommand {
         #[arg(long, value_name = "HOST", value_parser = non_empty)]
         from: Option<String>,
     },
+    /// Start VM NAME, whose state is damaged (a broken journal: ERR_AUDIT_CHAIN_BROKEN), on a
+    /// new chain. Its state directory is moved aside whole as evidence (never deleted); the new
+    /// journal opens with vm.reset naming the old head (seq, hash) and where the evidence is;
+    /// the VM starts with a fresh baseline. Refused while the VM runs. Console only.
+    Reset {
+        /// The VM's name.
+        #[arg(value_parser = non_empty)]
+        name: String,
+        /// Why; recorded as the new chain's first entry.
+        #[arg(long, value_parser = non_empty)]
+        reason: String,
+    },
 }
 
 /// A VM file as read by the console: its file name and text (sent whole: the daemon may not
@@ -495,6 +507,10 @@ impl Command {
                 text: file.text.clone(),
                 from_snapshot: from_snapshot.clone(),
                 from: from.clone(),
+            },
+            Command::Vm(VmCommand::Reset { name, reason }) => Request::VmReset {
+                vm: name.clone(),
+                reason: reason.clone(),
             },
             Command::Events {
                 since,

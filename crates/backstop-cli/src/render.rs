@@ -116,6 +116,7 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::Drift(report) => drift_text(report),
         Response::Reloaded(r) => reloaded_text(r),
         Response::VmAdded(r) => vm_added_text(r),
+        Response::VmReset(r) => vm_reset_text(r),
         Response::SnapshotDeleted(d) => format!(
             "snapshot {}{} deleted: {} chunk(s) and {} disk layer(s) freed\n",
             clean(&d.snapshot_id),
@@ -203,6 +204,19 @@ fn vm_added_text(r: &backstop_control::VmAddReport) -> String {
             p.start_ms
         );
     }
+    text.push_str(&vms_text(std::slice::from_ref(&r.vm)));
+    text
+}
+
+fn vm_reset_text(r: &backstop_control::VmResetReport) -> String {
+    let head = match (r.old_head_seq, &r.old_head_hash) {
+        (Some(seq), Some(hash)) => format!("seq {seq}, hash {}", clean(hash)),
+        _ => "no whole entry".to_string(),
+    };
+    let mut text = format!(
+        "state moved aside as evidence: {}\nnew chain started after the old head ({head})\n",
+        clean(&r.evidence)
+    );
     text.push_str(&vms_text(std::slice::from_ref(&r.vm)));
     text
 }

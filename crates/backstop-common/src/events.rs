@@ -140,6 +140,9 @@ audit_events! {
     VmClaimTakenOver = "vm.claim_taken_over" ["claim", "previous"];
     /// A VM was brought back from the final snapshot of a clean stop (not a rollback).
     VmResumed = "vm.resumed" ["stopped_at"];
+    /// The first entry of a chain started by `vm reset`: the damaged state moved aside as
+    /// evidence, and the old journal's head (its last whole entry) it continues from.
+    VmReset = "vm.reset" ["evidence", "old_head_seq", "old_head_hash", "reason", "requested_by"];
     /// An adopted domain left running by a clean stop was found as it was then (UUID, QEMU
     /// process, block graph, epoch) and guarded again as it runs: no rollback.
     VmReattached = "vm.reattached" ["stopped_at", "compared"];

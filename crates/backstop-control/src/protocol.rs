@@ -172,6 +172,12 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         from: Option<String>,
     },
+    /// Start a VM whose state is damaged (a broken journal, say) on a new chain (answered by
+    /// the daemon, console only; the VM must not run): its state directory is moved aside
+    /// whole as evidence (never deleted), a new journal begins with `vm.reset` naming the old
+    /// head (seq and hash) and the evidence, and the VM starts as a reload starts a new one,
+    /// with a fresh baseline. Files outside the state directory are not touched.
+    VmReset { vm: String, reason: String },
     /// Verify the daemon journal, and that every VM journal still holds the entries the daemon
     /// journal anchored (answered by the daemon).
     DaemonAuditVerify,
@@ -460,6 +466,10 @@ enum StrictRequest {
         #[serde(default)]
         from: Option<String>,
     },
+    VmReset {
+        vm: String,
+        reason: String,
+    },
     DaemonAuditVerify {},
     AuditReplay(ReplayAsk),
     Events {
@@ -576,6 +586,7 @@ impl From<StrictRequest> for Request {
                 from_snapshot,
                 from,
             },
+            StrictRequest::VmReset { vm, reason } => Request::VmReset { vm, reason },
             StrictRequest::DaemonAuditVerify {} => Request::DaemonAuditVerify,
             StrictRequest::AuditReplay(ask) => Request::AuditReplay(ask),
             StrictRequest::Events {
@@ -621,6 +632,7 @@ impl Request {
             Request::Vms => "vms",
             Request::Reload => "reload",
             Request::VmAdd { .. } => "vm add",
+            Request::VmReset { .. } => "vm reset",
             Request::DaemonAuditVerify => "audit verify --daemon",
             Request::AuditReplay(_) => "audit replay",
             Request::Events { .. } => "events",
@@ -701,6 +713,8 @@ pub enum Response {
     Reloaded(ReloadReport),
     /// `vm add`: the VM added and how it started.
     VmAdded(VmAddReport),
+    /// `vm reset`: where the evidence went, the old chain's head, and the VM as it runs now.
+    VmReset(VmResetReport),
     /// How `audit replay` ended.
     Replayed(ReplayReport),
     /// The lineage tree (`snapshot tree`).
@@ -995,6 +1009,18 @@ pub struct ReloadReport {
     pub applied: Vec<String>,
     /// Files refused (name, reason); a VM already running under that name keeps running.
     pub refused: Vec<(String, String)>,
+}
+
+/// What `vm reset` did.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VmResetReport {
+    /// The VM's line of `vms` once started again.
+    pub vm: VmSummary,
+    /// Where the damaged state directory was moved (whole, as it was).
+    pub evidence: String,
+    /// The old journal's last whole entry (seq and hash), as the new chain's first entry names it.
+    pub old_head_seq: Option<u64>,
+    pub old_head_hash: Option<String>,
 }
 
 /// The largest VM file `vm add` takes (a VM file is a few KiB).

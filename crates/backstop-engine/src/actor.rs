@@ -217,6 +217,26 @@ impl VmActor {
             preloaded: None,
             drift: crate::drift::shell::DriftState::load(&state_dir),
         };
+        // A chain started by `vm reset` opens with what it continues from.
+        match engine.records.reset() {
+            Ok(Some(r)) => {
+                let sid = engine.session_id.clone();
+                engine.journal(AuditEvent::VmReset, json!({
+                    "session_id": sid, "trace_id": Value::Null, "snapshot_id": Value::Null, "result": "ok",
+                    "evidence": r.evidence, "old_head_seq": r.old_head_seq, "old_head_hash": r.old_head_hash,
+                    "reason": r.reason, "requested_by": r.requested_by,
+                }))?;
+                engine
+                    .records
+                    .clear_reset()
+                    .map_err(|source| EngineError::Io {
+                        step: "remove reset.json",
+                        source,
+                    })?;
+            }
+            Ok(None) => {}
+            Err(e) => warn!(error = %e, "reset.json unreadable: the chain does not name the reset"),
+        }
         let accel = engine.backend.accel().to_string();
         // The config in force, as far as decisions read it, recorded with its hash (spec/003:
         // `audit replay` decides from this, not from whatever the file says later).

@@ -206,6 +206,7 @@ impl VmActor {
             Request::Vms
             | Request::Reload
             | Request::VmAdd { .. }
+            | Request::VmReset { .. }
             | Request::DaemonAuditVerify
             | Request::SnapshotPull { .. }
             | Request::OffsiteGc { .. }

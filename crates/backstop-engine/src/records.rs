@@ -108,6 +108,39 @@ impl ReattachRecord {
     }
 }
 
+/// Left by `vm reset` in the new state directory: the VM's first journal entry names it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResetRecord {
+    pub evidence: String,
+    pub old_head_seq: Option<u64>,
+    pub old_head_hash: Option<String>,
+    pub reason: String,
+    pub requested_by: String,
+}
+
+/// The seq and hash of the last whole entry of the journal at `path` (read-only, bounded to the
+/// file's last 1 MiB), whatever the state of the rest of its chain.
+pub fn journal_head(path: &Path) -> (Option<u64>, Option<String>) {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return (None, None);
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let from = len.saturating_sub(1 << 20);
+    let mut buf = Vec::new();
+    if f.seek(SeekFrom::Start(from)).is_err() || f.read_to_end(&mut buf).is_err() {
+        return (None, None);
+    }
+    for line in buf.split(|b| *b == b'\n').rev() {
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(line) {
+            if let (Some(seq), Some(hash)) = (v["seq"].as_u64(), v["hash"].as_str()) {
+                return (Some(seq), Some(hash.to_string()));
+            }
+        }
+    }
+    (None, None)
+}
+
 pub struct Records {
     dir: PathBuf,
 }
@@ -183,6 +216,15 @@ impl Records {
     }
     pub fn clear_clean_stop(&self) -> std::io::Result<()> {
         durable::remove_durably(&self.path("clean-stop.json"))
+    }
+    pub fn reset(&self) -> std::io::Result<Option<ResetRecord>> {
+        self.read("reset.json")
+    }
+    pub fn set_reset(&self, r: &ResetRecord) -> std::io::Result<()> {
+        self.write("reset.json", r)
+    }
+    pub fn clear_reset(&self) -> std::io::Result<()> {
+        durable::remove_durably(&self.path("reset.json"))
     }
     pub fn reattach(&self) -> std::io::Result<Option<ReattachRecord>> {
         self.read("reattach.json")

@@ -190,10 +190,17 @@ impl Supervisor {
             Ok(h) => Member::Running(Arc::new(h), Box::new(cfg.clone())),
             Err(e) => {
                 tracing::error!(vm = %cfg.vm.name, code = %e.code(), error = %e, "VM could not start; the others run");
+                let mut reason = e.to_string();
+                if e.code() == ErrorCode::AuditChainBroken {
+                    reason.push_str(&format!(
+                        "; to keep it as evidence and start a new chain: backstop vm reset {} --reason …",
+                        cfg.vm.name
+                    ));
+                }
                 Member::Down {
                     state: "start_failed",
                     code: e.code(),
-                    reason: e.to_string(),
+                    reason,
                     backend: cfg.vm.backend.clone(),
                 }
             }
@@ -358,6 +365,127 @@ impl Supervisor {
             }
         }
         Ok(report)
+    }
+
+    /// `vm reset NAME`: a VM that does not run because its state is damaged (a broken journal,
+    /// an unreadable record) starts on a new chain. Its whole state directory is moved to
+    /// `state_dir/evidence/NAME-<time>` (a rename: nothing is deleted or rewritten), a
+    /// `reset.json` in the new directory makes the new journal's first entry `vm.reset` (the
+    /// old head's seq and hash, the evidence, the reason, who), and the VM starts as a reload
+    /// starts a new one (a fresh baseline; an adopted domain is adopted again on a new layer
+    /// lineage, its files untouched). Refused, changing nothing, while the VM runs, for a VM
+    /// this daemon does not know, and for the single-VM layout (no own state directory).
+    pub fn reset_vm(
+        &self,
+        name: &str,
+        reason: &str,
+        by: &str,
+    ) -> Result<backstop_control::VmResetReport, (ErrorCode, String)> {
+        let _one = self.reloading.lock().unwrap_or_else(|p| p.into_inner());
+        let cfg = match self.members().get(name) {
+            None => {
+                return Err((
+                    ErrorCode::VmNotFound,
+                    format!("no VM {name:?} is configured here (`backstop vms` lists them); nothing changed"),
+                ))
+            }
+            Some(Member::Running(..)) => {
+                return Err((
+                    ErrorCode::VmBusy,
+                    format!("VM {name} runs: `vm reset` is for a VM whose state keeps it from starting (start_failed); nothing changed"),
+                ))
+            }
+            Some(Member::Down { .. }) => self.down_config(name)?,
+        };
+        let vm_dir = self.state_root.join("vms").join(name);
+        if cfg.daemon.state_dir != vm_dir {
+            return Err((
+                ErrorCode::BadRequest,
+                format!("VM {name} keeps its state in the daemon's state_dir (single-VM layout): stop backstopd and move {} aside by hand; nothing changed", cfg.daemon.state_dir.display()),
+            ));
+        }
+        let io = |step: &str, e: std::io::Error| (ErrorCode::Io, format!("vm reset: {step}: {e}; nothing changed"));
+        if !vm_dir.exists() {
+            return Err((ErrorCode::BadRequest, format!("VM {name} has no state at {}: there is nothing to reset (`backstop reload` starts it)", vm_dir.display())));
+        }
+        let (old_seq, old_hash) = crate::records::journal_head(&vm_dir.join("audit/journal.jsonl"));
+        let evidence_root = self.state_root.join("evidence");
+        std::fs::create_dir_all(&evidence_root).map_err(|e| io("create evidence dir", e))?;
+        let stamp = time::OffsetDateTime::now_utc()
+            .format(&time::macros::format_description!(
+                "[year][month][day]T[hour][minute][second]Z"
+            ))
+            .unwrap_or_default();
+        let evidence = (0..100)
+            .map(|i| {
+                evidence_root.join(if i == 0 {
+                    format!("{name}-{stamp}")
+                } else {
+                    format!("{name}-{stamp}.{i}")
+                })
+            })
+            .find(|p| !p.exists())
+            .ok_or_else(|| (ErrorCode::Io, "vm reset: no free evidence name; nothing changed".to_string()))?;
+        std::fs::rename(&vm_dir, &evidence).map_err(|e| io("move the state aside", e))?;
+        let _ = backstop_common::durable::fsync_dir(&evidence_root);
+        let _ = backstop_common::durable::fsync_dir(&self.state_root.join("vms"));
+        let marker = crate::records::ResetRecord {
+            evidence: evidence.display().to_string(),
+            old_head_seq: old_seq,
+            old_head_hash: old_hash.clone(),
+            reason: reason.to_string(),
+            requested_by: by.to_string(),
+        };
+        std::fs::create_dir_all(&vm_dir)
+            .and_then(|()| crate::records::Records::new(&vm_dir).set_reset(&marker))
+            .map_err(|e| (ErrorCode::Io, format!("vm reset: the state was moved to {} but the new one could not be started: {e}", evidence.display())))?;
+        tracing::warn!(vm = %name, evidence = %evidence.display(), "VM state moved aside as evidence; starting a new chain");
+        let _ = self.journal(
+            AuditEvent::VmReset,
+            json!({
+                "vm": name, "evidence": marker.evidence, "old_head_seq": old_seq,
+                "old_head_hash": old_hash, "reason": reason, "requested_by": by, "result": "ok",
+            }),
+        );
+        let m = self.spawn(&cfg);
+        self.members_mut().insert(name.into(), m);
+        let vm = self
+            .vms()
+            .into_iter()
+            .find(|v| v.name == name)
+            .ok_or_else(|| (ErrorCode::VmNotFound, format!("VM {name} vanished")))?;
+        Ok(backstop_control::VmResetReport {
+            vm,
+            evidence: marker.evidence,
+            old_head_seq: old_seq,
+            old_head_hash: old_hash,
+        })
+    }
+
+    /// The config of VM `name` as its file says now (for a VM that does not run).
+    fn down_config(&self, name: &str) -> Result<Config, (ErrorCode, String)> {
+        let host = match &self.config_path {
+            Some(path) => HostConfig::load(path)
+                .map_err(|e| (e.code(), e.to_string()))?
+                .refuse_missing_files(),
+            None => {
+                return Err((
+                    ErrorCode::BadRequest,
+                    "backstopd runs on the embedded default config: there is no VM file".into(),
+                ))
+            }
+        };
+        match host.vms.iter().find(|v| v.name() == name) {
+            Some(VmSlot::Ready(cfg)) => Ok((**cfg).clone()),
+            Some(VmSlot::Invalid(i)) => Err((
+                i.code,
+                format!("VM {name}'s file does not load ({}): mend it first; nothing changed", i.reason),
+            )),
+            None => Err((
+                ErrorCode::VmNotFound,
+                format!("VM {name}'s file is gone: `backstop reload` removes it; nothing changed"),
+            )),
+        }
     }
 
     /// `vm add` (first half): the VM file checked as a reload would load it from

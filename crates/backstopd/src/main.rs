@@ -491,6 +491,17 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
             ));
             return;
         }
+        Request::VmReset { vm, reason } => {
+            let reply = match engine.reset_vm(&vm, &reason, &caller.label()) {
+                Ok(r) => Reply::Done(Response::VmReset(r)),
+                Err((code, message)) => Reply::Failed {
+                    code: code.to_string(),
+                    message,
+                },
+            };
+            let _ = conn.send(&reply);
+            return;
+        }
         Request::SnapshotPull {
             id,
             from,
@@ -722,6 +733,9 @@ fn permitted(role: backstop_control::Role, request: &Request) -> Result<(), Stri
         }
         (backstop_control::Role::Policy, Request::VmAdd { .. }) => {
             Err("only a person at the console can add a VM".into())
+        }
+        (backstop_control::Role::Policy, Request::VmReset { .. }) => {
+            Err("only a person at the console can reset a VM's state".into())
         }
         _ => Ok(()),
     }
