@@ -137,3 +137,108 @@ fn a_file_at_the_next_layers_name_is_refused_and_never_touched() {
     );
     d.ok(&["audit", "verify"]);
 }
+
+/// `vm reset` after a broken journal: the VM that cannot start names the verb; the reset keeps
+/// the damaged state byte for byte as evidence, the new chain opens with `vm.reset` naming the
+/// old head, a fresh baseline is taken and the VM runs; a running VM is never reset.
+#[test]
+fn vm_reset_keeps_the_damaged_state_as_evidence_and_starts_a_new_chain() {
+    let test = "vm_reset_keeps_the_damaged_state_as_evidence_and_starts_a_new_chain";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let mut d = Daemon::start_many("vm-reset", &["r1"], "", &[], &[]);
+    let baseline = |d: &Daemon| {
+        let deadline = std::time::Instant::now() + STEP;
+        while !d
+            .vm_journal("r1")
+            .iter()
+            .any(|e| e["event"] == "snapshot.create.completed")
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no baseline:\n{}",
+                d.log()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    baseline(&d);
+    d.stop();
+    // An edited last line: the chain's head no longer verifies.
+    let journal = d.vm_state_dir("r1").join("audit/journal.jsonl");
+    let text = std::fs::read_to_string(&journal).unwrap();
+    let mut lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let n = lines.len() - 1;
+    lines[n] = lines[n].replacen("\"result\":\"ok\"", "\"result\":\"no\"", 1);
+    assert_ne!(lines[n], text.lines().nth(n).unwrap(), "the edit took");
+    std::fs::write(&journal, lines.join("\n") + "\n").unwrap();
+    let damaged = std::fs::read(&journal).unwrap();
+    let last: Value = serde_json::from_str(lines.last().unwrap()).unwrap();
+
+    d.launch_answering();
+    let vms = d.ok(&["vms"]);
+    let r1 = vms["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "r1")
+        .unwrap()
+        .clone();
+    eprintln!("broken: {r1}");
+    assert_eq!(r1["state"], "start_failed", "{r1}");
+    let why = r1["reason"].as_str().unwrap();
+    assert!(why.starts_with("ERR_AUDIT_CHAIN_BROKEN"), "{why}");
+    assert!(
+        why.contains("backstop vm reset r1 --reason"),
+        "the refusal names the way back: {why}"
+    );
+
+    let out = d.cli(&["vm", "reset", "r1", "--reason", "e2e: edited journal"]);
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("reset: {r}");
+    let evidence = PathBuf::from(r["evidence"].as_str().unwrap());
+    assert_eq!(r["old_head_seq"], last["seq"]);
+    assert_eq!(r["old_head_hash"], last["hash"]);
+    assert_eq!(
+        std::fs::read(evidence.join("audit/journal.jsonl")).unwrap(),
+        damaged,
+        "the damaged journal is kept byte for byte"
+    );
+    assert!(
+        evidence.join("vm-state.json").exists(),
+        "the records are kept"
+    );
+    baseline(&d);
+    let j = d.vm_journal("r1");
+    assert_eq!(
+        j[0]["event"], "vm.reset",
+        "the new chain opens with the reset"
+    );
+    assert_eq!(j[0]["fields"]["old_head_seq"], last["seq"]);
+    assert_eq!(j[0]["fields"]["old_head_hash"], last["hash"]);
+    assert_eq!(j[0]["fields"]["evidence"], evidence.to_str().unwrap());
+    assert_eq!(j[0]["fields"]["reason"], "e2e: edited journal");
+    d.ok_vm("r1", &["audit", "verify"]);
+    assert_eq!(d.ok_vm("r1", &["status"])["state"], "running");
+
+    // A running VM is not reset: refused, nothing moved.
+    let out = d.cli(&["vm", "reset", "r1", "--reason", "again"]);
+    assert!(!out.status.success());
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["error"]["code"], "ERR_VM_BUSY", "{doc}");
+    assert_eq!(
+        std::fs::read_dir(evidence.parent().unwrap())
+            .unwrap()
+            .count(),
+        1,
+        "no second evidence directory"
+    );
+    assert_eq!(d.vm_journal("r1")[0]["event"], "vm.reset");
+}

@@ -509,7 +509,7 @@ impl Command {
                 from: from.clone(),
             },
             Command::Vm(VmCommand::Reset { name, reason }) => Request::VmReset {
-                vm: name.clone(),
+                name: name.clone(),
                 reason: reason.clone(),
             },
             Command::Events {
@@ -921,6 +921,13 @@ mod tests {
             assert_eq!(parse(bad).unwrap_err().exit_code(), 2, "{bad:?}");
         }
         assert_eq!(request(&["reload"]), Request::Reload);
+        assert_eq!(
+            request(&["vm", "reset", "db1", "--reason", "edited journal"]),
+            Request::VmReset {
+                name: "db1".into(),
+                reason: "edited journal".into(),
+            }
+        );
         assert_eq!(
             request(&["offsite", "gc", "--dry-run"]),
             Request::OffsiteGc { dry_run: true }

@@ -177,7 +177,7 @@ pub enum Request {
     /// whole as evidence (never deleted), a new journal begins with `vm.reset` naming the old
     /// head (seq and hash) and the evidence, and the VM starts as a reload starts a new one,
     /// with a fresh baseline. Files outside the state directory are not touched.
-    VmReset { vm: String, reason: String },
+    VmReset { name: String, reason: String },
     /// Verify the daemon journal, and that every VM journal still holds the entries the daemon
     /// journal anchored (answered by the daemon).
     DaemonAuditVerify,
@@ -467,7 +467,7 @@ enum StrictRequest {
         from: Option<String>,
     },
     VmReset {
-        vm: String,
+        name: String,
         reason: String,
     },
     DaemonAuditVerify {},
@@ -586,7 +586,7 @@ impl From<StrictRequest> for Request {
                 from_snapshot,
                 from,
             },
-            StrictRequest::VmReset { vm, reason } => Request::VmReset { vm, reason },
+            StrictRequest::VmReset { name, reason } => Request::VmReset { name, reason },
             StrictRequest::DaemonAuditVerify {} => Request::DaemonAuditVerify,
             StrictRequest::AuditReplay(ask) => Request::AuditReplay(ask),
             StrictRequest::Events {

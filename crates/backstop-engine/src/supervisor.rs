@@ -404,7 +404,12 @@ impl Supervisor {
                 format!("VM {name} keeps its state in the daemon's state_dir (single-VM layout): stop backstopd and move {} aside by hand; nothing changed", cfg.daemon.state_dir.display()),
             ));
         }
-        let io = |step: &str, e: std::io::Error| (ErrorCode::Io, format!("vm reset: {step}: {e}; nothing changed"));
+        let io = |step: &str, e: std::io::Error| {
+            (
+                ErrorCode::Io,
+                format!("vm reset: {step}: {e}; nothing changed"),
+            )
+        };
         if !vm_dir.exists() {
             return Err((ErrorCode::BadRequest, format!("VM {name} has no state at {}: there is nothing to reset (`backstop reload` starts it)", vm_dir.display())));
         }
@@ -425,7 +430,12 @@ impl Supervisor {
                 })
             })
             .find(|p| !p.exists())
-            .ok_or_else(|| (ErrorCode::Io, "vm reset: no free evidence name; nothing changed".to_string()))?;
+            .ok_or_else(|| {
+                (
+                    ErrorCode::Io,
+                    "vm reset: no free evidence name; nothing changed".to_string(),
+                )
+            })?;
         std::fs::rename(&vm_dir, &evidence).map_err(|e| io("move the state aside", e))?;
         let _ = backstop_common::durable::fsync_dir(&evidence_root);
         let _ = backstop_common::durable::fsync_dir(&self.state_root.join("vms"));
@@ -479,7 +489,10 @@ impl Supervisor {
             Some(VmSlot::Ready(cfg)) => Ok((**cfg).clone()),
             Some(VmSlot::Invalid(i)) => Err((
                 i.code,
-                format!("VM {name}'s file does not load ({}): mend it first; nothing changed", i.reason),
+                format!(
+                    "VM {name}'s file does not load ({}): mend it first; nothing changed",
+                    i.reason
+                ),
             )),
             None => Err((
                 ErrorCode::VmNotFound,

@@ -491,8 +491,8 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
             ));
             return;
         }
-        Request::VmReset { vm, reason } => {
-            let reply = match engine.reset_vm(&vm, &reason, &caller.label()) {
+        Request::VmReset { name, reason } => {
+            let reply = match engine.reset_vm(&name, &reason, &caller.label()) {
                 Ok(r) => Reply::Done(Response::VmReset(r)),
                 Err((code, message)) => Reply::Failed {
                     code: code.to_string(),
