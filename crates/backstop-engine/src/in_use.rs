@@ -110,11 +110,14 @@ mod tests {
         let f = d.path().join("a.qcow2");
         std::fs::write(&f, b"x").unwrap();
         let missing = d.path().join("no-proc");
-        assert_eq!(held_open_in(&missing, &[f.clone()]), [f.clone()].into());
+        assert_eq!(
+            held_open_in(&missing, std::slice::from_ref(&f)),
+            [f.clone()].into()
+        );
         // A directory that is no process table (it does not list this process).
         std::fs::create_dir_all(d.path().join("fake/1/fd")).unwrap();
         assert_eq!(
-            held_open_in(&d.path().join("fake"), &[f.clone()]),
+            held_open_in(&d.path().join("fake"), std::slice::from_ref(&f)),
             [f].into()
         );
     }

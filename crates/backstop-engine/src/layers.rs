@@ -350,7 +350,8 @@ mod tests {
         std::fs::write(&taken, b"someone else's bytes").unwrap();
         let ino = std::fs::metadata(&taken).unwrap().ino();
         let relative = Path::new("base.qcow2"); // not absolute: the qemu-img path
-        let tries: [(&str, Box<dyn Fn() -> Result<(), EngineError>>); 4] = [
+        type Create<'a> = Box<dyn Fn() -> Result<(), EngineError> + 'a>;
+        let tries: [(&str, Create); 4] = [
             (
                 "overlay written directly",
                 Box::new(|| l.create_overlay(&taken, &base, "qcow2")),

@@ -69,10 +69,10 @@ pub fn host_name() -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
     /// Another guardian holds it now.
-    #[error("{what} is guarded already by {}; nothing was changed", holder.as_ref().map_or_else(|| "another backstopd (its claim file is being written)".to_string(), Guardian::describe))]
+    #[error("{what} is guarded already by {}; nothing was changed", holder.as_ref().map_or_else(|| "another backstopd (its claim file is being written)".to_string(), |g| g.describe()))]
     Held {
         what: String,
-        holder: Option<Guardian>,
+        holder: Option<Box<Guardian>>,
     },
     /// The key cannot name a file.
     #[error("claim key {0:?} is not a plain file name")]
@@ -134,7 +134,7 @@ impl Claim {
             Err((mut file, nix::errno::Errno::EWOULDBLOCK)) => {
                 return Err(ClaimError::Held {
                     what: what.into(),
-                    holder: read_guardian(&mut file),
+                    holder: read_guardian(&mut file).map(Box::new),
                 })
             }
             Err((_, e)) => {
