@@ -2087,11 +2087,55 @@ fn libvirt_one_guardian_per_domain_and_a_state_reset_replaces_no_layer() {
     // The guardian works on.
     let a = d.ok_vm(winner, &["snapshot", "create", "--reason", "e2e: guarded"]);
     let a = a["summary"]["snapshot_id"].as_str().unwrap().to_string();
+
+    // A disk switched outside backstop (a person's disk-only snapshot): drift, HIGH, and the
+    // next capture refused with its code, nothing published; a rollback puts the disks back on
+    // backstop's chain and the drift resolves.
+    let outside = dom.dir.join("outside-overlay.qcow2");
+    virsh_text(&[
+        "snapshot-create-as",
+        &dom.name,
+        "--disk-only",
+        "--no-metadata",
+        "--atomic",
+        "--diskspec",
+        &format!("vda,file={}", outside.display()),
+    ]);
+    assert_eq!(live_vda(&dom), outside);
+    let listed = d.ok_vm(winner, &["snapshot", "list"])["snapshots"]
+        .as_array()
+        .unwrap()
+        .len();
+    let out = d.cli_vm(
+        winner,
+        &["snapshot", "create", "--reason", "e2e: after virsh"],
+    );
+    assert!(!out.status.success());
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("capture after a disk switched outside: {doc}");
+    assert_eq!(doc["error"]["code"], "ERR_DRIFT_DISK_ACTIVE_LAYER", "{doc}");
+    let drift = wait_vm_event(&d, winner, "layer drift", "DriftDetectedEvent");
+    assert_eq!(
+        drift["fields"]["invariant_id"], "disk.active_layer",
+        "{drift}"
+    );
+    assert_eq!(drift["fields"]["severity"], "HIGH", "{drift}");
+    assert_eq!(
+        d.ok_vm(winner, &["snapshot", "list"])["snapshots"]
+            .as_array()
+            .unwrap()
+            .len(),
+        listed,
+        "nothing published"
+    );
     d.ok_vm(
         winner,
         &["rollback", "--to", &a, "--reason", "e2e: guarded rollback"],
     );
     dom.renice();
+    wait_vm_event(&d, winner, "layer drift resolved", "DriftResolvedEvent");
+    assert_ne!(live_vda(&dom), outside, "back on backstop's chain");
+    assert!(outside.exists(), "the operator's overlay is left alone");
 
     // The state reset: stop, move the VM's state aside, keep one VM file, start again.
     let layers = dom.dir.join(format!("layers-{winner}"));

@@ -146,6 +146,8 @@ error_codes! {
         "another live snapshot of the VM has this name already; nothing changed";
     SnapshotDeleteRefused = "ERR_SNAPSHOT_DELETE_REFUSED", Failed,
         "the snapshot cannot be deleted (the message names why: current, retention, only verified, a chain needs its layers, forensic hold); nothing changed";
+    DriftDiskActiveLayer = "ERR_DRIFT_DISK_ACTIVE_LAYER", Failed,
+        "a captured disk's top layer in the hypervisor is not the one backstop set (switched outside backstop): snapshots are refused until it is again";
     LayerExists = "ERR_LAYER_EXISTS", Failed,
         "a disk layer file backstop was about to create is already there: it was left as it was and nothing was changed";
     VmAlreadyGuarded = "ERR_VM_ALREADY_GUARDED", Failed,

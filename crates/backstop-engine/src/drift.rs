@@ -210,10 +210,7 @@ impl InvariantId {
                 _,
             ) => Checked,
             (_, "qemu") => Checked,
-            (InvariantId::ProcessIdentity, "libvirt") => Checked,
-            (InvariantId::DiskActiveLayer, "libvirt") => {
-                NotChecked("libvirt owns the block graph; the backend does not query it")
-            }
+            (InvariantId::ProcessIdentity | InvariantId::DiskActiveLayer, "libvirt") => Checked,
             (InvariantId::DeviceSet | InvariantId::LinkState, "libvirt") => {
                 NotChecked("the libvirt backend cannot list the domain's devices")
             }

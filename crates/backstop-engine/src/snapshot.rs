@@ -222,6 +222,7 @@ impl VmActor {
         }
         // A VM holding a granted device cannot be snapshotted (see devices.rs): deferred.
         self.defer_snapshot_while_granted(ctx, reason, trigger)?;
+        self.refuse_capture_on_layer_drift()?;
         // A scheduled snapshot of a guest that is not healthy (its agent silent) would be a
         // rollback target holding the hang: put off, journaled. Others are taken and marked
         // unhealthy.

@@ -908,6 +908,25 @@ impl VmBackend for LibvirtBackend {
         }
     }
 
+    /// Each disk's top layer as the domain's live XML has it now (libvirt tracks every switch
+    /// of its disks, a `virsh snapshot-create-as --disk-only` or a block job included).
+    fn block_graph(&mut self) -> Result<Option<Vec<backstop_hypervisor::ActiveLayer>>> {
+        let xml = self
+            .dom("block graph")?
+            .xml_desc(0)
+            .map_err(|e| cmd_err("domain xml", e))?;
+        let disks = domain_xml::live_disks(&xml).map_err(|e| cmd_err("domain xml", e))?;
+        Ok(Some(
+            disks
+                .into_iter()
+                .map(|(target, source)| backstop_hypervisor::ActiveLayer {
+                    disk: target,
+                    active: source,
+                })
+                .collect(),
+        ))
+    }
+
     fn release(&mut self) {
         if self.marked {
             if let Some(d) = &self.dom {

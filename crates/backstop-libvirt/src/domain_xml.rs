@@ -79,6 +79,23 @@ fn text_of(n: roxmltree::Node, tag: &str) -> Option<String> {
         .map(|t| t.trim().to_string())
 }
 
+/// Every file-backed `<disk device='disk'>` of a domain's XML: (target dev, source file), the
+/// top of each disk's chain as libvirt runs it.
+pub fn live_disks(xml: &str) -> Result<Vec<(String, PathBuf)>, String> {
+    let doc = roxmltree::Document::parse(xml)
+        .map_err(|e| format!("libvirt returned XML that does not parse: {e}"))?;
+    let devices = child(doc.root_element(), "devices").ok_or("the domain has no <devices>")?;
+    Ok(devices
+        .children()
+        .filter(|c| c.has_tag_name("disk") && c.attribute("device").unwrap_or("disk") == "disk")
+        .filter_map(|d| {
+            let target = child(d, "target")?.attribute("dev")?;
+            let file = child(d, "source")?.attribute("file")?;
+            Some((target.to_string(), PathBuf::from(file)))
+        })
+        .collect())
+}
+
 /// Checks the domain's live XML and extracts what backstop needs.
 pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
     let doc = roxmltree::Document::parse(xml)
@@ -345,6 +362,21 @@ mod tests {
             .replace("@DIR@", "/v/t1")
             .replace("@MEM_MIB@", "256")
             .replace("@CMDLINE@", "console=ttyS0")
+    }
+
+    #[test]
+    fn live_disks_are_each_file_disks_top_and_bad_xml_is_an_error() {
+        assert_eq!(
+            live_disks(&filled()).unwrap(),
+            vec![("vda".to_string(), PathBuf::from("/v/t1/disk.qcow2"))]
+        );
+        let cdrom = filled().replace(
+            "</devices>",
+            "<disk type='file' device='cdrom'><source file='/iso'/><target dev='sda'/></disk></devices>",
+        );
+        assert_eq!(live_disks(&cdrom).unwrap().len(), 1, "a cdrom is no disk");
+        assert!(live_disks("<domain").is_err());
+        assert!(live_disks("<domain/>").is_err());
     }
 
     #[test]

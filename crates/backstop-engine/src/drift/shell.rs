@@ -342,6 +342,40 @@ impl VmActor {
         self.drift_apply(report, Strategy::InvariantViolation);
     }
 
+    /// A captured disk whose top layer in the hypervisor is not the one the engine set (a
+    /// disk-only snapshot taken outside backstop, a block job) would make this capture's chain,
+    /// and every later one, wrong. Checked live right before a capture (only that invariant:
+    /// journaled as drift when new, resolved when it holds again); while it is open the capture
+    /// is refused, changing nothing.
+    pub(crate) fn refuse_capture_on_layer_drift(&mut self) -> Result<(), EngineError> {
+        let inv = InvariantId::DiskActiveLayer;
+        if inv.coverage(self.backend.kind()) != super::Coverage::Checked {
+            return Ok(());
+        }
+        let o = self.drift_observe();
+        let mut report = check(&self.drift_expected(), &o);
+        report.violations.retain(|v| v.invariant == inv);
+        report.checked.retain(|i, _| *i == inv);
+        self.drift_apply(report, Strategy::InvariantViolation);
+        let open: Vec<String> = self
+            .drift
+            .book
+            .open()
+            .filter(|d| d.invariant == inv)
+            .map(|d| format!("{}: {}", d.node_id, d.details))
+            .collect();
+        if open.is_empty() {
+            return Ok(());
+        }
+        Err(EngineError::Refused {
+            code: ErrorCode::DriftDiskActiveLayer,
+            message: format!(
+                "a disk was switched outside backstop ({}): no snapshot until its top layer is the one backstop set again (a rollback does that); nothing changed",
+                open.join("; ")
+            ),
+        })
+    }
+
     /// From the actor's tick: a check after a state change the tick made, a fresh snapshot a
     /// drift is waiting for, and the active reconciliation pass when its period is up.
     pub(crate) fn drift_tick(&mut self) {
