@@ -63,8 +63,10 @@ const BACKSTOPD_FILES: &[(&str, &str)] = &[
 ];
 
 const BACKSTOPD_SIGNALS: &str =
-    "SIGTERM and SIGINT stop the daemon cleanly: each running guest is \
-paused and a final snapshot taken, and the next start resumes it from exactly there.";
+    "SIGTERM and SIGINT stop the daemon cleanly: each running guest backstopd \
+booted is paused and a final snapshot taken, and the next start resumes it from exactly there; \
+an adopted libvirt domain is left running and recorded, and the next start re-attaches to it as \
+it runs when it finds it unchanged (else it goes back to its newest verified snapshot).";
 
 /// Writes every page and completion script; returns the files written.
 fn write_all(out: &Path) -> std::io::Result<Vec<PathBuf>> {

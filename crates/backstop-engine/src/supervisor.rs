@@ -314,8 +314,9 @@ impl Supervisor {
                             .map(|b| b.config_fingerprint())
                     };
                     let before = shape(&running);
-                    // An adopted libvirt domain is not resumed from a final snapshot by a
-                    // restart (it is re-adopted and rolled back): never restarted by a reload.
+                    // An adopted libvirt domain has no final snapshot to resume from: a
+                    // changed file of one is applied by a daemon restart (a clean stop and a
+                    // re-attach), never by a reload.
                     let adopted = running.vm.libvirt.is_some() || cfg.vm.libvirt.is_some();
                     if adopted || before.is_none() || before != shape(cfg) {
                         report.changed_not_applied.push(name.into());
