@@ -594,6 +594,10 @@ fn libvirt_adopt_snapshot_rollback_keeps_name_uuid_and_one_instant() {
         e["event"] == "rollback.completed" && e["fields"]["rollback_type"] == "emergency"
     });
     eprintln!("after a crash: {}", rb2["fields"]);
+    let started = d.wait_journal(STEP, "the crash's window journaled", |e| {
+        e["event"] == "rollback.completed" && e.to_string().contains("ran unwatched since")
+    });
+    eprintln!("journaled with the window: {}", started["fields"]);
     dom.renice();
     let again = dom.wait_ticks(before, "guest after the restart rollback", |t| t.len() >= 2);
     assert_eq!(again[0].ram, again[0].disk, "{again:?}");

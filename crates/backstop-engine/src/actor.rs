@@ -461,9 +461,16 @@ impl VmActor {
             // another host by `vm add --from-snapshot`) starts from it the same way: never
             // cold-booted first.
             let reason = if first_start {
-                "first start on this host: from the snapshot placed in its store (vm add --from-snapshot)"
+                "first start on this host: from the snapshot placed in its store (vm add --from-snapshot)".to_string()
+            } else if self.adoption.is_some() {
+                // No clean-stop record: the domain ran on, unwatched, since the last thing the
+                // previous daemon wrote; what it did meanwhile is not trusted.
+                let since =
+                    crate::records::last_written_before(&self.journal_path, &self.session_id)
+                        .unwrap_or_else(|| "an unknown time".into());
+                format!("backstopd started: the adopted domain ran unwatched since {since} (backstopd did not stop cleanly)")
             } else {
-                "backstopd started: the previous run's VM state is gone"
+                "backstopd started: the previous run's VM state is gone".to_string()
             };
             let plan = RollbackPlan::emergency(TriggerKind::SupervisorRestart, reason);
             match self.rollback(&mut ctx, plan) {

@@ -141,6 +141,24 @@ pub fn journal_head(path: &Path) -> (Option<u64>, Option<String>) {
     (None, None)
 }
 
+/// When the journal at `path` was last written by a session other than `session_id` (the
+/// `ts` of its last such whole entry; read-only, bounded to the file's last 1 MiB): how long a
+/// VM ran unwatched before this session took it over.
+pub fn last_written_before(path: &Path, session_id: &str) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open(path).ok()?;
+    let len = f.metadata().ok()?.len();
+    f.seek(SeekFrom::Start(len.saturating_sub(1 << 20))).ok()?;
+    let mut buf = Vec::new();
+    f.read_to_end(&mut buf).ok()?;
+    buf.split(|b| *b == b'\n').rev().find_map(|line| {
+        let v = serde_json::from_slice::<serde_json::Value>(line).ok()?;
+        (v["fields"]["session_id"] != session_id)
+            .then(|| v["ts"].as_str().map(str::to_string))
+            .flatten()
+    })
+}
+
 pub struct Records {
     dir: PathBuf,
 }
