@@ -356,7 +356,9 @@ impl VmActor {
         let mut report = check(&self.drift_expected(), &o);
         report.violations.retain(|v| v.invariant == inv);
         report.checked.retain(|i, _| *i == inv);
-        self.drift_apply(report, Strategy::InvariantViolation);
+        // Its action is to record (a person decides): nothing else to follow up here, and a
+        // follow-up snapshot from inside a capture would recurse.
+        self.drift_record(report, Strategy::InvariantViolation, false);
         let open: Vec<String> = self
             .drift
             .book
@@ -533,6 +535,13 @@ impl VmActor {
 
     /// Journals what the check changed and carries out the actions of new violations.
     fn drift_apply(&mut self, report: super::Report, strategy: Strategy) {
+        self.drift_record(report, strategy, true);
+    }
+
+    /// Records what a check found (new drifts journaled, cleared ones resolved); with
+    /// `follow_up` also what they call for (a rollback, an unusable mark, a fresh snapshot).
+    /// Without it: for a check made inside a capture, which must not start another one.
+    fn drift_record(&mut self, report: super::Report, strategy: Strategy, follow_up: bool) {
         let now = now_rfc3339();
         let actions: BTreeMap<(InvariantId, String), DriftAction> = report
             .violations
@@ -554,6 +563,10 @@ impl VmActor {
         for d in changes.cleared {
             let how = format!("condition cleared ({} check passed)", strategy.as_str());
             self.drift_resolve(d, &how);
+        }
+        if !follow_up {
+            self.publish();
+            return;
         }
         let mut rollback_for = Vec::new();
         for d in changes.detected {
