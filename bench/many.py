@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 
+import hostinfo
 from contenders import heartbeat_expiries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,10 +226,17 @@ def main():
     ap.add_argument("--guest", required=True)
     ap.add_argument("--qemu", default="qemu-system-x86_64")
     ap.add_argument("--out", help="write the raw figures here (JSON)")
+    ap.add_argument("--note", help="a line about the machine kept in the JSON (e.g. what else ran on it)")
     args = ap.parse_args()
 
     counts = [int(x) for x in args.vms.split(",")]
-    raw = {"counts": counts, "memory_mib": args.memory, "heartbeat_timeout_s": args.timeout, "runs": {}}
+    qemu_first, qemu_ver = hostinfo.qemu_version(args.qemu)
+    raw = {"counts": counts, "memory_mib": args.memory, "heartbeat_timeout_s": args.timeout, "runs": {},
+           "meta": {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rounds": args.rounds,
+                    "reps": args.reps, "git_commit": hostinfo.git_commit(ROOT),
+                    "host": hostinfo.host(), "qemu": {"binary": args.qemu, "version": qemu_first,
+                                                      "label": qemu_ver},
+                    "load": [hostinfo.loadavg()], "note": args.note}}
     failed = False
     for n in counts:
         log(f"{n} VM(s): pause run ({args.rounds} snapshots each, all at once)")
@@ -246,6 +254,8 @@ def main():
         if not pauses or not beyond:
             failed = True
         raw["runs"][str(n)] = {"pause_ms": pauses, "beyond_timeout_ms": beyond, "pause_during_rollbacks_ms": busy_pauses}
+        raw["meta"]["load"].append(hostinfo.loadavg())
+    raw["meta"]["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
     print(f"\nmany VMs, one daemon ({args.memory} MiB guests, max_concurrent_captures = 1, TCG on {os.cpu_count()} cores)")
     print(f"{'VMs':>4}  {'guest pause per snapshot, ms':<34} {'x 1 VM':>7}  {'watchdog: beyond timeout, ms':<34} {'x 1 VM':>7}")
