@@ -41,13 +41,18 @@ def qemu_version(binary):
     return first, (m.group(1) if m else None)
 
 
+def now():
+    """The local time, ISO 8601 with its offset, to the second."""
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
 def loadavg():
     """One sample of /proc/loadavg: the 1, 5 and 15 minute load averages, with the time."""
     try:
         one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
     except (OSError, ValueError):
         return None
-    return {"at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    return {"at": now(),
             "1m": float(one), "5m": float(five), "15m": float(fifteen)}
 
 

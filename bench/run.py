@@ -1,4 +1,4 @@
-"""backstop's benchmark against its peers, in one run, on the same guest (issue 7).
+"""backstop's benchmark against its peers, in one run, on the same guest.
 
 Run it through scripts/bench.sh, which installs what it needs and builds backstop first.
 Each repetition boots a fresh guest per contender (so every "first" snapshot is a first), with
@@ -504,7 +504,7 @@ def main(argv=None):
                 host.append(r)
             except (C.BenchError, subprocess.SubprocessError, OSError) as e:
                 log(f"host throughput measurement failed: {e}")
-            # The store's ingest of a recorded stream (issue 21's measure), apart from QEMU's
+            # The store's ingest of a recorded stream (the store goal's measure), apart from QEMU's
             # pace: the stream the stop-and-copy guest's plain background snapshot wrote on
             # each QEMU, cut, hashed, written and published into a fresh store here, against
             # the same bytes written to one file and fsynced, in the same invocation.
