@@ -995,7 +995,8 @@ def docs_blocks_many(raw, path):
            f"{h.get('cpu_model') or '-'} x{h.get('nproc')}, kernel {h.get('kernel')}, QEMU "
            f"{q.get('label') or q.get('version') or '-'}, {raw['memory_mib']} MiB guests, "
            f"{meta.get('rounds')} snapshot(s) per VM, {meta.get('reps')} watchdog expiries per count; "
-           f"{_load_line(meta.get('load'))} (`{path}`).")
+           f"{_load_line(meta.get('load'))} (`{path}`)."
+           + (f" Note: {meta['note']}." if meta.get("note") else ""))
     counts = raw["counts"]
     base = {}
     rows = []
@@ -1140,6 +1141,8 @@ if __name__ == "__main__":
         ap.error("one raw.json without --docs")
     a.raw = a.raw[0]
     if a.save:
+        import os
+        os.makedirs(os.path.dirname(os.path.abspath(a.save)), exist_ok=True)
         with open(a.raw) as fh, open(a.save, "w") as out:
             json.dump(strip_raw(json.load(fh)), out, indent=1)
             out.write("\n")

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Format and lint gates CI applies (CONVENTIONS.md): rustfmt, and clippy with warnings as errors.
+# Format and lint gates CI applies (CONVENTIONS.md): rustfmt, clippy with warnings as errors, and
+# docs/benchmarks.md's tables against the saved runs they are drawn from.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each table between `<!-- BEGIN report:NAME -->` markers must be what bench/report.py renders
+# from the raw JSON kept in docs/benchmarks/ (pure Python, no QEMU): a table edited by hand, or a
+# saved run without its tables, fails here. To redraw them:
+#   python3 bench/report.py --docs docs/benchmarks.md docs/benchmarks/*.raw.json
+python3 -B bench/report.py --docs docs/benchmarks.md --check docs/benchmarks/*.raw.json
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # The libvirt backend (needs libvirt-dev: scripts/setup-libvirt.sh).
