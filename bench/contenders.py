@@ -193,7 +193,7 @@ snapshot = "capture"
 
     def daemon_table(self):
         # Like for like: the peers keep nothing of the state a rollback abandons, so backstop's
-        # default of saving the abandoned VM's RAM beside the restore (issue 15; it competes for
+        # default of saving the abandoned VM's RAM beside the restore (it competes for
         # the CPUs: +100-170 ms at 256 MiB on 2 cores, tests/forensic_ram.rs prints both) is off.
         return f"""# written by bench/ for one repetition
 [daemon]
@@ -887,7 +887,7 @@ class Virsh(Contender):
 
 
 class BackstopLibvirt(Backstop):
-    """backstopd guarding a libvirt domain it adopts (issue 14): the virsh contender's domain
+    """backstopd guarding a libvirt domain it adopts: the virsh contender's domain
     XML, defined and started with virsh, then `backend = "libvirt"` — libvirt's disk-only
     snapshot plus QEMU's background snapshot, restore through libvirt keeping name and UUID.
     A fresh domain per repetition (a restore redefines it onto backstop's layers)."""
@@ -958,7 +958,7 @@ layers_dir = "{self.vdir / 'layers'}"
 
 
 class BackstopStandby(Backstop):
-    """backstopd with `[rollback] standby = true` (issue 21, docs/standby.md): a standby QEMU,
+    """backstopd with `[rollback] standby = true` (docs/standby.md): a standby QEMU,
     its RAM preallocated, waits beside the VM and a rollback restores into it. Everything else
     as the backstop contender."""
 
@@ -983,8 +983,8 @@ class BackstopStandby(Backstop):
 
 
 class BackstopPreload(BackstopStandby):
-    """backstopd with `[rollback] standby = true` and `preload = true` (issue 21,
-    docs/standby.md "Preloaded"): each new snapshot is loaded into the standby ahead of time, so
+    """backstopd with `[rollback] standby = true` and `preload = true`
+    (docs/standby.md "Preloaded"): each new snapshot is loaded into the standby ahead of time, so
     the rollback to it skips the load. Its rollback waits (up to 60 s, recorded as
     `preload_wait_ms`) until `status` says the target is loaded: a snapshot is taken minutes
     before a rollback on a real host, and here the bench asks a few seconds after it."""
@@ -1015,7 +1015,7 @@ class BackstopPreload(BackstopStandby):
 
 
 class BackstopHugeAll(Backstop):
-    """backstopd with `vm.huge_pages = "all"` (issue 21, crates/backstop-qemu/src/huge_pages.rs):
+    """backstopd with `vm.huge_pages = "all"` (crates/backstop-qemu/src/huge_pages.rs):
     after each snapshot the guest's whole RAM is mapped huge again, the never-written ranges too,
     so the next snapshot's write protection walks 512 entries per GiB instead of 262144. The
     guest's whole RAM is then resident. Everything else as the backstop contender."""
@@ -1032,7 +1032,7 @@ class BackstopHugeAll(Backstop):
 
 
 class BackstopMigrateFirst(Backstop):
-    """backstopd with `vm.capture_order = "migrate-first"` (issue 21, crates/backstop-qemu/src/
+    """backstopd with `vm.capture_order = "migrate-first"` (crates/backstop-qemu/src/
     version.rs): on QEMU 7.2/8.x too, `migrate` goes in before `stop` with the lead learnt from
     QEMU's setup times, so QEMU's pre-fault of guest RAM runs while the guest still runs; a capture
     whose disk switch came after QEMU's own resume is discarded and taken again. On >= 9.0 that is

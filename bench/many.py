@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Many VMs in one daemon (issue 13's figures): does guarding more VMs slow any one of them?
+"""Many VMs in one daemon: does guarding more VMs slow any one of them?
 
 For each VM count N it runs backstopd (release build) with N small test guests from a vms_dir,
 `max_concurrent_captures = 1`, twice:
@@ -12,7 +12,7 @@ For each VM count N it runs backstopd (release build) with N small test guests f
                 timeout v1 runs again at its snapshot point (noticed late + rollback total_ms),
                 as scripts/bench-watchdog.sh measures it for one VM.
 
-Prints a table per N with median [min..max] and the ratio to N = 1; the goal (issue 13) is
+Prints a table per N with median [min..max] and the ratio to N = 1; the goal is
 both figures within 1.5x of one VM's at 8 VMs. Asserts nothing; exits non-zero only if a run
 could not be measured at all. Raw figures go to --out (JSON) when given.
 """
@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 
+import hostinfo
 from contenders import heartbeat_expiries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,10 +226,17 @@ def main():
     ap.add_argument("--guest", required=True)
     ap.add_argument("--qemu", default="qemu-system-x86_64")
     ap.add_argument("--out", help="write the raw figures here (JSON)")
+    ap.add_argument("--note", help="a line about the machine kept in the JSON (e.g. what else ran on it)")
     args = ap.parse_args()
 
     counts = [int(x) for x in args.vms.split(",")]
-    raw = {"counts": counts, "memory_mib": args.memory, "heartbeat_timeout_s": args.timeout, "runs": {}}
+    qemu_first, qemu_ver = hostinfo.qemu_version(args.qemu)
+    raw = {"counts": counts, "memory_mib": args.memory, "heartbeat_timeout_s": args.timeout, "runs": {},
+           "meta": {"started": hostinfo.now(), "rounds": args.rounds,
+                    "reps": args.reps, "git_commit": hostinfo.git_commit(ROOT),
+                    "host": hostinfo.host(), "qemu": {"binary": args.qemu, "version": qemu_first,
+                                                      "label": qemu_ver},
+                    "load": [hostinfo.loadavg()], "note": args.note}}
     failed = False
     for n in counts:
         log(f"{n} VM(s): pause run ({args.rounds} snapshots each, all at once)")
@@ -246,6 +254,8 @@ def main():
         if not pauses or not beyond:
             failed = True
         raw["runs"][str(n)] = {"pause_ms": pauses, "beyond_timeout_ms": beyond, "pause_during_rollbacks_ms": busy_pauses}
+        raw["meta"]["load"].append(hostinfo.loadavg())
+    raw["meta"]["finished"] = hostinfo.now()
 
     print(f"\nmany VMs, one daemon ({args.memory} MiB guests, max_concurrent_captures = 1, TCG on {os.cpu_count()} cores)")
     print(f"{'VMs':>4}  {'guest pause per snapshot, ms':<34} {'x 1 VM':>7}  {'watchdog: beyond timeout, ms':<34} {'x 1 VM':>7}")
@@ -258,7 +268,7 @@ def main():
             base_p, base_w = pm, wm
         ratio = lambda m, b: f"{m / b:.2f}x" if m is not None and b else "n/a"
         print(f"{n:>4}  {ps:<34} {ratio(pm, base_p):>7}  {ws:<34} {ratio(wm, base_w):>7}")
-    print("goal (issue 13): at 8 VMs both within 1.5x of 1 VM's figure")
+    print("goal: at 8 VMs both within 1.5x of 1 VM's figure")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(raw, f, indent=1)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Off-host replication figures (issue 20): backstop's upload against a plain PUT loop of the
+"""Off-host replication figures: backstop's upload against a plain PUT loop of the
 same bytes to the same gateway, and the time from `snapshot pull` on another host to its guest
 running there.
 

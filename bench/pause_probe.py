@@ -387,7 +387,7 @@ def main():
     ap.add_argument("--batch", choices=["off", "on", "alternate", "switch-last", "alternate-order"],
                     default="off",
                     help="`stop` first: write `stop`, the disk switch and `migrate` in one go, as "
-                         "backstop does since 2026-11-29 (alternate: every other snapshot, to compare "
+                         "backstop does (alternate: every other snapshot, to compare "
                          "both in one run: prints STOP -> MIGRATION setup per mode); switch-last: "
                          "`stop`, `migrate`, then the switch, in one go; alternate-order: every other "
                          "snapshot switch-last, to compare both orders in one run")

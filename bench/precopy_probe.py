@@ -20,7 +20,7 @@ Prints one line per repetition and "reps with lost pages: K of N".
 
     python3 bench/precopy_probe.py --qemu /usr/bin/qemu-system-x86_64 --mode live --reps 4
 
-Measured here (2026-11-27, TCG): QEMU 7.2.22 live 4 of 4 lost pages, paused 0 of 3; QEMU 10.0.2
+Measured on this machine (TCG): QEMU 7.2.22 live 4 of 4 lost pages, paused 0 of 3; QEMU 10.0.2
 live 0 of 4.
 """
 

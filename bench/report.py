@@ -1,7 +1,9 @@
 """Turns the raw records of a run into figures (median / min / max), ratios against the peers,
 the goals read against them, a text table and a PNG chart."""
 
+import json
 import statistics
+import sys
 import textwrap
 
 CONTENDERS = [("backstop", "backstop"), ("bsstandby", "backstop + standby"),
@@ -163,7 +165,7 @@ NOT_YET = [
      "per QEMU version in the headline table above (its own small guest: the heartbeat watchdog's "
      "expiry, as scripts/bench-watchdog.sh)"),
     (6, "embedded KVM backend: restore time vs guest memory",
-     "not in this run; scripts/bench-kvm.sh (issue 6) measures it on its own guest program"
+     "not in this run; scripts/bench-kvm.sh measures it on its own guest program"
      " (a stock Linux guest does not boot on this machine's paravirtual KVM)"),
 ]
 
@@ -296,8 +298,8 @@ def goals(f, meta):
                 f"stop-and-copy restore (no verification, state from one flat file) reaches the guest in "
                 f"{fmt(sc)}, loading in {fmt(sc_load)}. Loading dominates and is QEMU consuming the "
                 f"stream (the daemon log's `restored state loaded` line gives QEMU's load_ms); staging "
-                f"the stream in memory and handing QEMU a file was tried and dropped (README, known "
-                f"limits). Candidate: start the fresh QEMU "
+                f"the stream in memory and handing QEMU a file was tried and dropped "
+                f"(docs/benchmarks.md, Tried). Candidate: start the fresh QEMU "
                 f"while verifying."
                 + (f" libvirt re-probes QEMU's capabilities inside every revert on this machine "
                    f"({fmt(probe)}): /dev/kvm is 0600 root and paravirtual (kvm_pvm), and libvirt's "
@@ -390,8 +392,8 @@ def table_one(summary):
     def ratios(r):
         return "  ".join(f"{short[p]} {_fmt(r['ratios'][p])}x" for p in PEERS if p in r["ratios"])
 
-    lw = max(len(r["label"]) + len(r["unit"]) + 3 for r in f.values())
-    cw = max([len(names[c]) for c in cols] + [len(_cell(r["values"].get(c))) for r in f.values() for c in cols])
+    lw = max((len(r["label"]) + len(r["unit"]) + 3 for r in f.values()), default=0)
+    cw = max([len(names[c]) for c in cols] + [len(_cell(r["values"].get(c))) for r in f.values() for c in cols], default=0)
     header = " " * lw + "".join(f"  {names[c]:>{cw}}" for c in cols) + "  backstop / peer"
     sections = sorted(set(r["section"] for r in f.values()) | {s for s, _, _ in NOT_YET})
     for sec in sections:
@@ -488,7 +490,7 @@ def chart_one(summary, path):
     return True
 
 
-# --- per QEMU version (issue 21): every contender runs once per QEMU in the same run -----------
+# --- per QEMU version: every contender runs once per QEMU in the same run -----------
 
 def qemu_labels(raw):
     """The QEMU versions of a run, in run order; one unnamed version for a run from before."""
@@ -580,7 +582,7 @@ def headline(raw, per):
                         phases.setdefault(name, []).append(us / 1e3)
             out[key] = {k: stats(v) for k, v in phases.items()}
         # Where the rollback went, phase by phase (the engine's report, every repetition), for
-        # backstop's own QEMU and for a libvirt domain it adopted (issue 14 asks for both).
+        # backstop's own QEMU and for a libvirt domain it adopted.
         for contender, key in (("backstop", "rollback_breakdown_ms"),
                                ("bsstandby", "standby_rollback_breakdown_ms"),
                                ("bspreload", "preload_rollback_breakdown_ms"),
@@ -610,7 +612,7 @@ def headline(raw, per):
         row(f"rollback / virsh snapshot-revert (virsh on QEMU {virsh[0]})" if virsh[0]
             else "rollback / virsh snapshot-revert (virsh not in this run)",
             _ratio_stats(rb_vals, virsh[1] and virsh[1]["median"]), "x", "<= 0.1", lambda m: m <= 0.1)
-        # Issue 21: the same, with a standby QEMU waiting for the rollback (docs/standby.md),
+        # The same, with a standby QEMU waiting for the rollback (docs/standby.md),
         # and with the target preloaded into it.
         for contender, what in (("bsstandby", "with a standby"), ("bspreload", "with a preload")):
             sb_rb = of(contender, lambda r: [_g(r, "rollback", "guest", "guest_running_ms")])
@@ -629,7 +631,7 @@ def headline(raw, per):
             if any(v is not None for v in cold):
                 row(f"{what}, page cache dropped / the same for stop-and-copy",
                     _ratio_stats(cold, cold_sc and cold_sc["median"]), "x", "-", None)
-        # Issue 14: the libvirt backend (a domain libvirt runs, adopted) against virsh on the
+        # The libvirt backend (a domain libvirt runs, adopted) against virsh on the
         # same domain XML and QEMU.
         lv = _g(f, "pause_qemu_events", "values", "bslibvirt")
         if lv or _g(f, "rb_guest", "values", "bslibvirt"):
@@ -649,7 +651,7 @@ def headline(raw, per):
             "ms", "<= 300 ms", lambda m: m <= 300)
         out["watchdog_error"] = wd_err[0] if wd_err else None
         dd = _g(f, "tput_dd", "values", "host", "median")
-        # Issue 21's measure: the store's ingest of a recorded stream (QEMU's own background
+        # The store goal's measure: the store's ingest of a recorded stream (QEMU's own background
         # snapshot of the stop-and-copy guest on this version), each repetition against the same
         # bytes written to one file and fsynced in the same invocation (run.py's store_ingest).
         ing = [x["ratio"] for g in raw.get("store_ingest") or []
@@ -734,15 +736,421 @@ def chart(summary, path):
     return drawn
 
 
+
+# --- docs/benchmarks.md: the tables between its marker comments, redrawn from saved runs -------
+#
+# A block of the doc is the text between `<!-- BEGIN report:NAME -->` and `<!-- END report:NAME -->`.
+# `--docs DOC FILE...` rewrites every block from the saved runs given (a bench.sh raw.json, a
+# bench-many.sh JSON); `--check` renders the same and exits 1 if the doc (or a saved summary
+# beside a raw file) differs, so a table edited by hand, or data without its table, fails CI.
+
+BEGIN, END = "<!-- BEGIN report:{} -->", "<!-- END report:{} -->"
+
+
+def _when(iso):
+    """'2026-12-01 23:20 UTC' from an ISO timestamp (as run.py writes it)."""
+    import datetime
+    try:
+        t = datetime.datetime.fromisoformat(str(iso))
+    except ValueError:
+        return str(iso)
+    if t.utcoffset() is not None:
+        t = t.astimezone(datetime.timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _load_line(samples):
+    one = [x["1m"] for x in samples or [] if x]
+    if not one:
+        return "not recorded"
+    return (f"1-minute load average {_fmt(min(one))}-{_fmt(max(one))} (median "
+            f"{_fmt(statistics.median(one))}, {len(one)} samples through the run)")
+
+
+def _short_commit(c):
+    if not c:
+        return "-"
+    dirty = c.endswith("-dirty")
+    return c[:7] + (" (tree modified)" if dirty else "")
+
+
+def _qemu_names(meta):
+    return " and ".join(q["label"] for q in meta.get("qemus") or []) or "-"
+
+
+def run_source(meta, path):
+    """The one line above each table: which run it comes from."""
+    h = meta.get("host") or {}
+    return (f"From the saved run of {_when(meta.get('started'))}, commit {_short_commit(meta.get('git_commit'))}, "
+            f"{h.get('cpu_model') or '-'} x{h.get('nproc')}, kernel {h.get('kernel')}, "
+            f"QEMU {_qemu_names(meta)}, {meta['memory_mib']} MiB guest, {meta['reps']} repetition(s) "
+            f"(`{path}`).")
+
+
+def _cell_u(st, unit, pct=False):
+    """median [min..max] unit (n)."""
+    if not st:
+        return "-"
+    if pct:
+        f = (lambda x: f"{x * 100:.0f}%")
+        body = f(st["median"]) if st["n"] == 1 else f"{f(st['median'])} [{f(st['min'])}..{f(st['max'])}]"
+        return f"{body} ({st['n']})"
+    u = {"x": "x", "ms": " ms", "MB/s": " MB/s", "MB": " MB"}.get(unit, f" {unit}")
+    if st["n"] == 1:
+        return f"{_fmt(st['median'])}{u} (1)"
+    return f"{_fmt(st['median'])}{u} [{_fmt(st['min'])}..{_fmt(st['max'])}] ({st['n']})"
+
+
+def _verdict(ok):
+    return "" if ok is None else (": met" if ok else ": **not met**")
+
+
+def _phases(ph):
+    return ", ".join(f"{k} {_fmt(v['median'])}" for k, v in (ph or {}).items() if v) or "-"
+
+
+def _md_table(head, rows):
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        out.append("| " + " | ".join(_md_cell(c) for c in r) + " |")
+    return "\n".join(out)
+
+
+def _md_cell(c):
+    return str(c).replace("|", "\\|").replace("<= ", "≤ ").replace(">= ", "≥ ").replace("->", "→")
+
+
+def docs_blocks_run(raw, path, summary=None):
+    """The blocks of a bench.sh run: run (its metadata), snapshot, rollback, watchdog, store."""
+    summary = summary or summarize(raw)
+    meta = summary["meta"]
+    labs = list(summary["per_qemu"])
+    heads = {v["qemu"]: v for v in summary["headline"]}
+    qhead = ["figure"] + [f"QEMU {lab}" for lab in labs] + ["goal"]
+    src = run_source(meta, path)
+
+    def hrow(lab, name):
+        return next((r for r in heads[lab]["rows"] if r["figure"] == name), None)
+
+    def from_head(name, label=None, goal=None, pct=False):
+        cells = []
+        any_value = False
+        for lab in labs:
+            r = hrow(lab, name)
+            if not r or not r["stats"]:
+                cells.append("-")
+                continue
+            any_value = True
+            cells.append(_cell_u(r["stats"], r["unit"], pct) + _verdict(r["meets"]))
+        g = goal if goal is not None else next((hrow(lab, name)["goal"] for lab in labs if hrow(lab, name)), "-")
+        return [label or name] + cells + [g] if any_value else None
+
+    def from_fig(key, contender, label, goal="-", scale=1.0, pct=False, ok=None):
+        cells, any_value = [], False
+        for lab in labs:
+            st = _g(summary["per_qemu"][lab], "figures", key, "values", contender)
+            if not st:
+                cells.append("-")
+                continue
+            any_value = True
+            if scale != 1.0:
+                st = {k: (v * scale if k != "n" else v) for k, v in st.items()}
+            unit = summary["per_qemu"][lab]["figures"][key]["unit"]
+            cells.append(_cell_u(st, unit, pct) + _verdict(None if ok is None else ok(lab, st["median"])))
+        return [label] + cells + [goal] if any_value else None
+
+    def from_head_key(key, label):
+        cells = [_phases(heads[lab].get(key)) for lab in labs]
+        return [label] + cells + ["-"] if any(c != "-" for c in cells) else None
+
+    blocks = {}
+
+    # The run itself.
+    h = meta.get("host") or {}
+    v = meta.get("versions") or {}
+    rows = [
+        ["date", f"{_when(meta.get('started'))} to {_when(meta.get('finished'))}"
+                 + (f" ({meta['wall_s'] / 60:.0f} min)" if meta.get("wall_s") else "")],
+        ["commit", f"`{meta.get('git_commit') or '-'}`"],
+        ["CPU", f"{h.get('cpu_model') or '-'}, {h.get('nproc')} cores"
+                + (f", {h['mem_mib'] / 1024:.0f} GiB RAM" if h.get("mem_mib") else "")],
+        ["kernel", f"{h.get('kernel')} (accelerator {meta.get('accel')})"],
+    ]
+    for q in meta.get("qemus") or []:
+        rows.append([f"QEMU {q['label']}", f"{q['version']}" + ("" if q.get("virsh", True) else
+                                                               "; virsh not run on it")])
+    rows += [
+        ["libvirt", v.get("libvirt") or "-"],
+        ["guest", f"{meta['memory_mib']} MiB RAM, {meta['fill_mib']} MiB random data resident, writer "
+                  f"rewrites {meta['dirty_mib']} MiB ({meta['dirty_pct']}% of RAM) every {meta['dirty_every_s']} s"],
+        ["contenders", ", ".join(f"`{c}`" for c in meta.get("contenders") or [])],
+        ["repetitions", f"{meta['reps']} per contender and QEMU; watchdog {meta.get('watchdog_reps')} "
+                        f"expiries per QEMU; rollback with the page cache dropped: "
+                        f"{'yes' if meta.get('cold_rollback') else 'no'}"],
+        ["chunk hash", meta.get("chunk_hash") or "sha256"],
+        ["load", _load_line(meta.get("load"))],
+    ]
+    if meta.get("note"):
+        rows.append(["note", meta["note"]])
+    errs = [f"{e['contender']} QEMU {lab} rep {e['rep']}: {e['error'].splitlines()[0]}"
+            for lab, s in summary["per_qemu"].items() for e in s["errors"]]
+    rows.append(["failed measurements", "; ".join(errs) if errs else "none"])
+    blocks["run"] = f"Saved run: `{path}`.\n\n" + _md_table(["", "this run"], rows)
+
+    def pause_goal(lab, m):
+        return m <= (5 if (_major(lab) or 0) >= 9 else 12)
+
+    snap = [
+        from_head("pause (QEMU STOP->RESUME)", "backstop: guest pause per snapshot (QEMU `STOP` to `RESUME`)",
+                  "<= 12 ms on 7.2, <= 5 ms on >= 9.0"),
+        from_head("pause seen by the guest (its clock stopped)", "backstop: pause seen by the guest",
+                  "<= 12 ms on 7.2, <= 5 ms on >= 9.0"),
+        from_head_key("pause_breakdown_ms", "backstop: where the pause went, phase medians (ms)"),
+        from_fig("pause_qemu_events", "bspreload", "backstop + preload: guest pause per snapshot", "as backstop",
+                 ok=pause_goal),
+        from_fig("pause_stopped", "stopcopy", "stop-and-copy: pause seen by the guest"),
+        from_fig("pause_stopped", "virsh", "virsh snapshot-create-as: pause seen by the guest"),
+        from_fig("pause_stopped", "qemubg", "QEMU's own background snapshot (no disk switch): pause seen by the guest"),
+        from_head("libvirt backend: pause per snapshot", "backstop on a libvirt domain: guest pause per snapshot"),
+        from_head("libvirt backend: pause seen by the guest", "backstop on a libvirt domain: pause seen by the guest"),
+        from_fig("noise_stopped", "backstop", "noise floor: 'pause' measured in a quiet window"),
+        from_fig("wall_first", "backstop", "backstop: first snapshot's wall time"),
+        from_fig("wall_first", "qemubg", "QEMU's own background snapshot: wall time"),
+        from_head("capture wall time / QEMU's bare background snapshot", "backstop / QEMU's own background snapshot, wall time"),
+        from_fig("bytes_first", "backstop", "backstop: stored by the first snapshot"),
+        from_fig("ratio_idle", "backstop", "backstop: stored by an idle second snapshot / first", "<= 10%",
+                 pct=True, ok=lambda lab, m: m <= 0.10),
+        from_fig("ratio_dirty", "backstop", "backstop: stored after 10% of RAM rewritten / first", pct=True),
+    ]
+    blocks["snapshot"] = src + "\n\n" + _md_table(qhead, [r for r in snap if r])
+
+    rb = [
+        from_head("rollback: request -> guest running", "backstop: request to guest running at the snapshot point"),
+        from_head("rollback / bare stop-and-copy restore (same QEMU)", "backstop / stop-and-copy restore"),
+        next((from_head(r["figure"], "backstop / virsh snapshot-revert", "<= 0.1")
+              for lab in labs for r in heads[lab]["rows"] if r["figure"].startswith("rollback / virsh")), None),
+        from_head_key("rollback_breakdown_ms", "backstop: where the rollback went, phase medians (ms)"),
+        from_head("with a preload: rollback -> guest running", "backstop + preload: request to guest running"),
+        from_head("with a preload: rollback / bare stop-and-copy restore", "backstop + preload / stop-and-copy restore"),
+        from_head("with a preload: rollback / virsh snapshot-revert", "backstop + preload / virsh snapshot-revert"),
+        from_head_key("preload_rollback_breakdown_ms", "backstop + preload: where the rollback went (ms)"),
+        from_head("with a standby: rollback -> guest running", "backstop + standby: request to guest running"),
+        from_head("with a standby: rollback / bare stop-and-copy restore", "backstop + standby / stop-and-copy restore"),
+        from_head("libvirt backend: rollback -> guest running", "backstop on a libvirt domain: request to guest running"),
+        from_head("libvirt backend: rollback / virsh snapshot-revert", "backstop on a libvirt domain / virsh snapshot-revert"),
+        from_head_key("libvirt_rollback_breakdown_ms", "backstop on a libvirt domain: where the rollback went (ms)"),
+        from_fig("rb_guest", "stopcopy", "stop-and-copy: restore into a fresh QEMU, to guest running"),
+        from_fig("rb_guest", "virsh", "virsh snapshot-revert, to guest running"),
+        from_fig("rb_probe", "virsh", "of which libvirt re-probing QEMU (a quirk of this machine)"),
+        from_fig("rb_cold", "backstop", "backstop, page cache dropped first"),
+        from_fig("rb_cold", "stopcopy", "stop-and-copy, page cache dropped first"),
+        from_head("rollback, page cache dropped / the same for stop-and-copy",
+                  "backstop / stop-and-copy, page cache dropped"),
+        from_fig("orphan_reap", "host", "host: PID 1 reaps a killed orphan (libvirt's destroy waits for it)"),
+    ]
+    blocks["rollback"] = src + "\n\n" + _md_table(qhead, [r for r in rb if r])
+
+    wd = [from_head("watchdog: expiry -> guest running, past the timeout",
+                    "watchdog expiry to guest running, past the 4 s heartbeat timeout")]
+    wderr = [f"QEMU {lab}: {heads[lab]['watchdog_error']}" for lab in labs if heads[lab].get("watchdog_error")]
+    blocks["watchdog"] = src + "\n\n" + _md_table(qhead, [r for r in wd if r]) + (
+        "\n\nFailed: " + "; ".join(wderr) if wderr else "")
+
+    def ingest(lab, key):
+        return stats([x[key] / MB for g in raw.get("store_ingest") or [] if str(g.get("qemu")) == lab
+                      for x in g.get("reps") or [] if x.get(key)])
+
+    def ingest_row(key, label):
+        cells = [_cell_u(ingest(lab, key), "MB/s") for lab in labs]
+        return [label] + cells + ["-"] if any(c != "-" for c in cells) else None
+
+    st = [
+        from_head("store ingest of a recorded stream / dd (fsync)",
+                  "store ingest of a recorded stream / `dd` (fsync), per-repetition ratios"),
+        ingest_row("ingest_bytes_per_s", "store ingest: cut, hash, write, publish"),
+        ingest_row("dd_bytes_per_s", "`dd` of the same bytes, one file, fsync"),
+        from_head("live capture: stored bytes / wall time / dd", "live capture: stored bytes / wall time / `dd`"),
+        from_head("  its ceiling: QEMU's bare background snapshot stream / dd",
+                  "its ceiling: QEMU's own background snapshot stream / `dd`"),
+    ]
+    blocks["store"] = src + "\n\n" + _md_table(qhead, [r for r in st if r])
+
+    # Every goal of the headline, met or not, in one list: where the run falls short, plainly.
+    met, missed = [], []
+    for lab in labs:
+        for r in heads[lab]["rows"]:
+            if r["meets"] is None:
+                continue
+            line = (f"{r['figure'].strip()}, QEMU {lab}: {_cell_u(r['stats'], r['unit'])} against "
+                    f"{r['goal']}")
+            (met if r["meets"] else missed).append(_md_cell(line))
+    blocks["verdicts"] = (f"Goals this run did not meet ({len(missed)}):\n\n"
+                          + ("\n".join(f"- {x}" for x in missed) or "- none")
+                          + f"\n\nGoals it met ({len(met)}):\n\n"
+                          + ("\n".join(f"- {x}" for x in met) or "- none"))
+    return blocks
+
+
+def docs_blocks_many(raw, path):
+    """The block of a bench-many.sh run: pause and watchdog per VM count, against one VM."""
+    meta = raw.get("meta") or {}
+    h = meta.get("host") or {}
+    q = meta.get("qemu") or {}
+    src = (f"From the saved run of {_when(meta.get('started'))}, commit {_short_commit(meta.get('git_commit'))}, "
+           f"{h.get('cpu_model') or '-'} x{h.get('nproc')}, kernel {h.get('kernel')}, QEMU "
+           f"{q.get('label') or q.get('version') or '-'}, {raw['memory_mib']} MiB guests, "
+           f"{meta.get('rounds')} snapshot(s) per VM, {meta.get('reps')} watchdog expiries per count; "
+           f"{_load_line(meta.get('load'))} (`{path}`)."
+           + (f" Note: {meta['note']}." if meta.get("note") else ""))
+    counts = raw["counts"]
+    base = {}
+    rows = []
+    for n in counts:
+        r = raw["runs"].get(str(n)) or {}
+        ps, ws = stats(r.get("pause_ms") or []), stats(r.get("beyond_timeout_ms") or [])
+        if n == counts[0]:
+            base = {"p": ps and ps["median"], "w": ws and ws["median"]}
+
+        def x(st, b):
+            return f"{st['median'] / b:.2f}x" if st and b else "-"
+        rows.append([str(n), _cell_u(ps, "ms"), x(ps, base["p"]), _cell_u(ws, "ms"), x(ws, base["w"])])
+    top = counts[-1]
+    r = raw["runs"].get(str(top)) or {}
+    ps, ws = stats(r.get("pause_ms") or []), stats(r.get("beyond_timeout_ms") or [])
+    if top >= 8 and ps and ws and base["p"] and base["w"]:
+        ok = ps["median"] / base["p"] <= 1.5 and ws["median"] / base["w"] <= 1.5
+        verdict = f"Goal, both within 1.5x of one VM's at 8 VMs: {'met' if ok else '**not met**'}."
+    else:
+        verdict = (f"Goal, both within 1.5x of one VM's at 8 VMs: not read, this run went up to {top} "
+                   f"VM(s) (`--vms 1,4,8` does).")
+    return {"many": src + "\n\n" + _md_table(
+        ["VMs", "guest pause per snapshot", "x 1 VM", "watchdog: past the timeout", "x 1 VM"], rows)
+        + "\n\n" + verdict}
+
+
+def _summary_path(raw_path):
+    from pathlib import Path
+    p = Path(raw_path)
+    if p.name.endswith(".raw.json"):
+        return p.with_name(p.name[: -len(".raw.json")] + ".summary.json")
+    return None
+
+
+def docs_render(paths, doc_dir):
+    """{block name: text} from every saved run given; and {summary path: its text}."""
+    import json
+    import os
+    blocks, summaries = {}, {}
+    for path in paths:
+        with open(path) as fh:
+            raw = json.load(fh)
+        # Named from the repository's root, whatever the working directory.
+        rel = os.path.relpath(os.path.abspath(path), os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__))))
+        if "records" in raw:
+            summary = summarize(raw)
+            new = docs_blocks_run(raw, rel, summary)
+            sp = _summary_path(path)
+            if sp:
+                summaries[str(sp)] = json.dumps(summary, indent=1) + "\n"
+        elif "runs" in raw and "counts" in raw:
+            new = docs_blocks_many(raw, rel)
+        else:
+            raise SystemExit(f"{path}: neither a bench.sh raw.json nor a bench-many.sh JSON")
+        for k in new:
+            if k in blocks:
+                raise SystemExit(f"{path}: a second run for the doc's block {k!r}")
+        blocks.update(new)
+    return blocks, summaries
+
+
+def docs_apply(text, blocks):
+    """The doc with every marked block replaced; raises if a marker has no data or vice versa."""
+    import re
+    seen = set()
+
+    def sub(m):
+        name = m.group(1)
+        if name not in blocks:
+            raise SystemExit(f"the doc has a block report:{name} and no saved run renders it")
+        seen.add(name)
+        return f"{BEGIN.format(name)}\n{blocks[name]}\n{END.format(name)}"
+    out = re.sub(r"<!-- BEGIN report:([\w-]+) -->\n.*?<!-- END report:\1 -->", sub, text, flags=re.S)
+    missing = sorted(set(blocks) - seen)
+    if missing:
+        raise SystemExit("the doc has no block for " + ", ".join(f"report:{n}" for n in missing)
+                         + f" (add {BEGIN.format(missing[0])} ... {END.format(missing[0])})")
+    return out
+
+
+def docs_main(doc, paths, check):
+    import difflib
+    from pathlib import Path
+    blocks, summaries = docs_render(paths, doc)
+    old = Path(doc).read_text()
+    new = docs_apply(old, blocks)
+    stale = []
+    if new != old:
+        stale.append((doc, old, new))
+    for sp, text in summaries.items():
+        cur = Path(sp).read_text() if Path(sp).exists() else ""
+        if cur != text:
+            stale.append((sp, cur, text))
+    if check:
+        for name, a, b in stale:
+            sys.stdout.writelines(difflib.unified_diff(a.splitlines(True), b.splitlines(True),
+                                                       f"{name} (committed)", f"{name} (from the data)", n=1))
+        if stale:
+            print(f"report: {', '.join(n for n, _, _ in stale)}: not what the saved runs "
+                  f"render; to redraw: python3 bench/report.py --docs {doc} {' '.join(paths)}", file=sys.stderr)
+            return 1
+        return 0
+    for name, _, b in stale:
+        Path(name).write_text(b)
+        print(f"report: rewrote {name}", file=sys.stderr)
+    return 0
+
+
+def strip_raw(raw):
+    """A saved run fit to commit: the tracebacks of failed measurements dropped (their one-line
+    error stays), which no figure is computed from."""
+    raw = json.loads(json.dumps(raw))
+    for r in raw.get("records") or []:
+        r.pop("traceback", None)
+    return raw
+
+
 if __name__ == "__main__":
     import argparse
-    import json
-    import sys
-    ap = argparse.ArgumentParser(description="Redraw a saved run's table (and chart) from raw.json.")
-    ap.add_argument("raw", help="raw.json of a run (results/<timestamp>/raw.json)")
+    ap = argparse.ArgumentParser(
+        description="Redraw a saved run's table (and chart) from raw.json; or, with --docs, the "
+                    "tables of docs/benchmarks.md from the saved runs kept beside it.",
+        epilog="python3 bench/report.py --docs docs/benchmarks.md docs/benchmarks/*.raw.json "
+               "[--check]")
+    ap.add_argument("raw", nargs="+", help="raw.json of a run (results/<timestamp>/raw.json); with "
+                    "--docs, every saved run the doc's tables come from")
     ap.add_argument("--chart", help="also draw the chart(s) into this PNG path")
     ap.add_argument("--summary", help="also write summary.json here")
+    ap.add_argument("--docs", metavar="DOC", help="rewrite the report:NAME blocks of this markdown "
+                    "file (and each X.summary.json beside an X.raw.json) from the saved runs")
+    ap.add_argument("--check", action="store_true", help="with --docs: write nothing, exit 1 if "
+                    "the doc or a summary differs from what the saved runs render")
+    ap.add_argument("--save", metavar="OUT", help="write a copy of raw.json fit to commit "
+                    "(tracebacks dropped) to OUT")
     a = ap.parse_args()
+    if a.docs:
+        sys.exit(docs_main(a.docs, a.raw, a.check))
+    if a.check:
+        ap.error("--check goes with --docs")
+    if len(a.raw) != 1:
+        ap.error("one raw.json without --docs")
+    a.raw = a.raw[0]
+    if a.save:
+        import os
+        os.makedirs(os.path.dirname(os.path.abspath(a.save)), exist_ok=True)
+        with open(a.raw) as fh, open(a.save, "w") as out:
+            json.dump(strip_raw(json.load(fh)), out, indent=1)
+            out.write("\n")
     with open(a.raw) as fh:
         summary = summarize(json.load(fh))
     sys.stdout.write(table(summary))

@@ -1,4 +1,4 @@
-"""backstop's benchmark against its peers, in one run, on the same guest (issue 7).
+"""backstop's benchmark against its peers, in one run, on the same guest.
 
 Run it through scripts/bench.sh, which installs what it needs and builds backstop first.
 Each repetition boots a fresh guest per contender (so every "first" snapshot is a first), with
@@ -41,6 +41,8 @@ sys.dont_write_bytecode = True  # no __pycache__ in the tree
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import contenders as C  # noqa: E402
+import hostinfo  # noqa: E402
+from hostinfo import git_commit, qemu_version  # noqa: E402
 import measure  # noqa: E402
 import report  # noqa: E402
 
@@ -157,38 +159,6 @@ def drop_page_cache():
     except OSError as e:
         return f"cannot drop the page cache: {e}"
     return None
-
-
-def git_commit(root):
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=30, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=30).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def cpu_model():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def qemu_version(binary):
-    """(`--version`'s first line, "major.minor.micro")."""
-    try:
-        first = subprocess.run([binary, "--version"], capture_output=True, text=True,
-                               timeout=60).stdout.splitlines()[0]
-    except (OSError, IndexError, subprocess.SubprocessError):
-        return None, None
-    m = re.search(r"version (\d+\.\d+\.\d+)", first)
-    return first, (m.group(1) if m else None)
 
 
 def qemu_major(label):
@@ -391,6 +361,7 @@ def main(argv=None):
     ap.add_argument("--keep-logs", action="store_true", help="copy serial and daemon logs into the results")
     ap.add_argument("--chunk-hash", choices=["blake3", "sha256"], default="blake3",
                     help="backstop's [daemon] chunk_hash (default blake3, what the shipped configs set)")
+    ap.add_argument("--note", help="a line about the machine kept in raw.json (e.g. what else ran on it)")
     ap.add_argument("--guest-dir", default=os.environ.get("BACKSTOP_GUEST_DIR") or
                     str(Path.home() / ".cache/backstop/guest"))
     # cargo puts binaries under $CARGO_TARGET_DIR when it is set, else ./target.
@@ -464,8 +435,11 @@ def main(argv=None):
         "fill_mib": env.fill_mib, "dirty_mib": env.dirty_mib, "dirty_pct": env.dirty_pct,
         "dirty_every_s": env.dirty_every, "accel": env.accel, "contenders": names,
         "append": env.append, "workdir": str(env.work), "chunk_hash": env.chunk_hash,
-        "host": {"nproc": os.cpu_count(), "kernel": os.uname().release,
-                 "kernel_version": os.uname().version, "cpu_model": cpu_model()},
+        "host": hostinfo.host(),
+        # The machine may run other work beside the bench: the load, sampled as the run goes
+        # (at the start, after each measurement, at the end), says how much.
+        "load": [hostinfo.loadavg()],
+        "note": a.note,
         "git_commit": git_commit(root),
         "qemus": env.qemus,
         "watchdog_reps": env.watchdog_reps,
@@ -496,6 +470,7 @@ def main(argv=None):
     records, host, watchdog, ingest = [], [], [], []
 
     def save():
+        meta["load"].append(hostinfo.loadavg())
         raw = {"meta": meta, "records": records, "host": host, "watchdog": watchdog,
                "store_ingest": ingest}
         (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))
@@ -529,7 +504,7 @@ def main(argv=None):
                 host.append(r)
             except (C.BenchError, subprocess.SubprocessError, OSError) as e:
                 log(f"host throughput measurement failed: {e}")
-            # The store's ingest of a recorded stream (issue 21's measure), apart from QEMU's
+            # The store's ingest of a recorded stream (the store goal's measure), apart from QEMU's
             # pace: the stream the stop-and-copy guest's plain background snapshot wrote on
             # each QEMU, cut, hashed, written and published into a fresh store here, against
             # the same bytes written to one file and fsynced, in the same invocation.
@@ -575,6 +550,7 @@ def main(argv=None):
 
     meta["finished"] = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     meta["wall_s"] = round(time.monotonic() - t_run, 1)
+    meta["load"].append(hostinfo.loadavg())
     raw = {"meta": meta, "records": records, "host": host, "watchdog": watchdog,
            "store_ingest": ingest}
     (env.results / "raw.json").write_text(json.dumps(raw, indent=1, default=str))

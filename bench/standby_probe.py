@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Can a standby QEMU, started before a rollback is asked for, take the target's disk chain
-only at rollback time? (issue 21: the "warm standby" lever.)
+only at rollback time? (the "warm standby".)
 
 What blocks a standby: the disk devices are realized at launch with a block node, but which
 chain they must read is known only when the rollback chooses its target. This probe tries one

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A synthetic QEMU 7.2 migration stream of a 1 GiB guest for store_ingest (issue 21): 60% zero
+"""A synthetic QEMU 7.2 migration stream of a 1 GiB guest for store_ingest: 60% zero
 pages, 25% random, 15% compressible (text-like), in 64 KiB runs; the layout stream_chunks.rs
 parses. Deterministic layout (seed 21), random page contents.
 

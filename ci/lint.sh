@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# Format and lint gates CI applies (CONVENTIONS.md): the docs check, rustfmt, and clippy with
-# warnings as errors.
+# Format and lint gates CI applies (CONVENTIONS.md): the docs check, docs/benchmarks.md's
+# tables against the saved runs they are drawn from, rustfmt, and clippy with warnings as errors.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The docs: README.md at most 250 lines, every relative link and anchor of README.md and
-# docs/**/*.md resolves (the checker's own tests first). The console commands and config keys
-# the docs name are checked after the build, by scripts/test.sh (`check-docs.py --verbs`).
+# docs/**/*.md resolves, every error code is in the console reference (the checker's own tests
+# first). The console commands and config keys the docs name are checked after the build, by
+# scripts/test.sh (`check-docs.py --verbs`).
 python3 ci/check-docs-selftest.py
 python3 ci/check-docs.py
+# Each table between `<!-- BEGIN report:NAME -->` markers must be what bench/report.py renders
+# from the raw JSON kept in docs/benchmarks/ (pure Python, no QEMU): a table edited by hand, or a
+# saved run without its tables, fails here. To redraw them:
+#   python3 bench/report.py --docs docs/benchmarks.md docs/benchmarks/*.raw.json
+python3 -B bench/report.py --docs docs/benchmarks.md --check docs/benchmarks/*.raw.json
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # The libvirt backend (needs libvirt-dev: scripts/setup-libvirt.sh).

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Incremental storage, measured (issue 5): bytes the store adds for
+# Incremental storage, measured: bytes the store adds for
 #   first   a snapshot of a guest with FILL MiB of random data resident,
 #   idle    a second snapshot right after it (the guest idle but for its ticking init),
 #   dirty   a third one after the guest rewrote 10% of its RAM (DIRTY MiB).
-# Goal of the issue: idle stores under 10% of first.
+# Goal: idle stores under 10% of first.
 #
 # "stored" is the new chunk bytes the snapshot's manifest reports (bytes_stored); the table also
 # shows the snapshot's own files (chunk index, manifest), which are new for every snapshot.

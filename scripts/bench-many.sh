@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Many VMs in one daemon (issue 13's figures): the guest pause per snapshot with 1, 4 and 8 small
+# Many VMs in one daemon: the guest pause per snapshot with 1, 4 and 8 small
 # guests all snapshotting at once, and one VM's watchdog expiry -> running latency while the
 # others snapshot, each against the single-VM figure (goal: within 1.5x at 8 VMs).
 #

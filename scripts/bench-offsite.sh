@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Off-host replication figures (issue 20): backstop's upload to a Ceph RADOS Gateway against a
+# Off-host replication figures: backstop's upload to a Ceph RADOS Gateway against a
 # plain PUT loop (and `aws s3 cp`, if installed) of the same bytes to the same gateway, and the
 # time from `snapshot pull` on a second host to its guest running there.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Watchdog expiry → guest running again at the snapshot point (issue 3's figure).
+# Watchdog expiry → guest running again at the snapshot point.
 #
 # Boots the test guest under backstopd with a heartbeat timeout T, takes a snapshot, then lets
 # the guest's agent fall silent (backstop.hb_stop_at). For each expiry it reports, from the audit

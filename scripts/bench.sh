@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# backstop side by side with its peers, in one run, on the same guest (issue 7): libvirt's
+# backstop side by side with its peers, in one run, on the same guest: libvirt's
 # internal snapshots (`virsh snapshot-create-as` / `snapshot-revert`) and QEMU's own
 # stop-and-copy (`stop` + `migrate` to a file + `cont`, restore into a fresh QEMU).
 #
@@ -10,6 +10,7 @@
 # unpacks; virsh on the system QEMU only), then the watchdog expiry -> running figure per version.
 # `python3 bench/report.py results/<timestamp>/raw.json` redraws the table from a saved run.
 #   scripts/bench.sh --help          # every option (repetitions, sizes, contenders, ...)
+# Method, goals and the figures of the saved run: docs/benchmarks.md.
 #
 # Installs what it needs (QEMU and the test guest via setup.sh, libvirt from Debian, matplotlib
 # from PyPI into .cache/bench-venv), builds backstop in release mode, and runs bench/run.py, which
@@ -31,7 +32,7 @@ done
 [[ $EUID -eq 0 ]] || die "run as root (libvirt's system daemon, QEMU as root)"
 
 # setup.sh prints the guest directory, then the QEMU 10 wrapper: every contender runs on the
-# system QEMU (7.2) and on QEMU 10 (issue 21); virsh on the system QEMU only (libvirt is
+# system QEMU (7.2) and on QEMU 10; virsh on the system QEMU only (libvirt is
 # packaged with it and would have to be told about a second emulator).
 BENCH_QEMU10=$(scripts/setup.sh | tail -n1) || die "scripts/setup.sh failed"
 [[ -x $BENCH_QEMU10 ]] || die "scripts/setup.sh did not print the QEMU 10 wrapper (got: $BENCH_QEMU10)"
