@@ -118,41 +118,39 @@ pub struct ResetRecord {
     pub requested_by: String,
 }
 
-/// The seq and hash of the last whole entry of the journal at `path` (read-only, bounded to the
-/// file's last 1 MiB), whatever the state of the rest of its chain.
-pub fn journal_head(path: &Path) -> (Option<u64>, Option<String>) {
+/// The whole entries among the last 1 MiB of the journal at `path`, newest first (read-only,
+/// whatever the state of the rest of its chain).
+fn journal_tail(path: &Path) -> Vec<serde_json::Value> {
     use std::io::{Read, Seek, SeekFrom};
     let Ok(mut f) = std::fs::File::open(path) else {
-        return (None, None);
+        return Vec::new();
     };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let from = len.saturating_sub(1 << 20);
     let mut buf = Vec::new();
-    if f.seek(SeekFrom::Start(from)).is_err() || f.read_to_end(&mut buf).is_err() {
-        return (None, None);
+    if f.seek(SeekFrom::Start(len.saturating_sub(1 << 20)))
+        .is_err()
+        || f.read_to_end(&mut buf).is_err()
+    {
+        return Vec::new();
     }
-    for line in buf.split(|b| *b == b'\n').rev() {
-        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(line) {
-            if let (Some(seq), Some(hash)) = (v["seq"].as_u64(), v["hash"].as_str()) {
-                return (Some(seq), Some(hash.to_string()));
-            }
-        }
-    }
-    (None, None)
+    buf.split(|b| *b == b'\n')
+        .rev()
+        .filter_map(|line| serde_json::from_slice(line).ok())
+        .collect()
+}
+
+/// The seq and hash of the last whole entry of the journal at `path`.
+pub fn journal_head(path: &Path) -> (Option<u64>, Option<String>) {
+    journal_tail(path)
+        .iter()
+        .find_map(|v| Some((v["seq"].as_u64()?, v["hash"].as_str()?.to_string())))
+        .map_or((None, None), |(seq, hash)| (Some(seq), Some(hash)))
 }
 
 /// When the journal at `path` was last written by a session other than `session_id` (the
-/// `ts` of its last such whole entry; read-only, bounded to the file's last 1 MiB): how long a
-/// VM ran unwatched before this session took it over.
+/// `ts` of its last such entry): how long a VM ran unwatched before this session took it over.
 pub fn last_written_before(path: &Path, session_id: &str) -> Option<String> {
-    use std::io::{Read, Seek, SeekFrom};
-    let mut f = std::fs::File::open(path).ok()?;
-    let len = f.metadata().ok()?.len();
-    f.seek(SeekFrom::Start(len.saturating_sub(1 << 20))).ok()?;
-    let mut buf = Vec::new();
-    f.read_to_end(&mut buf).ok()?;
-    buf.split(|b| *b == b'\n').rev().find_map(|line| {
-        let v = serde_json::from_slice::<serde_json::Value>(line).ok()?;
+    journal_tail(path).iter().find_map(|v| {
         (v["fields"]["session_id"] != session_id)
             .then(|| v["ts"].as_str().map(str::to_string))
             .flatten()
@@ -291,6 +289,62 @@ const RESERVE_BYTES: u64 = 1 << 20;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_journal_tail_names_its_head_and_the_last_entry_of_an_earlier_session() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("journal.jsonl");
+        assert_eq!(journal_head(&p), (None, None));
+        std::fs::write(
+            &p,
+            concat!(
+                r#"{"seq":1,"hash":"h1","ts":"t1","fields":{"session_id":"old"}}"#,
+                "\n",
+                r#"{"seq":2,"hash":"h2","ts":"t2","fields":{"session_id":"old"}}"#,
+                "\n",
+                r#"{"seq":3,"hash":"h3","ts":"t3","fields":{"session_id":"new"}}"#,
+                "\n",
+                r#"{"seq":4,"ha"#,
+            ),
+        )
+        .unwrap();
+        // A torn last line is no entry: the head is the last whole one.
+        assert_eq!(journal_head(&p), (Some(3), Some("h3".into())));
+        assert_eq!(last_written_before(&p, "new").as_deref(), Some("t2"));
+        assert_eq!(last_written_before(&p, "other").as_deref(), Some("t3"));
+    }
+
+    #[test]
+    fn a_reattach_record_differs_in_each_thing_it_compares() {
+        let left = ReattachRecord {
+            uuid: "u".into(),
+            pid: 10,
+            pid_start: Some(99),
+            actives: [("vda".to_string(), PathBuf::from("/l/a.qcow2"))].into(),
+            epoch: 3,
+            stopped_at: "t".into(),
+        };
+        assert!(left.differences(&left.clone()).is_empty());
+        let changed = |f: &dyn Fn(&mut ReattachRecord)| {
+            let mut now = left.clone();
+            f(&mut now);
+            left.differences(&now)
+        };
+        assert!(changed(&|n| n.uuid = "v".into())[0].starts_with("uuid"));
+        assert!(changed(&|n| n.pid = 11)[0].starts_with("QEMU pid"));
+        assert!(changed(&|n| n.pid_start = Some(100))[0].starts_with("QEMU process start"));
+        assert!(changed(&|n| {
+            n.actives.insert("vda".into(), "/elsewhere.qcow2".into());
+        })[0]
+            .starts_with("block graph"));
+        assert!(changed(&|n| n.epoch = 4)[0].starts_with("epoch"));
+        // A record without the process's start time never matches (a reused pid is possible).
+        let unknown = ReattachRecord {
+            pid_start: None,
+            ..left.clone()
+        };
+        assert_eq!(unknown.differences(&unknown.clone()).len(), 1);
+    }
 
     #[test]
     fn records_round_trip_and_a_torn_inflight_marker_still_counts() {
