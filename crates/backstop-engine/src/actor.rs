@@ -646,10 +646,15 @@ impl VmActor {
             .unwrap_or_else(|| "qcow2".into())
     }
 
-    pub(crate) fn next_layer(&mut self, disk: &str) -> PathBuf {
+    /// The name of a new layer of `disk`. The counter is durable before the name is used: a
+    /// file made under it and left by a failure or a crash (a rollback's overlay before its
+    /// HALT) is never named again, since a later create would be refused as not ours.
+    pub(crate) fn next_layer(&mut self, disk: &str) -> Result<PathBuf, EngineError> {
         self.vm.next_layer += 1;
-        self.layers
-            .layer_path(disk, &self.vm.lineage, self.vm.next_layer)
+        self.save_vm()?;
+        Ok(self
+            .layers
+            .layer_path(disk, &self.vm.lineage, self.vm.next_layer))
     }
 
     pub(crate) fn save_vm(&self) -> Result<(), EngineError> {
@@ -671,7 +676,7 @@ impl VmActor {
         }
         for d in self.cfg.vm.disks.clone() {
             if d.snapshot == DiskSnapshotMode::Capture && !self.vm.chains.contains_key(&d.id) {
-                let top = self.next_layer(&d.id);
+                let top = self.next_layer(&d.id)?;
                 self.layers.create_overlay(&top, &d.path, &d.format)?;
                 self.vm
                     .chains

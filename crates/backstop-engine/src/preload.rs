@@ -62,7 +62,7 @@ impl VmActor {
                 return Err(format!("{id}: disk {disk} has an empty chain"));
             };
             let fmt = self.layer_format(&disk, &chain);
-            let new_top = self.next_layer(&disk);
+            let new_top = self.next_layer(&disk).map_err(|e| e.to_string())?;
             if let Err(e) = self.layers.create_overlay(&new_top, top, &fmt) {
                 // Only the overlays this preload made are removed, never one that was in the way.
                 self.drop_preload();

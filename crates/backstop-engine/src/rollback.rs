@@ -534,7 +534,9 @@ impl VmActor {
             let fmt = self.layer_format(&id, &chain);
             let new_top = match preload.as_ref().and_then(|p| p.tops.get(&id)) {
                 Some(t) => t.clone(),
-                None => self.next_layer(&id),
+                None => self
+                    .next_layer(&id)
+                    .map_err(|e| ("disk layers", e.to_string()))?,
             };
             planned.push((id, chain, top, new_top, fmt));
         }

@@ -464,7 +464,7 @@ impl VmActor {
             let mut switches = Vec::new();
             let created = (|| {
                 for (id, active) in &captured {
-                    let new_active = self.next_layer(id);
+                    let new_active = self.next_layer(id)?;
                     let size = self.layers.virtual_size(active)?;
                     self.layers
                         .create_overlay_on_active(&new_active, active, size)?;
