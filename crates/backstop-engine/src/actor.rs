@@ -492,33 +492,30 @@ impl VmActor {
     /// differs and `false` is returned: the caller takes the fail-closed way. The record is
     /// used once, whatever the outcome.
     fn reattach(&mut self, ctx: &mut Ctx) -> Result<bool, EngineError> {
-        let left = match self.records.reattach() {
-            Ok(Some(r)) => r,
-            Ok(None) => return Ok(false),
-            Err(e) => {
-                warn!(error = %e, "reattach record unreadable: treated as a crash");
-                ReattachRecord {
-                    uuid: String::new(),
-                    pid: 0,
-                    pid_start: None,
-                    actives: Default::default(),
-                    epoch: u64::MAX,
-                    stopped_at: String::new(),
-                }
-            }
-        };
+        let read = self.records.reattach();
+        if matches!(read, Ok(None)) {
+            return Ok(false);
+        }
         self.records
             .clear_reattach()
             .map_err(|source| EngineError::Io {
                 step: "remove reattach.json",
                 source,
             })?;
-        let now = self.attach_identity(&left.stopped_at, false);
-        let differs = left.differences(&now);
+        let now = self.attach_identity("", false);
         let compared = json!({
             "uuid": now.uuid, "pid": now.pid, "pid_start": now.pid_start,
             "actives": now.actives, "epoch": now.epoch,
         });
+        let (left, differs) = match read {
+            Ok(Some(left)) => {
+                let differs = left.differences(&now);
+                (json!(left), differs)
+            }
+            // An unreadable record proves nothing about the domain: as after a crash.
+            Err(e) => (Value::Null, vec![format!("reattach.json unreadable: {e}")]),
+            Ok(None) => return Ok(false),
+        };
         let sid = self.session_id.clone();
         if !differs.is_empty() {
             warn!(differs = ?differs, "the adopted domain is not as the clean stop left it: fail-closed");
@@ -528,6 +525,7 @@ impl VmActor {
             }))?;
             return Ok(false);
         }
+        let stopped_at = left["stopped_at"].clone();
         let disks = self.attachments();
         self.backend
             .launch(&disks, BootMode::Cold)
@@ -539,7 +537,7 @@ impl VmActor {
         self.running_since = Some(std::time::Instant::now());
         self.journal(AuditEvent::VmReattached, json!({
             "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": self.vm.position, "result": "ok",
-            "stopped_at": left.stopped_at, "compared": compared,
+            "stopped_at": stopped_at, "compared": compared,
         }))?;
         info!(pid = ?now.pid, "adopted domain re-attached as it runs (no rollback)");
         Ok(true)

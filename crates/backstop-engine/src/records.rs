@@ -147,8 +147,9 @@ pub fn journal_head(path: &Path) -> (Option<u64>, Option<String>) {
         .map_or((None, None), |(seq, hash)| (Some(seq), Some(hash)))
 }
 
-/// When the journal at `path` was last written by a session other than `session_id` (the
-/// `ts` of its last such entry): how long a VM ran unwatched before this session took it over.
+/// When the journal at `path` was last written under a `session_id` other than the given one
+/// (the `ts` of its last such entry): how long a VM ran unwatched before the running daemon
+/// took it over.
 pub fn last_written_before(path: &Path, session_id: &str) -> Option<String> {
     journal_tail(path).iter().find_map(|v| {
         (v["fields"]["session_id"] != session_id)

@@ -483,7 +483,7 @@ impl VmActor {
     }
 
     /// An emergency rollback nobody asked for (watchdog, crash), with the storm guard. The
-    /// guard's inputs (the wall-clock times of this session's earlier unattended rollbacks) and
+    /// guard's inputs (the wall-clock times of the running daemon's earlier unattended rollbacks) and
     /// its decision are journaled (`rollback.triggered`), so `audit replay` recomputes it.
     fn unattended_emergency(&mut self, trigger: TriggerKind, reason: &str) {
         let trace = self.new_id();

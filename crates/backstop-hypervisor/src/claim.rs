@@ -88,7 +88,8 @@ pub enum ClaimError {
 /// A held claim: released when dropped (the lock ends with the file).
 #[derive(Debug)]
 pub struct Claim {
-    _lock: Flock<File>,
+    /// Held for the claim's life: the lock ends with it.
+    lock: Flock<File>,
     path: PathBuf,
     /// A guardian whose claim was found with its lock free (it is gone): taken over.
     pub taken_over: Option<Guardian>,
@@ -160,7 +161,7 @@ impl Claim {
         })()
         .map_err(io("write", &path))?;
         Ok(Claim {
-            _lock: lock,
+            lock,
             path,
             taken_over,
         })
@@ -170,7 +171,7 @@ impl Claim {
     /// held, so the next guardian finds nobody to take over from. (Dropping a claim without
     /// this, as a crash does, leaves the record for the next one to journal.)
     pub fn release(self) {
-        let _ = self._lock.set_len(0).and_then(|()| self._lock.sync_all());
+        let _ = self.lock.set_len(0).and_then(|()| self.lock.sync_all());
     }
 
     /// The claim file.

@@ -12,7 +12,7 @@
 //! | `restore_gate` | `snapshot.restore.policy_decision.decision` | `governed`, the target's mark, newer verified snapshots, the recorded reviewer |
 //! | `epoch` | `rollback.completed.epoch` | the previous epoch, +1 unless it is the clean-stop resume |
 //! | `soft_rollback_marks` | `snapshot.marked_rolled_back` | the snapshots after the target on the current line |
-//! | `storm_guard` | `rollback.triggered` (`decision`, `storm_recent_ms`) | [`crate::watchdog::storm_decision`] over this session's earlier unattended rollbacks |
+//! | `storm_guard` | `rollback.triggered` (`decision`, `storm_recent_ms`) | [`crate::watchdog::storm_decision`] over the same daemon session's earlier unattended rollbacks |
 //! | `state_transition` | `vm.state_changed` | [`VmState::transition`] |
 //! | `id_provenance` | every `trace_id`/`session_id` of a session | the session's journaled `id_seed` |
 //!
@@ -215,7 +215,8 @@ impl Session {
         }
     }
 
-    /// Whether `id` is one of this session's seeded ids (drawing more as needed).
+    /// Whether `id` is one of the seeded ids of the daemon session being replayed (drawing more
+    /// as needed).
     fn derives(&mut self, id: &str) -> bool {
         let Some(seed) = &self.seed else { return true };
         if self.drawn.contains_key(id) {
@@ -825,7 +826,7 @@ impl<'a> Replayer<'a> {
         Ok(())
     }
 
-    /// Every id an entry of this session carries must derive from its seed.
+    /// Every id an entry of the daemon session being replayed carries must derive from its seed.
     fn check_ids(&mut self, e: &ReplayEntry) -> Result<(), Stop> {
         let Some(sid) = self.session.session_id.clone() else {
             return Ok(());
