@@ -352,7 +352,18 @@ impl VmActor {
         if inv.coverage(self.backend.kind()) != super::Coverage::Checked {
             return Ok(());
         }
-        let o = self.drift_observe();
+        // Only the block graph is read (one query, before the pause): the other invariants
+        // wait for their own checks.
+        let o = super::Observed {
+            disks: match self.backend.block_graph() {
+                Ok(g) => g,
+                Err(e) => {
+                    warn!(error = %e, "drift: block graph not observed before the capture");
+                    None
+                }
+            },
+            ..Default::default()
+        };
         let mut report = check(&self.drift_expected(), &o);
         report.violations.retain(|v| v.invariant == inv);
         report.checked.retain(|i, _| *i == inv);
