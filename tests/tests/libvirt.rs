@@ -2231,3 +2231,179 @@ fn libvirt_one_guardian_per_domain_and_a_state_reset_replaces_no_layer() {
     );
     d.ok_vm(winner, &["audit", "verify"]);
 }
+
+/// The guest is never rolled back for a change of the daemon alone:
+/// - `reload` of a changed VM file of an adopted domain applies it live: the old actor's clean
+///   stop records the domain and the new one re-attaches to it as it runs (same QEMU, epoch
+///   unchanged, no rollback, the guest's writes kept); a change naming another domain is not
+///   applied and says why and what applying it takes;
+/// - with `after_crash = "reattach"`, a start after kill -9 re-attaches to the domain as it
+///   ran unwatched, journaled with the window; when the domain is not the one last guarded
+///   (another QEMU process), the re-attach is refused naming why and the VM rolls back.
+#[test]
+fn libvirt_reload_applies_live_and_after_crash_reattach_is_the_operators_choice() {
+    let test = "libvirt_reload_applies_live_and_after_crash_reattach_is_the_operators_choice";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    let dom = TestDomain::start("bs-e2e-reload", &|x| x);
+    dom.wait_ticks(0, "guest booting under libvirt", |t| t.len() >= 3);
+    let pid = dom.pid();
+    let (name, root) = (dom.name.clone(), dom.dir.clone());
+    let vm_file = move |timeout: u32, domain: &str, extra: &str| {
+        format!(
+            "[vm]\nname = \"lvr\"\nbackend = \"libvirt\"\n\n[vm.libvirt]\n\
+             uri = \"qemu:///system\"\ndomain = \"{domain}\"\nlayers_dir = \"{}\"\n{extra}\n\n\
+             [watchdog]\nheartbeat_timeout_s = {timeout}\nboot_grace_s = 120\n",
+            root.join("layers").display()
+        )
+    };
+    let first = vm_file(30, &name, "");
+    let mut d = Daemon::prepare_custom(
+        "lv-reload",
+        &move |s: &Path, r: &Path| {
+            let vms = s.parent().unwrap().join("vms.d");
+            std::fs::create_dir_all(&vms).unwrap();
+            std::fs::write(vms.join("lvr.toml"), &first).unwrap();
+            format!(
+                "[daemon]\nstate_dir = \"{}\"\nrun_dir = \"{}\"\nvms_dir = \"{}\"\n",
+                s.display(),
+                r.display(),
+                vms.display()
+            )
+        },
+        &[],
+    );
+    d.launch_answering();
+    wait_vm_event(&d, "lvr", "baseline", "snapshot.create.completed");
+    let file = d.dir.path().join("vms.d/lvr.toml");
+    let rollbacks = |d: &Daemon| events(&d.vm_journal("lvr"), "rollback.completed").len();
+    let epoch = d.ok_vm("lvr", &["status"])["epoch"].clone();
+
+    // A changed watchdog and the crash choice: applied by a re-attach, nothing rolled back.
+    std::fs::write(&file, vm_file(31, &dom.name, "after_crash = \"reattach\"")).unwrap();
+    let last_before = parse_ticks(&dom.serial()).last().copied().unwrap();
+    let r = d.ok(&["reload"]);
+    eprintln!("reload: {r}");
+    assert_eq!(r["applied"], serde_json::json!(["lvr"]), "{r}");
+    let re = wait_vm_event(&d, "lvr", "re-attached by the reload", "vm.reattached");
+    assert_eq!(re["fields"]["after"], "clean_stop", "{re}");
+    assert_eq!(re["fields"]["compared"]["pid"], pid, "{re}");
+    assert_eq!(dom.pid(), pid, "the same QEMU after the reload");
+    assert_eq!(rollbacks(&d), 0, "no rollback for a reload");
+    assert_eq!(
+        d.ok_vm("lvr", &["status"])["epoch"],
+        epoch,
+        "epoch unchanged"
+    );
+    assert!(d
+        .daemon_journal()
+        .iter()
+        .any(|e| e["event"] == "vm.reconfigured"));
+    let from = dom.serial().len();
+    let on = dom.wait_ticks(from, "guest on after the reload", |t| t.len() >= 2);
+    assert!(
+        on[0].disk >= last_before.disk,
+        "the guest went on from where it was ({last_before:?} then {on:?})"
+    );
+
+    // Another domain is another adoption: not applied, and the reason says what it takes.
+    std::fs::write(
+        &file,
+        vm_file(31, "bs-e2e-other", "after_crash = \"reattach\""),
+    )
+    .unwrap();
+    let r = d.ok(&["reload"]);
+    eprintln!("reload of another domain: {r}");
+    assert_eq!(r["changed_not_applied"], serde_json::json!(["lvr"]), "{r}");
+    let why = r["not_applied_why"][0][1].as_str().unwrap_or_default();
+    assert!(
+        why.contains("vm.libvirt.domain changed") && why.contains("new adoption"),
+        "{r}"
+    );
+    assert_eq!(dom.pid(), pid);
+    std::fs::write(&file, vm_file(31, &dom.name, "after_crash = \"reattach\"")).unwrap();
+
+    // kill -9 with `after_crash = "reattach"`: the same domain is guarded again as it ran,
+    // and the journal names how long it ran unwatched.
+    let guarded = d.ok_vm("lvr", &["status"])["epoch"].clone();
+    d.kill9();
+    let last_before = parse_ticks(&dom.serial()).last().copied().unwrap();
+    d.launch();
+    let re = {
+        let deadline = Instant::now() + STEP;
+        loop {
+            if let Some(e) = d
+                .vm_journal("lvr")
+                .into_iter()
+                .find(|e| e["event"] == "vm.reattached" && e["fields"]["after"] == "crash")
+            {
+                break e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no re-attach after the crash; log:\n{}",
+                d.log()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    eprintln!("after a crash: {}", re["fields"]);
+    assert!(
+        re["fields"]["unwatched_since"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("20")),
+        "the window is journaled: {re}"
+    );
+    assert_eq!(dom.pid(), pid, "the same QEMU");
+    assert_eq!(rollbacks(&d), 0, "no rollback after the chosen re-attach");
+    assert_eq!(d.ok_vm("lvr", &["status"])["epoch"], guarded);
+    let from = dom.serial().len();
+    let on = dom.wait_ticks(from, "guest on after the crash", |t| t.len() >= 2);
+    assert!(
+        on[0].disk >= last_before.disk,
+        "{last_before:?} then {on:?}"
+    );
+
+    // kill -9, and the domain restarted by hand meanwhile: not the one last guarded.
+    d.kill9();
+    virsh_text(&["destroy", &dom.name]);
+    virsh_text(&["start", &dom.name]);
+    dom.renice();
+    let new_pid = dom.pid();
+    assert_ne!(new_pid, pid);
+    d.launch();
+    let refused =
+        {
+            let deadline = Instant::now() + STEP;
+            loop {
+                if let Some(e) = d.vm_journal("lvr").into_iter().find(|e| {
+                    e["event"] == "vm.reattach_refused" && e["fields"]["after"] == "crash"
+                }) {
+                    break e;
+                }
+                assert!(Instant::now() < deadline, "no refusal; log:\n{}", d.log());
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        };
+    eprintln!("another QEMU after a crash: {}", refused["fields"]);
+    assert!(
+        refused["fields"]["differs"]
+            .to_string()
+            .contains("QEMU pid"),
+        "{refused}"
+    );
+    let deadline = Instant::now() + STEP;
+    while rollbacks(&d) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no fail-closed rollback; log:\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    dom.renice();
+    d.ok_vm("lvr", &["audit", "verify"]);
+}

@@ -238,9 +238,12 @@ fn reloaded_text(r: &ReloadReport) -> String {
     if !r.applied.is_empty() {
         let _ = writeln!(
             text,
-            "changed and applied (restarted from a final snapshot): {}",
+            "changed and applied (restarted from a final snapshot, or re-attached): {}",
             list(&r.applied)
         );
+    }
+    for (name, why) in &r.not_applied_why {
+        let _ = writeln!(text, "not applied {}: {}", clean(name), clean(why));
     }
     for (name, why) in &r.refused {
         let _ = writeln!(text, "refused {}: {}", clean(name), clean(why));
@@ -2339,12 +2342,22 @@ mod tests {
             added: vec!["d".into()],
             removed: vec![],
             changed_not_applied: vec!["a".into()],
+            not_applied_why: vec![],
             applied: vec![],
             refused: vec![("x".into(), "bad file".into())],
         };
         assert_eq!(
-            human(&Request::Reload, &Response::Reloaded(r)),
+            human(&Request::Reload, &Response::Reloaded(r.clone())),
             "added: d\nremoved: -\nchanged, not applied: a\nrefused x: bad file\n"
+        );
+        // Why a change is not applied is said, one line per VM, before the refusals.
+        let why = ReloadReport {
+            not_applied_why: vec![("a".into(), "vm.libvirt.domain changed".into())],
+            ..r
+        };
+        assert_eq!(
+            human(&Request::Reload, &Response::Reloaded(why)),
+            "added: d\nremoved: -\nchanged, not applied: a\nnot applied a: vm.libvirt.domain changed\nrefused x: bad file\n"
         );
     }
 

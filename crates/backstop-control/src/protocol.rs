@@ -1003,8 +1003,12 @@ pub struct ReloadReport {
     /// as they were, since their snapshots cannot restore into the new shape (remove and re-add
     /// the file to cold-boot it on the new one).
     pub changed_not_applied: Vec<String>,
+    /// Why each of `changed_not_applied` was not applied, and what applying it takes.
+    #[serde(default)]
+    pub not_applied_why: Vec<(String, String)>,
     /// Running VMs whose file changed anything else (watchdog, retention, schedule, …): stopped
-    /// cleanly and started again on the new file, resuming from that final snapshot.
+    /// cleanly and started again on the new file, resuming from that final snapshot (an
+    /// adopted domain: re-attached as it runs, no snapshot and no rollback).
     #[serde(default)]
     pub applied: Vec<String>,
     /// Files refused (name, reason); a VM already running under that name keeps running.

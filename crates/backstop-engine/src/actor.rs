@@ -486,46 +486,95 @@ impl VmActor {
         }
     }
 
-    /// An adopted domain a clean stop left running: guarded again as it runs, with no
+    /// An adopted domain left running without its guardian: guarded again as it runs, with no
     /// rollback and the epoch unchanged, when the domain found now is the one left (same UUID,
-    /// same QEMU process, same block graph, same epoch). Anything else is journaled with what
-    /// differs and `false` is returned: the caller takes the fail-closed way. The record is
-    /// used once, whatever the outcome.
+    /// same QEMU process, same block graph, same epoch). Left by a clean stop
+    /// (`reattach.json`, always compared), or by a crash of backstopd (`guarding.json`,
+    /// compared only when the VM file says `after_crash = "reattach"`). Anything else is
+    /// journaled with what differs and `false` is returned: the caller takes the fail-closed
+    /// way. A clean stop's record is used once, whatever the outcome.
     fn reattach(&mut self, ctx: &mut Ctx) -> Result<bool, EngineError> {
-        let read = self.records.reattach();
-        if matches!(read, Ok(None)) {
-            return Ok(false);
-        }
+        let left = match self.records.reattach() {
+            Ok(None) => return self.reattach_after_crash(ctx),
+            Ok(Some(left)) => Ok(left),
+            // An unreadable record proves nothing about the domain: as after a crash.
+            Err(e) => Err(format!("reattach.json unreadable: {e}")),
+        };
         self.records
             .clear_reattach()
             .map_err(|source| EngineError::Io {
                 step: "remove reattach.json",
                 source,
             })?;
+        self.reattach_to(ctx, left, json!({"after": "clean_stop"}))
+    }
+
+    /// After a crash of backstopd: the domain as last guarded (its UUID and QEMU process from
+    /// `guarding.json`, its chain and epoch from the VM's record, both durable before the
+    /// crash) against the domain found. Only when the VM file asks for it; by default a
+    /// domain that ran unwatched is rolled back.
+    fn reattach_after_crash(&mut self, ctx: &mut Ctx) -> Result<bool, EngineError> {
+        let wanted = self.cfg.vm.libvirt.as_ref().map(|l| l.after_crash);
+        if wanted != Some(crate::config::AfterCrash::Reattach) {
+            return Ok(false);
+        }
+        let since = crate::records::last_written_before(&self.journal_path, &self.session_id)
+            .unwrap_or_else(|| "an unknown time".into());
+        let left = match self.records.guarding() {
+            // Never guarded running here: nothing to come back to but the usual way.
+            Ok(None) => return Ok(false),
+            Ok(Some(g)) => {
+                let recorded = self.attach_identity(&since, true);
+                Ok(ReattachRecord {
+                    actives: recorded.actives,
+                    epoch: recorded.epoch,
+                    stopped_at: since.clone(),
+                    ..g
+                })
+            }
+            Err(e) => Err(format!("guarding.json unreadable: {e}")),
+        };
+        self.reattach_to(
+            ctx,
+            left,
+            json!({"after": "crash", "unwatched_since": since}),
+        )
+    }
+
+    fn reattach_to(
+        &mut self,
+        ctx: &mut Ctx,
+        left: Result<ReattachRecord, String>,
+        how: Value,
+    ) -> Result<bool, EngineError> {
         let now = self.attach_identity("", false);
         let compared = json!({
             "uuid": now.uuid, "pid": now.pid, "pid_start": now.pid_start,
             "actives": now.actives, "epoch": now.epoch,
         });
-        let (left, differs) = match read {
-            Ok(Some(left)) => {
+        let (left, differs) = match left {
+            Ok(left) => {
                 let differs = left.differences(&now);
                 (json!(left), differs)
             }
-            // An unreadable record proves nothing about the domain: as after a crash.
-            Err(e) => (Value::Null, vec![format!("reattach.json unreadable: {e}")]),
-            Ok(None) => return Ok(false),
+            Err(why) => (Value::Null, vec![why]),
         };
         let sid = self.session_id.clone();
+        let mut fields = json!({
+            "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": self.vm.position,
+        });
+        if let (Some(f), Some(h)) = (fields.as_object_mut(), how.as_object()) {
+            f.extend(h.clone());
+        }
         if !differs.is_empty() {
-            warn!(differs = ?differs, "the adopted domain is not as the clean stop left it: fail-closed");
-            self.journal(AuditEvent::VmReattachRefused, json!({
-                "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": self.vm.position, "result": "refused",
-                "differs": differs, "left": left, "found": compared,
-            }))?;
+            warn!(differs = ?differs, "the adopted domain is not as it was left: fail-closed");
+            fields["result"] = json!("refused");
+            fields["differs"] = json!(differs);
+            fields["left"] = left;
+            fields["found"] = compared;
+            self.journal(AuditEvent::VmReattachRefused, fields)?;
             return Ok(false);
         }
-        let stopped_at = left["stopped_at"].clone();
         let disks = self.attachments();
         self.backend
             .launch(&disks, BootMode::Cold)
@@ -535,12 +584,25 @@ impl VmActor {
             })?;
         self.transition(Transition::Booted, &ctx.trace_id.clone())?;
         self.running_since = Some(std::time::Instant::now());
-        self.journal(AuditEvent::VmReattached, json!({
-            "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": self.vm.position, "result": "ok",
-            "stopped_at": stopped_at, "compared": compared,
-        }))?;
+        fields["result"] = json!("ok");
+        fields["stopped_at"] = left["stopped_at"].clone();
+        fields["compared"] = compared;
+        self.journal(AuditEvent::VmReattached, fields)?;
         info!(pid = ?now.pid, "adopted domain re-attached as it runs (no rollback)");
         Ok(true)
+    }
+
+    /// Records the adopted domain as it is guarded now (UUID, QEMU process) after it came to
+    /// run under this daemon: what a start after a crash compares with. Best effort: without
+    /// it that start rolls back, the default anyway.
+    pub(crate) fn note_guarding(&self) {
+        if self.adoption.is_none() {
+            return;
+        }
+        let now = self.attach_identity("", true);
+        if let Err(e) = self.records.set_guarding(&now) {
+            warn!(error = %e, "guarding.json not written: a start after a crash rolls back");
+        }
     }
 
     /// What identifies the adopted domain (for [`ReattachRecord`]): its UUID, QEMU process and

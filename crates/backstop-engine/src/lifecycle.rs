@@ -160,6 +160,9 @@ impl VmActor {
         self.state = to;
         self.publish_state();
         self.journal_state_change(from, to, t, trace_id)?;
+        if matches!(t, Transition::Booted | Transition::RolledBack) {
+            self.note_guarding();
+        }
         Ok(to)
     }
 

@@ -252,6 +252,14 @@ impl Records {
     pub fn clear_reattach(&self) -> std::io::Result<()> {
         durable::remove_durably(&self.path("reattach.json"))
     }
+    /// The adopted domain as it was last guarded (its UUID and QEMU process), rewritten at
+    /// every boot, re-attach and rollback: what a start after a crash compares with.
+    pub fn guarding(&self) -> std::io::Result<Option<ReattachRecord>> {
+        self.read("guarding.json")
+    }
+    pub fn set_guarding(&self, r: &ReattachRecord) -> std::io::Result<()> {
+        self.write("guarding.json", r)
+    }
 
     /// Makes the space reserve if it is missing (best effort: on a full disk it stays missing
     /// and is tried again next time).

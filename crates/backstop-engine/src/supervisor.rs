@@ -260,6 +260,7 @@ impl Supervisor {
             added: Vec::new(),
             removed: Vec::new(),
             changed_not_applied: Vec::new(),
+            not_applied_why: Vec::new(),
             applied: Vec::new(),
             refused: Vec::new(),
         };
@@ -304,22 +305,32 @@ impl Supervisor {
                     if format!("{running:?}") == format!("{cfg:?}") {
                         continue;
                     }
-                    // The same shape (what the backend launches: memory, disks, devices, …):
-                    // stopped cleanly (a final snapshot of the paused guest) and started on the
-                    // new file, resuming from exactly that snapshot, so the guest loses nothing.
-                    // Another shape could not restore that snapshot: it waits for a cold boot.
-                    let shape = |c: &Config| {
-                        backend_for(c, &self.key)
-                            .ok()
-                            .map(|b| b.config_fingerprint())
-                    };
-                    let before = shape(&running);
-                    // An adopted libvirt domain has no final snapshot to resume from: a
-                    // changed file of one is applied by a daemon restart (a clean stop and a
-                    // re-attach), never by a reload.
+                    // An adopted libvirt domain keeps running through the change: the old
+                    // actor's clean stop records it and the new one re-attaches to it as it
+                    // runs (no snapshot, no rollback), unless the change names another domain
+                    // or layer directory, which is a new adoption.
                     let adopted = running.vm.libvirt.is_some() || cfg.vm.libvirt.is_some();
-                    if adopted || before.is_none() || before != shape(cfg) {
+                    let why_not = if adopted {
+                        needs_readoption(&running, cfg)
+                    } else {
+                        // The same shape (what the backend launches: memory, disks, devices,
+                        // …): stopped cleanly (a final snapshot of the paused guest) and
+                        // started on the new file, resuming from exactly that snapshot, so the
+                        // guest loses nothing. Another shape could not restore that snapshot:
+                        // it waits for a cold boot.
+                        let shape = |c: &Config| {
+                            backend_for(c, &self.key)
+                                .ok()
+                                .map(|b| b.config_fingerprint())
+                        };
+                        let before = shape(&running);
+                        (before.is_none() || before != shape(cfg)).then(|| {
+                            "its shape changed (memory, disks, devices, firmware, CPU model or heartbeat source), which its snapshots cannot restore into: remove the file, `reload`, and add it again to cold-boot it on the new shape".to_string()
+                        })
+                    };
+                    if let Some(why) = why_not {
                         report.changed_not_applied.push(name.into());
+                        report.not_applied_why.push((name.into(), why));
                         continue;
                     }
                     // (Bound first: the write guard must be gone before the arms lock again.)
@@ -956,4 +967,33 @@ impl Supervisor {
             json!({"vms": stopped, "result": "ok"}),
         );
     }
+}
+
+/// Why a changed VM file of an adopted domain cannot be applied by a re-attach: the keys that
+/// name what is guarded (the connection, the domain, the layer directory its chain lives in,
+/// the backend). A change there is a new adoption: a new VM file under a new name, with its own
+/// baseline; the snapshots of this one stay with it and cannot restore into another domain.
+fn needs_readoption(running: &Config, new: &Config) -> Option<String> {
+    let (Some(a), Some(b)) = (&running.vm.libvirt, &new.vm.libvirt) else {
+        return Some("its backend changed: a new adoption (remove the file, `reload`, and add a file under a new name: its own baseline; this VM's snapshots stay with it)".into());
+    };
+    let mut keys = Vec::new();
+    if a.uri != b.uri {
+        keys.push("vm.libvirt.uri");
+    }
+    if a.domain != b.domain {
+        keys.push("vm.libvirt.domain");
+    }
+    if a.uuid != b.uuid {
+        keys.push("vm.libvirt.uuid");
+    }
+    if running.layers_dir() != new.layers_dir() {
+        keys.push("vm.libvirt.layers_dir");
+    }
+    (!keys.is_empty()).then(|| {
+        format!(
+            "{} changed: guarding another domain or layer directory is a new adoption (remove the file, `reload`, and add a file under a new name: its own baseline; this VM's snapshots stay with it); the domain runs on, guarded as before",
+            keys.join(", ")
+        )
+    })
 }

@@ -487,6 +487,25 @@ pub struct LibvirtSection {
     /// `precopy` (live pre-copy, pause at switchover) or `auto`.
     #[serde(default)]
     pub capture: backstop_libvirt::CaptureMode,
+    /// What a start after a crash of backstopd (no clean stop) does with the domain that ran
+    /// on unwatched meanwhile: `rollback` (default) to the newest verified snapshot, or
+    /// `reattach` as it runs when it is still the domain last guarded (same UUID, QEMU
+    /// process and block graph), else the rollback.
+    #[serde(default)]
+    pub after_crash: AfterCrash,
+}
+
+/// `[vm.libvirt] after_crash`: what the next start does with an adopted domain that ran on
+/// while no backstopd watched it (kill -9, OOM, a power cut of the daemon alone).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AfterCrash {
+    /// Whatever it did unwatched is not trusted: back to the newest verified snapshot.
+    #[default]
+    Rollback,
+    /// Guarded again as it runs when the domain found is the one last guarded; anything
+    /// else takes the rollback.
+    Reattach,
 }
 
 impl VmConfig {
