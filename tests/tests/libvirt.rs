@@ -887,6 +887,56 @@ fn libvirt_bad_input_is_one_line_with_a_code_and_changes_nothing() {
     }
     assert!(virsh_text(&["domstate", &dom.name]).contains("running"));
 
+    // A layers directory backstop cannot write (a read-only file system: refused for root
+    // too), checked before the domain is looked at: one line, and the domain, its metadata
+    // and the directory as they were.
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let ro = dom.dir.join("ro-layers");
+    std::fs::create_dir_all(&ro).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"])
+        .arg(&ro)
+        .status()
+        .unwrap();
+    assert!(
+        mounted.success(),
+        "mount a read-only tmpfs at {}",
+        ro.display()
+    );
+    let _unmount = Unmount(ro.clone());
+    let xml_before = virsh_text(&["dumpxml", &dom.name]);
+    let (name, l2) = (dom.name.clone(), ro.join("layers"));
+    let mut d = Daemon::prepare_custom(
+        "lv-rolayers",
+        &move |s: &Path, r: &Path| config(s, r, &name, "", &l2),
+        &[],
+    );
+    d.launch_answering();
+    let st = d.cli(&["status"]);
+    let text = String::from_utf8_lossy(&st.stdout).to_string();
+    let log = d.log();
+    let line = log.lines().find(|l| l.contains("could not start")).unwrap();
+    eprintln!("read-only layers dir: {line}");
+    assert!(text.contains("ERR_IO"), "{text}");
+    assert!(
+        line.contains(&format!("layers_dir: {} is not writable", ro.display())),
+        "{line}"
+    );
+    assert!(!d.journal_path().exists(), "a VM journal was written");
+    assert_eq!(std::fs::read_dir(&ro).unwrap().count(), 0);
+    assert_eq!(
+        virsh_text(&["dumpxml", &dom.name]),
+        xml_before,
+        "the domain changed"
+    );
+    assert_eq!(dom.pid(), pid);
+    d.kill9();
+
     // A good domain, but libvirt's unprivileged QEMU cannot get a userfaultfd
     // (vm.unprivileged_userfaultfd=0, Debian's default): refused, naming the sysctl.
     let _uffd = Uffd::set("0");
@@ -2232,7 +2282,9 @@ fn libvirt_one_guardian_per_domain_and_a_state_reset_replaces_no_layer() {
     d.ok_vm(winner, &["audit", "verify"]);
 }
 
-/// The guest is never rolled back for a change of the daemon alone:
+/// Never harm the adopted domain:
+/// - a file at the next overlay's name is refused with `ERR_LAYER_EXISTS` and left byte for
+///   byte; the next capture takes another name;
 /// - `reload` of a changed VM file of an adopted domain applies it live: the old actor's clean
 ///   stop records the domain and the new one re-attaches to it as it runs (same QEMU, epoch
 ///   unchanged, no rollback, the guest's writes kept); a change naming another domain is not
@@ -2280,6 +2332,34 @@ fn libvirt_reload_applies_live_and_after_crash_reattach_is_the_operators_choice(
     wait_vm_event(&d, "lvr", "baseline", "snapshot.create.completed");
     let file = d.dir.path().join("vms.d/lvr.toml");
     let rollbacks = |d: &Daemon| events(&d.vm_journal("lvr"), "rollback.completed").len();
+
+    // Someone's file at the name of the next overlay: the capture is refused with a code and
+    // the file stays byte for byte as it was; the next capture takes another name.
+    let rec: Value = serde_json::from_slice(
+        &std::fs::read(d.vm_state_dir("lvr").join("vm-state.json")).unwrap(),
+    )
+    .unwrap();
+    let planted = dom.dir.join("layers/vda").join(format!(
+        "{}-{:06}.qcow2",
+        rec["lineage"].as_str().unwrap(),
+        rec["next_layer"].as_u64().unwrap() + 1
+    ));
+    std::fs::write(&planted, b"an operator's file, not backstop's\n").unwrap();
+    let out = d.cli_vm(
+        "lvr",
+        &["snapshot", "create", "--reason", "e2e: name taken"],
+    );
+    assert!(!out.status.success());
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("overlay name taken: {doc}");
+    assert_eq!(doc["error"]["code"], "ERR_LAYER_EXISTS", "{doc}");
+    assert_eq!(
+        std::fs::read(&planted).unwrap(),
+        b"an operator's file, not backstop's\n"
+    );
+    d.ok_vm("lvr", &["snapshot", "create", "--reason", "e2e: next name"]);
+    assert_ne!(live_vda(&dom), planted);
+    assert_eq!(dom.pid(), pid);
     let epoch = d.ok_vm("lvr", &["status"])["epoch"].clone();
 
     // A changed watchdog and the crash choice: applied by a re-attach, nothing rolled back.

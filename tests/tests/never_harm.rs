@@ -242,3 +242,122 @@ fn vm_reset_keeps_the_damaged_state_as_evidence_and_starts_a_new_chain() {
     );
     assert_eq!(d.vm_journal("r1")[0]["event"], "vm.reset");
 }
+
+/// The `vms` entry of VM `vm`, waiting until it is no longer starting.
+fn vm_entry(d: &Daemon, vm: &str) -> Value {
+    let deadline = std::time::Instant::now() + STEP;
+    loop {
+        let vms = d.ok(&["vms"]);
+        if let Some(v) = vms["vms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == vm && v["state"] != "starting" && v["state"] != "booting")
+        {
+            return v.clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "{vm}: {vms}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// One guardian per disk image, host-wide (QEMU backend): two VM files writing one disk in
+/// place — in one daemon, or in two daemons with their own state dirs — are refused with
+/// `ERR_VM_ALREADY_GUARDED` naming the first guardian, and the refused one writes nothing; a
+/// base image that VMs only read is shared by all of them; the claim of a daemon that died is
+/// taken over and journaled with who held it.
+#[test]
+fn a_disk_written_in_place_has_one_guardian_and_a_base_is_shared() {
+    let test = "a_disk_written_in_place_has_one_guardian_and_a_base_is_shared";
+    if skip_unless_ready(test) {
+        return;
+    }
+    let shared = tempfile::tempdir().unwrap();
+    let data = shared.path().join("shared-data.qcow2");
+    let with_data = |d: &Daemon, vm: &str| {
+        let file = d.dir.path().join(format!("vms.d/{vm}.toml"));
+        let text = std::fs::read_to_string(&file).unwrap();
+        std::fs::write(
+            &file,
+            format!(
+                "{text}\n[[vm.disks]]\nid = \"shared\"\npath = \"{}\"\nsnapshot = \"exclude\"\ncreate_size_mib = 16\n",
+                data.display()
+            ),
+        )
+        .unwrap();
+    };
+    // One daemon: "a" and "b" share the base image (captured) and name one in-place disk;
+    // "c" only shares the base.
+    let mut d = Daemon::prepare_many("disk-claim", &["a", "b", "c"], "", &[], &[]);
+    with_data(&d, "a");
+    with_data(&d, "b");
+    d.launch_answering();
+    let (a, b) = (vm_entry(&d, "a"), vm_entry(&d, "b"));
+    let (winner, refused) = if a["state"] == "running" {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    eprintln!("guardian: {winner}\nrefused: {refused}");
+    assert_eq!(winner["state"], "running", "{winner}");
+    let why = refused["reason"].as_str().unwrap_or_default();
+    assert!(why.starts_with("ERR_VM_ALREADY_GUARDED"), "{refused}");
+    let first = winner["name"].as_str().unwrap().to_string();
+    assert!(
+        why.contains(&format!(
+            "vm '{first}' of backstopd pid {}",
+            d.pid().unwrap()
+        )),
+        "the refusal names the first guardian: {why}"
+    );
+    assert!(why.contains("written in place"), "{why}");
+    let loser = refused["name"].as_str().unwrap();
+    assert!(
+        !d.vm_state_dir(loser).join("audit").exists(),
+        "the refused VM journaled"
+    );
+    assert_eq!(vm_entry(&d, "c")["state"], "running", "a shared base");
+    // The guardian works on.
+    d.ok_vm(&first, &["snapshot", "create", "--reason", "e2e: guarded"]);
+
+    // A second daemon, its own state dir, the same in-place disk: refused, nothing written.
+    let mut other = Daemon::prepare_many("disk-claim2", &["e"], "", &[], &[]);
+    with_data(&other, "e");
+    other.launch_answering();
+    let e = vm_entry(&other, "e");
+    eprintln!("second daemon: {e}");
+    let why = e["reason"].as_str().unwrap_or_default();
+    assert!(
+        why.starts_with("ERR_VM_ALREADY_GUARDED") && why.contains(&format!("vm '{first}'")),
+        "{e}"
+    );
+    assert!(
+        !other.vm_state_dir("e").exists(),
+        "the refused VM made its state dir"
+    );
+
+    // The first daemon dies: its claim's lock is free, and the second takes it over, saying
+    // from whom.
+    d.kill9();
+    other.stop();
+    other.launch();
+    let deadline = std::time::Instant::now() + STEP;
+    let taken = loop {
+        if let Some(t) = other
+            .vm_journal("e")
+            .into_iter()
+            .find(|e| e["event"] == "vm.claim_taken_over")
+        {
+            break t;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no take-over:\n{}",
+            other.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("taken over: {}", taken["fields"]);
+    assert_eq!(taken["fields"]["previous"]["vm"], first.as_str(), "{taken}");
+    assert_eq!(vm_entry(&other, "e")["state"], "running");
+}

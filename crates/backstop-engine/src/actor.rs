@@ -121,6 +121,9 @@ pub struct VmActor {
     pub(crate) tally: Tally,
     /// The snapshot loaded into the standby ahead of a rollback (`[rollback] preload`).
     pub(crate) preloaded: Option<crate::preload::Preloaded>,
+    /// The host-wide claims on its disk images (QEMU and KVM backends), released at a clean
+    /// stop; a crash leaves them to be taken over.
+    disk_claims: Vec<backstop_hypervisor::claim::Claim>,
 }
 
 /// What the live view counts since the actor started (in memory: a restarted daemon starts
@@ -164,6 +167,7 @@ impl VmActor {
             ids,
             captures,
             anchors,
+            disk_claims,
         } = services;
         let state_dir = cfg.daemon.state_dir.clone();
         let records = Records::new(&state_dir);
@@ -216,6 +220,7 @@ impl VmActor {
             tally: Tally::default(),
             preloaded: None,
             drift: crate::drift::shell::DriftState::load(&state_dir),
+            disk_claims,
         };
         // A chain started by `vm reset` opens with what it continues from.
         match engine.records.reset() {
@@ -281,6 +286,22 @@ impl VmActor {
                     }),
                 )?;
             }
+        }
+        // A disk claim whose holder died (its lock was free): said once, with who it was.
+        let taken: Vec<(String, backstop_hypervisor::claim::Guardian)> = engine
+            .disk_claims
+            .iter()
+            .filter_map(|c| Some((c.path().display().to_string(), c.taken_over.clone()?)))
+            .collect();
+        for (claim, previous) in taken {
+            let sid = engine.session_id.clone();
+            engine.journal(
+                AuditEvent::VmClaimTakenOver,
+                json!({
+                    "session_id": sid, "trace_id": Value::Null, "snapshot_id": Value::Null,
+                    "result": "ok", "claim": claim, "previous": previous,
+                }),
+            )?;
         }
         if first_start {
             engine.journal_foreign_layers()?;
@@ -1117,6 +1138,9 @@ impl VmActor {
         };
         let _ = self.backend.terminate();
         self.discard_standby();
+        for c in self.disk_claims.drain(..) {
+            c.release();
+        }
         let sid = self.session_id.clone();
         let _ = self.journal(
             AuditEvent::DaemonStopped,

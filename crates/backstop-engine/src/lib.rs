@@ -31,6 +31,7 @@ pub mod actor;
 mod capture_buffer;
 pub mod config;
 pub mod devices;
+mod disk_claims;
 pub mod drift;
 pub mod error;
 pub mod fault;

@@ -99,6 +99,7 @@ const TICK: Duration = Duration::from_millis(250);
 fn start_actor(cfg: &Config, shared: &Shared) -> Result<VmActor, EngineError> {
     // A VM that runs already (a libvirt domain) is checked and taken over before anything of
     // backstop's is written (state dir, key, journal): a refusal changes nothing.
+    crate::services::check_layers_dir(&cfg.layers_dir())?;
     let mut adopted = None;
     if cfg.vm.libvirt.is_some() {
         let mut backend = crate::services::libvirt_backend(cfg)?;
@@ -108,7 +109,15 @@ fn start_actor(cfg: &Config, shared: &Shared) -> Result<VmActor, EngineError> {
         })?;
         adopted = Some((backend, adoption));
     }
+    // A VM backstop launches itself: its disk images are claimed host-wide first, the same
+    // way (one guardian for a disk written in place; a shared base for many).
+    let disk_claims = if adopted.is_none() {
+        crate::disk_claims::claim_disks(cfg)?
+    } else {
+        Vec::new()
+    };
     let mut services = Services::open(cfg)?;
+    services.disk_claims = disk_claims;
     services.captures = Arc::clone(&shared.captures);
     services.anchors = shared.anchors.clone();
     let mut cfg = cfg.clone();

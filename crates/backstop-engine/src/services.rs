@@ -30,6 +30,9 @@ pub struct Services {
     pub captures: Arc<CaptureSlots>,
     /// The daemon journal, to anchor this VM's chain head in (`None`: no daemon journal).
     pub anchors: Option<Arc<std::sync::Mutex<Journal>>>,
+    /// The host-wide claims on the VM's disk images (see `disk_claims.rs`), held for the
+    /// actor's life.
+    pub disk_claims: Vec<backstop_hypervisor::claim::Claim>,
 }
 
 impl Services {
@@ -58,6 +61,7 @@ impl Services {
             ids: Arc::new(SeededIds::fresh()),
             captures: Arc::new(CaptureSlots::new(cfg.daemon.max_concurrent_captures)),
             anchors: None,
+            disk_claims: Vec::new(),
         })
     }
 }
@@ -155,9 +159,13 @@ pub(crate) fn libvirt_backend(_cfg: &Config) -> Result<Box<dyn VmBackend>, Engin
 }
 
 /// The libvirt layers directory: libvirt's unprivileged QEMU must traverse it (0711), and
-/// reads the layers libvirt labels for it; nobody else lists it.
+/// reads the layers libvirt labels for it; nobody else lists it. A directory that is there
+/// already is the operator's: used as it is, its mode untouched.
 pub(crate) fn create_layers_dir(dir: &std::path::Path) -> Result<(), EngineError> {
     use std::os::unix::fs::PermissionsExt;
+    if dir.is_dir() {
+        return Ok(());
+    }
     std::fs::create_dir_all(dir).map_err(|source| EngineError::Io {
         step: "create layers dir",
         source,
@@ -168,6 +176,32 @@ pub(crate) fn create_layers_dir(dir: &std::path::Path) -> Result<(), EngineError
             source,
         }
     })
+}
+
+/// Refuses, before anything is taken over or written, a layers directory backstop could not
+/// write its layers into: checked on the directory, or where it does not exist yet on the
+/// nearest ancestor that does (where it would be made). `access(2)` answers for this process,
+/// so a read-only file system is refused even for root.
+pub(crate) fn check_layers_dir(dir: &std::path::Path) -> Result<(), EngineError> {
+    use nix::unistd::{access, AccessFlags};
+    let refuse = |what: String| EngineError::Io {
+        step: "layers_dir",
+        source: std::io::Error::other(format!(
+            "{what}: backstop writes the VM's disk layers there; nothing was changed"
+        )),
+    };
+    let mut at = dir;
+    while !at.exists() {
+        match at.parent() {
+            Some(p) => at = p,
+            None => break,
+        }
+    }
+    if !at.is_dir() {
+        return Err(refuse(format!("{} is not a directory", at.display())));
+    }
+    access(at, AccessFlags::W_OK | AccessFlags::X_OK)
+        .map_err(|e| refuse(format!("{} is not writable ({})", at.display(), e.desc())))
 }
 
 /// The accelerator the config asks for, and why (`config`, or what detection found).
@@ -191,4 +225,41 @@ fn create_private_dir(dir: &std::path::Path) -> Result<(), EngineError> {
             source,
         }
     })
+}
+
+#[cfg(test)]
+mod layers_dir_tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn an_existing_layers_dir_keeps_its_mode_and_a_new_one_is_made_traversable() {
+        let t = tempfile::tempdir().unwrap();
+        let theirs = t.path().join("images");
+        std::fs::create_dir(&theirs).unwrap();
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o755)).unwrap();
+        create_layers_dir(&theirs).unwrap();
+        let mode = std::fs::metadata(&theirs).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o755, "the operator's directory was chmodded");
+        let ours = t.path().join("new/layers");
+        check_layers_dir(&ours).unwrap();
+        create_layers_dir(&ours).unwrap();
+        let mode = std::fs::metadata(&ours).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o711);
+    }
+
+    #[test]
+    fn a_layers_dir_under_a_file_is_refused_in_one_line() {
+        let t = tempfile::tempdir().unwrap();
+        let file = t.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        let err = check_layers_dir(&file.join("layers")).unwrap_err();
+        assert_eq!(err.code(), backstop_common::ErrorCode::Io);
+        let msg = err.to_string();
+        assert!(
+            msg.contains("is not a directory") && !msg.contains('\n'),
+            "{msg}"
+        );
+        assert_eq!(std::fs::read(&file).unwrap(), b"x");
+    }
 }

@@ -69,7 +69,7 @@ pub fn host_name() -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
     /// Another guardian holds it now.
-    #[error("{what} is guarded already by {}; nothing was changed", holder.as_ref().map_or_else(|| "another backstopd (its claim file is being written)".to_string(), |g| g.describe()))]
+    #[error("{what} is guarded already by {}; nothing was changed", holder.as_ref().map_or_else(|| "another guardian (a VM that reads it as its base image, or a backstopd whose claim is being written)".to_string(), |g| g.describe()))]
     Held {
         what: String,
         holder: Option<Box<Guardian>>,
@@ -91,6 +91,8 @@ pub struct Claim {
     /// Held for the claim's life: the lock ends with it.
     lock: Flock<File>,
     path: PathBuf,
+    /// Held with [`Claim::share`]: the record in the file is not this holder's.
+    shared: bool,
     /// A guardian whose claim was found with its lock free (it is gone): taken over.
     pub taken_over: Option<Guardian>,
 }
@@ -99,6 +101,52 @@ impl Claim {
     /// Claims `key` (a domain's UUID, say) in `dir` for `me`; `what` names the VM in a refusal
     /// (`domain 1f0c…`).
     pub fn take(dir: &Path, key: &str, what: &str, me: &Guardian) -> Result<Claim, ClaimError> {
+        let (mut lock, path) = Self::lock(dir, key, what, FlockArg::LockExclusiveNonblock)?;
+        let io = |step: &'static str, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| ClaimError::Io { step, path, source }
+        };
+        let taken_over = read_guardian(&mut lock);
+        let record = serde_json::to_vec(me).map_err(|e| ClaimError::Io {
+            step: "encode",
+            path: path.clone(),
+            source: e.into(),
+        })?;
+        (|| {
+            lock.set_len(0)?;
+            lock.rewind()?;
+            lock.write_all(&record)?;
+            lock.sync_all()
+        })()
+        .map_err(io("write", &path))?;
+        Ok(Claim {
+            lock,
+            path,
+            shared: false,
+            taken_over,
+        })
+    }
+
+    /// A shared claim: any number of guardians may hold `key` this way at once (a disk image
+    /// several VMs read as their base), none while one holds it with [`Claim::take`], which
+    /// is in turn refused while any shared holder lives. A shared claim writes no record (the
+    /// file holds the exclusive holder's, or nothing).
+    pub fn share(dir: &Path, key: &str, what: &str) -> Result<Claim, ClaimError> {
+        let (lock, path) = Self::lock(dir, key, what, FlockArg::LockSharedNonblock)?;
+        Ok(Claim {
+            lock,
+            path,
+            shared: true,
+            taken_over: None,
+        })
+    }
+
+    fn lock(
+        dir: &Path,
+        key: &str,
+        what: &str,
+        how: FlockArg,
+    ) -> Result<(Flock<File>, PathBuf), ClaimError> {
         let plain = !key.is_empty()
             && key
                 .bytes()
@@ -130,7 +178,7 @@ impl Claim {
             .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .map_err(io("open", &path))?;
-        let mut lock = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+        let lock = match Flock::lock(file, how) {
             Ok(l) => l,
             Err((mut file, nix::errno::Errno::EWOULDBLOCK)) => {
                 return Err(ClaimError::Held {
@@ -147,31 +195,13 @@ impl Claim {
             }
         };
         // The lock was free: whoever wrote the file (if anyone) no longer holds it.
-        let taken_over = read_guardian(&mut lock);
-        let record = serde_json::to_vec(me).map_err(|e| ClaimError::Io {
-            step: "encode",
-            path: path.clone(),
-            source: e.into(),
-        })?;
-        (|| {
-            lock.set_len(0)?;
-            lock.rewind()?;
-            lock.write_all(&record)?;
-            lock.sync_all()
-        })()
-        .map_err(io("write", &path))?;
-        Ok(Claim {
-            lock,
-            path,
-            taken_over,
-        })
+        Ok((lock, path))
     }
 
-    /// Ends the claim on purpose (a clean stop): the record is emptied while the lock is still
-    /// held, so the next guardian finds nobody to take over from. (Dropping a claim without
-    /// this, as a crash does, leaves the record for the next one to journal.)
     pub fn release(self) {
-        let _ = self.lock.set_len(0).and_then(|()| self.lock.sync_all());
+        if !self.shared {
+            let _ = self.lock.set_len(0).and_then(|()| self.lock.sync_all());
+        }
     }
 
     /// The claim file.
@@ -225,6 +255,40 @@ mod tests {
         again.release();
         let clean = Claim::take(d.path(), "uuid-1", "domain uuid-1", &me("db1")).unwrap();
         assert!(clean.taken_over.is_none());
+    }
+
+    #[test]
+    fn shared_claims_coexist_and_exclude_an_exclusive_one_both_ways() {
+        let d = tempfile::tempdir().unwrap();
+        let a = Claim::share(d.path(), "disk-1", "disk image /i").unwrap();
+        let b = Claim::share(d.path(), "disk-1", "disk image /i").unwrap();
+        // A writer while readers hold it: refused, and the file is not written.
+        let err = Claim::take(d.path(), "disk-1", "disk image /i", &me("w")).unwrap_err();
+        assert!(
+            matches!(err, ClaimError::Held { holder: None, .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("reads it as its base image"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read(d.path().join("disk-1")).unwrap(), b"");
+        a.release();
+        drop(b);
+        // The readers gone: the writer takes it, and a reader is refused naming the writer.
+        let w = Claim::take(d.path(), "disk-1", "disk image /i", &me("w")).unwrap();
+        let err = Claim::share(d.path(), "disk-1", "disk image /i").unwrap_err();
+        assert!(
+            matches!(err, ClaimError::Held { holder: Some(ref g), .. } if g.vm == "w"),
+            "{err}"
+        );
+        // A reader's release never empties the writer's record.
+        drop(w);
+        Claim::share(d.path(), "disk-1", "disk image /i")
+            .unwrap()
+            .release();
+        let again = Claim::take(d.path(), "disk-1", "disk image /i", &me("w2")).unwrap();
+        assert_eq!(again.taken_over.map(|g| g.vm), Some("w".into()));
     }
 
     #[test]
