@@ -1015,7 +1015,7 @@ class BackstopPreload(BackstopStandby):
 
 
 class BackstopHugeAll(Backstop):
-    """backstopd with `vm.huge_pages = "all"` (crates/backstop-qemu/src/huge_pages.rs):
+    """backstopd with `vm.huge_pages = "all"` (crates/backstop-qmp/src/huge_pages.rs):
     after each snapshot the guest's whole RAM is mapped huge again, the never-written ranges too,
     so the next snapshot's write protection walks 512 entries per GiB instead of 262144. The
     guest's whole RAM is then resident. Everything else as the backstop contender."""

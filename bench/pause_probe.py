@@ -19,7 +19,7 @@ Each line also shows how much of the guest's RAM is mapped in huge pages before 
 the next snapshot's write protection then walks 512 times as many entries. With `--collapse`
 the script collapses them again before each snapshot as backstop does after each capture
 (`process_madvise(MADV_COLLAPSE)` over the whole mapping here, which also fills never-touched
-ranges; backstop collapses only wholly resident ranges, crates/backstop-qemu/src/huge_pages.rs).
+ranges; backstop collapses only wholly resident ranges, crates/backstop-qmp/src/huge_pages.rs).
 
 With `--early-stop MS` the order is the one backstop uses on QEMU >= 9.0 once it learnt a lead:
 `migrate` on the running guest, `stop` MS later (a STOP after QEMU's `active` is reported as

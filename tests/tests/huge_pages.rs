@@ -1,7 +1,7 @@
 //! After each background snapshot the guest's RAM is mapped in huge pages again, for the next
 //! snapshot's pause. QEMU's background snapshot lifts its write protection page by page and so
 //! splits every huge page of guest RAM it saves; the next snapshot's write protection, inside the
-//! guest's pause, then walks 512 times as many entries (crates/backstop-qemu/src/huge_pages.rs has
+//! guest's pause, then walks 512 times as many entries (crates/backstop-qmp/src/huge_pages.rs has
 //! the measurements). backstop collapses them again once a capture is over. Runs against every QEMU
 //! the tests are given (`BACKSTOP_QEMU`; scripts/test.sh runs it on 7.2 and 10.0).
 #![allow(clippy::unwrap_used)]
@@ -78,7 +78,7 @@ fn guest_ram_is_mapped_huge_again_after_each_snapshot() {
 /// `vm.huge_pages = "all"`: after each snapshot the guest's whole RAM is mapped huge again, the
 /// ranges the guest never wrote too (QEMU's pre-fault maps the shared zero page there page by
 /// page, and the next snapshot's write protection would walk every one of those entries inside
-/// the pause: crates/backstop-qemu/src/huge_pages.rs). The default (`resident`) leaves those
+/// the pause: crates/backstop-qmp/src/huge_pages.rs). The default (`resident`) leaves those
 /// ranges alone: the test guest's mapping is then far from wholly huge. On QEMU < 9.0 the
 /// pre-fault is inside the pause, where a wholly resident RAM makes it longer: there `all`
 /// falls back to `resident`, and says so.

@@ -1914,7 +1914,7 @@ fn libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event() {
 }
 
 /// The pause: after each background snapshot of an adopted domain, its QEMU's guest RAM is mapped
-/// in huge pages again (QEMU's snapshot splits them all; see crates/backstop-qemu/src/huge_pages.rs
+/// in huge pages again (QEMU's snapshot splits them all; see crates/backstop-qmp/src/huge_pages.rs
 /// and tests/huge_pages.rs for the QEMU backend).
 #[test]
 fn libvirt_guest_ram_is_mapped_huge_again_after_each_snapshot() {

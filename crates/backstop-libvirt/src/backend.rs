@@ -16,8 +16,8 @@ use backstop_hypervisor::{
     DiskSwitchTiming, EventWaker, GrantOutcome, GrantSpec, HeartbeatStatus, Release, RestoreReport,
     Result, RevocationReport, RunState, VmBackend, VmEvent,
 };
-use backstop_qemu::version::{self, QemuVersion, Resume};
-use backstop_qemu::{AgentChannel, Prefetch};
+use backstop_qmp::version::{self, QemuVersion, Resume};
+use backstop_qmp::{AgentChannel, Prefetch};
 use serde_json::{json, Value};
 use tracing::{info, warn};
 use virt::connect::Connect;
@@ -67,13 +67,13 @@ pub struct LibvirtBackend {
     incoming: Vec<(String, PathBuf)>,
     pid: Option<u32>,
     qemu_version: (u32, u32, u32),
-    /// Who ends the pause of a background snapshot on this QEMU (see `backstop_qemu::version`).
+    /// Who ends the pause of a background snapshot on this QEMU (see `backstop_qmp::version`).
     resume: Resume,
     agent: Option<AgentChannel>,
     capture: Option<Capture>,
     /// Collapsing the guest RAM's huge pages again after a background snapshot split them
-    /// (`backstop_qemu::huge_pages`); stopped before the next capture and before a pause.
-    regather: Option<backstop_qemu::huge_pages::Regather>,
+    /// (`backstop_qmp::huge_pages`); stopped before the next capture and before a pause.
+    regather: Option<backstop_qmp::huge_pages::Regather>,
     /// `Some`: captures run as a pre-copy (`capture = "precopy"`, or `auto` without
     /// userfaultfd), live or with the guest paused by this QEMU's dirty tracking; `None`: as
     /// background snapshots.
@@ -251,7 +251,7 @@ impl LibvirtBackend {
 
     /// Stops a huge-page pass still running (at most one `process_madvise` call).
     fn stop_regather(&mut self) {
-        backstop_qemu::huge_pages::Regather::stop_in(&mut self.regather);
+        backstop_qmp::huge_pages::Regather::stop_in(&mut self.regather);
     }
 
     fn read_pid(&self) -> Option<u32> {
@@ -640,7 +640,7 @@ impl LibvirtBackend {
     }
 
     /// Waits until the guest runs again after `migrate`, by this QEMU's rule (see
-    /// `backstop_qemu::version`). QEMU 7.2/8.x resume it by themselves once the device state is
+    /// `backstop_qmp::version`). QEMU 7.2/8.x resume it by themselves once the device state is
     /// saved: this returns when libvirt reports it running, and `None`. QEMU ≥ 9.0 keep it
     /// paused: it is resumed here through libvirt as soon as `query-migrate` shows write
     /// tracking on, and not earlier (the `MIGRATION` `active` comes before QEMU's thread
@@ -732,8 +732,8 @@ impl LibvirtBackend {
     }
 
     /// A background snapshot whose start failed after `migrate`: QEMU finishes it into the
-    /// void (the stream read to its end and dropped; a cancel could leave a vCPU blocked on a
-    /// write-protected page, see `backstop_qemu`'s `drain_to_end`), the capability goes off,
+    /// void (the stream read to its end and dropped, as the QEMU backend's `drain_to_end` does:
+    /// a cancel could leave a vCPU blocked on a write-protected page), the capability goes off,
     /// and a guest QEMU left paused (≥ 9.0) runs again on its new overlays, unless its operator
     /// had paused it (`was_running` false): that one is paused again if QEMU resumed it.
     fn drain_and_resume(&self, mut pipe: File, was_running: bool) {
@@ -1289,7 +1289,7 @@ impl VmBackend for LibvirtBackend {
         if let Some(pid) = self.pid {
             // The domain is suspended before `migrate`: QEMU's pre-fault is inside the pause, so
             // `all` falls back to `resident` (see `HugePages::effective`; warned at adoption).
-            self.regather = Some(backstop_qemu::huge_pages::Regather::start(
+            self.regather = Some(backstop_qmp::huge_pages::Regather::start(
                 pid,
                 self.cfg.huge_pages.effective(false),
             ));

@@ -12,7 +12,7 @@
 //!   (`DISK_ONLY|REUSE_EXT|NO_METADATA|ATOMIC`, so libvirt's live and persistent XML name the
 //!   new top) → `migrate fd:` through monitor passthrough; QEMU 7.2/8.x resume the guest when
 //!   the device state is saved, QEMU ≥ 9.0 keep it paused and backstop resumes it through
-//!   libvirt once write tracking is on (the rule and the versions are `backstop_qemu::version`'s,
+//!   libvirt once write tracking is on (the rule and the versions are `backstop_qmp::version`'s,
 //!   refused at adoption outside them). The stream is read while the pause ends, each `migrate`
 //!   waits for QEMU's cleanup of the previous one (its yank instance), and the capability is
 //!   switched off again after each capture.
@@ -71,7 +71,7 @@ pub struct LibvirtConfig {
     /// How RAM is captured (`[vm.libvirt] capture`).
     pub capture: CaptureMode,
     /// Which ranges of guest RAM are mapped huge again after each capture (`vm.huge_pages`).
-    pub huge_pages: backstop_qemu::huge_pages::HugePages,
+    pub huge_pages: backstop_qmp::huge_pages::HugePages,
     /// Where the host-wide guard claims live (`backstop_hypervisor::claim::HOST_CLAIMS_DIR`).
     pub claims_dir: PathBuf,
     /// This daemon as the domain's guardian (claim file and `<metadata>`).

@@ -23,19 +23,17 @@
 //! This crate must never decide anything: no policy, no store, no journal.
 
 mod abandoned;
-mod agent;
 mod cmdline;
 pub mod devices;
 mod events;
-pub mod huge_pages;
 mod preload;
-pub mod qga;
-pub mod qmp;
 mod serial_log;
 mod snapshot_thread;
 mod standby;
 pub mod stream_chunks;
-pub mod version;
+// The QMP client, version rules, guest channels and huge-page regathering live in
+// `backstop-qmp`, shared with the libvirt backend; re-exported so paths here stay short.
+pub use backstop_qmp::{huge_pages, qga, qmp, version};
 #[macro_use]
 mod pause;
 
@@ -54,21 +52,20 @@ use backstop_hypervisor::{
     DiskSwitchTiming, RestoreReport, Result, RevocationReport, RunState, VmBackend, VmEvent,
 };
 
+pub use backstop_qmp::{capture_plan, CapturePlan, QemuVersion, Resume};
 /// The guest-channel parsers, for the fuzz targets in `fuzz/` only. They stay private to this
 /// crate otherwise: nothing outside should parse guest lines, and a feature (not a
 /// `#[doc(hidden)] pub`) keeps them out of every normal build's API. No workspace crate enables
 /// `fuzzing`.
 #[cfg(feature = "fuzzing")]
-pub use agent::{parse_guest_line, GuestLine, LineSplitter};
-pub use agent::{AgentChannel, AgentStats, GUEST_LINE_MAX};
+pub use backstop_qmp::{parse_guest_line, GuestLine, LineSplitter};
+pub use backstop_qmp::{AgentChannel, AgentStats, Prefetch, GUEST_LINE_MAX};
 pub use cmdline::{command_line, fingerprint};
 #[cfg(feature = "fault-injection")]
 pub use pause::FaultStep;
-pub use pause::Prefetch;
 use pause::RunStateGuard;
 use qmp::Qmp;
 pub use stream_chunks::{ChunkingReport, MigrationChunker, MigrationCutter};
-pub use version::{capture_plan, CapturePlan, QemuVersion, Resume};
 
 /// Which accelerator QEMU uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -183,7 +180,7 @@ pub fn is_grantable(qom_type: &str) -> bool {
 struct Running {
     child: Child,
     qmp: Qmp,
-    agent: agent::AgentChannel,
+    agent: AgentChannel,
     /// qemu-ga's channel, when it is the heartbeat source.
     qga: Option<qga::QgaChannel>,
     capture: Option<CaptureInFlight>,
@@ -1197,7 +1194,7 @@ impl QemuBackend {
                  used"
             );
         }
-        let agent = agent::AgentChannel::connect(&self.cfg.run_dir.join("agent.sock"));
+        let agent = AgentChannel::connect(&self.cfg.run_dir.join("agent.sock"));
         let qga_path = cmdline::qga_socket(&self.cfg);
         // A restored guest's clock is the snapshot's: set it once its agent answers.
         let qga = (self.cfg.heartbeat == backstop_hypervisor::HeartbeatSource::QemuGa)
@@ -1360,17 +1357,17 @@ struct Batch {
 }
 
 /// The capture stream's read end through `begin_capture`: the pipe until `migrate` went in,
-/// then read ahead by a [`pause::Prefetch`] while QEMU is still being talked to.
+/// then read ahead by a [`Prefetch`] while QEMU is still being talked to.
 enum Capture {
     Pipe(File),
-    Reading(pause::Prefetch),
+    Reading(Prefetch),
 }
 
 impl Capture {
     /// `migrate` went in: QEMU writes the stream from now on.
     fn started(self) -> Capture {
         match self {
-            Capture::Pipe(pipe) => Capture::Reading(pause::Prefetch::start(pipe)),
+            Capture::Pipe(pipe) => Capture::Reading(Prefetch::start(pipe)),
             reading => reading,
         }
     }
