@@ -342,56 +342,57 @@ impl VmActor {
             self.journal_verify_passed(ctx, &id, &v.report)?;
             return Ok((v, Vec::new()));
         }
-        let mut skipped = Vec::new();
-        let entries = self.rollback_candidates(before)?;
-        // Snapshots of a healthy guest first: one of a guest whose agent was silent may hold the
-        // very hang being undone. Only when none of them verifies are those tried.
-        let unhealthy = |e: &ListEntry| matches!(e, ListEntry::Valid(m) if !crate::snapshot::manifest_healthy(m));
-        for entry in &entries {
-            if unhealthy(entry) {
-                let sid = self.session_id.clone();
-                let code = ErrorCode::SnapshotGuestUnhealthy.as_str().to_string();
-                self.journal(AuditEvent::SnapshotVerifySkipped, json!({
-                    "snapshot_id": entry.snapshot_id(), "session_id": sid, "trace_id": ctx.trace_id,
-                    "result": "skipped", "code": code,
-                }))?;
-                skipped.push(SkippedSnapshot {
-                    snapshot_id: entry.snapshot_id().to_string(),
-                    code,
-                });
-            } else if let Some(v) =
-                self.try_candidate(ctx, entry, &opts, &fingerprint, &mut skipped)?
-            {
-                return Ok((v, skipped));
+        // Newest first: the store lists oldest first, manifests that do not check out last.
+        let entries: Vec<ListEntry> = self.store.list().map_err(EngineError::Store)?;
+        let entries: Vec<&ListEntry> = entries.iter().rev().collect();
+        let candidates: Vec<backstop_decide::Candidate> =
+            entries.iter().map(|e| self.candidate(e)).collect();
+        let mut shell = ChooseShell {
+            actor: self,
+            ctx,
+            opts: &opts,
+            fingerprint: &fingerprint,
+            entries: &entries,
+            skipped: Vec::new(),
+            chosen: None,
+        };
+        // The rule (backstop-decide, replayed by `audit replay`): healthy guest first, the
+        // others only when none of those verifies; each outcome journaled as it comes.
+        let choice = backstop_decide::choose_target(&candidates, before, &mut shell)?;
+        let (chosen, skipped) = (shell.chosen.take(), shell.skipped);
+        match (choice.target, chosen) {
+            (Some(_), Some(v)) => {
+                if choice.unhealthy_fallback {
+                    tracing::warn!(snapshot_id = %v.manifest.snapshot_id, "no snapshot of a healthy guest verifies: rolling back to one taken while it was unhealthy");
+                }
+                Ok((v, skipped))
             }
+            _ => Err(EngineError::NoVerifiedSnapshot),
         }
-        for entry in entries.iter().filter(|e| unhealthy(e)) {
-            if let Some(v) = self.try_candidate(ctx, entry, &opts, &fingerprint, &mut skipped)? {
-                tracing::warn!(snapshot_id = %v.manifest.snapshot_id, "no snapshot of a healthy guest verifies: rolling back to one taken while it was unhealthy");
-                return Ok((v, skipped));
-            }
-        }
-        Err(EngineError::NoVerifiedSnapshot)
     }
 
-    /// The snapshots a rollback to the newest may choose, newest first. Snapshots a rollback
-    /// left off the current line (soft rollback) are not candidates, nor those drift detection
-    /// marked unusable, nor forensic ones, nor (for a trigger naming actions) those taken at or
-    /// after `before`, the offence's begin (nothing journaled: replay applies the same filter
-    /// to the recorded creation times).
+    /// `e` as the decisions see it: its flags from the manifest, the soft-rollback marks and
+    /// drift detection.
+    pub(crate) fn candidate(&self, e: &ListEntry) -> backstop_decide::Candidate {
+        candidate(
+            e,
+            self.policy.is_rolled_back(e.snapshot_id()),
+            self.drift.is_unusable(e.snapshot_id()),
+        )
+    }
+
+    /// The snapshots a rollback to the newest may choose, newest first
+    /// ([`backstop_decide::eligible`]): not those a rollback left off the current line (soft
+    /// rollback), nor those drift detection marked unusable, nor forensic ones, nor (for a
+    /// trigger naming actions) those taken at or after `before`, the offence's begin (nothing
+    /// journaled: replay applies the same rule to the recorded creation times).
     pub(crate) fn rollback_candidates(
         &self,
         before: Option<&str>,
     ) -> Result<Vec<ListEntry>, EngineError> {
         Ok((self.store.list().map_err(EngineError::Store)?)
             .into_iter()
-            .filter(|e| !self.policy.is_rolled_back(e.snapshot_id()))
-            .filter(|e| !self.drift.is_unusable(e.snapshot_id()))
-            .filter(|e| !matches!(e, ListEntry::Valid(m) if crate::forensic::is_forensic(m)))
-            .filter(|e| match (e, before) {
-                (ListEntry::Valid(m), Some(b)) => created_before(&m.created_at, b),
-                _ => true,
-            })
+            .filter(|e| backstop_decide::eligible(&self.candidate(e), before))
             .rev()
             .collect())
     }
@@ -1015,10 +1016,79 @@ type Replaced = (Vec<String>, u64, Option<String>);
 /// A disk of the target: id, its chain, the chain's top, the fresh overlay's path, the top's format.
 type PlannedDisk = (String, Vec<PathBuf>, PathBuf, PathBuf, String);
 
-/// Whether `created_at` is strictly before `bound` (both RFC 3339); an unreadable time is not.
-pub(crate) fn created_before(created_at: &str, bound: &str) -> bool {
-    use backstop_common::time::parse_rfc3339;
-    matches!((parse_rfc3339(created_at), parse_rfc3339(bound)), (Some(c), Some(b)) if c < b)
+/// A store listing entry as the decisions see it; `marked` and `unusable` come from the
+/// policy records and drift detection. A manifest that does not check out is unreadable (no
+/// time, no health, never forensic): it stays a candidate, and fails its verification.
+pub(crate) fn candidate(e: &ListEntry, marked: bool, unusable: bool) -> backstop_decide::Candidate {
+    let id = e.snapshot_id().to_string();
+    match e {
+        ListEntry::Valid(m) => backstop_decide::Candidate {
+            created_at: Some(m.created_at.clone()),
+            healthy: crate::snapshot::manifest_healthy(m),
+            forensic: crate::forensic::is_forensic(m),
+            marked,
+            unusable,
+            ..backstop_decide::Candidate::new(id)
+        },
+        ListEntry::Corrupt { .. } => backstop_decide::Candidate {
+            unreadable: true,
+            marked,
+            unusable,
+            ..backstop_decide::Candidate::new(id)
+        },
+    }
+}
+
+/// What [`backstop_decide::choose_target`] asks of the store while the live path chooses: each
+/// candidate verified for real, and every outcome journaled as it comes (`snapshot.verify.*`),
+/// which is what replay reads back.
+struct ChooseShell<'a, 'c, 'p> {
+    actor: &'a mut VmActor,
+    ctx: &'a mut Ctx<'p>,
+    opts: &'a VerifyOptions,
+    fingerprint: &'a str,
+    /// The listing the candidates were made from, in the same order.
+    entries: &'a [&'c ListEntry],
+    skipped: Vec<SkippedSnapshot>,
+    chosen: Option<VerifiedSnapshot>,
+}
+
+impl backstop_decide::Verifier for ChooseShell<'_, '_, '_> {
+    type Error = EngineError;
+
+    fn verifies(&mut self, id: &str) -> Result<bool, EngineError> {
+        let entries = self.entries;
+        let Some(entry) = entries.iter().find(|e| e.snapshot_id() == id).copied() else {
+            return Ok(false);
+        };
+        let v = self.actor.try_candidate(
+            self.ctx,
+            entry,
+            self.opts,
+            self.fingerprint,
+            &mut self.skipped,
+        )?;
+        let ok = v.is_some();
+        self.chosen = v;
+        Ok(ok)
+    }
+
+    fn passed_over(&mut self, id: &str) -> Result<(), EngineError> {
+        let sid = self.actor.session_id.clone();
+        let code = ErrorCode::SnapshotGuestUnhealthy.as_str().to_string();
+        self.actor.journal(
+            AuditEvent::SnapshotVerifySkipped,
+            json!({
+                "snapshot_id": id, "session_id": sid, "trace_id": self.ctx.trace_id,
+                "result": "skipped", "code": code,
+            }),
+        )?;
+        self.skipped.push(SkippedSnapshot {
+            snapshot_id: id.to_string(),
+            code,
+        });
+        Ok(())
+    }
 }
 
 /// Reads until `buf` is full or the stream ends; the count read (0 only at the end).

@@ -300,56 +300,52 @@ impl Store {
             .collect())
     }
 
-    /// The full id of the one snapshot `id_or_prefix` names, tried in this order: its exact id,
-    /// its exact name (`Manifest::name`), the one id that starts with it. The naming rule keeps
-    /// a name from ever reading as an id or prefix, so the three cannot compete. None →
-    /// `MISSING_SNAPSHOT`; several → `AmbiguousPrefix` listing them (also `MISSING_SNAPSHOT`).
+    /// The full id of the one snapshot `id_or_prefix` names, by [`backstop_decide::resolve`]
+    /// (the rule audit replay applies too): its exact id, its exact name (`Manifest::name`),
+    /// the one id that starts with it. None → `MISSING_SNAPSHOT`; several →
+    /// `AmbiguousPrefix` listing them (also `MISSING_SNAPSHOT`).
     pub fn resolve(&self, id_or_prefix: &str) -> Result<String, StoreError> {
-        let missing = || StoreError::MissingSnapshot {
-            given: id_or_prefix.into(),
-        };
+        use backstop_decide::{LiveSnapshot, Resolved, ResolvedBy};
         if is_snapshot_id(id_or_prefix) && self.paths.snapshots.join(id_or_prefix).is_dir() {
             return Ok(id_or_prefix.to_string());
         }
-        if backstop_common::names::check_snapshot_name(id_or_prefix).is_ok() {
-            let mut named: Vec<String> = self
-                .list()?
-                .into_iter()
-                .filter_map(|e| match e {
-                    ListEntry::Valid(m) if m.name.as_deref() == Some(id_or_prefix) => {
-                        Some(m.snapshot_id)
-                    }
-                    _ => None,
-                })
-                .collect();
-            return match named.len() {
-                0 => Err(missing()),
-                1 => Ok(named.remove(0)),
-                // Names are unique among live snapshots; two only if a caller skipped the check.
-                _ => Err(StoreError::AmbiguousPrefix {
-                    given: id_or_prefix.into(),
-                    matches: named,
-                }),
+        // Names are read (every manifest) only when `id_or_prefix` could be one: the naming
+        // rule keeps a name from ever reading as an id or prefix, and every stored name keeps
+        // it, so for anything else the directory names alone give the same answer.
+        let listed: Vec<(String, Option<String>)> =
+            if backstop_common::names::check_snapshot_name(id_or_prefix).is_ok() {
+                self.list()?
+                    .into_iter()
+                    .filter(|e| is_snapshot_id(e.snapshot_id()))
+                    .map(|e| match e {
+                        ListEntry::Valid(m) => (m.snapshot_id, m.name),
+                        ListEntry::Corrupt { snapshot_id, .. } => (snapshot_id, None),
+                    })
+                    .collect()
+            } else {
+                self.snapshot_dirs()?
+                    .into_iter()
+                    .filter(|n| is_snapshot_id(n))
+                    .map(|n| (n, None))
+                    .collect()
             };
-        }
-        let plausible = !id_or_prefix.is_empty()
-            && id_or_prefix.len() <= manifest::SNAPSHOT_ID_LEN
-            && id_or_prefix
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
-        if !plausible {
-            return Err(missing());
-        }
-        let mut matches: Vec<String> = self
-            .snapshot_dirs()?
-            .into_iter()
-            .filter(|n| is_snapshot_id(n) && n.starts_with(id_or_prefix))
+        let live: Vec<LiveSnapshot<'_>> = listed
+            .iter()
+            .map(|(id, name)| LiveSnapshot {
+                id,
+                name: name.as_deref(),
+            })
             .collect();
-        match matches.len() {
-            0 => Err(missing()),
-            1 => Ok(matches.remove(0)),
-            _ => {
-                matches.sort();
+        match backstop_decide::resolve(id_or_prefix, &live) {
+            Resolved::Found { id, .. } => Ok(id),
+            Resolved::NotFound => Err(StoreError::MissingSnapshot {
+                given: id_or_prefix.into(),
+            }),
+            // Names are unique among live snapshots; two only if a caller skipped the check.
+            Resolved::Ambiguous { by, mut matches } => {
+                if by == ResolvedBy::Prefix {
+                    matches.sort();
+                }
                 Err(StoreError::AmbiguousPrefix {
                     given: id_or_prefix.into(),
                     matches,

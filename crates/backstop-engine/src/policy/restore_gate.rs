@@ -14,6 +14,9 @@
 //!   rolled back; the newest-verified choice skips them, and retention may delete them after
 //!   `[retention] keep_rolled_back_hours`.
 
+use std::path::PathBuf;
+
+use backstop_decide::{Candidate, Evidence, Need};
 use serde_json::{json, Value};
 use time::OffsetDateTime;
 use tracing::{info, warn};
@@ -165,9 +168,10 @@ impl VmActor {
         })
     }
 
-    /// The gate, between choosing (and verifying) the target and touching the VM. Journals
-    /// `snapshot.restore.policy_decision` (allow / override / block); a block also journals
-    /// `snapshot.restore.failed` and leaves the VM untouched.
+    /// The gate, between choosing (and verifying) the target and touching the VM. The decision
+    /// is [`backstop_decide::restore_gate`] (the rule `audit replay` applies too); this journals
+    /// it as `snapshot.restore.policy_decision` (allow / override / block); a block also
+    /// journals `snapshot.restore.failed` and leaves the VM untouched.
     pub(crate) fn restore_gate(
         &mut self,
         ctx: &mut Ctx,
@@ -176,245 +180,139 @@ impl VmActor {
         request: RestoreRequest,
         target: &VerifiedSnapshot,
     ) -> Result<(), EngineError> {
+        use backstop_decide::{GateDecision, GateInput};
         let id = target.manifest.snapshot_id.clone();
         let sid = self.session_id.clone();
         let trace = ctx.trace_id.clone();
         let by = ctx.caller.label();
         let compat = request.allow_newer_minor;
-        // The temporal bound (spec/004), journaled with every decision.
+        // The temporal bound (spec/004), journaled with every decision. The target's age is a
+        // clock reading: recorded, so that replay decides on the same one.
         let bound_s = self.cfg.restore_gate.max_target_age_s();
         let age_s = parse_time(&target.manifest.created_at)
             .map(|t| (OffsetDateTime::now_utc() - t).whole_seconds().max(0) as u64)
             .unwrap_or(0);
-        if request.bounded && age_s > bound_s {
-            let verdict = self.beyond_bound(&id, age_s, bound_s, request.reviewer_token.as_ref());
-            let (result, decision, basis, reviewer) = match &verdict {
-                Ok((basis, reviewer)) => {
-                    ("allowed", "allow", basis.clone(), Some(reviewer.clone()))
-                }
-                Err(why) => ("blocked", "block", why.clone(), None),
-            };
-            self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
-                "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": result,
-                "decision": decision, "rollback_type": rollback_type, "trigger": trigger, "basis": basis,
+        let input = GateInput {
+            governed: request.governed,
+            bounded: request.bounded,
+            target_age_s: Some(age_s),
+            temporal_bound_s: Some(bound_s),
+            target_marked: self.policy.is_rolled_back(&id),
+        };
+        let key_path = self.cfg.restore_gate.reviewer_key.clone();
+        let mut shell = GateShell {
+            actor: self,
+            ctx,
+            target: &id,
+            token: request.reviewer_token.as_ref(),
+            key_path,
+            age_s,
+            bound_s,
+            entries: Vec::new(),
+            fingerprint: String::new(),
+        };
+        let decision = backstop_decide::restore_gate(&input, &mut shell);
+        // The journal's `decision` field, worded once (backstop-decide) for the engine and
+        // replay. An input that cannot be read (the listing, the journal) blocks: the gate
+        // cannot tell the newest verified snapshot.
+        let decided = decision.as_ref().map_or("block", GateDecision::as_str);
+        let verdict = match decision {
+            // spec/000 wins: emergency, watchdog, host triggers and micro rollbacks are never
+            // blocked by governance. The decision is recorded as an override.
+            Ok(GateDecision::Override) => {
+                return self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
+                    "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
+                    "decision": decided, "rollback_type": rollback_type, "trigger": trigger,
+                    "basis": format!("{rollback_type} rollback ({trigger}) by {by}: never blocked by the restore gate (spec/000)"),
+                    "target_age_s": age_s, "temporal_bound_s": bound_s,
+                    "beyond_bound": backstop_decide::beyond_bound(Some(age_s), Some(bound_s)),
+                    "compatibility_mode": compat, "schema_version": target.manifest.schema_version,
+                    "index_version": target.manifest.index_version,
+                }));
+            }
+            Ok(GateDecision::Allow) => Ok((
+                false,
+                "the newest verified snapshot: no reviewer evidence needed".to_string(),
+                None,
+            )),
+            Ok(GateDecision::Approved {
+                need: Need::BeyondBound,
+                evidence,
+            }) => Ok((
+                true,
+                format!(
+                    "{}: reviewer evidence from {}",
+                    bound_what(&id, age_s, bound_s),
+                    evidence.reviewer
+                ),
+                Some(evidence.reviewer),
+            )),
+            Ok(GateDecision::Approved { need, evidence }) => Ok((
+                false,
+                format!(
+                    "{}: reviewer evidence from {} (token expires {})",
+                    governance_what(&need),
+                    evidence.reviewer,
+                    evidence.expires_at.unwrap_or_default()
+                ),
+                Some(evidence.reviewer),
+            )),
+            Ok(GateDecision::Block { need, refused }) => Err((need == Need::BeyondBound, refused)),
+            Err(e) => Err((
+                false,
+                format!("cannot tell the newest verified snapshot: {e}"),
+            )),
+        };
+        match verdict {
+            Ok((true, basis, reviewer)) => self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
+                "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
+                "decision": decided, "rollback_type": rollback_type, "trigger": trigger, "basis": basis,
                 "reviewer": reviewer, "compatibility_mode": compat, "requested_by": by,
                 "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": true,
                 "schema_version": target.manifest.schema_version, "index_version": target.manifest.index_version,
-            }))?;
-            return match verdict {
-                Ok(_) => Ok(()),
-                Err(reason) => {
-                    let e = PolicyError::RestoreBlocked {
-                        snapshot_id: id.clone(),
-                        reason,
-                    };
-                    self.journal(AuditEvent::SnapshotRestoreFailed, json!({
-                        "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "refused",
-                        "code": e.code(), "error": e.to_string(), "vm_halted": false, "vm_touched": false,
-                    }))?;
-                    warn!(snapshot_id = %id, age_s, bound_s, "restore blocked: target beyond the temporal bound");
-                    Err(e.into())
-                }
-            };
-        }
-        if !request.governed {
-            // spec/000 wins: emergency, watchdog, host triggers and micro rollbacks are never
-            // blocked by governance. The decision is recorded as an override.
-            return self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
+            })),
+            Ok((false, basis, reviewer)) => self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
                 "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
-                "decision": "override", "rollback_type": rollback_type, "trigger": trigger,
-                "basis": format!("{rollback_type} rollback ({trigger}) by {by}: never blocked by the restore gate (spec/000)"),
-                "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": age_s > bound_s,
-                "compatibility_mode": compat, "schema_version": target.manifest.schema_version,
-                "index_version": target.manifest.index_version,
-            }));
-        }
-        let decision = self.governance(ctx, &id, request.reviewer_token.as_ref());
-        match decision {
-            Ok((basis, reviewer)) => self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
-                "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "allowed",
-                "decision": "allow", "rollback_type": rollback_type, "trigger": trigger, "basis": basis,
+                "decision": decided, "rollback_type": rollback_type, "trigger": trigger, "basis": basis,
                 "reviewer": reviewer, "compatibility_mode": compat,
                 "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": false,
                 "schema_version": target.manifest.schema_version, "index_version": target.manifest.index_version,
             })),
-            Err(reason) => {
+            Err((beyond, reason)) => {
+                let basis = reason.clone();
                 let e = PolicyError::RestoreBlocked {
                     snapshot_id: id.clone(),
                     reason,
                 };
-                self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
-                    "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "blocked",
-                    "decision": "block", "rollback_type": rollback_type, "trigger": trigger,
-                    "basis": e.to_string(), "code": e.code(), "requested_by": by,
-                    "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": false,
-                }))?;
+                if beyond {
+                    let no_reviewer: Option<String> = None;
+                    self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
+                        "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "blocked",
+                        "decision": decided, "rollback_type": rollback_type, "trigger": trigger, "basis": basis,
+                        "reviewer": no_reviewer, "compatibility_mode": compat, "requested_by": by,
+                        "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": true,
+                        "schema_version": target.manifest.schema_version, "index_version": target.manifest.index_version,
+                    }))?;
+                } else {
+                    self.journal(AuditEvent::SnapshotRestorePolicyDecision, json!({
+                        "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "blocked",
+                        "decision": decided, "rollback_type": rollback_type, "trigger": trigger,
+                        "basis": e.to_string(), "code": e.code(), "requested_by": by,
+                        "target_age_s": age_s, "temporal_bound_s": bound_s, "beyond_bound": false,
+                    }))?;
+                }
                 self.journal(AuditEvent::SnapshotRestoreFailed, json!({
                     "snapshot_id": id, "session_id": sid, "trace_id": trace, "result": "refused",
                     "code": e.code(), "error": e.to_string(), "vm_halted": false, "vm_touched": false,
                 }))?;
-                warn!(snapshot_id = %id, code = %e.code(), "restore blocked by the restore gate");
+                if beyond {
+                    warn!(snapshot_id = %id, age_s, bound_s, "restore blocked: target beyond the temporal bound");
+                } else {
+                    warn!(snapshot_id = %id, code = %e.code(), "restore blocked by the restore gate");
+                }
                 Err(e.into())
             }
         }
-    }
-
-    /// A target older than the temporal bound: only reviewer evidence for it lets the restore
-    /// through. Ok((basis, reviewer)) or Err(why blocked, naming both ways forward).
-    fn beyond_bound(
-        &mut self,
-        id: &str,
-        age_s: u64,
-        bound_s: u64,
-        token: Option<&Value>,
-    ) -> Result<(String, String), String> {
-        let what = format!(
-            "{id} is {} old, beyond the temporal bound of {} ([restore_gate] max_target_age_hours)",
-            humantime::format_duration(std::time::Duration::from_secs(age_s)),
-            humantime::format_duration(std::time::Duration::from_secs(bound_s))
-        );
-        let key_path = self.cfg.restore_gate.reviewer_key.clone();
-        let Some(token) = token else {
-            let how = match &key_path {
-                Some(k) => format!("a reviewer signs it with `backstop review sign --key {} --snapshot {id} --reviewer NAME > token.json`, then --reviewer-token token.json", k.display()),
-                None => "no reviewer key is configured yet ([restore_gate] reviewer_key)".into(),
-            };
-            return Err(format!(
-                "{what}: restoring it needs reviewer evidence, even for --emergency: {how}"
-            ));
-        };
-        let Some(key_path) = key_path else {
-            return Err(format!(
-                "{what} and no reviewer key is configured ([restore_gate] reviewer_key)"
-            ));
-        };
-        let key = evidence::load_key(&key_path).map_err(|e| e.to_string())?;
-        let t = evidence::verify(&key, token, id, OffsetDateTime::now_utc())
-            .map_err(|e| format!("{what}; {e}"))?;
-        Ok((
-            format!("{what}: reviewer evidence from {}", t.reviewer),
-            t.reviewer,
-        ))
-    }
-
-    /// Ok((basis, reviewer)) or Err(why blocked).
-    fn governance(
-        &mut self,
-        ctx: &mut Ctx,
-        id: &str,
-        token: Option<&Value>,
-    ) -> Result<(String, Option<String>), String> {
-        // `id` has just been verified; it is the newest verified one unless a newer snapshot of
-        // the current line verifies too.
-        if !self.policy.is_rolled_back(id) {
-            match self.newer_live_verified(ctx, id) {
-                Ok(None) => {
-                    return Ok((
-                        "the newest verified snapshot: no reviewer evidence needed".into(),
-                        None,
-                    ))
-                }
-                Ok(Some(_)) => {}
-                Err(e) => return Err(format!("cannot tell the newest verified snapshot: {e}")),
-            }
-        }
-        let what = if self.policy.is_rolled_back(id) {
-            "a rolled-back snapshot"
-        } else {
-            "not the newest verified snapshot"
-        };
-        // Both ways forward, in the refusal itself: evidence for this snapshot, or the
-        // emergency rollback, which needs none but can only go to the newest verified one.
-        let emergency = "or `backstop rollback --emergency --reason …` restores the newest verified snapshot without evidence (journaled as rollback_type emergency)";
-        let key_path = self.cfg.restore_gate.reviewer_key.clone();
-        let Some(token) = token else {
-            let how = match &key_path {
-                Some(k) => format!(
-                    "a reviewer signs it with `backstop review sign --key {} --snapshot {id} --reviewer NAME > token.json`",
-                    k.display()
-                ),
-                None => "no reviewer key is configured yet ([restore_gate] reviewer_key; `backstop review keygen FILE` makes one)".to_string(),
-            };
-            return Err(format!(
-                "{id} is {what}; restoring it needs reviewer evidence (--reviewer-token FILE): {how}; {emergency}"
-            ));
-        };
-        let Some(key_path) = key_path else {
-            return Err(format!(
-                "{id} is {what} and no reviewer key is configured ([restore_gate] reviewer_key); {emergency}"
-            ));
-        };
-        let key = evidence::load_key(&key_path).map_err(|e| e.to_string())?;
-        let t = evidence::verify(&key, token, id, OffsetDateTime::now_utc())
-            .map_err(|e| format!("{id} is {what}; {e}"))?;
-        Ok((
-            format!(
-                "{what}: reviewer evidence from {} (token expires {})",
-                t.reviewer, t.expires_at
-            ),
-            Some(t.reviewer),
-        ))
-    }
-
-    /// The newest snapshot of the current line listed after `id` that verifies completely and
-    /// fits this VM's shape, if any.
-    fn newer_live_verified(
-        &mut self,
-        ctx: &mut Ctx,
-        id: &str,
-    ) -> Result<Option<String>, EngineError> {
-        let fingerprint = self.backend.config_fingerprint();
-        let entries = self.store.list().map_err(EngineError::Store)?;
-        let Some(pos) = entries.iter().position(|e| e.snapshot_id() == id) else {
-            return Ok(None);
-        };
-        for e in entries[pos + 1..].iter().rev() {
-            if self.policy.is_rolled_back(e.snapshot_id())
-                || self.drift.is_unusable(e.snapshot_id())
-                || matches!(e, ListEntry::Valid(m) if crate::forensic::is_forensic(m))
-            {
-                continue;
-            }
-            let m = match e {
-                ListEntry::Valid(m) => m,
-                ListEntry::Corrupt {
-                    snapshot_id, code, ..
-                } => {
-                    let sid = self.session_id.clone();
-                    self.journal(AuditEvent::SnapshotVerifySkipped, json!({
-                        "snapshot_id": snapshot_id, "session_id": sid, "trace_id": ctx.trace_id,
-                        "result": "skipped", "code": code.to_string(), "asked_by": "restore_gate",
-                    }))?;
-                    continue;
-                }
-            };
-            ctx.step(
-                "verify",
-                format!("verifying {} (is it newer and intact?)", m.snapshot_id),
-                None,
-            );
-            // Both outcomes are recorded: the gate's decision rests on them (spec/003).
-            let code = match self
-                .store
-                .verify_trusting_checked(&m.snapshot_id, &VerifyOptions::default())
-            {
-                Ok(v) if v.manifest.config_fingerprint == fingerprint => {
-                    self.journal_verify_passed(ctx, &m.snapshot_id, &v.report)?;
-                    return Ok(Some(m.snapshot_id.clone()));
-                }
-                Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
-                Err(e) => e.code().to_string(),
-            };
-            let sid = self.session_id.clone();
-            self.journal(
-                AuditEvent::SnapshotVerifySkipped,
-                json!({
-                    "snapshot_id": m.snapshot_id, "session_id": sid, "trace_id": ctx.trace_id,
-                    "result": "skipped", "code": code, "asked_by": "restore_gate",
-                }),
-            )?;
-        }
-        Ok(None)
     }
 
     /// After a completed rollback to `target`: every snapshot listed after it is marked rolled
@@ -607,5 +505,175 @@ impl VmActor {
             })
             .collect();
         Ok(Response::SnapshotList { snapshots })
+    }
+}
+
+/// What the gate's decision says of a target beyond the temporal bound.
+fn bound_what(id: &str, age_s: u64, bound_s: u64) -> String {
+    format!(
+        "{id} is {} old, beyond the temporal bound of {} ([restore_gate] max_target_age_hours)",
+        humantime::format_duration(std::time::Duration::from_secs(age_s)),
+        humantime::format_duration(std::time::Duration::from_secs(bound_s))
+    )
+}
+
+/// What governance says of a target that needs evidence.
+fn governance_what(need: &Need) -> &'static str {
+    match need {
+        Need::RolledBack => "a rolled-back snapshot",
+        Need::BeyondBound | Need::NotNewest { .. } => "not the newest verified snapshot",
+    }
+}
+
+/// What [`backstop_decide::restore_gate`] asks of the live VM, only when its decision turns on
+/// it: the snapshots listed after the target (each verified for real, both outcomes journaled:
+/// replay reads them back) and the reviewer evidence, checked against the reviewer key now.
+struct GateShell<'a, 'p> {
+    actor: &'a mut VmActor,
+    ctx: &'a mut Ctx<'p>,
+    target: &'a str,
+    token: Option<&'a Value>,
+    key_path: Option<PathBuf>,
+    age_s: u64,
+    bound_s: u64,
+    /// The listing `newer` was made from, and this VM's shape then.
+    entries: Vec<ListEntry>,
+    fingerprint: String,
+}
+
+impl GateShell<'_, '_> {
+    fn skipped(&mut self, id: &str, code: String) -> Result<(), EngineError> {
+        let sid = self.actor.session_id.clone();
+        self.actor.journal(
+            AuditEvent::SnapshotVerifySkipped,
+            json!({
+                "snapshot_id": id, "session_id": sid, "trace_id": self.ctx.trace_id,
+                "result": "skipped", "code": code, "asked_by": "restore_gate",
+            }),
+        )
+    }
+
+    /// A target beyond the temporal bound: only reviewer evidence for it lets the restore
+    /// through, even for an emergency rollback. The refusal names both ways forward.
+    fn beyond_bound_evidence(&self) -> Result<Evidence, String> {
+        let id = self.target;
+        let what = bound_what(id, self.age_s, self.bound_s);
+        let Some(token) = self.token else {
+            let how = match &self.key_path {
+                Some(k) => format!("a reviewer signs it with `backstop review sign --key {} --snapshot {id} --reviewer NAME > token.json`, then --reviewer-token token.json", k.display()),
+                None => "no reviewer key is configured yet ([restore_gate] reviewer_key)".into(),
+            };
+            return Err(format!(
+                "{what}: restoring it needs reviewer evidence, even for --emergency: {how}"
+            ));
+        };
+        let Some(key_path) = &self.key_path else {
+            return Err(format!(
+                "{what} and no reviewer key is configured ([restore_gate] reviewer_key)"
+            ));
+        };
+        let key = evidence::load_key(key_path).map_err(|e| e.to_string())?;
+        let t = evidence::verify(&key, token, id, OffsetDateTime::now_utc())
+            .map_err(|e| format!("{what}; {e}"))?;
+        Ok(Evidence {
+            reviewer: t.reviewer,
+            expires_at: Some(t.expires_at),
+        })
+    }
+
+    /// Governance: a marked target or one that is not the newest verified. Both ways forward
+    /// are in the refusal: evidence for this snapshot, or the emergency rollback, which needs
+    /// none but can only go to the newest verified one.
+    fn governance_evidence(&self, need: &Need) -> Result<Evidence, String> {
+        let id = self.target;
+        let what = governance_what(need);
+        let emergency = "or `backstop rollback --emergency --reason …` restores the newest verified snapshot without evidence (journaled as rollback_type emergency)";
+        let Some(token) = self.token else {
+            let how = match &self.key_path {
+                Some(k) => format!(
+                    "a reviewer signs it with `backstop review sign --key {} --snapshot {id} --reviewer NAME > token.json`",
+                    k.display()
+                ),
+                None => "no reviewer key is configured yet ([restore_gate] reviewer_key; `backstop review keygen FILE` makes one)".to_string(),
+            };
+            return Err(format!(
+                "{id} is {what}; restoring it needs reviewer evidence (--reviewer-token FILE): {how}; {emergency}"
+            ));
+        };
+        let Some(key_path) = &self.key_path else {
+            return Err(format!(
+                "{id} is {what} and no reviewer key is configured ([restore_gate] reviewer_key); {emergency}"
+            ));
+        };
+        let key = evidence::load_key(key_path).map_err(|e| e.to_string())?;
+        let t = evidence::verify(&key, token, id, OffsetDateTime::now_utc())
+            .map_err(|e| format!("{id} is {what}; {e}"))?;
+        Ok(Evidence {
+            reviewer: t.reviewer,
+            expires_at: Some(t.expires_at),
+        })
+    }
+}
+
+impl backstop_decide::Verifier for GateShell<'_, '_> {
+    type Error = EngineError;
+
+    /// Whether a snapshot listed after the target verifies completely and fits this VM's shape.
+    /// Both outcomes are journaled: the gate's decision rests on them (spec/003).
+    fn verifies(&mut self, id: &str) -> Result<bool, EngineError> {
+        let m = match self.entries.iter().find(|e| e.snapshot_id() == id) {
+            None => return Ok(false),
+            Some(ListEntry::Valid(m)) => m.snapshot_id.clone(),
+            Some(ListEntry::Corrupt { code, .. }) => {
+                let code = code.to_string();
+                self.skipped(id, code)?;
+                return Ok(false);
+            }
+        };
+        self.ctx.step(
+            "verify",
+            format!("verifying {m} (is it newer and intact?)"),
+            None,
+        );
+        let code = match self
+            .actor
+            .store
+            .verify_trusting_checked(&m, &VerifyOptions::default())
+        {
+            Ok(v) if v.manifest.config_fingerprint == self.fingerprint => {
+                self.actor.journal_verify_passed(self.ctx, &m, &v.report)?;
+                return Ok(true);
+            }
+            Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
+            Err(e) => e.code().to_string(),
+        };
+        self.skipped(id, code)?;
+        Ok(false)
+    }
+}
+
+impl backstop_decide::GateInputs for GateShell<'_, '_> {
+    fn newer(&mut self) -> Result<Vec<Candidate>, EngineError> {
+        self.fingerprint = self.actor.backend.config_fingerprint();
+        self.entries = self.actor.store.list().map_err(EngineError::Store)?;
+        let Some(pos) = self
+            .entries
+            .iter()
+            .position(|e| e.snapshot_id() == self.target)
+        else {
+            return Ok(Vec::new());
+        };
+        Ok(self.entries[pos + 1..]
+            .iter()
+            .rev()
+            .map(|e| self.actor.candidate(e))
+            .collect())
+    }
+
+    fn evidence(&mut self, need: &Need) -> Result<Evidence, String> {
+        match need {
+            Need::BeyondBound => self.beyond_bound_evidence(),
+            Need::RolledBack | Need::NotNewest { .. } => self.governance_evidence(need),
+        }
     }
 }

@@ -4,7 +4,9 @@
 //! seen through [`StoreView`], reviewer approval through a closure, and the final records are
 //! handed in. The shell (`replay/mod.rs`) journals what this returns.
 //!
-//! Decisions checked, each by the same pure function the engine uses where one exists:
+//! Decisions checked, each by the same pure function the engine uses where one exists (the
+//! rollback target and the restore gate: `backstop-decide`, fed here with what the journal
+//! recorded):
 //!
 //! | decision | recorded in | recomputed from |
 //! |---|---|---|
@@ -30,6 +32,7 @@ use serde_json::{json, Map, Value};
 
 use backstop_common::ids::seeded_id;
 use backstop_common::ErrorCode;
+use backstop_decide::{Candidate, Evidence, GateInput, LiveSnapshot, Need, Resolved};
 
 use crate::lifecycle::{Transition, VmState};
 
@@ -659,23 +662,7 @@ impl<'a> Replayer<'a> {
                 let computed = self.target(&mut ep, e.seq)?;
                 self.compare("rollback_target", e.seq, json!(recorded), json!(computed))?;
                 let target = recorded.clone().unwrap_or_default();
-                // The target's age is a clock reading at decision time: a recorded input.
-                let beyond = match (
-                    f.get("target_age_s").and_then(Value::as_u64),
-                    f.get("temporal_bound_s").and_then(Value::as_u64),
-                ) {
-                    (Some(age), Some(bound)) => age > bound,
-                    _ => false,
-                };
-                let gate = if ep.bounded && beyond {
-                    if f.get("reviewer").is_some_and(|r| !r.is_null()) {
-                        "allow"
-                    } else {
-                        "block"
-                    }
-                } else {
-                    self.gate(&mut ep, &target, f.get("reviewer"), e.seq)?
-                };
+                let gate = self.gate(&mut ep, &target, f, e.seq)?;
                 self.compare("restore_gate", e.seq, json!(s(f, "decision")), json!(gate))?;
                 ep.target = recorded;
                 self.episodes.insert(trace, ep);
@@ -851,62 +838,55 @@ impl<'a> Replayer<'a> {
         Ok(())
     }
 
-    /// The newest snapshot of the current line whose recorded verification passed — or for a
-    /// named target, that one (if its pass was recorded).
+    /// A published snapshot as the decisions see it, from what the journal recorded.
+    fn candidate(&self, id: &str) -> Candidate {
+        Candidate {
+            created_at: self.created.get(id).cloned(),
+            healthy: !self.unhealthy.contains(id),
+            marked: self.marked.contains(id),
+            forensic: self.forensic.contains(id),
+            unusable: self.unusable.contains(id),
+            ..Candidate::new(id)
+        }
+    }
+
+    /// The published snapshots not pruned, in publication order.
+    fn live(&self) -> Vec<&String> {
+        self.published
+            .iter()
+            .filter(|p| !self.pruned.contains(*p))
+            .collect()
+    }
+
+    /// The target as the engine chose it ([`backstop_decide::choose_target`] over the
+    /// recorded snapshots, answered with this rollback's recorded verification outcomes) — or
+    /// for a named target, the one [`backstop_decide::resolve`] finds (if its pass was
+    /// recorded).
     fn target(&mut self, ep: &mut Episode, seq: u64) -> Result<Option<String>, Stop> {
         if let Some(to) = ep.to.clone() {
-            let live: Vec<&String> = self
-                .published
-                .iter()
-                .filter(|p| !self.pruned.contains(*p))
+            let live: Vec<LiveSnapshot<'_>> = self
+                .live()
+                .into_iter()
+                .map(|id| LiveSnapshot {
+                    id,
+                    name: self.names.get(id).map(String::as_str),
+                })
                 .collect();
-            // As `Store::resolve`: the exact id, then the exact name, then a unique prefix.
-            let exact: Vec<&&String> = live.iter().filter(|p| ***p == to).collect();
-            let named: Vec<&&String> = live
-                .iter()
-                .filter(|p| self.names.get(**p) == Some(&to))
-                .collect();
-            let hits: Vec<&&String> = if !exact.is_empty() {
-                exact
-            } else if !named.is_empty() {
-                named
-            } else {
-                live.iter().filter(|p| p.starts_with(to.as_str())).collect()
-            };
-            let [id] = hits.as_slice() else {
+            let Resolved::Found { id, .. } = backstop_decide::resolve(&to, &live) else {
                 return Ok(None);
             };
-            let id = (**id).clone();
             return Ok(self.verified(ep, &id, seq)?.then_some(id));
         }
-        let before = ep.before.clone();
-        let candidates: Vec<String> = self
-            .published
-            .iter()
+        let candidates: Vec<Candidate> = self
+            .live()
+            .into_iter()
             .rev()
-            .filter(|p| !self.pruned.contains(*p) && !self.marked.contains(*p))
-            .filter(|p| !self.forensic.contains(*p) && !self.unusable.contains(*p))
-            .filter(|p| match (&before, self.created.get(*p)) {
-                (None, _) => true,
-                (Some(b), Some(c)) => crate::rollback::created_before(c, b),
-                (Some(_), None) => false,
-            })
-            .cloned()
+            .map(|id| self.candidate(id))
             .collect();
-        // Snapshots of a healthy guest first; the others only when none of those verifies.
-        for pass_unhealthy in [false, true] {
-            let pass: Vec<String> = candidates
-                .iter()
-                .filter(|c| self.unhealthy.contains(*c) == pass_unhealthy)
-                .cloned()
-                .collect();
-            for id in pass {
-                if self.verified(ep, &id, seq)? {
-                    return Ok(Some(id));
-                }
-            }
-        }
-        Ok(None)
+        let before = ep.before.clone();
+        let mut recorded = |id: &str| self.verified(ep, id, seq);
+        let choice = backstop_decide::choose_target(&candidates, before.as_deref(), &mut recorded)?;
+        Ok(choice.target)
     }
 
     /// Whether `id` verified in this rollback: the recorded outcome, or (audit) a live call.
@@ -933,46 +913,37 @@ impl<'a> Replayer<'a> {
         }
     }
 
-    /// The restore gate's decision for `target`, as `restore_gate.rs` makes it.
+    /// The restore gate's decision for `target` ([`backstop_decide::restore_gate`]), from the
+    /// recorded inputs: `governed` and `bounded` from the request, the target's age and the
+    /// bound from the decision entry, the marks, newer snapshots' recorded verification
+    /// outcomes, and the reviewer the decision named.
     fn gate(
         &mut self,
         ep: &mut Episode,
         target: &str,
-        reviewer: Option<&Value>,
+        f: &Map<String, Value>,
         seq: u64,
     ) -> Result<&'static str, Stop> {
-        if !ep.governed {
-            return Ok("override");
-        }
-        let needs_evidence = if self.marked.contains(target) {
-            true
-        } else {
-            let pos = self.published.iter().position(|p| p == target);
-            let newer: Vec<String> = match pos {
-                Some(i) => self.published[i + 1..]
-                    .iter()
-                    .rev()
-                    .filter(|p| !self.pruned.contains(*p) && !self.marked.contains(*p))
-                    .filter(|p| !self.forensic.contains(*p) && !self.unusable.contains(*p))
-                    .cloned()
-                    .collect(),
-                None => Vec::new(),
-            };
-            let mut any = false;
-            for id in newer {
-                if self.verified(ep, &id, seq)? {
-                    any = true;
-                    break;
-                }
-            }
-            any
+        let input = GateInput {
+            governed: ep.governed,
+            bounded: ep.bounded,
+            // The target's age is a clock reading at decision time: a recorded input.
+            target_age_s: f.get("target_age_s").and_then(Value::as_u64),
+            temporal_bound_s: f.get("temporal_bound_s").and_then(Value::as_u64),
+            target_marked: self.marked.contains(target),
         };
-        let has_reviewer = reviewer.is_some_and(|r| !r.is_null());
-        Ok(if !needs_evidence || has_reviewer {
-            "allow"
-        } else {
-            "block"
-        })
+        let reviewer = f.get("reviewer").filter(|r| !r.is_null()).map(|r| match r {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        });
+        let mut recorded = RecordedGate {
+            replayer: self,
+            ep,
+            target,
+            reviewer,
+            seq,
+        };
+        Ok(backstop_decide::restore_gate(&input, &mut recorded)?.as_str())
     }
 
     /// Rollbacks whose soft-rollback marks were expected but never journaled.
@@ -994,6 +965,49 @@ impl<'a> Replayer<'a> {
             )?;
         }
         Ok(())
+    }
+}
+
+/// The gate's questions, answered from the record: newer snapshots as the journal published
+/// them, their verification outcomes as this rollback recorded them, and the reviewer the
+/// decision named (replay cannot check a token again; the live gate did).
+struct RecordedGate<'r, 'a> {
+    replayer: &'r mut Replayer<'a>,
+    ep: &'r mut Episode,
+    target: &'r str,
+    reviewer: Option<String>,
+    seq: u64,
+}
+
+impl backstop_decide::Verifier for RecordedGate<'_, '_> {
+    type Error = Stop;
+    fn verifies(&mut self, id: &str) -> Result<bool, Stop> {
+        self.replayer.verified(self.ep, id, self.seq)
+    }
+}
+
+impl backstop_decide::GateInputs for RecordedGate<'_, '_> {
+    fn newer(&mut self) -> Result<Vec<Candidate>, Stop> {
+        let r = &*self.replayer;
+        let Some(i) = r.published.iter().position(|p| p == self.target) else {
+            return Ok(Vec::new());
+        };
+        Ok(r.published[i + 1..]
+            .iter()
+            .rev()
+            .filter(|p| !r.pruned.contains(*p))
+            .map(|p| r.candidate(p))
+            .collect())
+    }
+
+    fn evidence(&mut self, _need: &Need) -> Result<Evidence, String> {
+        self.reviewer
+            .clone()
+            .map(|reviewer| Evidence {
+                reviewer,
+                expires_at: None,
+            })
+            .ok_or_else(|| "no reviewer recorded".into())
     }
 }
 

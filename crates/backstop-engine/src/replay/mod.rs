@@ -9,6 +9,8 @@
 //! VM, its snapshots or its records; HALTED does not stop it.
 
 pub mod core;
+#[cfg(test)]
+mod live_agrees;
 mod sandbox;
 
 use std::io::Read;
