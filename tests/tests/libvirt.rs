@@ -2487,3 +2487,141 @@ fn libvirt_reload_applies_live_and_after_crash_reattach_is_the_operators_choice(
     dom.renice();
     d.ok_vm("lvr", &["audit", "verify"]);
 }
+
+/// The guest's clock as its qemu-ga reads it, minus the host's (ms), asked through virsh.
+fn guest_clock_skew_ms(dom: &TestDomain) -> i64 {
+    let out = virsh_text(&[
+        "qemu-agent-command",
+        &dom.name,
+        r#"{"execute":"guest-get-time"}"#,
+    ]);
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    v["return"].as_i64().unwrap() / 1_000_000 - host
+}
+
+/// A stock guest: the domain has only the QEMU guest agent's channel — no backstop channel,
+/// no watchdog device — and the guest runs Debian's qemu-ga and nothing of backstop's. It is
+/// adopted (`auto` picks qemu-ga), its pongs through libvirt keep it running, it is
+/// snapshotted and rolled back, and the restored guest's clock is set to the host's (the skew
+/// corrected is reported); when qemu-ga stops answering, the watchdog rolls it back within the
+/// timeout and 2 s.
+#[test]
+fn libvirt_a_guest_with_only_qemu_ga_is_guarded_and_its_clock_set_after_rollback() {
+    let test = "libvirt_a_guest_with_only_qemu_ga_is_guarded_and_its_clock_set_after_rollback";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("1");
+    const STOP_AT_S: u64 = 50;
+    const TIMEOUT_S: u64 = 5;
+    let dom = TestDomain::start("bs-e2e-qga", &|x| {
+        x.replace(
+            "name='org.backstop.agent.0'",
+            "name='org.qemu.guest_agent.0'",
+        )
+        .replace("agent.sock", "qga.sock")
+        .replace("<watchdog model='i6300esb' action='pause'/>", "")
+        .replace(
+            "no_timer_check</cmdline>",
+            &format!("no_timer_check backstop.qga=1 backstop.hb=off backstop.qga_stop_at={STOP_AT_S}</cmdline>"),
+        )
+    });
+    let xml = virsh_text(&["dumpxml", &dom.name]);
+    assert!(
+        xml.contains("org.qemu.guest_agent.0")
+            && !xml.contains("org.backstop.agent.0")
+            && !xml.contains("i6300esb"),
+        "a stock domain: {xml}"
+    );
+    let (name, l2) = (dom.name.clone(), dom.layers());
+    let mut d = Daemon::prepare_custom(
+        "lv-qga",
+        &move |s: &Path, r: &Path| {
+            config(s, r, &name, "", &l2).replace(
+                "heartbeat_timeout_s = 30",
+                &format!("heartbeat_timeout_s = {TIMEOUT_S}"),
+            )
+        },
+        &[],
+    );
+    d.launch_answering();
+    let fresh = |s: &Value| s["heartbeat_age_ms"].as_u64().is_some_and(|a| a < 3000);
+    let st = d.wait_status("a pong through libvirt", BOOT, fresh);
+    eprintln!("adopted: {}", st["backend_details"]);
+    assert_eq!(st["backend_details"]["heartbeat_source"], "qemu-ga", "{st}");
+    assert_eq!(st["backend_details"]["watchdog_device"], false, "{st}");
+    dom.wait_ticks(0, "guest ticking", |t| t.len() >= 2);
+    let snap = d.ok(&["snapshot", "create", "--reason", "e2e: stock guest"]);
+    let id = snap["summary"]["snapshot_id"].as_str().unwrap().to_string();
+    // Time passes; the snapshot's clock stays where it was.
+    std::thread::sleep(Duration::from_secs(8));
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_secs(1));
+        assert!(fresh(&d.status()), "pongs keep it alive");
+    }
+    assert!(events(&d.journal(), "rollback.completed").is_empty());
+
+    let rb = d.ok(&["rollback", "--to", &id, "--reason", "e2e: stock guest back"]);
+    assert_eq!(rb["epoch"], 1, "{rb}");
+    dom.renice();
+    let st = d.wait_status("clock set after the rollback", STEP, |s| {
+        s["backend_details"]["clock_resynced"] == true && fresh(s)
+    });
+    eprintln!("after the rollback: {}", st["backend_details"]);
+    let corrected = st["backend_details"]["clock_skew_ms"].as_i64().unwrap();
+    assert!(
+        corrected >= 5_000,
+        "the restored clock was behind by the time since the snapshot: {corrected} ms"
+    );
+    let skew = guest_clock_skew_ms(&dom);
+    assert!(skew.abs() <= 2_000, "guest clock {skew} ms off the host's");
+
+    // qemu-ga stops answering (the guest kills it at uptime STOP_AT_S): the watchdog rolls
+    // the domain back within the timeout and 2 s.
+    let from = dom.serial().len();
+    let deadline = Instant::now() + Duration::from_secs(STOP_AT_S + 60);
+    let stopped_at = loop {
+        if dom.serial()[from..].contains("BACKSTOP qemu-ga stopped") {
+            break std::time::SystemTime::now();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "qemu-ga never stopped:\n{}",
+            dom.serial()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let fired = d.wait_journal(
+        Duration::from_secs(TIMEOUT_S + 30),
+        "watchdog rollback",
+        |e| e["event"] == "rollback.completed" && e["fields"]["trigger"] == "watchdog_timeout",
+    );
+    let requested = d
+        .journal()
+        .into_iter()
+        .find(|e| {
+            e["fields"]["trace_id"] == fired["fields"]["trace_id"]
+                && e["event"] == "rollback.initiated"
+        })
+        .expect("the watchdog rollback's start");
+    let at_ms = journal_ts_ms(requested["ts"].as_str().unwrap());
+    let stop_ms = stopped_at
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let after = at_ms - stop_ms;
+    eprintln!("watchdog fired {after} ms after qemu-ga stopped (timeout {TIMEOUT_S} s)");
+    assert!(
+        after <= (TIMEOUT_S as i64 + 2) * 1000,
+        "the watchdog took {after} ms"
+    );
+    assert_eq!(fired["fields"]["rollback_type"], "emergency");
+    dom.renice();
+    d.wait_status("pongs after the watchdog rollback", STEP, fresh);
+    d.ok(&["audit", "verify"]);
+}

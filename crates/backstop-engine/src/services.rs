@@ -146,6 +146,7 @@ pub(crate) fn libvirt_backend(cfg: &Config) -> Result<Box<dyn VmBackend>, Engine
                 &cfg.vm.name,
                 &cfg.daemon.state_dir,
             ),
+            heartbeat: l.heartbeat,
         },
     )))
 }

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use backstop_common::ErrorCode;
 use backstop_hypervisor::{
     Adoption, BackendError, BootMode, CaptureReport, CaptureStream, DiskAttachment, DiskSwitch,
-    DiskSwitchTiming, EventWaker, GrantOutcome, GrantSpec, HeartbeatStatus, Release, RestoreReport,
-    Result, RevocationReport, RunState, VmBackend, VmEvent,
+    DiskSwitchTiming, EventWaker, GrantOutcome, GrantSpec, HeartbeatSource, HeartbeatStatus,
+    Release, RestoreReport, Result, RevocationReport, RunState, VmBackend, VmEvent,
 };
 use backstop_qmp::version::{self, QemuVersion, Resume};
 use backstop_qmp::{AgentChannel, Prefetch};
@@ -69,7 +69,12 @@ pub struct LibvirtBackend {
     qemu_version: (u32, u32, u32),
     /// Who ends the pause of a background snapshot on this QEMU (see `backstop_qmp::version`).
     resume: Resume,
-    agent: Option<AgentChannel>,
+    /// Where this domain's heartbeats come from (decided at adoption from the VM file and the
+    /// domain's channels).
+    heartbeat: HeartbeatSource,
+    /// The heartbeat of the VM instance running now: backstop's agent channel, or qemu-ga
+    /// pinged through libvirt.
+    agent: Option<Heartbeat>,
     capture: Option<Capture>,
     /// Collapsing the guest RAM's huge pages again after a background snapshot split them
     /// (`backstop_qmp::huge_pages`); stopped before the next capture and before a pause.
@@ -156,6 +161,7 @@ impl LibvirtBackend {
             pid: None,
             qemu_version: (0, 0, 0),
             resume: Resume::ByQemu,
+            heartbeat: HeartbeatSource::BackstopAgent,
             agent: None,
             capture: None,
             regather: None,
@@ -354,6 +360,9 @@ impl LibvirtBackend {
         let xml = dom.xml_desc(0).map_err(|e| cmd_err("domain xml", e))?;
         let shape = domain_xml::inspect(&xml)
             .map_err(|u| refused(ErrorCode::LibvirtDomainUnsuitable, u.0))?;
+        self.heartbeat = shape
+            .heartbeat(self.cfg.heartbeat)
+            .map_err(|u| refused(ErrorCode::LibvirtDomainUnsuitable, u.0))?;
         if let (Some(n), Some(_)) = (&self.cfg.domain, &self.cfg.uuid) {
             if *n != shape.name {
                 return Err(refused(
@@ -458,7 +467,7 @@ impl LibvirtBackend {
             .iter()
             .map(|d| (d.target.clone(), d.source.clone()))
             .collect();
-        self.agent = Some(AgentChannel::connect(&shape.agent_socket));
+        self.agent = self.connect_heartbeat(&shape, false);
         guard::mark(self.dom("adopt")?, &me)?;
         self.marked = true;
         let mut details = serde_json::Map::new();
@@ -1415,6 +1424,16 @@ impl VmBackend for LibvirtBackend {
                 m.insert("precopy_live".into(), json!(plan.is_live()));
             }
             m.insert("libvirt_reconnects".into(), json!(self.reconnects));
+            m.insert("heartbeat_source".into(), json!(self.heartbeat.as_str()));
+            m.insert("watchdog_device".into(), json!(shape.watchdog));
+            if let Some(Heartbeat::Qga(q)) = &self.agent {
+                let (set, skew) = q.clock();
+                m.insert("clock_resynced".into(), json!(set));
+                m.insert("clock_skew_ms".into(), json!(skew));
+                if let Some(why) = q.down() {
+                    m.insert("heartbeat_down".into(), json!(why));
+                }
+            }
             let (received, dropped) = self.events.counts();
             m.insert(
                 "libvirt_events".into(),
@@ -1452,7 +1471,7 @@ impl VmBackend for LibvirtBackend {
         // (`backend/devices.rs`); ending the domain (terminate) is the final revocation.
         let mut report = RevocationReport::default();
         self.revoke_all(bound, &mut report);
-        if let Some(mut a) = self.agent.take() {
+        if let Some(a) = self.agent.take() {
             a.close();
             report.revoked.push("guest agent channel closed".into());
         }
@@ -1621,7 +1640,7 @@ impl VmBackend for LibvirtBackend {
         lap("define");
         self.actives = self.incoming.clone();
         self.pid = self.read_pid();
-        self.agent = Some(AgentChannel::connect(&shape.agent_socket));
+        self.agent = self.connect_heartbeat(&shape, true);
         lap("agent");
         let devices = domain_xml::device_list(&live);
         self.shape = Some(shape);
@@ -1629,7 +1648,8 @@ impl VmBackend for LibvirtBackend {
     }
 
     fn notify_epoch(&mut self, epoch: u64) -> Result<()> {
-        if let Some(a) = self.agent.as_mut() {
+        // Only backstop's agent hears of epochs; a guest with qemu-ga alone is not told.
+        if let Some(Heartbeat::Agent(a)) = self.agent.as_mut() {
             a.send_epoch(epoch);
         }
         Ok(())
@@ -1642,7 +1662,7 @@ impl VmBackend for LibvirtBackend {
     fn heartbeats(&self) -> HeartbeatStatus {
         self.agent
             .as_ref()
-            .map(AgentChannel::stats)
+            .map(Heartbeat::stats)
             .unwrap_or_default()
             .into()
     }
@@ -1666,5 +1686,56 @@ impl VmBackend for LibvirtBackend {
     fn heartbeat_probe(&self) -> Option<backstop_hypervisor::HeartbeatProbe> {
         let read = self.agent.as_ref()?.stats_reader();
         Some(Arc::new(move || read().into()))
+    }
+}
+
+/// One VM instance's heartbeat: backstop's agent on its own channel, or qemu-ga through
+/// libvirt's agent API.
+enum Heartbeat {
+    Agent(AgentChannel),
+    Qga(crate::qga::QgaPinger),
+}
+
+impl Heartbeat {
+    fn stats(&self) -> backstop_qmp::AgentStats {
+        match self {
+            Heartbeat::Agent(a) => a.stats(),
+            Heartbeat::Qga(q) => q.stats(),
+        }
+    }
+
+    fn stats_reader(&self) -> Box<dyn Fn() -> backstop_qmp::AgentStats + Send + Sync> {
+        match self {
+            Heartbeat::Agent(a) => Box::new(a.stats_reader()),
+            Heartbeat::Qga(q) => Box::new(q.stats_reader()),
+        }
+    }
+
+    /// Ends it: the channel closed, or the pinger told to stop.
+    fn close(self) {
+        match self {
+            Heartbeat::Agent(mut a) => a.close(),
+            Heartbeat::Qga(q) => drop(q),
+        }
+    }
+}
+
+impl LibvirtBackend {
+    /// The heartbeat for the VM instance `shape` describes. `restored`: it was just restored
+    /// from a snapshot (qemu-ga sets its clock once it answers).
+    fn connect_heartbeat(&self, shape: &DomainShape, restored: bool) -> Option<Heartbeat> {
+        match (self.heartbeat, &shape.agent_socket) {
+            (HeartbeatSource::BackstopAgent, Some(sock)) => {
+                Some(Heartbeat::Agent(AgentChannel::connect(sock)))
+            }
+            // The channel went between adoption and a restore (a changed definition): no
+            // heartbeats, which the watchdog notices.
+            (HeartbeatSource::BackstopAgent, None) => None,
+            (HeartbeatSource::QemuGa, _) => Some(Heartbeat::Qga(crate::qga::QgaPinger::start(
+                &self.cfg.uri,
+                &shape.uuid,
+                restored,
+            ))),
+        }
     }
 }

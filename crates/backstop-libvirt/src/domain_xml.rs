@@ -1,5 +1,5 @@
 //! Reading and rewriting a libvirt domain's XML: what adoption checks (captured disks are qcow2
-//! files, no `<hostdev>`, the agent channel and an i6300esb watchdog present), and the disk
+//! files, no `<hostdev>`, a heartbeat channel: qemu-ga's or backstop's agent's), and the disk
 //! rewrite a restore needs (each captured disk on its fresh overlay). Pure functions of the
 //! text, so they are tested without libvirt.
 
@@ -14,6 +14,11 @@ pub const AGENT_PORT: &str = "org.backstop.agent.0";
 pub const AGENT_CHANNEL_SNIPPET: &str = "<channel type='unix'><source mode='bind'/><target type='virtio' name='org.backstop.agent.0'/></channel>";
 /// XML an operator adds for the hardware watchdog.
 pub const WATCHDOG_SNIPPET: &str = "<watchdog model='i6300esb' action='pause'/>";
+/// The QEMU guest agent's port (libvirt connects to it; backstop asks through libvirt).
+pub const QGA_PORT: &str = "org.qemu.guest_agent.0";
+/// XML an operator adds for the QEMU guest agent's channel (most cloud images run qemu-ga).
+pub const QGA_CHANNEL_SNIPPET: &str =
+    "<channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>";
 
 /// One disk of the domain as libvirt's live XML describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,8 +35,13 @@ pub struct DomainShape {
     pub name: String,
     pub uuid: String,
     pub disks: Vec<DomainDisk>,
-    /// The agent channel's unix socket (QEMU listens, backstop connects).
-    pub agent_socket: PathBuf,
+    /// backstop's agent channel's unix socket (QEMU listens, backstop connects), if the
+    /// domain has one.
+    pub agent_socket: Option<PathBuf>,
+    /// The domain has the QEMU guest agent's channel (`org.qemu.guest_agent.0`).
+    pub qga_channel: bool,
+    /// The domain has an i6300esb: a second liveness source (its expiry pauses the domain).
+    pub watchdog: bool,
     /// `<os><type machine=…>`.
     pub machine: String,
     pub memory_kib: u64,
@@ -143,31 +153,25 @@ pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
     if disks.is_empty() {
         return Err(Unsuitable(format!("domain {name} has no disk to capture")));
     }
-    let agent_socket = devices
-        .children()
-        .filter(|c| c.has_tag_name("channel") && c.attribute("type") == Some("unix"))
-        .find(|c| {
-            child(*c, "target").is_some_and(|t| {
-                t.attribute("type") == Some("virtio") && t.attribute("name") == Some(AGENT_PORT)
+    let port = |name: &str| {
+        devices
+            .children()
+            .filter(|c| c.has_tag_name("channel") && c.attribute("type") == Some("unix"))
+            .find(|c| {
+                child(*c, "target").is_some_and(|t| {
+                    t.attribute("type") == Some("virtio") && t.attribute("name") == Some(name)
+                })
             })
-        })
+    };
+    let agent_socket = port(AGENT_PORT)
         .and_then(|c| child(c, "source"))
         .filter(|s| s.attribute("mode") == Some("bind"))
         .and_then(|s| s.attribute("path"))
-        .map(PathBuf::from)
-        .ok_or_else(|| {
-            Unsuitable(format!(
-                "domain {name} lacks the backstop agent channel; add to <devices>: {AGENT_CHANNEL_SNIPPET}"
-            ))
-        })?;
-    let has_watchdog = devices
+        .map(PathBuf::from);
+    let qga_channel = port(QGA_PORT).is_some();
+    let watchdog = devices
         .children()
         .any(|c| c.has_tag_name("watchdog") && c.attribute("model") == Some("i6300esb"));
-    if !has_watchdog {
-        return Err(Unsuitable(format!(
-            "domain {name} lacks an i6300esb watchdog; add to <devices>: {WATCHDOG_SNIPPET}"
-        )));
-    }
     let os = child(root, "os");
     let machine = os
         .and_then(|o| child(o, "type"))
@@ -194,6 +198,8 @@ pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
         uuid,
         disks,
         agent_socket,
+        qga_channel,
+        watchdog,
         machine,
         memory_kib,
         vcpus,
@@ -202,6 +208,33 @@ pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
 }
 
 impl DomainShape {
+    /// Where this domain's heartbeats come from, for the VM file's choice: `auto` takes
+    /// backstop's agent where its channel is there, else qemu-ga's; a named source needs its
+    /// channel. No channel at all is refused naming both ways to add one.
+    pub fn heartbeat(
+        &self,
+        wanted: crate::LibvirtHeartbeat,
+    ) -> Result<backstop_hypervisor::HeartbeatSource, Unsuitable> {
+        use crate::LibvirtHeartbeat as W;
+        use backstop_hypervisor::HeartbeatSource as H;
+        let name = &self.name;
+        match wanted {
+            W::BackstopAgent if self.agent_socket.is_none() => Err(Unsuitable(format!(
+                "domain {name} lacks the backstop agent channel (heartbeat = \"backstop-agent\"); add it live with `virsh attach-device {name} --live --config` of {AGENT_CHANNEL_SNIPPET}, and run backstop's agent in the guest"
+            ))),
+            W::QemuGa if !self.qga_channel => Err(Unsuitable(format!(
+                "domain {name} lacks the QEMU guest agent channel (heartbeat = \"qemu-ga\"); add it live with `virsh attach-device {name} --live --config` of {QGA_CHANNEL_SNIPPET}, and run qemu-guest-agent in the guest"
+            ))),
+            W::BackstopAgent => Ok(H::BackstopAgent),
+            W::QemuGa => Ok(H::QemuGa),
+            W::Auto if self.agent_socket.is_some() => Ok(H::BackstopAgent),
+            W::Auto if self.qga_channel => Ok(H::QemuGa),
+            W::Auto => Err(Unsuitable(format!(
+                "domain {name} has no heartbeat channel; add the QEMU guest agent's ({QGA_CHANNEL_SNIPPET}, with qemu-guest-agent running in the guest, as most cloud images do) or backstop's agent's ({AGENT_CHANNEL_SNIPPET}), live with `virsh attach-device {name} --live --config`"
+            ))),
+        }
+    }
+
     /// What a restore must match: machine type, memory, vCPUs, emulator, disk targets. Stable
     /// across snapshots and restores of the same domain.
     pub fn fingerprint(&self) -> String {
@@ -390,7 +423,8 @@ mod tests {
                 source: "/v/t1/disk.qcow2".into()
             }]
         );
-        assert_eq!(s.agent_socket, PathBuf::from("/v/t1/agent.sock"));
+        assert_eq!(s.agent_socket, Some(PathBuf::from("/v/t1/agent.sock")));
+        assert!(s.watchdog && !s.qga_channel);
         assert_eq!(s.memory_kib, 256 << 10);
         assert_eq!(s.machine, "q35");
     }
@@ -398,13 +432,22 @@ mod tests {
     #[test]
     fn each_refusal_names_what_to_add() {
         let x = filled();
+        // Neither heartbeat channel: refused, naming both ways to add one.
         let no_chan = x.replace("org.backstop.agent.0", "org.other.0");
-        assert!(inspect(&no_chan)
+        let err = inspect(&no_chan)
+            .unwrap()
+            .heartbeat(crate::LibvirtHeartbeat::Auto)
             .unwrap_err()
-            .0
-            .contains(AGENT_CHANNEL_SNIPPET));
+            .0;
+        assert!(err.contains(AGENT_CHANNEL_SNIPPET), "{err}");
+        assert!(err.contains(QGA_CHANNEL_SNIPPET), "{err}");
+        assert!(
+            err.contains("virsh attach-device t1 --live --config"),
+            "{err}"
+        );
+        // The i6300esb is optional: a second liveness source where it is there.
         let no_wd = x.replace("i6300esb", "ib700");
-        assert!(inspect(&no_wd).unwrap_err().0.contains(WATCHDOG_SNIPPET));
+        assert!(!inspect(&no_wd).unwrap().watchdog);
         let raw = x.replace("type='qcow2'", "type='raw'");
         assert!(inspect(&raw).unwrap_err().0.contains("must be qcow2"));
         let hostdev = x.replace(
@@ -413,6 +456,34 @@ mod tests {
         );
         assert!(inspect(&hostdev).unwrap_err().0.contains("passthrough"));
         assert!(inspect("<domain").is_err());
+    }
+
+    #[test]
+    fn the_heartbeat_comes_from_the_channel_the_domain_has() {
+        use crate::LibvirtHeartbeat as W;
+        use backstop_hypervisor::HeartbeatSource as H;
+        let x = filled();
+        let both = inspect(&x.replace(
+            "<serial",
+            "<channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel><serial",
+        ))
+        .unwrap();
+        assert!(both.qga_channel);
+        assert_eq!(both.heartbeat(W::Auto), Ok(H::BackstopAgent));
+        assert_eq!(both.heartbeat(W::QemuGa), Ok(H::QemuGa));
+        let qga_only = inspect(
+            &x.replace("org.backstop.agent.0", "org.qemu.guest_agent.0")
+                .replace("<watchdog model='i6300esb' action='pause'/>", ""),
+        )
+        .unwrap();
+        assert_eq!(qga_only.agent_socket, None);
+        assert!(!qga_only.watchdog);
+        assert_eq!(qga_only.heartbeat(W::Auto), Ok(H::QemuGa));
+        let err = qga_only.heartbeat(W::BackstopAgent).unwrap_err().0;
+        assert!(err.contains(AGENT_CHANNEL_SNIPPET), "{err}");
+        let agent_only = inspect(&x).unwrap();
+        let err = agent_only.heartbeat(W::QemuGa).unwrap_err().0;
+        assert!(err.contains(QGA_CHANNEL_SNIPPET), "{err}");
     }
 
     #[test]

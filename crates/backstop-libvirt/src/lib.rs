@@ -2,8 +2,10 @@
 //! without libvirt losing track of it.
 //!
 //! * **Adopt**: connect to the configured URI, look the domain up by name or UUID, check it
-//!   (captured disks are qcow2 files, no `<hostdev>`, the agent channel and an i6300esb
-//!   watchdog present, background snapshots possible unless `capture` allows pre-copy) or refuse naming what to add; the QEMU
+//!   (captured disks are qcow2 files, no `<hostdev>`, a heartbeat channel — qemu-ga's, asked
+//!   through libvirt ([`qga`]), or backstop's agent's — present, background snapshots possible
+//!   unless `capture` allows pre-copy) or refuse naming what to add; an i6300esb is used where
+//!   it is there. The QEMU
 //!   process is left as it is (same pid).
 //! * **Capture** (one instant): outside the pause, the background-snapshot capability, the
 //!   bandwidth and the stream's pipe (`getfd` with the fd passed by
@@ -47,6 +49,7 @@ pub mod save_image;
 mod backend;
 #[cfg(feature = "libvirt")]
 mod precopy;
+pub mod qga;
 #[cfg(feature = "libvirt")]
 pub use backend::{version_text, LibvirtBackend};
 
@@ -76,6 +79,22 @@ pub struct LibvirtConfig {
     pub claims_dir: PathBuf,
     /// This daemon as the domain's guardian (claim file and `<metadata>`).
     pub guardian: backstop_hypervisor::claim::Guardian,
+    /// Where heartbeats come from (`[vm.libvirt] heartbeat`).
+    pub heartbeat: LibvirtHeartbeat,
+}
+
+/// `[vm.libvirt] heartbeat`: which guest agent's answers keep the domain alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LibvirtHeartbeat {
+    /// backstop's agent where the domain has its channel, else the QEMU guest agent.
+    #[default]
+    Auto,
+    /// `HB <n>` lines of backstop's agent on `org.backstop.agent.0`.
+    BackstopAgent,
+    /// Pongs of the stock QEMU guest agent on `org.qemu.guest_agent.0`, asked through libvirt:
+    /// nothing of backstop's inside the guest.
+    QemuGa,
 }
 
 /// `[vm.libvirt] capture`: how a snapshot gets RAM at the same instant as the disks.

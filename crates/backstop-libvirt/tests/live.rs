@@ -195,6 +195,7 @@ fn adopt_capture_restore_through_libvirt() {
         huge_pages: Default::default(),
         claims_dir: dom.dir.join("claims"),
         guardian: backstop_hypervisor::claim::Guardian::this_daemon("bs-live", &dom.dir),
+        heartbeat: Default::default(),
     });
     let adoption = b.adopt().unwrap().unwrap();
     eprintln!("adopted: {:?}", adoption.details);

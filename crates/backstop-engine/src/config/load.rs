@@ -294,6 +294,12 @@ impl Config {
             .iter()
             .find(|(_, set)| *set && vm.backend != "qemu")
         {
+            if *key == "vm.heartbeat" && vm.backend == "libvirt" {
+                return bad(
+                    key,
+                    "for the qemu backend only (an adopted domain's is `[vm.libvirt] heartbeat`)",
+                );
+            }
             return bad(key, "for the qemu backend only");
         }
         if let Some(cpu) = &vm.cpu {

@@ -493,6 +493,11 @@ pub struct LibvirtSection {
     /// process and block graph), else the rollback.
     #[serde(default)]
     pub after_crash: AfterCrash,
+    /// Where heartbeats come from: `auto` (default: backstop's agent where the domain has its
+    /// channel, else the QEMU guest agent), `backstop-agent`, or `qemu-ga` (the stock agent,
+    /// pinged through libvirt: nothing of backstop's in the guest).
+    #[serde(default)]
+    pub heartbeat: backstop_libvirt::LibvirtHeartbeat,
 }
 
 /// `[vm.libvirt] after_crash`: what the next start does with an adopted domain that ran on
