@@ -61,7 +61,8 @@ expect_mode() { # MODE PATH...
 		[[ $got == "$mode" ]] || fail "$path has mode $got, expected $mode"
 	done
 }
-expect_mode 755 /usr/bin/backstopd /usr/bin/backstop /etc/backstop/vms.d
+expect_mode 755 /usr/bin/backstopd /usr/bin/backstop /etc/backstop/vms.d \
+	/etc/libvirt/hooks/qemu.d/backstop
 expect_mode 644 /lib/systemd/system/backstopd.service /etc/backstop/backstopd.toml \
 	/etc/backstop/vms.d/README /etc/backstop/vms.d/web1.toml.sample \
 	/etc/backstop/vms.d/db1.toml.sample \

@@ -82,6 +82,9 @@ install -D -m 0644 vmm-config/backstopd.service "$root/lib/systemd/system/backst
 install -D -m 0644 vmm-config/backstopd.toml "$root/etc/backstop/backstopd.toml"
 install -d -m 0755 "$root/etc/backstop/vms.d"
 install -m 0644 vmm-config/vms.d/README vmm-config/vms.d/*.toml.sample "$root/etc/backstop/vms.d/"
+# The libvirt hook that keeps a domain backstop HALTED from being started (libvirt ≥ 6.5 runs
+# every script in hooks/qemu.d/; libvirtd reads them when it starts).
+install -D -m 0755 vmm-config/libvirt-hooks/backstop "$root/etc/libvirt/hooks/qemu.d/backstop"
 
 # Man pages and completions, rendered from the clap definitions.
 "$release/backstop-dist" --out "$stage/gen"

@@ -129,12 +129,21 @@ else
 	log "no unpacked QEMU 10 at $qemu10_src (scripts/setup.sh unpacks it): libvirt's QEMU 10 pass cannot run"
 fi
 
+# backstop's libvirt hook (HALTED domains are not startable), as the package installs it.
+# libvirtd finds hooks when it starts: a new or changed one restarts it.
+hook=/etc/libvirt/hooks/qemu.d/backstop
+if ! cmp -s "$(dirname "$0")/../vmm-config/libvirt-hooks/backstop" "$hook"; then
+	install -D -m 0755 "$(dirname "$0")/../vmm-config/libvirt-hooks/backstop" "$hook"
+	log "installed the libvirt hook $hook"
+	restart=1
+fi
+
 if ! pgrep -x virtlogd >/dev/null; then
 	log "starting virtlogd"
 	virtlogd -d || die "virtlogd -d failed"
 fi
 if ((restart)) && pid=$(pgrep -x libvirtd); then
-	log "restarting libvirtd (pid $pid) for the new qemu.conf"
+	log "restarting libvirtd (pid $pid) for the new qemu.conf or hook"
 	kill "$pid"
 	for _ in $(seq 50); do pgrep -x libvirtd >/dev/null || break; sleep 0.1; done
 fi

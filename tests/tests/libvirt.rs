@@ -1332,7 +1332,17 @@ fn libvirt_precopy_switch_failure_leaves_the_guest_on_its_disk() {
 
 /// Restarts libvirtd as scripts/setup-libvirt.sh starts it (no systemd here) and waits until it
 /// answers again.
-fn restart_libvirtd() {
+fn start_libvirtd() {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let st = Command::new("libvirtd").arg("-d").status().unwrap();
+    assert!(st.success(), "libvirtd -d failed");
+    while !virsh(&["version"]).status.success() {
+        assert!(Instant::now() < deadline, "libvirtd did not come back");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn stop_libvirtd() {
     let st = Command::new("pkill")
         .args(["-x", "libvirtd"])
         .status()
@@ -1349,16 +1359,10 @@ fn restart_libvirtd() {
         assert!(Instant::now() < deadline, "libvirtd did not stop");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let st = Command::new("libvirtd").arg("-d").status().unwrap();
-    assert!(st.success(), "libvirtd -d failed");
-    while !virsh(&["version"]).status.success() {
-        assert!(Instant::now() < deadline, "libvirtd did not come back");
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
-/// Supervision through libvirt: a libvirtd restart is survived without a rollback (backstop opens
-/// its connection again and snapshots on), and an operator's `virsh destroy` makes the VM HALTED —
+/// Supervision through libvirt: a libvirtd outage is shown, refused in one line and journaled,
+/// and survived without a rollback (backstop opens its connection again and snapshots on), and an operator's `virsh destroy` makes the VM HALTED —
 /// not restarted behind their back — until `halt clear` brings the domain back, same name and UUID,
 /// from the newest snapshot.
 #[test]
@@ -1397,8 +1401,97 @@ fn libvirt_destroy_by_hand_halts_and_a_libvirtd_restart_is_survived() {
     // The huge-page mode in effect (a domain never gets `all`: it is suspended first).
     assert_eq!(st["backend_details"]["huge_pages"], "resident", "{st}");
 
-    // libvirtd goes away and comes back; the guest never stopped, so nothing is rolled back.
-    restart_libvirtd();
+    // libvirtd goes away: `status` says so at the next tick, a snapshot is refused in one line
+    // with its own code, the loss is journaled and logged once, and backstop's agent keeps the
+    // heartbeat watchdog fed (its channel is QEMU's, not libvirt's), so nothing is rolled back.
+    let log_before = d.log().len();
+    /// Starts libvirtd again if the test ends while it is stopped (the other tests need it).
+    struct Restart;
+    impl Drop for Restart {
+        fn drop(&mut self) {
+            if !virsh(&["version"]).status.success() {
+                let _ = Command::new("libvirtd").arg("-d").status();
+            }
+        }
+    }
+    let _restart = Restart;
+    stop_libvirtd();
+    let stopped = Instant::now();
+    let st = loop {
+        let st = d.status();
+        if st["backend_details"]["libvirt"]
+            .as_str()
+            .is_some_and(|l| l.starts_with("disconnected since "))
+        {
+            break st;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(5),
+            "outage not shown: {st}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!(
+        "libvirt shown {} ms after libvirtd stopped: {}",
+        stopped.elapsed().as_millis(),
+        st["backend_details"]["libvirt"]
+    );
+    assert!(
+        stopped.elapsed() < Duration::from_secs(2),
+        "not within a tick or so"
+    );
+    let out = d.cli(&["snapshot", "create", "--reason", "libvirtd is down"]);
+    assert!(!out.status.success());
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("snapshot while libvirtd is down: {doc}");
+    assert_eq!(doc["error"]["code"], "ERR_LIBVIRT_CONNECT", "{doc}");
+    assert!(
+        doc["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("libvirtd is unreachable"),
+        "{doc}"
+    );
+    std::thread::sleep(Duration::from_secs(3));
+    let st = d.status();
+    assert_eq!(st["state"], "running", "{st}");
+    assert!(
+        st["heartbeat_age_ms"].as_u64().is_some_and(|a| a < 3000),
+        "heartbeats through the outage: {st}"
+    );
+    let log = d.log();
+    let lost = log[log_before..]
+        .lines()
+        .filter(|l| {
+            l.contains("libvirt connection lost") || l.contains("libvirt still unreachable")
+        })
+        .count();
+    assert_eq!(
+        lost,
+        1,
+        "the outage is logged once:\n{}",
+        &log[log_before..]
+    );
+    assert!(
+        !log[log_before..].contains("libvirt domain state unreadable"),
+        "the state poll logs every tick:\n{}",
+        &log[log_before..]
+    );
+    let gone = d.wait_journal(STEP, "the outage journaled", |e| {
+        e["event"] == "vm.hypervisor_disconnected"
+    });
+    assert!(gone["fields"]["since"].is_string(), "{gone}");
+    // libvirtd is back; the guest never stopped, so nothing is rolled back.
+    start_libvirtd();
+    let back = d.wait_journal(STEP, "the return journaled", |e| {
+        e["event"] == "vm.hypervisor_reconnected"
+    });
+    eprintln!("reconnected: {}", back["fields"]);
+    assert!(
+        back["fields"]["down_ms"].as_u64().unwrap() >= 3000,
+        "{back}"
+    );
+    assert_eq!(back["fields"]["down_since"], gone["fields"]["since"]);
     let deadline = Instant::now() + STEP;
     loop {
         let st = d.status();
@@ -1844,7 +1937,9 @@ fn journal_ts_ms(ts: &str) -> i64 {
 
 /// Supervision hears libvirt's lifecycle event. `virsh destroy` → HALTED within one supervision
 /// tick (250 ms, the actor's idle tick, not configurable), named by the event, not by the next
-/// tick's state poll.
+/// tick's state poll. HALTED then holds: `virsh start` is refused by backstop's libvirt hook;
+/// `halt clear` restores the domain, and refuses (ending nothing) when someone started it
+/// where no hook guarded it.
 #[test]
 fn libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event() {
     let test = "libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event";
@@ -1910,6 +2005,51 @@ fn libvirt_virsh_destroy_halts_at_once_through_the_lifecycle_event() {
             >= 1,
         "{st}"
     );
+
+    // HALTED holds: libvirt refuses to start the domain (backstop's hook), naming backstop and
+    // the way out.
+    let uuid = virsh_text(&["domuuid", &dom.name]).trim().to_string();
+    let marker = Path::new("/var/lib/backstop/halted").join(&uuid);
+    assert!(marker.exists(), "no HALTED record for the hook");
+    let start = virsh(&["start", &dom.name]);
+    let err = String::from_utf8_lossy(&start.stderr).to_string();
+    eprintln!("virsh start of a HALTED domain: {}", err.trim());
+    assert!(!start.status.success(), "a HALTED domain started");
+    assert!(
+        err.contains("is HALTED") && err.contains("halt clear") && err.contains("vm 'lv'"),
+        "{err}"
+    );
+    assert!(virsh_text(&["domstate", &dom.name]).contains("shut off"));
+    // A person clears it: the record goes, the domain is restored and runs.
+    d.ok(&["halt", "clear", "--reason", "e2e: cleared"]);
+    assert!(!marker.exists(), "the HALTED record outlived halt clear");
+    assert_eq!(d.status()["state"], "running");
+    dom.renice();
+
+    // Without the hook (its record removed by hand), someone starts a HALTED domain: halt
+    // clear says so and ends nothing.
+    virsh_text(&["destroy", &dom.name]);
+    d.wait_status("HALTED again", STEP, |s| s["state"] == "halted");
+    std::fs::remove_file(&marker).unwrap();
+    virsh_text(&["start", &dom.name]);
+    let theirs = dom.pid();
+    let out = d.cli(&["halt", "clear", "--reason", "e2e: theirs runs"]);
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("halt clear with a domain started outside: {doc}");
+    assert_eq!(doc["error"]["code"], "ERR_VM_BUSY", "{doc}");
+    assert!(
+        doc["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("started outside backstop while HALTED"),
+        "{doc}"
+    );
+    assert_eq!(
+        dom.pid(),
+        theirs,
+        "halt clear ended a domain someone started"
+    );
+    assert_eq!(d.status()["state"], "halted");
     d.kill9();
 }
 

@@ -138,6 +138,11 @@ audit_events! {
     LayersForeignFound = "layers.foreign_found" ["layers_dir", "files"];
     /// A guard claim whose holder is proven gone (its lock is free) was taken over.
     VmClaimTakenOver = "vm.claim_taken_over" ["claim", "previous"];
+    /// The connection to the hypervisor's manager (libvirtd) was lost: the VM runs on, but
+    /// nothing can be captured or restored through it until it is back.
+    VmHypervisorDisconnected = "vm.hypervisor_disconnected" ["since", "error"];
+    /// The connection is back (opened again, the VM found by UUID).
+    VmHypervisorReconnected = "vm.hypervisor_reconnected" ["down_since", "down_ms"];
     /// A VM was brought back from the final snapshot of a clean stop (not a rollback).
     VmResumed = "vm.resumed" ["stopped_at"];
     /// The first entry of a chain started by `vm reset`: the damaged state moved aside as

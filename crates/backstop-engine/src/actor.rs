@@ -409,6 +409,12 @@ impl VmActor {
             source,
         })? {
             warn!(reason = %h.reason, "VM is HALTED from a previous run; waiting for `halt clear`");
+            if let Err(e) = self
+                .backend
+                .hold_halted(Some(&format!("{}: {}", h.code, h.reason)))
+            {
+                warn!(error = %e, "could not record HALTED for the hypervisor");
+            }
             let trace = h.trace_id.clone();
             self.halt = Some(h);
             self.transition(Transition::Halt, &trace)?;

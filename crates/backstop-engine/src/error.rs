@@ -100,6 +100,11 @@ impl EngineError {
                 ErrorCode::StoreIo => ErrorCode::SnapshotCreateFailed,
                 c => c,
             },
+            // Refused before anything was tried, with its own code (libvirtd unreachable).
+            EngineError::SnapshotBackend {
+                source: BackendError::Refused { code, .. },
+                ..
+            } => *code,
             EngineError::SnapshotBackend { .. } => ErrorCode::SnapshotCreateFailed,
             EngineError::Verify { source, .. } | EngineError::Store(source) => source.code(),
             EngineError::ShapeMismatch { .. } => ErrorCode::SnapshotCompatibilityBlocked,

@@ -212,6 +212,11 @@ impl VmActor {
     /// Fail-closed: end the VM, record HALTED durably, journal it. Never fails: if the record
     /// cannot be written the in-memory state is still HALTED and the error is logged loudly.
     pub(crate) fn enter_halt(&mut self, trace_id: &str, code: ErrorCode, reason: &str) {
+        // Recorded first where someone else could start the VM (libvirt's hook reads it), so
+        // it is never startable between its end and the HALTED record.
+        if let Err(e) = self.backend.hold_halted(Some(&format!("{code}: {reason}"))) {
+            tracing::error!(error = %e, "could not record HALTED for the hypervisor");
+        }
         if let Err(e) = self.backend.terminate() {
             tracing::error!(error = %e, "could not end the hypervisor while halting");
         }

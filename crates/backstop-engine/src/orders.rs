@@ -245,6 +245,22 @@ impl VmActor {
                 "only a person at the console can clear HALTED".into(),
             ));
         }
+        // A VM someone started while it was HALTED (libvirt without backstop's hook): ending
+        // it is theirs to decide, so nothing is done until it is stopped.
+        if let Some(what) = self.backend.started_outside() {
+            return Err(EngineError::Refused {
+                code: backstop_common::ErrorCode::VmBusy,
+                message: format!(
+                    "{what}: `halt clear` would end it; stop it first (virsh shutdown), then clear; nothing was changed"
+                ),
+            });
+        }
+        self.backend
+            .hold_halted(None)
+            .map_err(|source| EngineError::Backend {
+                step: "clear the HALTED record of the hypervisor",
+                source,
+            })?;
         let previous = self.halt.clone();
         self.records
             .clear_halted()

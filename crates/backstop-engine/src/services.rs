@@ -147,6 +147,7 @@ pub(crate) fn libvirt_backend(cfg: &Config) -> Result<Box<dyn VmBackend>, Engine
                 &cfg.daemon.state_dir,
             ),
             heartbeat: l.heartbeat,
+            halted_dir: backstop_libvirt::HOST_HALTED_DIR.into(),
         },
     )))
 }

@@ -298,6 +298,12 @@ impl VmActor {
                 detail: format!("QMP failed: {e}"),
             }],
         };
+        for (event, mut fields) in self.backend.take_notices() {
+            fields.insert("session_id".into(), self.session_id.clone().into());
+            fields.insert("result".into(), "ok".into());
+            self.publish();
+            let _ = self.journal(event, serde_json::Value::Object(fields));
+        }
         // Shut off on purpose by someone else: never restarted behind their back.
         if let Some(VmEvent::EndedOutside { detail }) = events
             .iter()

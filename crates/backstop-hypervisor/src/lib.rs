@@ -252,6 +252,28 @@ pub trait VmBackend: Send {
     /// The daemon stops guarding this VM and leaves it running (an adopted domain at a clean
     /// stop): the marks naming this daemon as its guardian are removed and its claim ends.
     fn release(&mut self) {}
+    /// The VM entered HALTED (`Some`: why, one line for a person) or left it (`None`): a
+    /// backend whose VM someone else could start (libvirt's `virsh start`, autostart) records
+    /// it where that start is refused. Default: nothing to record (backstop alone starts it).
+    fn hold_halted(&mut self, why: Option<&str>) -> Result<()> {
+        let _ = why;
+        Ok(())
+    }
+    /// What the backend saw on its own that the journal must say (its connection to the
+    /// hypervisor lost or back), oldest first; each taken once.
+    fn take_notices(
+        &mut self,
+    ) -> Vec<(
+        backstop_common::AuditEvent,
+        serde_json::Map<String, serde_json::Value>,
+    )> {
+        Vec::new()
+    }
+    /// While HALTED: a VM someone started outside backstop, which `halt clear` would end
+    /// (`Some`: what runs). Default: none can be.
+    fn started_outside(&mut self) -> Option<String> {
+        None
+    }
     fn run_state(&mut self) -> Result<RunState>;
     /// Events that arrived since the last call.
     fn poll_events(&mut self) -> Result<Vec<VmEvent>>;

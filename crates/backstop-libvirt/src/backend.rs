@@ -92,6 +92,10 @@ pub struct LibvirtBackend {
     ended_by_us: bool,
     /// Connections opened again after libvirtd went away.
     reconnects: u32,
+    /// libvirtd unreachable, and since when.
+    down: Option<Outage>,
+    /// What the journal must say (`take_notices`).
+    notices: Vec<(backstop_common::AuditEvent, serde_json::Map<String, Value>)>,
     watchdog_reported: bool,
     exit_reported: bool,
     /// Why the domain is paused by someone else, as of the last `poll_events`.
@@ -106,9 +110,23 @@ pub struct LibvirtBackend {
     claim: Option<backstop_hypervisor::claim::Claim>,
     /// The domain's `<metadata>` names this daemon as its guardian.
     marked: bool,
+    /// The adopted domain's UUID and name, kept for the HALTED record whatever else is torn
+    /// down.
+    halted_uuid: Option<String>,
+    halted_name: Option<String>,
     grants: BTreeMap<String, String>,
     /// Aliases whose `DEVICE_REMOVED` arrived while nobody waited for it.
     removed: BTreeSet<String>,
+}
+
+/// How often a libvirtd that stays unreachable is logged again.
+const OUTAGE_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// libvirtd unreachable since `at` (`since`, as a time for people); last logged `logged`.
+struct Outage {
+    at: Instant,
+    since: String,
+    logged: Instant,
 }
 
 fn refused(code: ErrorCode, message: String) -> BackendError {
@@ -180,6 +198,10 @@ impl LibvirtBackend {
             removed: BTreeSet::new(),
             claim: None,
             marked: false,
+            halted_uuid: None,
+            halted_name: None,
+            down: None,
+            notices: Vec::new(),
         }
     }
 
@@ -298,9 +320,11 @@ impl LibvirtBackend {
         Ok((st, paused, shutoff))
     }
 
-    /// libvirtd restarted (an upgrade, `systemctl restart libvirtd`): the connection died with
-    /// it while the domain ran on. Opens a new one and finds the same domain by UUID; nothing
-    /// else changes (no rollback: the guest never stopped). Tried at every tick until it works.
+    /// libvirtd restarted (an upgrade, `systemctl restart libvirtd`) or stopped: the connection
+    /// died with it while the domain ran on. Opens a new one and finds the same domain by UUID;
+    /// nothing else changes (no rollback: the guest never stopped). Tried at every tick until
+    /// it works; the loss is logged once and then at most every [`OUTAGE_LOG_EVERY`], and both
+    /// the loss and the return are journaled (`take_notices`).
     fn reconnect_if_lost(&mut self) {
         let Some(conn) = &self.conn else { return };
         if conn.is_alive().unwrap_or(false) {
@@ -315,13 +339,61 @@ impl LibvirtBackend {
             Ok((c, d))
         }) {
             Ok((c, d)) => {
-                info!(%uri, %uuid, "libvirt connection lost and opened again (libvirtd restarted?)");
                 self.events.register(&c, &d);
                 self.conn = Some(c);
                 self.dom = Some(d);
                 self.reconnects += 1;
+                let was = self.down.take();
+                let down_ms = was
+                    .as_ref()
+                    .map_or(0, |o| o.at.elapsed().as_millis() as u64);
+                info!(%uri, %uuid, down_ms, "libvirt connection opened again");
+                let mut f = serde_json::Map::new();
+                f.insert("down_since".into(), json!(was.map(|o| o.since)));
+                f.insert("down_ms".into(), json!(down_ms));
+                self.notices
+                    .push((backstop_common::AuditEvent::VmHypervisorReconnected, f));
             }
-            Err(e) => warn!(%uri, error = %e.message(), "libvirt connection lost; reconnecting"),
+            Err(e) => {
+                let error = e.message().to_string();
+                match &mut self.down {
+                    None => {
+                        warn!(%uri, error = %error, "libvirt connection lost (libvirtd stopped?); reconnecting at every tick, logged again at most once a minute");
+                        let since = backstop_common::time::now_rfc3339();
+                        let mut f = serde_json::Map::new();
+                        f.insert("since".into(), json!(since));
+                        f.insert("error".into(), json!(error));
+                        self.notices
+                            .push((backstop_common::AuditEvent::VmHypervisorDisconnected, f));
+                        self.down = Some(Outage {
+                            at: Instant::now(),
+                            since,
+                            logged: Instant::now(),
+                        });
+                    }
+                    Some(o) if o.logged.elapsed() >= OUTAGE_LOG_EVERY => {
+                        warn!(%uri, error = %error, since = %o.since, "libvirt still unreachable");
+                        o.logged = Instant::now();
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+    }
+
+    /// Refuses `step` while libvirtd is unreachable, in one line with its own code, before
+    /// anything is tried (a call would fail half-way with libvirt's raw socket error).
+    fn refuse_while_down(&mut self, step: &str) -> Result<()> {
+        self.reconnect_if_lost();
+        match &self.down {
+            Some(o) => Err(refused(
+                ErrorCode::LibvirtConnect,
+                format!(
+                    "{step}: libvirtd is unreachable at {} (disconnected since {}); nothing was changed",
+                    self.cfg.uri, o.since
+                ),
+            )),
+            None => Ok(()),
         }
     }
 
@@ -379,6 +451,8 @@ impl LibvirtBackend {
         let (claim, taken_over) =
             guard::claim_domain(&dom, &self.cfg.claims_dir, &shape.name, &shape.uuid, &me)?;
         self.claim = Some(claim);
+        self.halted_uuid = Some(shape.uuid.clone());
+        self.halted_name = Some(shape.name.clone());
         self.conn = Some(conn);
         self.dom = Some(dom);
         self.shape = Some(shape.clone());
@@ -936,6 +1010,50 @@ impl VmBackend for LibvirtBackend {
         ))
     }
 
+    fn hold_halted(&mut self, why: Option<&str>) -> Result<()> {
+        let Some(uuid) = self.halted_uuid.clone() else {
+            return Ok(());
+        };
+        let path = self.cfg.halted_dir.join(&uuid);
+        let io = |e: std::io::Error| cmd_err("record HALTED for the libvirt hook", e.to_string());
+        match why {
+            Some(why) => {
+                std::fs::create_dir_all(&self.cfg.halted_dir).map_err(io)?;
+                let g = &self.cfg.guardian;
+                let line = format!(
+                    "vm '{}' of backstopd (state dir {}) since {}: {}; a person clears it with `backstop --vm {} halt clear --reason ...`\n",
+                    g.vm,
+                    g.state_dir,
+                    backstop_common::time::now_rfc3339(),
+                    why.replace('\n', " "),
+                    g.vm
+                );
+                backstop_common::durable::write_atomic(&path, line.as_bytes()).map_err(io)
+            }
+            None => match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(e)),
+                _ => Ok(()),
+            },
+        }
+    }
+
+    fn take_notices(
+        &mut self,
+    ) -> Vec<(backstop_common::AuditEvent, serde_json::Map<String, Value>)> {
+        std::mem::take(&mut self.notices)
+    }
+
+    fn started_outside(&mut self) -> Option<String> {
+        let (st, _) = self.state().ok()?;
+        matches!(st, DomainState::Running | DomainState::Paused).then(|| {
+            format!(
+                "domain {} runs (QEMU pid {}), started outside backstop while HALTED",
+                self.halted_name.as_deref().unwrap_or("?"),
+                self.read_pid().map_or("?".to_string(), |p| p.to_string())
+            )
+        })
+    }
+
     fn release(&mut self) {
         if self.marked {
             if let Some(d) = &self.dom {
@@ -1000,6 +1118,10 @@ impl VmBackend for LibvirtBackend {
         if let Some(action) = Self::watchdog_heard(&heard).filter(|_| !self.watchdog_reported) {
             self.watchdog_reported = true;
             events.push(VmEvent::WatchdogExpired { action });
+        }
+        if self.down.is_some() {
+            // Nothing can be read until libvirtd is back (said once, in reconnect_if_lost).
+            return Ok(events);
         }
         let (st, paused, shutoff) = match self.state_with_reasons() {
             Ok(s) => s,
@@ -1081,7 +1203,7 @@ impl VmBackend for LibvirtBackend {
     fn begin_capture(&mut self, switches: &[DiskSwitch]) -> Result<CaptureStream> {
         let step = "capture";
         self.stop_regather();
-        self.reconnect_if_lost();
+        self.refuse_while_down("capture")?;
         let xml = self
             .dom(step)?
             .xml_desc(sys::VIR_DOMAIN_XML_SECURE | sys::VIR_DOMAIN_XML_MIGRATABLE)
@@ -1346,7 +1468,7 @@ impl VmBackend for LibvirtBackend {
     /// binding for it or for the job query, hence the raw calls.
     fn flatten_disk(&mut self, disk_id: &str, base: &Path, bound: Duration) -> Result<()> {
         let step = "flatten disk";
-        self.reconnect_if_lost();
+        self.refuse_while_down(step)?;
         let dom = self.dom(step)?;
         let disk = CString::new(disk_id).map_err(|e| cmd_err(step, e))?;
         let base_c = base
@@ -1424,6 +1546,16 @@ impl VmBackend for LibvirtBackend {
                 m.insert("precopy_live".into(), json!(plan.is_live()));
             }
             m.insert("libvirt_reconnects".into(), json!(self.reconnects));
+            m.insert(
+                "libvirt".into(),
+                json!(self
+                    .down
+                    .as_ref()
+                    .map_or("connected".to_string(), |o| format!(
+                        "disconnected since {}",
+                        o.since
+                    ))),
+            );
             m.insert("heartbeat_source".into(), json!(self.heartbeat.as_str()));
             m.insert("watchdog_device".into(), json!(shape.watchdog));
             if let Some(Heartbeat::Qga(q)) = &self.agent {

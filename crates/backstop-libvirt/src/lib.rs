@@ -81,7 +81,16 @@ pub struct LibvirtConfig {
     pub guardian: backstop_hypervisor::claim::Guardian,
     /// Where heartbeats come from (`[vm.libvirt] heartbeat`).
     pub heartbeat: LibvirtHeartbeat,
+    /// Where a HALTED domain is recorded for the libvirt hook that refuses to start it
+    /// ([`HOST_HALTED_DIR`]).
+    pub halted_dir: PathBuf,
 }
+
+/// Where backstopd records the domains it HALTED (`<dir>/<UUID>`, one line for a person) and
+/// where the packaged libvirt hook (`/etc/libvirt/hooks/qemu.d/backstop`) looks before it lets
+/// libvirt start a domain. Host-wide and persistent: a HALTED domain stays unstartable across a
+/// host reboot and autostart.
+pub const HOST_HALTED_DIR: &str = "/var/lib/backstop/halted";
 
 /// `[vm.libvirt] heartbeat`: which guest agent's answers keep the domain alive.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]

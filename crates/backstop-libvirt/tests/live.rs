@@ -196,6 +196,7 @@ fn adopt_capture_restore_through_libvirt() {
         claims_dir: dom.dir.join("claims"),
         guardian: backstop_hypervisor::claim::Guardian::this_daemon("bs-live", &dom.dir),
         heartbeat: Default::default(),
+        halted_dir: dom.dir.join("halted"),
     });
     let adoption = b.adopt().unwrap().unwrap();
     eprintln!("adopted: {:?}", adoption.details);
