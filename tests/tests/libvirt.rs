@@ -2765,3 +2765,119 @@ fn libvirt_a_guest_with_only_qemu_ga_is_guarded_and_its_clock_set_after_rollback
     d.wait_status("pongs after the watchdog rollback", STEP, fresh);
     d.ok(&["audit", "verify"]);
 }
+
+/// `backstop vm check FILE` asks libvirt and the host and lists exactly what is missing, each
+/// with its fix, changing nothing; as each is fixed in turn (the domain started, qemu-ga's
+/// channel attached live, `capture = "precopy"` for a host without userfaultfd) it drops off,
+/// and a ready file exits 0 with what guarding it would choose.
+#[test]
+fn libvirt_vm_check_lists_exactly_what_is_missing() {
+    let test = "libvirt_vm_check_lists_exactly_what_is_missing";
+    if skip_unless_libvirt(test) {
+        return;
+    }
+    let _libvirtd = libvirtd_shared();
+    let _uffd = Uffd::set("0");
+    let dom = TestDomain::start("bs-e2e-check", &|x| {
+        x.replace("name='org.backstop.agent.0'", "name='org.other.0'")
+    });
+    virsh_text(&["destroy", &dom.name]);
+    let mut d = Daemon::prepare_custom(
+        "lv-check",
+        &move |s: &Path, r: &Path| {
+            let vms = s.parent().unwrap().join("vms.d");
+            std::fs::create_dir_all(&vms).unwrap();
+            format!(
+                "[daemon]\nstate_dir = \"{}\"\nrun_dir = \"{}\"\nvms_dir = \"{}\"\n",
+                s.display(),
+                r.display(),
+                vms.display()
+            )
+        },
+        &[],
+    );
+    d.launch_answering();
+    let file = dom.dir.join("lvc.toml");
+    let write = |extra: &str| {
+        std::fs::write(
+            &file,
+            format!(
+                "[vm]\nname = \"lvc\"\nbackend = \"libvirt\"\n\n[vm.libvirt]\nuri = \"qemu:///system\"\n\
+                 domain = \"{}\"\nlayers_dir = \"{}\"\n{extra}\n",
+                dom.name,
+                dom.layers().display()
+            ),
+        )
+        .unwrap();
+    };
+    let check = |d: &Daemon| {
+        let out = d.cli(&["vm", "check", file.to_str().unwrap()]);
+        let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+        (out.status.code().unwrap(), doc)
+    };
+    let xml_before = virsh_text(&["dumpxml", "--inactive", &dom.name]);
+    write("");
+    let (code, doc) = check(&d);
+    eprintln!("shut off, no channel, no userfaultfd: {doc}");
+    let problems: Vec<String> = doc["problems"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(code, 1, "{doc}");
+    assert_eq!(problems.len(), 3, "{problems:#?}");
+    assert!(problems.iter().any(|p| p.contains("no heartbeat channel")
+        && p.contains("org.qemu.guest_agent.0")
+        && p.contains("virsh attach-device")));
+    assert!(problems.iter().any(|p| p.contains("is not running")));
+    assert!(problems
+        .iter()
+        .any(|p| p.contains("vm.unprivileged_userfaultfd = 0")
+            && p.contains("capture = \"precopy\"")));
+    assert_eq!(
+        virsh_text(&["dumpxml", "--inactive", &dom.name]),
+        xml_before,
+        "vm check changed the domain"
+    );
+    assert!(!dom.layers().exists(), "vm check made the layers dir");
+
+    virsh_text(&["start", &dom.name]);
+    dom.renice();
+    let (_, doc) = check(&d);
+    assert_eq!(doc["problems"].as_array().unwrap().len(), 2, "{doc}");
+
+    let chan = dom.dir.join("qga-channel.xml");
+    std::fs::write(
+        &chan,
+        "<channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/></channel>",
+    )
+    .unwrap();
+    virsh_text(&[
+        "attach-device",
+        &dom.name,
+        chan.to_str().unwrap(),
+        "--live",
+        "--config",
+    ]);
+    let (_, doc) = check(&d);
+    eprintln!("channel attached live: {doc}");
+    let problems = doc["problems"].as_array().unwrap();
+    assert_eq!(problems.len(), 1, "{doc}");
+    assert!(
+        problems[0].as_str().unwrap().contains("userfaultfd"),
+        "{doc}"
+    );
+
+    write("capture = \"precopy\"");
+    let (code, doc) = check(&d);
+    eprintln!("ready: {doc}");
+    assert_eq!(code, 0, "{doc}");
+    assert!(doc["problems"].as_array().unwrap().is_empty(), "{doc}");
+    let notes = doc["notes"].to_string();
+    assert!(
+        notes.contains("heartbeat: qemu-ga") && notes.contains("capture: precopy"),
+        "{notes}"
+    );
+    d.kill9();
+}

@@ -429,6 +429,15 @@ pub enum VmCommand {
         #[arg(long, value_parser = non_empty)]
         reason: String,
     },
+    /// Check a VM file against this host, changing nothing: parsed as a load parses it, and for
+    /// an adopted libvirt domain libvirt asked. Lists every problem at once, each with its fix
+    /// (the XML to attach, the host setting), and what guarding it would choose (heartbeat,
+    /// capture mode, the pause to expect). Exits 1 when there is anything to fix.
+    Check {
+        /// The VM file (NAME.toml), in vms.d or anywhere.
+        #[arg(value_parser = vm_file)]
+        file: VmFileArg,
+    },
 }
 
 /// A VM file as read by the console: its file name and text (sent whole: the daemon may not
@@ -511,6 +520,10 @@ impl Command {
             Command::Vm(VmCommand::Reset { name, reason }) => Request::VmReset {
                 name: name.clone(),
                 reason: reason.clone(),
+            },
+            Command::Vm(VmCommand::Check { file }) => Request::VmCheck {
+                file_name: file.file_name.clone(),
+                text: file.text.clone(),
             },
             Command::Events {
                 since,

@@ -34,6 +34,8 @@ pub fn for_response(response: &Response) -> u8 {
     match response {
         Response::AuditVerified(report) if report.first_bad.is_some() => INTEGRITY,
         Response::Replayed(report) => report.code.as_deref().map_or(OK, for_code),
+        // Something to fix before the VM can be guarded: the check did its job, the VM did not pass.
+        Response::VmChecked(report) if !report.problems.is_empty() => FAILED,
         _ => OK,
     }
 }

@@ -117,6 +117,7 @@ pub fn human(request: &Request, response: &Response) -> String {
         Response::Reloaded(r) => reloaded_text(r),
         Response::VmAdded(r) => vm_added_text(r),
         Response::VmReset(r) => vm_reset_text(r),
+        Response::VmChecked(r) => vm_check_text(r),
         Response::SnapshotDeleted(d) => format!(
             "snapshot {}{} deleted: {} chunk(s) and {} disk layer(s) freed\n",
             clean(&d.snapshot_id),
@@ -205,6 +206,26 @@ fn vm_added_text(r: &backstop_control::VmAddReport) -> String {
         );
     }
     text.push_str(&vms_text(std::slice::from_ref(&r.vm)));
+    text
+}
+
+fn vm_check_text(r: &backstop_control::VmCheckReport) -> String {
+    let mut text = if r.problems.is_empty() {
+        format!("vm {} ({}): ready\n", clean(&r.vm), clean(&r.backend))
+    } else {
+        format!(
+            "vm {} ({}): {} to fix\n",
+            clean(&r.vm),
+            clean(&r.backend),
+            r.problems.len()
+        )
+    };
+    for p in &r.problems {
+        let _ = writeln!(text, "  problem: {}", clean(p));
+    }
+    for n in &r.notes {
+        let _ = writeln!(text, "  {}", clean(n));
+    }
     text
 }
 

@@ -178,6 +178,11 @@ pub enum Request {
     /// head (seq and hash) and the evidence, and the VM starts as a reload starts a new one,
     /// with a fresh baseline. Files outside the state directory are not touched.
     VmReset { name: String, reason: String },
+    /// Check a VM file against the host and the VM it names, changing nothing (answered by the
+    /// daemon, console only): the file parsed as a load would, and for an adopted libvirt
+    /// domain libvirt asked — every problem at once, each with its fix, and what adoption
+    /// would choose (heartbeat, capture mode).
+    VmCheck { file_name: String, text: String },
     /// Verify the daemon journal, and that every VM journal still holds the entries the daemon
     /// journal anchored (answered by the daemon).
     DaemonAuditVerify,
@@ -470,6 +475,10 @@ enum StrictRequest {
         name: String,
         reason: String,
     },
+    VmCheck {
+        file_name: String,
+        text: String,
+    },
     DaemonAuditVerify {},
     AuditReplay(ReplayAsk),
     Events {
@@ -587,6 +596,7 @@ impl From<StrictRequest> for Request {
                 from,
             },
             StrictRequest::VmReset { name, reason } => Request::VmReset { name, reason },
+            StrictRequest::VmCheck { file_name, text } => Request::VmCheck { file_name, text },
             StrictRequest::DaemonAuditVerify {} => Request::DaemonAuditVerify,
             StrictRequest::AuditReplay(ask) => Request::AuditReplay(ask),
             StrictRequest::Events {
@@ -633,6 +643,7 @@ impl Request {
             Request::Reload => "reload",
             Request::VmAdd { .. } => "vm add",
             Request::VmReset { .. } => "vm reset",
+            Request::VmCheck { .. } => "vm check",
             Request::DaemonAuditVerify => "audit verify --daemon",
             Request::AuditReplay(_) => "audit replay",
             Request::Events { .. } => "events",
@@ -715,6 +726,7 @@ pub enum Response {
     VmAdded(VmAddReport),
     /// `vm reset`: where the evidence went, the old chain's head, and the VM as it runs now.
     VmReset(VmResetReport),
+    VmChecked(VmCheckReport),
     /// How `audit replay` ended.
     Replayed(ReplayReport),
     /// The lineage tree (`snapshot tree`).
@@ -1025,6 +1037,17 @@ pub struct VmResetReport {
     /// The old journal's last whole entry (seq and hash), as the new chain's first entry names it.
     pub old_head_seq: Option<u64>,
     pub old_head_hash: Option<String>,
+}
+
+/// What `vm check` found.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmCheckReport {
+    pub vm: String,
+    pub backend: String,
+    /// Each thing to change before the VM can be guarded, with its fix; empty: ready.
+    pub problems: Vec<String>,
+    /// What guarding it would choose and cost (heartbeat source, capture mode and its pause).
+    pub notes: Vec<String>,
 }
 
 /// The largest VM file `vm add` takes (a VM file is a few KiB).

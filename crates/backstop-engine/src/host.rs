@@ -265,6 +265,35 @@ pub use backstop_control::VM_FILE_MAX_BYTES;
 /// (no VM of that name, no `NAME.toml` in `vms_dir`). Writes nothing. Errors: a code and one
 /// line (`ERR_CONFIG_INVALID` naming the problem, `ERR_VM_EXISTS`, `ERR_BAD_REQUEST` when the
 /// daemon has no `vms_dir`).
+/// `vm check`: the VM file `file_name` with `text` parsed exactly as a load of `daemon_file`
+/// parses it in `daemon.vms_dir` (whether or not a VM of that name is configured already: the
+/// file being checked may be that VM's). Writes nothing.
+pub fn parse_vm_file(
+    daemon_file: &Path,
+    file_name: &str,
+    text: &str,
+) -> Result<Box<Config>, (ErrorCode, String)> {
+    let invalid = |m: String| (ErrorCode::ConfigInvalid, m);
+    if text.len() > VM_FILE_MAX_BYTES {
+        return Err(invalid(format!(
+            "{file_name}: larger than {VM_FILE_MAX_BYTES} bytes"
+        )));
+    }
+    let daemon_text = read_config(daemon_file).map_err(|e| (e.code(), e.to_string()))?;
+    let (host, daemon_raw) = HostConfig::parse_with_daemon_table(&daemon_text)
+        .map_err(|e| (e.code(), format!("the daemon file: {e}")))?;
+    let dir = host
+        .daemon
+        .vms_dir
+        .clone()
+        .unwrap_or_else(|| host.daemon.state_dir.clone());
+    let dest = dir.join(Path::new(file_name).file_name().unwrap_or_default());
+    match vm_file_from_text(&dest, text, &host.daemon, &daemon_raw) {
+        VmSlot::Ready(cfg) => Ok(cfg),
+        VmSlot::Invalid(i) => Err((i.code, format!("{file_name}: {}", i.reason))),
+    }
+}
+
 pub fn check_new_vm_file(
     daemon_file: &Path,
     file_name: &str,

@@ -207,6 +207,7 @@ impl VmActor {
             | Request::Reload
             | Request::VmAdd { .. }
             | Request::VmReset { .. }
+            | Request::VmCheck { .. }
             | Request::DaemonAuditVerify
             | Request::SnapshotPull { .. }
             | Request::OffsiteGc { .. }

@@ -128,28 +128,68 @@ pub fn backend_for(cfg: &Config, key: &HostKey) -> Result<Box<dyn VmBackend>, En
 /// The libvirt backend for `[vm.libvirt]` (nothing connected yet).
 #[cfg(feature = "libvirt")]
 pub(crate) fn libvirt_backend(cfg: &Config) -> Result<Box<dyn VmBackend>, EngineError> {
+    Ok(Box::new(backstop_libvirt::LibvirtBackend::new(
+        libvirt_config(cfg)?,
+    )))
+}
+
+#[cfg(feature = "libvirt")]
+fn libvirt_config(cfg: &Config) -> Result<backstop_libvirt::LibvirtConfig, EngineError> {
     let Some(l) = &cfg.vm.libvirt else {
         return Err(EngineError::BadRequest("no [vm.libvirt] table".into()));
     };
-    let work_dir = cfg.layers_dir();
-    Ok(Box::new(backstop_libvirt::LibvirtBackend::new(
-        backstop_libvirt::LibvirtConfig {
-            uri: l.uri.clone(),
-            domain: l.domain.clone(),
-            uuid: l.uuid.clone(),
-            work_dir,
-            max_bandwidth: 16 << 30,
-            capture: l.capture,
-            huge_pages: cfg.vm.huge_pages,
-            claims_dir: backstop_hypervisor::claim::HOST_CLAIMS_DIR.into(),
-            guardian: backstop_hypervisor::claim::Guardian::this_daemon(
-                &cfg.vm.name,
-                &cfg.daemon.state_dir,
-            ),
-            heartbeat: l.heartbeat,
-            halted_dir: backstop_libvirt::HOST_HALTED_DIR.into(),
-        },
-    )))
+    Ok(backstop_libvirt::LibvirtConfig {
+        uri: l.uri.clone(),
+        domain: l.domain.clone(),
+        uuid: l.uuid.clone(),
+        work_dir: cfg.layers_dir(),
+        max_bandwidth: 16 << 30,
+        capture: l.capture,
+        huge_pages: cfg.vm.huge_pages,
+        claims_dir: backstop_hypervisor::claim::HOST_CLAIMS_DIR.into(),
+        guardian: backstop_hypervisor::claim::Guardian::this_daemon(
+            &cfg.vm.name,
+            &cfg.daemon.state_dir,
+        ),
+        heartbeat: l.heartbeat,
+        halted_dir: backstop_libvirt::HOST_HALTED_DIR.into(),
+    })
+}
+
+/// `vm check` / `--check-config`: what keeps the VM of `cfg` from being guarded on this host,
+/// each with its fix, and what guarding it would choose. Changes nothing.
+pub fn check_vm(cfg: &Config) -> backstop_control::VmCheckReport {
+    let mut problems = Vec::new();
+    let mut notes = Vec::new();
+    if let Err(e) = cfg.check_files() {
+        problems.push(e.to_string());
+    }
+    if let Err(e) = check_layers_dir(&cfg.layers_dir()) {
+        problems.push(e.to_string());
+    }
+    if cfg.vm.libvirt.is_some() {
+        #[cfg(feature = "libvirt")]
+        match libvirt_config(cfg) {
+            Ok(l) => {
+                let c = backstop_libvirt::check::check(&l);
+                problems.extend(c.problems);
+                notes.extend(c.notes);
+            }
+            Err(e) => problems.push(e.to_string()),
+        }
+        #[cfg(not(feature = "libvirt"))]
+        problems.push(
+            "this backstopd was built without the libvirt backend (cargo feature `libvirt`)".into(),
+        );
+    } else {
+        notes.push(format!("heartbeat: {}", cfg.vm.heartbeat.as_str()));
+    }
+    backstop_control::VmCheckReport {
+        vm: cfg.vm.name.clone(),
+        backend: cfg.vm.backend.clone(),
+        problems,
+        notes,
+    }
 }
 
 #[cfg(not(feature = "libvirt"))]

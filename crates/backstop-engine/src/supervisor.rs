@@ -532,6 +532,23 @@ impl Supervisor {
         Ok(new)
     }
 
+    /// `vm check FILE`: the file parsed as a load parses it, then checked against the host and,
+    /// for an adopted domain, libvirt (see [`crate::services::check_vm`]). Changes nothing.
+    pub fn check_vm_file(
+        &self,
+        file_name: &str,
+        text: &str,
+    ) -> Result<backstop_control::VmCheckReport, (ErrorCode, String)> {
+        let Some(path) = &self.config_path else {
+            return Err((
+                ErrorCode::BadRequest,
+                "backstopd runs on the embedded default config: there is no daemon file to check a VM file against".into(),
+            ));
+        };
+        let cfg = crate::host::parse_vm_file(path, file_name, text)?;
+        Ok(crate::services::check_vm(&cfg))
+    }
+
     fn refuse_taken(&self, name: &str) -> Result<(), (ErrorCode, String)> {
         if self.members().contains_key(name) {
             return Err((

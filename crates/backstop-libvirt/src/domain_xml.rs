@@ -106,8 +106,19 @@ pub fn live_disks(xml: &str) -> Result<Vec<(String, PathBuf)>, String> {
         .collect())
 }
 
-/// Checks the domain's live XML and extracts what backstop needs.
+/// Checks the domain's live XML and extracts what backstop needs; every problem found is named
+/// in the one refusal.
 pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
+    let (shape, problems) = inspect_parts(xml)?;
+    if problems.is_empty() {
+        Ok(shape)
+    } else {
+        Err(Unsuitable(problems.join("; ")))
+    }
+}
+
+/// The shape as far as it can be read, and every problem with it (`Err`: not even that).
+fn inspect_parts(xml: &str) -> Result<(DomainShape, Vec<String>), Unsuitable> {
     let doc = roxmltree::Document::parse(xml)
         .map_err(|e| Unsuitable(format!("libvirt returned XML that does not parse: {e}")))?;
     let root = doc.root_element();
@@ -115,11 +126,13 @@ pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
     let uuid = text_of(root, "uuid").unwrap_or_default();
     let devices =
         child(root, "devices").ok_or_else(|| Unsuitable("the domain has no <devices>".into()))?;
-    if let Some(h) = devices.children().find(|c| c.has_tag_name("hostdev")) {
+    // Every problem is collected, so that one look names all there is to change.
+    let mut problems = Vec::new();
+    for h in devices.children().filter(|c| c.has_tag_name("hostdev")) {
         let what = h.attribute("type").unwrap_or("?");
-        return Err(Unsuitable(format!(
+        problems.push(format!(
             "domain {name} holds a passthrough device (<hostdev type='{what}'>): a VM holding one cannot be snapshotted; detach it (virsh detach-device) before adoption"
-        )));
+        ));
     }
     let mut disks = Vec::new();
     for d in devices.children().filter(|c| c.has_tag_name("disk")) {
@@ -129,9 +142,10 @@ pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
             .to_string();
         let device = d.attribute("device").unwrap_or("disk");
         if device != "disk" {
-            return Err(Unsuitable(format!(
+            problems.push(format!(
                 "domain {name}: disk {target} is a {device}; only <disk device='disk'> can be captured (remove it)"
-            )));
+            ));
+            continue;
         }
         let fmt = child(d, "driver")
             .and_then(|x| x.attribute("type"))
@@ -142,16 +156,14 @@ pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
                 target,
                 source: PathBuf::from(file),
             }),
-            (t, _, _) => {
-                return Err(Unsuitable(format!(
-                    "domain {name}: disk {target} is <disk type='{}'> with format {fmt}; captured disks must be qcow2 files: <disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='/path/{target}.qcow2'/>…</disk>",
-                    t.unwrap_or("?")
-                )))
-            }
+            (t, _, _) => problems.push(format!(
+                "domain {name}: disk {target} is <disk type='{}'> with format {fmt}; captured disks must be qcow2 files: <disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='/path/{target}.qcow2'/>…</disk>",
+                t.unwrap_or("?")
+            )),
         }
     }
-    if disks.is_empty() {
-        return Err(Unsuitable(format!("domain {name} has no disk to capture")));
+    if disks.is_empty() && problems.is_empty() {
+        problems.push(format!("domain {name} has no disk to capture"));
     }
     let port = |name: &str| {
         devices
@@ -193,18 +205,33 @@ pub fn inspect(xml: &str) -> Result<DomainShape, Unsuitable> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     let emulator = text_of(devices, "emulator").unwrap_or_default();
-    Ok(DomainShape {
-        name,
-        uuid,
-        disks,
-        agent_socket,
-        qga_channel,
-        watchdog,
-        machine,
-        memory_kib,
-        vcpus,
-        emulator,
-    })
+    Ok((
+        DomainShape {
+            name,
+            uuid,
+            disks,
+            agent_socket,
+            qga_channel,
+            watchdog,
+            machine,
+            memory_kib,
+            vcpus,
+            emulator,
+        },
+        problems,
+    ))
+}
+
+/// Everything in the domain's XML that keeps it from being adopted with the heartbeat
+/// `wanted`, one line each with what to change (empty: nothing).
+pub fn problems(xml: &str, wanted: crate::LibvirtHeartbeat) -> Vec<String> {
+    match inspect_parts(xml) {
+        Err(u) => vec![u.0],
+        Ok((shape, mut problems)) => {
+            problems.extend(shape.heartbeat(wanted).err().map(|u| u.0));
+            problems
+        }
+    }
 }
 
 impl DomainShape {
@@ -220,17 +247,17 @@ impl DomainShape {
         let name = &self.name;
         match wanted {
             W::BackstopAgent if self.agent_socket.is_none() => Err(Unsuitable(format!(
-                "domain {name} lacks the backstop agent channel (heartbeat = \"backstop-agent\"); add it live with `virsh attach-device {name} --live --config` of {AGENT_CHANNEL_SNIPPET}, and run backstop's agent in the guest"
+                "domain {name} lacks the backstop agent channel (heartbeat = \"backstop-agent\"); add {AGENT_CHANNEL_SNIPPET} live (save it in FILE, then `virsh attach-device {name} FILE --live --config`), and run backstop's agent in the guest"
             ))),
             W::QemuGa if !self.qga_channel => Err(Unsuitable(format!(
-                "domain {name} lacks the QEMU guest agent channel (heartbeat = \"qemu-ga\"); add it live with `virsh attach-device {name} --live --config` of {QGA_CHANNEL_SNIPPET}, and run qemu-guest-agent in the guest"
+                "domain {name} lacks the QEMU guest agent channel (heartbeat = \"qemu-ga\"); add {QGA_CHANNEL_SNIPPET} live (save it in FILE, then `virsh attach-device {name} FILE --live --config`), and run qemu-guest-agent in the guest"
             ))),
             W::BackstopAgent => Ok(H::BackstopAgent),
             W::QemuGa => Ok(H::QemuGa),
             W::Auto if self.agent_socket.is_some() => Ok(H::BackstopAgent),
             W::Auto if self.qga_channel => Ok(H::QemuGa),
             W::Auto => Err(Unsuitable(format!(
-                "domain {name} has no heartbeat channel; add the QEMU guest agent's ({QGA_CHANNEL_SNIPPET}, with qemu-guest-agent running in the guest, as most cloud images do) or backstop's agent's ({AGENT_CHANNEL_SNIPPET}), live with `virsh attach-device {name} --live --config`"
+                "domain {name} has no heartbeat channel; add the QEMU guest agent's ({QGA_CHANNEL_SNIPPET}, with qemu-guest-agent running in the guest, as most cloud images do) or backstop's agent's ({AGENT_CHANNEL_SNIPPET}); save one in FILE and attach it live: `virsh attach-device {name} FILE --live --config`"
             ))),
         }
     }
@@ -442,7 +469,7 @@ mod tests {
         assert!(err.contains(AGENT_CHANNEL_SNIPPET), "{err}");
         assert!(err.contains(QGA_CHANNEL_SNIPPET), "{err}");
         assert!(
-            err.contains("virsh attach-device t1 --live --config"),
+            err.contains("virsh attach-device t1 FILE --live --config"),
             "{err}"
         );
         // The i6300esb is optional: a second liveness source where it is there.
@@ -456,6 +483,32 @@ mod tests {
         );
         assert!(inspect(&hostdev).unwrap_err().0.contains("passthrough"));
         assert!(inspect("<domain").is_err());
+    }
+
+    #[test]
+    fn every_problem_is_listed_at_once() {
+        use crate::LibvirtHeartbeat as W;
+        let x = filled();
+        assert!(problems(&x, W::Auto).is_empty());
+        let bad = x
+            .replace("org.backstop.agent.0", "org.other.0")
+            .replace("type='qcow2'", "type='raw'")
+            .replace(
+                "<memballoon",
+                "<hostdev mode='subsystem' type='usb'/><memballoon",
+            );
+        let p = problems(&bad, W::Auto);
+        assert_eq!(p.len(), 3, "{p:#?}");
+        assert!(p[0].contains("passthrough"), "{p:#?}");
+        assert!(p[1].contains("must be qcow2"), "{p:#?}");
+        assert!(p[2].contains("no heartbeat channel"), "{p:#?}");
+        // The refusal at adoption names them all too.
+        let one = inspect(&bad).unwrap_err().0;
+        assert!(
+            one.contains("passthrough") && one.contains("must be qcow2"),
+            "{one}"
+        );
+        assert_eq!(problems("<not xml", W::Auto).len(), 1);
     }
 
     #[test]

@@ -48,6 +48,8 @@ pub mod save_image;
 #[cfg(feature = "libvirt")]
 mod backend;
 #[cfg(feature = "libvirt")]
+pub mod check;
+#[cfg(feature = "libvirt")]
 mod precopy;
 pub mod qga;
 #[cfg(feature = "libvirt")]

@@ -61,6 +61,18 @@ fn main() -> ExitCode {
         }
         for vm in &host.vms {
             match vm {
+                // An adopted domain is checked against libvirt too: every problem at once.
+                VmSlot::Ready(c) if c.vm.libvirt.is_some() => {
+                    let r = backstop_engine::services::check_vm(c);
+                    if r.problems.is_empty() {
+                        println!("config OK: vm {} ({})", c.vm.name, r.notes.join("; "));
+                    } else {
+                        bad = true;
+                        for p in &r.problems {
+                            println!("config REFUSED: vm {}: {p}", c.vm.name);
+                        }
+                    }
+                }
                 VmSlot::Ready(c) => println!("config OK: vm {}", c.vm.name),
                 VmSlot::Invalid(i) => {
                     bad = true;
@@ -491,6 +503,17 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
             ));
             return;
         }
+        Request::VmCheck { file_name, text } => {
+            let reply = match engine.check_vm_file(&file_name, &text) {
+                Ok(r) => Reply::Done(Response::VmChecked(r)),
+                Err((code, message)) => Reply::Failed {
+                    code: code.to_string(),
+                    message,
+                },
+            };
+            let _ = conn.send(&reply);
+            return;
+        }
         Request::VmReset { name, reason } => {
             let reply = match engine.reset_vm(&name, &reason, &caller.label()) {
                 Ok(r) => Reply::Done(Response::VmReset(r)),
@@ -733,6 +756,9 @@ fn permitted(role: backstop_control::Role, request: &Request) -> Result<(), Stri
         }
         (backstop_control::Role::Policy, Request::VmAdd { .. }) => {
             Err("only a person at the console can add a VM".into())
+        }
+        (backstop_control::Role::Policy, Request::VmCheck { .. }) => {
+            Err("only a person at the console can check a VM file".into())
         }
         (backstop_control::Role::Policy, Request::VmReset { .. }) => {
             Err("only a person at the console can reset a VM's state".into())
