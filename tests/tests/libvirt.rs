@@ -2487,3 +2487,6 @@ fn libvirt_reload_applies_live_and_after_crash_reattach_is_the_operators_choice(
     dom.renice();
     d.ok_vm("lvr", &["audit", "verify"]);
 }
+
+#[path = "libvirt/nics.rs"]
+mod nics;
