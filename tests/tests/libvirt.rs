@@ -2881,3 +2881,6 @@ fn libvirt_vm_check_lists_exactly_what_is_missing() {
     );
     d.kill9();
 }
+
+#[path = "libvirt/nics.rs"]
+mod nics;

@@ -776,7 +776,8 @@ impl VmActor {
         drop(held);
         clock.done("check");
         let restore_ms = load_started.elapsed().as_millis() as u64;
-        if !self.cfg.vm.all_nics().is_empty() {
+        let nics = self.nic_ids();
+        if !nics.is_empty() {
             revoked.push("network links down in the restored VM".into());
         }
 
@@ -837,7 +838,7 @@ impl VmActor {
         }
         // The operator chose to have the network back at once (`vm.links_after_rollback`).
         if self.cfg.vm.links_after_rollback == crate::config::LinksAfterRollback::Up {
-            for nic in self.cfg.vm.all_nics() {
+            for nic in nics {
                 let spec = backstop_hypervisor::GrantSpec {
                     id: nic.clone(),
                     kind: backstop_hypervisor::GrantKind::NicLink { nic: nic.clone() },

@@ -467,6 +467,13 @@ pub trait VmBackend: Send {
             message: format!("the {} backend cannot read link states", self.kind()),
         })
     }
+    /// NICs the VM's own definition holds rather than the engine's config (an adopted libvirt
+    /// domain's `<interface>`s): each one's link goes down at every rollback, and it is granted
+    /// like a configured NIC ([`GrantKind::NicLink`] with its `id`). Read from the hypervisor
+    /// at each call; backends whose NICs all come from config have none.
+    fn defined_nics(&self) -> Vec<DefinedNic> {
+        Vec::new()
+    }
     /// For a forensic capture beside a rollback (the abandoned VM's RAM is kept): lets go of the
     /// running instance — paused and revoked by the caller — without ending it, so a fresh one can
     /// launch beside it while its RAM and device state are saved. The backend no longer runs a VM
@@ -698,6 +705,15 @@ pub struct DisplayState {
     pub clients: usize,
     /// Where it listens.
     pub service: String,
+}
+
+/// A NIC of the hypervisor's own VM definition ([`VmBackend::defined_nics`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DefinedNic {
+    /// Its stable id (a libvirt interface's MAC, lower case): the grant's and the journal's.
+    pub id: String,
+    /// Other names a person may give for it (a libvirt interface's `<target dev>` and alias).
+    pub names: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

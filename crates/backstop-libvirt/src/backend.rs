@@ -1811,6 +1811,14 @@ impl VmBackend for LibvirtBackend {
         self.revoked_yet(spec)
     }
 
+    fn defined_nics(&self) -> Vec<backstop_hypervisor::DefinedNic> {
+        self.nics()
+    }
+
+    fn link_states(&mut self) -> Result<Vec<backstop_hypervisor::LinkState>> {
+        self.links()
+    }
+
     fn set_event_waker(&mut self, waker: EventWaker) {
         self.events.set_waker(waker);
     }

@@ -354,32 +354,10 @@ pub fn backing_chain(xml: &str, target: &str) -> Vec<PathBuf> {
 /// does). spec/000 §8: network access does not survive a rollback. An existing `<link>` is
 /// replaced; otherwise one is added before `</interface>`.
 pub fn interfaces_link_down(xml: &str) -> Result<Vec<String>, String> {
-    let doc = roxmltree::Document::parse(xml).map_err(|e| format!("live XML: {e}"))?;
-    let Some(devices) = child(doc.root_element(), "devices") else {
-        return Ok(Vec::new());
-    };
-    let mut out = Vec::new();
-    for nic in devices.children().filter(|c| c.has_tag_name("interface")) {
-        let range = nic.range();
-        let text = &xml[range.clone()];
-        let down = "<link state='down'/>";
-        let rewritten = match child(nic, "link") {
-            Some(l) => {
-                let r = l.range();
-                format!(
-                    "{}{down}{}",
-                    &xml[range.start..r.start],
-                    &xml[r.end..range.end]
-                )
-            }
-            None => match text.strip_suffix("</interface>") {
-                Some(head) => format!("{head}{down}</interface>"),
-                None => return Err(format!("an <interface> without a closing tag: {text}")),
-            },
-        };
-        out.push(rewritten);
-    }
-    Ok(out)
+    crate::interface_xml::interfaces(xml)?
+        .iter()
+        .map(|nic| nic.with_link(false))
+        .collect()
 }
 
 /// Whether every `<interface>` in the XML has its link down (none: true).

@@ -43,6 +43,7 @@
 pub mod device_xml;
 pub mod domain_xml;
 pub mod events;
+pub mod interface_xml;
 pub mod save_image;
 
 #[cfg(feature = "libvirt")]

@@ -20,6 +20,22 @@ const FORBIDDEN_KEYS: &[&str] = &[
     "skip_pre_action",
 ];
 
+/// `[vm]` keys that have a default and that the libvirt backend has no use for, each with
+/// what says it instead. Refused when the file names them at all, whatever the value (one equal
+/// to the default would still do nothing): a key that does nothing must not look accepted.
+/// Keys without a default are refused by value in `validate_libvirt`.
+const LIBVIRT_IGNORED_VM_KEYS: &[(&str, &str)] = &[
+    (
+        "accel",
+        "the domain's type says it (<domain type='kvm'> or 'qemu')",
+    ),
+    ("qemu_binary", "the domain's <emulator> says it"),
+    ("machine", "the domain's <os><type machine=...> says it"),
+    ("vcpus", "the domain's <vcpu> says it"),
+    ("ovmf_code", "the domain's <os><loader> says it"),
+    ("ovmf_vars_template", "the domain's <os><nvram> says it"),
+];
+
 impl Config {
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         Self::parse(&read_config(path)?)
@@ -35,11 +51,27 @@ impl Config {
     /// own table).
     pub(crate) fn from_value(raw: toml::Value, text: &str) -> Result<Config, ConfigError> {
         refuse_disabling_keys(&raw, "")?;
+        let vm_keys: Vec<String> = raw
+            .get("vm")
+            .and_then(toml::Value::as_table)
+            .map(|t| t.keys().cloned().collect())
+            .unwrap_or_default();
         let mut cfg: Config = raw
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError::Parse(one_line(&e.to_string())))?;
         cfg.expand()?;
         cfg.validate()?;
+        if cfg.vm.backend == "libvirt" {
+            if let Some((key, why)) = LIBVIRT_IGNORED_VM_KEYS
+                .iter()
+                .find(|(k, _)| vm_keys.iter().any(|v| v == k))
+            {
+                return Err(ConfigError::Invalid {
+                    key: format!("vm.{key}"),
+                    message: format!("not for the libvirt backend: {why}"),
+                });
+            }
+        }
         if cfg.vm.backend == "kvm" {
             let parsed = backstop_kvm::config::KvmConfigFile::parse(text).map_err(|e| {
                 ConfigError::Invalid {

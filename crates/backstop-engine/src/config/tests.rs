@@ -425,6 +425,80 @@ fn the_drift_table_has_defaults_bounds_and_no_stranger_keys() {
 }
 
 #[test]
+fn a_libvirt_vm_refuses_every_vm_key_it_would_ignore_and_keeps_those_it_uses() {
+    if !backstop_libvirt::AVAILABLE {
+        return;
+    }
+    let with = |extra: &str| {
+        LIBVIRT.replace(
+            "backend = \"libvirt\"",
+            &format!("backend = \"libvirt\"\n{extra}"),
+        )
+    };
+    // Named at all is refused, a value equal to the default too: it would do nothing.
+    for (line, key, says) in [
+        ("accel = \"kvm\"", "vm.accel", "<domain type="),
+        ("accel = \"auto\"", "vm.accel", "<domain type="),
+        (
+            "qemu_binary = \"/usr/bin/qemu-system-x86_64\"",
+            "vm.qemu_binary",
+            "<emulator>",
+        ),
+        ("machine = \"q35\"", "vm.machine", "machine="),
+        ("vcpus = 4", "vm.vcpus", "<vcpu>"),
+        ("vcpus = 1", "vm.vcpus", "<vcpu>"),
+        (
+            "ovmf_code = \"/usr/share/OVMF/OVMF_CODE.fd\"",
+            "vm.ovmf_code",
+            "<loader>",
+        ),
+        (
+            "ovmf_vars_template = \"/x/VARS.fd\"",
+            "vm.ovmf_vars_template",
+            "<nvram>",
+        ),
+        ("nics = [\"net0\"]", "vm.nics", "domain's own XML"),
+        (
+            "tap_nics = [{ id = \"lan\", ifname = \"tap0\" }]",
+            "vm.tap_nics",
+            "qemu backend only",
+        ),
+        (
+            "watchdog_device = true",
+            "vm.watchdog_device",
+            "domain's own XML",
+        ),
+        (
+            "heartbeat = \"qemu-ga\"",
+            "vm.heartbeat",
+            "qemu backend only",
+        ),
+        ("firmware = \"ovmf\"", "vm.firmware", "qemu backend only"),
+        ("cpu = \"max\"", "vm.cpu", "qemu backend only"),
+    ] {
+        let err = Config::parse(&with(line)).unwrap_err();
+        assert_eq!(
+            err.code(),
+            backstop_common::ErrorCode::ConfigInvalid,
+            "{line}"
+        );
+        let err = err.to_string();
+        assert!(err.contains(&format!("`{key}`")), "{line}: {err}");
+        assert!(err.contains(says), "{line}: {err}");
+        assert!(!err.contains('\n'), "{line}: {err}");
+    }
+    // What the libvirt backend does use stays accepted.
+    let cfg = Config::parse(&with(
+        "links_after_rollback = \"up\"\nhuge_pages = \"resident\"\nqemu_img = \"qemu-img\"",
+    ))
+    .unwrap();
+    assert_eq!(cfg.vm.links_after_rollback, LinksAfterRollback::Up);
+    // The same keys are the qemu backend's own (the default file has accel and vcpus).
+    let qemu = DEFAULT_CONFIG.replace("memory_mib = 256", "memory_mib = 256\nmachine = \"q35\"");
+    Config::parse(&qemu).unwrap();
+}
+
+#[test]
 fn links_after_rollback_is_down_unless_a_person_says_up() {
     let with = |extra: &str| {
         DEFAULT_CONFIG.replace("memory_mib = 256", &format!("memory_mib = 256\n{extra}"))

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use backstop_hypervisor::{DriveSpec, GrantKind, GrantSpec, PropValue};
+use backstop_hypervisor::{DefinedNic, DriveSpec, GrantKind, GrantSpec, PropValue};
 use backstop_qemu::devices::{is_usb_driver, DeviceShape, RESERVED_PROPS};
 use backstop_vfio::{valid_driver_name, PciAddress, VFIO_DRIVER};
 
@@ -459,6 +459,35 @@ pub fn implicit_nics(devices: &[DeviceConfig], nics: &[String]) -> Vec<DeviceCon
             release_timeout_s: default_release_timeout_s(),
         })
         .collect()
+}
+
+/// The grantable devices of NICs the VM's own definition holds (an adopted libvirt domain's
+/// `<interface>`s): network access under the NIC's id (its MAC), leased like a configured NIC.
+/// Config cannot name them (`[[devices]]` of a libvirt VM are libvirt XML), so none is
+/// controlled by an entry.
+pub fn defined_nics(nics: &[DefinedNic]) -> Vec<DeviceConfig> {
+    nics.iter()
+        .map(|n| DeviceConfig {
+            id: n.id.clone(),
+            class: DeviceClass::Network,
+            qemu: None,
+            host: None,
+            host_driver: None,
+            nic: Some(n.id.clone()),
+            drive: None,
+            libvirt: None,
+            max_lease_s: MAX_LEASE_S,
+            release_timeout_s: default_release_timeout_s(),
+        })
+        .collect()
+}
+
+/// The id of the VM-defined NIC a person named `name`: its id in any case (a MAC), or one of
+/// its other names (a target device) exactly.
+pub fn resolve_defined_nic(nics: &[DefinedNic], name: &str) -> Option<String> {
+    nics.iter()
+        .find(|n| n.id.eq_ignore_ascii_case(name) || n.names.iter().any(|m| m == name))
+        .map(|n| n.id.clone())
 }
 
 pub fn qemu_shape(devices: &[DeviceConfig]) -> DeviceShape {

@@ -57,13 +57,33 @@ impl VmActor {
             .ok_or_else(|| DeviceError::NotConfigured { id: id.to_string() })
     }
 
-    /// What `device grant` may give: the `[[devices]]` entries, and every NIC (`nics`, `tap_nics`) that
-    /// no entry controls, under its own name (a rollback takes every link down, and the operator
-    /// must be able to raise it again, journaled, with a lease like any grant).
+    /// What `device grant` may give: the `[[devices]]` entries, every NIC (`nics`, `tap_nics`)
+    /// that no entry controls, under its own name, and every NIC of the VM's own definition (an
+    /// adopted libvirt domain's `<interface>`s, under their MAC): a rollback takes every link
+    /// down, and the operator must be able to raise it again, journaled, with a lease like any
+    /// grant.
     pub(crate) fn grantable(&self) -> Vec<DeviceConfig> {
         let mut all = self.cfg.devices.clone();
         all.extend(implicit_nics(&self.cfg.devices, &self.cfg.vm.all_nics()));
+        all.extend(defined_nics(&self.backend.defined_nics()));
         all
+    }
+
+    /// Every NIC's id, configured or the VM's own: all are taken down at every rollback.
+    pub(crate) fn nic_ids(&self) -> Vec<String> {
+        let mut all = self.cfg.vm.all_nics();
+        all.extend(self.backend.defined_nics().into_iter().map(|n| n.id));
+        all
+    }
+
+    /// The device id a person meant: a configured id as given, else the NIC of the VM's own
+    /// definition of that name (a libvirt interface's MAC in any case, or its target device).
+    /// An unknown name is left as it is, for [`Self::device_config`] to refuse.
+    fn resolve_device_id(&self, name: &str) -> String {
+        if self.grantable().iter().any(|d| d.id == name) {
+            return name.to_string();
+        }
+        resolve_defined_nic(&self.backend.defined_nics(), name).unwrap_or_else(|| name.to_string())
     }
 
     /// `device grant`: pre-action snapshot, then every device of the request, or none.
@@ -84,6 +104,7 @@ impl VmActor {
         if ids.is_empty() {
             return Err(EngineError::BadRequest("name at least one device".into()));
         }
+        let ids: Vec<String> = ids.iter().map(|id| self.resolve_device_id(id)).collect();
         let mut configs = Vec::new();
         for id in &ids {
             if configs.iter().any(|c: &DeviceConfig| &c.id == id) {
@@ -237,6 +258,7 @@ impl VmActor {
     ) -> Result<Response, EngineError> {
         let reason = reason_text(reason)?;
         self.prune_ended_grants();
+        let id = self.resolve_device_id(&id);
         if !self.devices.grants.contains_key(&id) {
             self.device_config(&id)?;
             return Err(DeviceError::NotGranted { id }.into());

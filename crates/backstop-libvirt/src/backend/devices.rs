@@ -6,12 +6,20 @@
 //! live XML in the same bound in case the event is missed. A rollback takes every granted
 //! device and every `<hostdev>` away this way before the domain ends; what the guest does not
 //! let go of within the bound ends with the domain.
+//!
+//! The domain's own NICs (`<interface>`, `interface_xml.rs`) are granted as network access:
+//! a grant raises one NIC's link and a revoke lowers it, each through
+//! `virDomainUpdateDeviceFlags(AFFECT_LIVE)` with the interface's XML carrying `<link
+//! state=…>` (what `virsh domif-setlink` does; the persistent definition keeps the operator's
+//! link), read back from the live XML. A rollback lowers every link before the domain ends, and
+//! again in the restored domain before it runs (`finish_restore`).
 
 use std::ffi::CString;
 use std::time::{Duration, Instant};
 
 use backstop_hypervisor::{
-    BackendError, GrantKind, GrantOutcome, GrantSpec, Release, Result, RevocationReport,
+    BackendError, DefinedNic, GrantKind, GrantOutcome, GrantSpec, LinkState, Release, Result,
+    RevocationReport,
 };
 use serde_json::Value;
 use tracing::{info, warn};
@@ -21,6 +29,7 @@ use virt::sys;
 use super::{cmd_err, qmp_on, LibvirtBackend, EVENT_GRACE};
 use crate::device_xml::{self, LiveDevice};
 use crate::events::DomainEvent;
+use crate::interface_xml::{self, DomainInterface};
 
 /// How often the live XML is read while waiting for a removal whose event has not come.
 const XML_POLL: Duration = Duration::from_millis(50);
@@ -154,13 +163,90 @@ impl LibvirtBackend {
             .collect()
     }
 
+    fn interfaces(&self, step: &'static str) -> Result<Vec<DomainInterface>> {
+        interface_xml::interfaces(&self.live_xml(step)?).map_err(|e| cmd_err(step, e))
+    }
+
+    /// The domain's NICs that can be named (those with a MAC), as the live XML has them now.
+    /// Nothing when the domain cannot be read (not running, libvirt away).
+    pub(super) fn nics(&self) -> Vec<DefinedNic> {
+        self.interfaces("list nics")
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|i| {
+                Some(DefinedNic {
+                    id: i.id()?.to_string(),
+                    names: i.other_names().map(str::to_string).collect(),
+                })
+            })
+            .collect()
+    }
+
+    /// Each NIC's link as libvirt has set it in QEMU (the live XML's `<link state>`).
+    pub(super) fn links(&self) -> Result<Vec<LinkState>> {
+        Ok(self
+            .interfaces("read links")?
+            .into_iter()
+            .filter_map(|i| {
+                Some(LinkState {
+                    nic: i.id()?.to_string(),
+                    up: Some(i.link_up),
+                })
+            })
+            .collect())
+    }
+
+    /// Sets the link of the NIC `nic` (its MAC or target device) in the live definition only,
+    /// and reads it back.
+    fn set_link(&mut self, step: &'static str, nic: &str, up: bool) -> Result<String> {
+        self.reconnect_if_lost();
+        let all = self.interfaces(step)?;
+        let iface = interface_xml::find(&all, nic)
+            .ok_or_else(|| cmd_err(step, format!("the domain has no <interface> named {nic}")))?;
+        let xml = iface.with_link(up).map_err(|e| cmd_err(step, e))?;
+        let state = if up { "up" } else { "down" };
+        self.dom(step)?
+            .update_device_flags(&xml, sys::VIR_DOMAIN_AFFECT_LIVE)
+            .map_err(|e| {
+                cmd_err(
+                    step,
+                    format!("link {state} {}: {}", iface.label(), e.message()),
+                )
+            })?;
+        let back = self.interfaces(step)?;
+        match interface_xml::find(&back, nic) {
+            Some(i) if i.link_up == up => {
+                info!(nic = %i.label(), state, "libvirt NIC link set (live)");
+                Ok(format!("link {state} {} (live only)", i.label()))
+            }
+            Some(i) => Err(cmd_err(
+                step,
+                format!(
+                    "link {state} {}: the live XML still says otherwise",
+                    i.label()
+                ),
+            )),
+            None => Err(cmd_err(
+                step,
+                format!("link {state} {nic}: the interface left the domain"),
+            )),
+        }
+    }
+
     pub(super) fn grant(&mut self, spec: &GrantSpec) -> Result<GrantOutcome> {
         let step = "grant device";
+        if let GrantKind::NicLink { nic } = &spec.kind {
+            // Network access adds no device: nothing for QEMU to refuse a migration over.
+            return Ok(GrantOutcome {
+                detail: self.set_link(step, nic, true)?,
+                ..GrantOutcome::default()
+            });
+        }
         let GrantKind::LibvirtXml { xml, .. } = &spec.kind else {
             return Err(cmd_err(
                 step,
                 format!(
-                    "{}: the libvirt backend grants devices given as libvirt XML only (`libvirt = {{ xml = .. }}`)",
+                    "{}: the libvirt backend grants devices given as libvirt XML (`libvirt = {{ xml = .. }}`) and the domain's own NICs only",
                     spec.id
                 ),
             ));
@@ -225,6 +311,9 @@ impl LibvirtBackend {
 
     pub(super) fn revoke(&mut self, spec: &GrantSpec, bound: Duration) -> Result<Release> {
         let step = "revoke device";
+        if let GrantKind::NicLink { nic } = &spec.kind {
+            return Ok(Release::Released(self.set_link(step, nic, false)?));
+        }
         if !matches!(spec.kind, GrantKind::LibvirtXml { .. }) {
             return Ok(Release::Released("nothing was granted".into()));
         }
@@ -260,6 +349,14 @@ impl LibvirtBackend {
     }
 
     pub(super) fn revoked_yet(&mut self, spec: &GrantSpec) -> Result<Release> {
+        if let GrantKind::NicLink { nic } = &spec.kind {
+            let all = self.interfaces("check revocation")?;
+            return Ok(match interface_xml::find(&all, nic) {
+                Some(i) if i.link_up => Release::Pending(format!("link of {} still up", i.label())),
+                Some(i) => Release::Released(format!("link down {}", i.label())),
+                None => Release::Released(format!("{nic} left the domain")),
+            });
+        }
         if !matches!(spec.kind, GrantKind::LibvirtXml { .. }) {
             return Ok(Release::Released("nothing was granted".into()));
         }
@@ -298,6 +395,32 @@ impl LibvirtBackend {
                 return;
             }
         };
+        // spec/000 §8: the guest's network goes first, while it is paused (the courteous step:
+        // ending the domain takes it for certain, and the restored one starts with it down).
+        match interface_xml::interfaces(&live) {
+            Ok(nics) => {
+                for nic in nics.iter().filter(|n| n.link_up) {
+                    let down = nic
+                        .with_link(false)
+                        .map_err(|e| cmd_err("link down", e))
+                        .and_then(|x| {
+                            self.dom("link down")?
+                                .update_device_flags(&x, sys::VIR_DOMAIN_AFFECT_LIVE)
+                                .map_err(|e| cmd_err("link down", e.message()))
+                        });
+                    match down {
+                        Ok(_) => report.revoked.push(format!("link down {}", nic.label())),
+                        Err(e) => report.not_released.push(format!(
+                            "link of {}: {e} (ended with the domain)",
+                            nic.label()
+                        )),
+                    }
+                }
+            }
+            Err(e) => report
+                .not_released
+                .push(format!("links: {e} (ended with the domain)")),
+        }
         let mut asked: Vec<LiveDevice> = Vec::new();
         for d in device_xml::revocable(&live) {
             let detached = self
