@@ -28,6 +28,9 @@ fn unprivileged_userfaultfd() -> Option<bool> {
 
 /// Checks `cfg`'s domain as adoption would, read-only.
 pub fn check(cfg: &LibvirtConfig) -> Check {
+    // libvirt prints every error to stderr unless told not to: they are in the problems.
+    static QUIET: std::sync::Once = std::sync::Once::new();
+    QUIET.call_once(virt::error::clear_error_callback);
     let mut out = Check::default();
     let conn = match Connect::open(Some(&cfg.uri)) {
         Ok(c) => c,
