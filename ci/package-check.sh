@@ -211,7 +211,7 @@ if grep -q '\blibvirt0\b' <<<"$depends"; then
 	# does not have: refused in one line naming it (or naming libvirt, where none answers),
 	# and nothing of libvirt's own error printing.
 	[[ $rc -eq 2 ]] && grep -q 'config OK: vm web1' <<<"$out" &&
-		grep -Eq "^config REFUSED: vm db1: (libvirt has no domain named db1|cannot connect to libvirt)" <<<"$out" &&
+		grep -Eq "^config REFUSED: vm db1: (libvirt at [^ ]+ has no domain with name db1|cannot connect to libvirt)" <<<"$out" &&
 		! grep -q '^libvirt:' <<<"$out" ||
 		fail "db1.toml.sample on the libvirt build: $out"
 	ok "web1 and db1 samples load (libvirt build); db1's domain is looked up in libvirt"

@@ -1011,9 +1011,10 @@ pub struct ReloadReport {
     pub added: Vec<String>,
     /// VMs whose file is gone: stopped cleanly (final snapshot) and no longer guarded.
     pub removed: Vec<String>,
-    /// Running VMs whose file changed the VM's shape (memory, disks, devices, …): kept running
-    /// as they were, since their snapshots cannot restore into the new shape (remove and re-add
-    /// the file to cold-boot it on the new one).
+    /// Running VMs whose change was not applied, kept running as they were: a changed shape
+    /// (memory, disks, devices, …: their snapshots cannot restore into it), or for an adopted
+    /// domain a change of what is guarded (domain, connection, layers directory: a new
+    /// adoption). `not_applied_why` says which, and what applying it takes.
     pub changed_not_applied: Vec<String>,
     /// Why each of `changed_not_applied` was not applied, and what applying it takes.
     #[serde(default)]

@@ -602,15 +602,7 @@ impl VmActor {
             self.journal(AuditEvent::VmReattachRefused, fields)?;
             return Ok(false);
         }
-        let disks = self.attachments();
-        self.backend
-            .launch(&disks, BootMode::Cold)
-            .map_err(|source| EngineError::Backend {
-                step: "reattach",
-                source,
-            })?;
-        self.transition(Transition::Booted, &ctx.trace_id.clone())?;
-        self.running_since = Some(std::time::Instant::now());
+        self.boot_on_disks(ctx, "reattach")?;
         fields["result"] = json!("ok");
         fields["stopped_at"] = left["stopped_at"].clone();
         fields["compared"] = compared;
@@ -755,6 +747,19 @@ impl VmActor {
 
     /// Boots the guest from its disks (first start, or no snapshot to come back to), then takes
     /// a baseline snapshot so that a rollback target exists from the first minute.
+    /// Starts (or, for an adopted domain, attaches to) the VM on its disks as they are, and
+    /// marks it running: the common end of a cold boot, an adoption and a re-attach. `step`
+    /// names it in an error.
+    fn boot_on_disks(&mut self, ctx: &Ctx, step: &'static str) -> Result<(), EngineError> {
+        let disks = self.attachments();
+        self.backend
+            .launch(&disks, BootMode::Cold)
+            .map_err(|source| EngineError::Backend { step, source })?;
+        self.transition(Transition::Booted, &ctx.trace_id.clone())?;
+        self.running_since = Some(std::time::Instant::now());
+        Ok(())
+    }
+
     pub(crate) fn cold_boot(&mut self, ctx: &mut Ctx) -> Result<(), EngineError> {
         // A booted guest descends from no snapshot: its first one is a new root.
         self.vm.position = None;
@@ -771,15 +776,7 @@ impl VmActor {
             }
         }
         self.save_vm()?;
-        let disks = self.attachments();
-        self.backend
-            .launch(&disks, BootMode::Cold)
-            .map_err(|source| EngineError::Backend {
-                step: "cold boot",
-                source,
-            })?;
-        self.transition(Transition::Booted, &ctx.trace_id.clone())?;
-        self.running_since = Some(std::time::Instant::now());
+        self.boot_on_disks(ctx, "cold boot")?;
         self.journal(AuditEvent::VmStarted, json!({
             "session_id": self.session_id, "trace_id": ctx.trace_id, "snapshot_id": Value::Null, "result": "ok",
             "boot": "cold", "pid": self.backend.pid(), "epoch": self.vm.epoch,
@@ -826,15 +823,7 @@ impl VmActor {
             self.vm.chains.insert(d.id.clone(), vec![d.path.clone()]);
         }
         self.save_vm()?;
-        let disks = self.attachments();
-        self.backend
-            .launch(&disks, BootMode::Cold)
-            .map_err(|source| EngineError::Backend {
-                step: "adopt",
-                source,
-            })?;
-        self.transition(Transition::Booted, &ctx.trace_id.clone())?;
-        self.running_since = Some(std::time::Instant::now());
+        self.boot_on_disks(ctx, "adopt")?;
         info!(pid = ?self.backend.pid(), "VM adopted; taking a baseline snapshot");
         let mut baseline_ctx = Ctx {
             caller: Caller::daemon(),

@@ -265,6 +265,24 @@ pub use backstop_control::VM_FILE_MAX_BYTES;
 /// (no VM of that name, no `NAME.toml` in `vms_dir`). Writes nothing. Errors: a code and one
 /// line (`ERR_CONFIG_INVALID` naming the problem, `ERR_VM_EXISTS`, `ERR_BAD_REQUEST` when the
 /// daemon has no `vms_dir`).
+/// The daemon file a VM file `file_name` of `text` is to be read against (`vm add`, `vm
+/// check`), once the VM file is known not to be oversized.
+fn daemon_for_vm_file(
+    daemon_file: &Path,
+    file_name: &str,
+    text: &str,
+) -> Result<(HostConfig, toml::Value), (ErrorCode, String)> {
+    if text.len() > VM_FILE_MAX_BYTES {
+        return Err((
+            ErrorCode::ConfigInvalid,
+            format!("{file_name}: larger than {VM_FILE_MAX_BYTES} bytes"),
+        ));
+    }
+    let daemon_text = read_config(daemon_file).map_err(|e| (e.code(), e.to_string()))?;
+    HostConfig::parse_with_daemon_table(&daemon_text)
+        .map_err(|e| (e.code(), format!("the daemon file: {e}")))
+}
+
 /// `vm check`: the VM file `file_name` with `text` parsed exactly as a load of `daemon_file`
 /// parses it in `daemon.vms_dir` (whether or not a VM of that name is configured already: the
 /// file being checked may be that VM's). Writes nothing.
@@ -273,15 +291,7 @@ pub fn parse_vm_file(
     file_name: &str,
     text: &str,
 ) -> Result<Box<Config>, (ErrorCode, String)> {
-    let invalid = |m: String| (ErrorCode::ConfigInvalid, m);
-    if text.len() > VM_FILE_MAX_BYTES {
-        return Err(invalid(format!(
-            "{file_name}: larger than {VM_FILE_MAX_BYTES} bytes"
-        )));
-    }
-    let daemon_text = read_config(daemon_file).map_err(|e| (e.code(), e.to_string()))?;
-    let (host, daemon_raw) = HostConfig::parse_with_daemon_table(&daemon_text)
-        .map_err(|e| (e.code(), format!("the daemon file: {e}")))?;
+    let (host, daemon_raw) = daemon_for_vm_file(daemon_file, file_name, text)?;
     let dir = host
         .daemon
         .vms_dir
@@ -313,14 +323,7 @@ pub fn check_new_vm_file(
             "{file_name:?}: a VM file is named NAME.toml (NAME its vm.name)"
         )));
     }
-    if text.len() > VM_FILE_MAX_BYTES {
-        return Err(invalid(format!(
-            "{file_name}: larger than {VM_FILE_MAX_BYTES} bytes"
-        )));
-    }
-    let daemon_text = read_config(daemon_file).map_err(|e| (e.code(), e.to_string()))?;
-    let (host, daemon_raw) = HostConfig::parse_with_daemon_table(&daemon_text)
-        .map_err(|e| (e.code(), format!("the daemon file: {e}")))?;
+    let (host, daemon_raw) = daemon_for_vm_file(daemon_file, file_name, text)?;
     let Some(dir) = host.daemon.vms_dir.clone() else {
         return Err((
             ErrorCode::BadRequest,

@@ -119,6 +119,41 @@ pub struct LibvirtBackend {
     removed: BTreeSet<String>,
 }
 
+/// A connection to `cfg.uri` and the domain the VM file names (by UUID, else by name), or why
+/// not: `ERR_LIBVIRT_CONNECT` or `ERR_LIBVIRT_DOMAIN_NOT_FOUND` and one line. Adoption and
+/// `vm check` look it up the same way.
+pub(crate) fn open_domain(
+    cfg: &LibvirtConfig,
+) -> std::result::Result<(Connect, Domain), (ErrorCode, String)> {
+    let uri = &cfg.uri;
+    let conn = Connect::open(Some(uri)).map_err(|e| {
+        (
+            ErrorCode::LibvirtConnect,
+            format!("cannot connect to libvirt at {uri}: {}", e.message()),
+        )
+    })?;
+    let (what, found) = match (&cfg.uuid, &cfg.domain) {
+        (Some(u), _) => (format!("uuid {u}"), conn.lookup_domain_by_uuid_string(u)),
+        (None, Some(n)) => (format!("name {n}"), conn.lookup_domain_by_name(n)),
+        (None, None) => {
+            return Err((
+                ErrorCode::LibvirtDomainNotFound,
+                "no domain or uuid configured".into(),
+            ))
+        }
+    };
+    let dom = found.map_err(|e| {
+        (
+            ErrorCode::LibvirtDomainNotFound,
+            format!(
+                "libvirt at {uri} has no domain with {what}: {}",
+                e.message()
+            ),
+        )
+    })?;
+    Ok((conn, dom))
+}
+
 /// How often a libvirtd that stays unreachable is logged again.
 const OUTAGE_LOG_EVERY: Duration = Duration::from_secs(60);
 
@@ -399,36 +434,7 @@ impl LibvirtBackend {
 
     /// Checks that the live domain is what adoption needs and returns its shape.
     fn adopt_checked(&mut self) -> Result<Adoption> {
-        let uri = self.cfg.uri.clone();
-        let conn = Connect::open(Some(&uri)).map_err(|e| {
-            refused(
-                ErrorCode::LibvirtConnect,
-                format!("cannot connect to libvirt at {uri}: {}", e.message()),
-            )
-        })?;
-        let lookup = match (&self.cfg.uuid, &self.cfg.domain) {
-            (Some(u), _) => conn
-                .lookup_domain_by_uuid_string(u)
-                .map_err(|e| (format!("uuid {u}"), e)),
-            (None, Some(n)) => conn
-                .lookup_domain_by_name(n)
-                .map_err(|e| (format!("name {n}"), e)),
-            (None, None) => {
-                return Err(refused(
-                    ErrorCode::LibvirtDomainNotFound,
-                    "no domain or uuid configured".into(),
-                ))
-            }
-        };
-        let dom = lookup.map_err(|(what, e)| {
-            refused(
-                ErrorCode::LibvirtDomainNotFound,
-                format!(
-                    "libvirt at {uri} has no domain with {what}: {}",
-                    e.message()
-                ),
-            )
-        })?;
+        let (conn, dom) = open_domain(&self.cfg).map_err(|(code, m)| refused(code, m))?;
         let xml = dom.xml_desc(0).map_err(|e| cmd_err("domain xml", e))?;
         let shape = domain_xml::inspect(&xml)
             .map_err(|u| refused(ErrorCode::LibvirtDomainUnsuitable, u.0))?;
@@ -553,7 +559,7 @@ impl LibvirtBackend {
             json!(self.claim.as_ref().map(|c| c.path().display().to_string())),
         );
         for (k, v) in [
-            ("uri", json!(uri)),
+            ("uri", json!(self.cfg.uri)),
             ("domain", json!(shape.name)),
             ("uuid", json!(shape.uuid)),
             ("pid", json!(self.pid)),

@@ -2,8 +2,6 @@
 //! nothing changed — no claim, no metadata, no capability switched — and every problem listed
 //! at once, each with its fix, with what adoption would choose.
 
-use virt::connect::Connect;
-use virt::domain::Domain;
 use virt::domain::DomainState;
 use virt::enumutil::Enum;
 
@@ -32,31 +30,15 @@ pub fn check(cfg: &LibvirtConfig) -> Check {
     static QUIET: std::sync::Once = std::sync::Once::new();
     QUIET.call_once(virt::error::clear_error_callback);
     let mut out = Check::default();
-    let conn = match Connect::open(Some(&cfg.uri)) {
-        Ok(c) => c,
-        Err(e) => {
-            out.problems.push(format!(
-                "cannot connect to libvirt at {}: {} (is libvirtd running? `systemctl start libvirtd`)",
-                cfg.uri,
-                e.message()
-            ));
-            return out;
-        }
-    };
-    let dom: Result<Domain, String> = match (&cfg.uuid, &cfg.domain) {
-        (Some(u), _) => conn
-            .lookup_domain_by_uuid_string(u)
-            .map_err(|e| format!("libvirt has no domain with uuid {u}: {}", e.message())),
-        (None, Some(n)) => conn
-            .lookup_domain_by_name(n)
-            .map_err(|e| format!("libvirt has no domain named {n}: {}", e.message())),
-        (None, None) => Err("no [vm.libvirt] domain or uuid".into()),
-    };
-    let dom = match dom {
-        Ok(d) => d,
-        Err(e) => {
-            out.problems
-                .push(format!("{e} (`virsh list --all` lists them)"));
+    let dom = match crate::backend::open_domain(cfg) {
+        Ok((_conn, dom)) => dom,
+        Err((code, why)) => {
+            out.problems.push(match code {
+                backstop_common::ErrorCode::LibvirtConnect => {
+                    format!("{why} (is libvirtd running? `systemctl start libvirtd`)")
+                }
+                _ => format!("{why} (`virsh list --all` lists them)"),
+            });
             return out;
         }
     };

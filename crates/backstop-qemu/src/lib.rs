@@ -803,8 +803,8 @@ impl QemuBackend {
                 // behind us (see `wait_write_tracking`); meanwhile the stream is still read.
                 let setup_us = queued_setup_us(guard.qmp(), migrate_sent_us);
                 let tracking = wait_write_tracking(guard.qmp(), t, &clock);
-                // The guest's last stop so far: QEMU's own STOP comes first when it won, and
-                // backstop's after QEMU's RESUME (a `stop` that landed inside QEMU's own pause
+                // When the guest last stopped: QEMU's own STOP comes first when its stop came
+                // before backstop's, and backstop's after QEMU's RESUME (a `stop` that landed inside QEMU's own pause
                 // sends none, and QEMU resumes the guest itself).
                 let last_stop_us = guard
                     .qmp()
