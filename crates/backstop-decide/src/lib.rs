@@ -1,6 +1,7 @@
-//! The rollback decisions, as functions of their inputs: which snapshot a name the console gave
-//! means ([`resolve`]), which snapshot a rollback goes to ([`choose_target`]), and whether the
-//! restore gate lets it through ([`restore_gate`]).
+//! The decisions, as functions of their inputs: where a lifecycle move leads
+//! ([`lifecycle::VmState::transition`]), which snapshot a name the console gave means
+//! ([`resolve`]), which snapshot a rollback goes to ([`choose_target`]), and whether the restore
+//! gate lets it through ([`restore_gate`]).
 //!
 //! The live engine and `audit replay` (spec/003) both call these functions: the engine with
 //! what the store, the policy records and the clock say now, replay with what the journal
@@ -18,6 +19,8 @@
 //! path for an exact id that names a directory, and hands every other choice to it).
 
 use serde::Serialize;
+
+pub mod lifecycle;
 
 /// Whether `created_at` is strictly before `bound` (both RFC 3339). An unreadable time is not
 /// before anything: a bound that cannot be checked excludes.

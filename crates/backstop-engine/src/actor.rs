@@ -21,7 +21,7 @@ use crate::config::{Config, DiskSnapshotMode};
 use crate::error::EngineError;
 use crate::layers::Layers;
 use crate::lifecycle::{Transition, VmState};
-use crate::records::{CleanStopRecord, HaltRecord, ReattachRecord, Records, VmRecord};
+use crate::records::{CleanStopRecord, ReattachRecord, Records, VmRecord};
 use crate::rollback::RollbackPlan;
 use crate::services::accel_choice;
 pub use crate::services::{backend_for, Services};
@@ -78,9 +78,8 @@ pub struct VmActor {
     pub(crate) key: HostKey,
     pub(crate) records: Records,
     pub(crate) layers: Layers,
-    pub(crate) state: VmState,
+    pub(crate) life: crate::lifecycle::Lifecycle,
     pub(crate) vm: VmRecord,
-    pub(crate) halt: Option<HaltRecord>,
     pub(crate) session_id: String,
     pub(crate) fault: Option<crate::fault::Fault>,
     /// Set (from any thread) when a host trigger is waiting: an in-flight capture abandons.
@@ -199,9 +198,8 @@ impl VmActor {
             key,
             records,
             layers,
-            state: VmState::Stopped,
+            life: crate::lifecycle::Lifecycle::new(),
             vm,
-            halt: None,
             session_id: ids.next_id(),
             ids,
             captures,
@@ -415,9 +413,7 @@ impl VmActor {
             {
                 warn!(error = %e, "could not record HALTED for the hypervisor");
             }
-            let trace = h.trace_id.clone();
-            self.halt = Some(h);
-            self.transition(Transition::Halt, &trace)?;
+            self.resume_halted(h)?;
             return Ok(());
         }
         if let Some(inflight) = self.records.inflight().map_err(|source| EngineError::Io {
@@ -470,7 +466,7 @@ impl VmActor {
                     info!(snapshot_id = %stop.snapshot_id, "resumed from the clean stop's final snapshot");
                     return Ok(());
                 }
-                Err(e) if self.state == VmState::Halted => {
+                Err(e) if self.life.state() == VmState::Halted => {
                     warn!(error = %e, "resume after a clean stop failed; VM HALTED");
                     return Ok(());
                 }
@@ -502,7 +498,7 @@ impl VmActor {
             let plan = RollbackPlan::emergency(TriggerKind::SupervisorRestart, reason);
             match self.rollback(&mut ctx, plan) {
                 Ok(_) => Ok(()),
-                Err(e) if self.state == VmState::Halted => {
+                Err(e) if self.life.state() == VmState::Halted => {
                     warn!(error = %e, "start-up restore failed; VM HALTED");
                     Ok(())
                 }
@@ -795,7 +791,7 @@ impl VmActor {
     /// With `[rollback] standby`: makes sure a standby QEMU waits for the next rollback (one is
     /// started when there is none). A failure only costs that rollback its head start: logged.
     pub(crate) fn refresh_standby(&mut self) {
-        if !self.cfg.rollback.standby || self.state != VmState::Running {
+        if !self.cfg.rollback.standby || self.life.state() != VmState::Running {
             return;
         }
         if self.cfg.rollback.preload {
@@ -998,7 +994,7 @@ impl VmActor {
             .collect();
         StatusView {
             vm: self.cfg.vm.name.clone(),
-            state: self.state.as_str().into(),
+            state: self.life.state().as_str().into(),
             epoch: self.vm.epoch,
             backend: self.backend.kind().into(),
             accel: self.backend.accel().into(),
@@ -1037,7 +1033,7 @@ impl VmActor {
     /// (a paused, capturing or restoring VM is left alone); a backend that cannot say gives
     /// none.
     fn link_views(&mut self) -> Vec<LinkView> {
-        if self.state != VmState::Running {
+        if self.life.state() != VmState::Running {
             return Vec::new();
         }
         match self.backend.link_states() {
@@ -1074,7 +1070,7 @@ impl VmActor {
         self.expire_device_leases();
         crate::systemd::beat();
         self.policy_tick();
-        if self.state != VmState::Running {
+        if self.life.state() != VmState::Running {
             // (An expiry found during a capture of an instance that is gone is moot.)
             self.watchdog_fired = None;
             return;
@@ -1104,7 +1100,7 @@ impl VmActor {
             // next start re-attaches to it as it runs when it finds it unchanged; anything else
             // (a HALTED VM, a job cut short, a domain changed meanwhile) takes the fail-closed
             // way then. No final snapshot: nothing resumes from one.
-            let recorded = self.state == VmState::Running && {
+            let recorded = self.life.state() == VmState::Running && {
                 let left = self.attach_identity(&backstop_common::time::now_rfc3339(), true);
                 match self.records.set_reattach(&left) {
                     Ok(()) => true,
@@ -1127,7 +1123,7 @@ impl VmActor {
             info!("adopted domain left running (libvirt owns it)");
             return;
         }
-        let final_snapshot = match self.state {
+        let final_snapshot = match self.life.state() {
             VmState::Running => self.final_snapshot(&trace),
             _ => None,
         };

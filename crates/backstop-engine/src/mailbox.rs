@@ -455,10 +455,10 @@ fn run(mut engine: VmActor, rx: &mpsc::Receiver<Order>, retired: &AtomicBool) {
                 // A status lists and checks every manifest: refresh it when the tick changed
                 // the VM's state or epoch, otherwise at most every STATUS_REFRESH (jobs publish
                 // on their own when they finish).
-                let before = (engine.state, engine.vm.epoch);
+                let before = (engine.life.state(), engine.vm.epoch);
                 engine.tick();
                 last_tick = std::time::Instant::now();
-                if (engine.state, engine.vm.epoch) != before
+                if (engine.life.state(), engine.vm.epoch) != before
                     || last_publish.elapsed() >= STATUS_REFRESH
                 {
                     engine.publish();

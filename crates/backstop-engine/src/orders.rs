@@ -19,7 +19,8 @@ impl VmActor {
     /// Whether the running VM descends from snapshot `id`: its lineage position (the newest
     /// taken since the last rollback, or that rollback's target; never while HALTED).
     pub(crate) fn descends_from(&self, id: &str) -> bool {
-        self.state != crate::lifecycle::VmState::Halted && self.vm.position.as_deref() == Some(id)
+        self.life.state() != crate::lifecycle::VmState::Halted
+            && self.vm.position.as_deref() == Some(id)
     }
 
     /// `snapshot show` / `snapshot create`: the view, marked current where it is.
@@ -35,7 +36,7 @@ impl VmActor {
     /// none of which touches the VM. (`snapshot list` stays refused, exit 4, as it always was:
     /// scripts rely on it; the refusal names the views that work.)
     pub fn handle(&mut self, req: Request, ctx: &mut Ctx) -> Result<Response, EngineError> {
-        if self.state == VmState::Halted
+        if self.life.state() == VmState::Halted
             && !matches!(
                 req,
                 Request::Status
@@ -50,8 +51,8 @@ impl VmActor {
             )
         {
             let mut reason = self
-                .halt
-                .as_ref()
+                .life
+                .halt()
                 .map(|h| h.reason.clone())
                 .unwrap_or_default();
             if matches!(req, Request::SnapshotList) {
@@ -238,7 +239,7 @@ impl VmActor {
         reason: &str,
         to: Option<(String, Option<Value>)>,
     ) -> Result<Response, EngineError> {
-        if self.state != VmState::Halted {
+        if self.life.state() != VmState::Halted {
             return Err(EngineError::BadRequest("the VM is not HALTED".into()));
         }
         if ctx.caller.role != Role::Console {
@@ -262,14 +263,13 @@ impl VmActor {
                 step: "clear the HALTED record of the hypervisor",
                 source,
             })?;
-        let previous = self.halt.clone();
+        let previous = self.life.halt().cloned();
         self.records
             .clear_halted()
             .map_err(|source| EngineError::Io {
                 step: "remove halted.json",
                 source,
             })?;
-        self.halt = None;
         self.records.ensure_reserve();
         self.transition(Transition::ClearHalt, &ctx.trace_id.clone())?;
         self.journal(AuditEvent::VmHaltCleared, json!({
@@ -297,7 +297,7 @@ impl VmActor {
                 Err(e) => {
                     // Refused before the VM was touched: HALTED again, with the record it had
                     // (a restore that failed after touching it halted the VM by itself).
-                    if self.state != VmState::Halted {
+                    if self.life.state() != VmState::Halted {
                         let (code, why) = previous
                             .as_ref()
                             .and_then(|h| {
@@ -376,7 +376,7 @@ impl VmActor {
                 "only a person at the console can continue a paused guest".into(),
             ));
         }
-        if !self.guest_paused || self.state != VmState::Running {
+        if !self.guest_paused || self.life.state() != VmState::Running {
             return Err(EngineError::Refused {
                 code: backstop_common::ErrorCode::VmBusy,
                 message: "the guest is not paused (only `halt clear --paused` leaves it so)".into(),

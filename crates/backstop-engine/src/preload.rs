@@ -145,7 +145,7 @@ impl VmActor {
     /// The snapshot an emergency rollback would try first now: the newest candidate of the
     /// current line taken of a healthy guest (`rollback.rs`, `choose_target`).
     fn preload_target(&self) -> Result<Option<String>, String> {
-        if self.state != VmState::Running {
+        if self.life.state() != VmState::Running {
             return Ok(None);
         }
         let entries = self.rollback_candidates(None).map_err(|e| e.to_string())?;

@@ -350,7 +350,7 @@ impl VmActor {
         if self.watchdog_fired.is_none() {
             return;
         }
-        if self.state == crate::lifecycle::VmState::Running {
+        if self.life.state() == crate::lifecycle::VmState::Running {
             self.watch();
             self.publish();
         } else {
@@ -404,7 +404,7 @@ impl VmActor {
     /// [`idle_wait`]): the end of the allowed silence while [`VmActor::watch`] would judge it
     /// (running, not paused by the operator), else `None`.
     pub(crate) fn heartbeat_due(&self) -> Option<Instant> {
-        if self.state != crate::lifecycle::VmState::Running
+        if self.life.state() != crate::lifecycle::VmState::Running
             || self.guest_paused
             || self.paused_outside.is_some()
         {

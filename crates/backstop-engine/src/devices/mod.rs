@@ -314,7 +314,7 @@ impl VmActor {
                 }),
             })
             .collect();
-        let running = matches!(self.state, VmState::Running | VmState::Snapshotting)
+        let running = matches!(self.life.state(), VmState::Running | VmState::Snapshotting)
             && self.backend.pid().is_some();
         let hypervisor = if with_hypervisor && running {
             match self.backend.guest_devices() {
@@ -440,7 +440,7 @@ impl VmActor {
     /// From `tick`: revokes grants whose lease ran out, finishes revocations the guest has
     /// now let go of, and rolls the VM back when a guest holds on past its release timeout.
     pub(crate) fn expire_device_leases(&mut self) {
-        if self.state != VmState::Running || self.devices.grants.is_empty() {
+        if self.life.state() != VmState::Running || self.devices.grants.is_empty() {
             return;
         }
         self.prune_ended_grants();

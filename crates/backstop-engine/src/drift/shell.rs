@@ -334,7 +334,7 @@ impl VmActor {
 
     /// The invariant-based strategy: after a state change of the VM, the cheap invariants.
     pub(crate) fn drift_after_change(&mut self) {
-        if !std::mem::take(&mut self.drift.check_due) || self.state != VmState::Running {
+        if !std::mem::take(&mut self.drift.check_due) || self.life.state() != VmState::Running {
             return;
         }
         let o = self.drift_observe();
@@ -392,7 +392,7 @@ impl VmActor {
     /// From the actor's tick: a check after a state change the tick made, a fresh snapshot a
     /// drift is waiting for, and the active reconciliation pass when its period is up.
     pub(crate) fn drift_tick(&mut self) {
-        if self.state != VmState::Running {
+        if self.life.state() != VmState::Running {
             return;
         }
         self.drift_after_change();
@@ -713,7 +713,7 @@ impl VmActor {
             }
             Err(e) => {
                 warn!(error = %e, "drift: emergency rollback failed");
-                if self.state != VmState::Halted {
+                if self.life.state() != VmState::Halted {
                     let trace = ctx.trace_id.clone();
                     self.enter_halt(
                         &trace,
@@ -762,7 +762,7 @@ impl VmActor {
 
     /// Takes the fresh snapshot the unusable ones wait for, and resolves them with it.
     fn drift_take_fresh_snapshot(&mut self) {
-        if self.drift.fresh_due.is_empty() || self.state != VmState::Running {
+        if self.drift.fresh_due.is_empty() || self.life.state() != VmState::Running {
             return;
         }
         let ids: Vec<String> = self

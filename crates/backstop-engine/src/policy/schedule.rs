@@ -167,7 +167,7 @@ impl VmActor {
             // The engine could not look in time (a long rollback or capture held it).
             self.journal_missed(&trace, due.slots - 1, "engine_busy", None, due.slot_at);
         }
-        let why = match self.state {
+        let why = match self.life.state() {
             VmState::Running => None,
             VmState::Halted => Some("vm_halted".to_string()),
             other => Some(format!("vm_{}", other.as_str())),
@@ -233,7 +233,7 @@ impl VmActor {
         self.refresh_newest_snapshot();
         if let Some(due) = self.policy.schedule.due(now) {
             if self.policy.schedule.last_at.is_some() {
-                let why = if self.state == VmState::Halted {
+                let why = if self.life.state() == VmState::Halted {
                     "vm_halted"
                 } else {
                     "daemon_down"

@@ -175,7 +175,7 @@ impl VmActor {
             let last = FinalRecords {
                 epoch: self.vm.epoch,
                 marked: self.policy.marks.keys().cloned().collect(),
-                halted: self.halt.is_some(),
+                halted: self.life.halt().is_some(),
             };
             ctx.step(
                 "replay",
