@@ -120,3 +120,94 @@ fn a_hung_guest_is_not_snapshotted_as_healthy_and_the_watchdog_lands_before_the_
     let replay = d.ok(&["audit", "replay", "--mode", "production"]);
     assert_eq!(replay["code"], Value::Null, "{replay}");
 }
+
+/// A guest that goes quiet for good cannot keep its VM without fresh rollback targets: each
+/// scheduled slot is put off for a moment (retried meanwhile), then taken anyway and marked
+/// unhealthy, so scheduled snapshots keep coming at the configured interval plus a stated bound.
+#[test]
+fn a_silent_guest_cannot_starve_the_schedule() {
+    if skip_unless_ready("a_silent_guest_cannot_starve_the_schedule") {
+        return;
+    }
+    // The watchdog is far off (this test is about the schedule); 10 s slots, so an unhealthy
+    // slot waits at most 5 s (half the interval) before it is taken anyway.
+    let d = Daemon::start_opts(
+        "health-starve",
+        &Options {
+            guest_flags: "backstop.hb_stop_at=20",
+            extra_toml: "[watchdog]\nheartbeat_timeout_s = 300\nboot_grace_s = 300\nhealthy_within_s = 2\n\n[snapshots]\nschedule_seconds = 10\nunhealthy_defer_max_s = 120\n",
+            ..Options::default()
+        },
+    );
+    d.wait_journal(BOOT, "baseline", |e| {
+        e["event"] == "snapshot.create.completed"
+    });
+    d.wait_serial(
+        0,
+        "BACKSTOP agent heartbeats stopped",
+        Duration::from_secs(120),
+    );
+    let unhealthy_scheduled = |d: &Daemon| -> Vec<Value> {
+        d.journal()
+            .into_iter()
+            .filter(|e| {
+                e["event"] == "snapshot.create.completed"
+                    && e["fields"]["trigger"] == "schedule"
+                    && e["fields"]["healthy"] == false
+            })
+            .collect()
+    };
+    // Two slots in a row, each put off and then taken: not one deferral, then silence.
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while unhealthy_scheduled(&d).len() < 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "scheduled snapshots of the silent guest stopped: {:?}",
+            d.journal()
+                .iter()
+                .filter(|e| e["event"].as_str().unwrap_or("").starts_with("snapshot."))
+                .map(|e| format!("{} {}", e["event"], e["fields"]["trigger"]))
+                .collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let journal = d.journal();
+    let deferred: Vec<&Value> = journal
+        .iter()
+        .filter(|e| {
+            e["event"] == "snapshot.create.deferred" && e["fields"]["trigger"] == "schedule"
+        })
+        .collect();
+    assert!(
+        !deferred.is_empty(),
+        "no slot was put off for the silent guest"
+    );
+    for e in &deferred {
+        assert_eq!(e["fields"]["guest_health"]["healthy"], false, "{e}");
+        let left = e["fields"]["taken_anyway_in_ms"].as_u64().unwrap();
+        assert!(
+            left <= 5000,
+            "a slot may wait at most half the interval: {e}"
+        );
+    }
+    // Each taken-anyway snapshot is what it is, in the manifest too.
+    for e in unhealthy_scheduled(&d).iter().take(2) {
+        let id = e["fields"]["snapshot_id"].as_str().unwrap();
+        let m = d.ok(&["snapshot", "show", id])["manifest"].clone();
+        assert_eq!(m["capture"]["guest_health"]["healthy"], false, "{m}");
+    }
+    // The gap between the two: one interval, plus the bound, plus the capture's own time.
+    let at = |e: &Value| {
+        time::OffsetDateTime::parse(
+            e["fields"]["created_at"].as_str().unwrap(),
+            &time::format_description::well_known::Rfc3339,
+        )
+        .unwrap()
+    };
+    let two = unhealthy_scheduled(&d);
+    let gap = (at(&two[1]) - at(&two[0])).as_seconds_f64();
+    assert!(
+        gap <= 10.0 + 5.0 + 5.0,
+        "scheduled snapshots {gap} s apart (interval 10 s)"
+    );
+}

@@ -145,26 +145,28 @@ fn a_rollback_marks_only_its_targets_descendants_and_the_tree_shows_both_lines()
             .contains("temporal bound"),
         "{err}"
     );
-    // Even an emergency rollback to the newest verified snapshot (e, now over 25 s old).
-    let out = d.cli(&["rollback", "--emergency", "--reason", "old newest"]);
-    let err: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(
-        err["error"]["code"], "ERR_SNAPSHOT_RESTORE_POLICY_BLOCKED",
-        "{err}"
-    );
-    assert!(
-        err["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("even for --emergency"),
-        "{err}"
-    );
+    // A person's emergency rollback to the newest verified snapshot (e, now over 25 s old) is
+    // never blocked by the bound: it goes through, journaled as an override with the bound.
     let epoch = d.status()["epoch"].as_u64().unwrap();
-    // With evidence for it, the emergency goes through.
+    let r = d.ok(&["rollback", "--emergency", "--reason", "old newest"]);
+    assert_eq!(r["snapshot_id"], e.as_str());
+    assert_eq!(r["epoch"], epoch + 1);
+    let decision = d
+        .journal()
+        .into_iter()
+        .rev()
+        .find(|e| e["event"] == "snapshot.restore.policy_decision")
+        .unwrap();
+    assert_eq!(decision["fields"]["decision"], "override");
+    assert_eq!(decision["fields"]["beyond_bound"], true);
+    assert_eq!(decision["fields"]["temporal_bound_s"], 25);
+    let epoch = d.status()["epoch"].as_u64().unwrap();
+    // With evidence for it, a session rollback beyond the bound goes through.
     let tok = review::token(&key, &e);
     let r = d.ok(&[
         "rollback",
-        "--emergency",
+        "--to",
+        &e,
         "--reason",
         "reviewed",
         "--reviewer-token",

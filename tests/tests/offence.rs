@@ -111,7 +111,34 @@ fn a_trigger_naming_an_action_rolls_back_to_before_it_began() {
     );
     assert_eq!(triggered["fields"]["offence_began_at"], Value::Null);
 
-    // Replay reproduces both choices.
+    // The same occurrence reported again: a journaled no-op.
+    let again = d.ok(&[
+        "trigger",
+        "tier0_violation",
+        "--reason",
+        "pkg-9 was malware (resent)",
+        "--action-id",
+        "pkg-9",
+    ]);
+    assert!(again.get("repeat_of").is_some(), "{again}");
+    assert_eq!(d.status()["epoch"], 2);
+    // The id reused by a new action, which offends too: a new occurrence, rolled back to
+    // before it began — not dropped as a repeat of the first.
+    let begun = d.ok(&["action", "begin", descriptor.to_str().unwrap()]);
+    d.ok(&["action", "end", "pkg-9", "--result", "ok"]);
+    let r = d.ok(&[
+        "trigger",
+        "tier0_violation",
+        "--reason",
+        "pkg-9 again",
+        "--action-id",
+        "pkg-9",
+    ]);
+    assert!(r.get("repeat_of").is_none(), "{r}");
+    assert_eq!(r["epoch"], 3);
+    assert_eq!(r["snapshot_id"], begun["snapshot_id"]);
+
+    // Replay reproduces every choice.
     let replay = d.ok(&["audit", "replay", "--mode", "production"]);
     assert_eq!(replay["code"], Value::Null, "{replay}");
 }

@@ -20,7 +20,9 @@
 
 use serde::Serialize;
 
+pub mod health;
 pub mod lifecycle;
+pub mod schedule;
 
 /// Whether `created_at` is strictly before `bound` (both RFC 3339). An unreadable time is not
 /// before anything: a bound that cannot be checked excludes.

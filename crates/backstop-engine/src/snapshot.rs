@@ -135,6 +135,8 @@ pub(crate) struct GuestHealth {
     pub heartbeat_age_ms: Option<u64>,
     pub heartbeats: u64,
     pub why: String,
+    /// backstop's own pause of the guest, not counted in `heartbeat_age_ms`.
+    pub excused_pause_ms: u64,
 }
 
 impl GuestHealth {
@@ -142,6 +144,7 @@ impl GuestHealth {
         json!({
             "healthy": self.healthy, "heartbeat_age_ms": self.heartbeat_age_ms,
             "heartbeats": self.heartbeats, "why": self.why,
+            "excused_pause_ms": self.excused_pause_ms,
         })
     }
 }
@@ -160,36 +163,45 @@ impl VmActor {
     /// Healthy: the last heartbeat is at most `watchdog.healthy_within_s` old, or none came yet
     /// and the instance is still within its boot grace.
     pub(crate) fn guest_health(&self) -> GuestHealth {
+        self.guest_health_excusing(std::time::Duration::ZERO)
+    }
+
+    /// [`Self::guest_health`] with `paused` (backstop's own pause of the guest, just ended) not
+    /// counted in the heartbeat's age.
+    pub(crate) fn guest_health_excusing(&self, paused: std::time::Duration) -> GuestHealth {
         let hb = self.backend.heartbeats();
         let within = self.cfg.watchdog.healthy_within();
-        match hb.last {
-            Some(t) => {
-                let age = t.elapsed();
-                GuestHealth {
-                    healthy: age <= within,
-                    heartbeat_age_ms: Some(age.as_millis() as u64),
-                    heartbeats: hb.count,
-                    why: format!(
-                        "last heartbeat {} ms ago (healthy within {} s)",
-                        age.as_millis(),
-                        within.as_secs()
-                    ),
-                }
-            }
-            None => {
-                let grace = std::time::Duration::from_secs(self.cfg.watchdog.boot_grace_s);
-                let up = self.running_since.map(|r| r.elapsed()).unwrap_or_default();
-                GuestHealth {
-                    healthy: up <= grace,
-                    heartbeat_age_ms: None,
-                    heartbeats: 0,
-                    why: format!(
-                        "no heartbeat yet, {} s after start (boot grace {} s)",
-                        up.as_secs(),
-                        grace.as_secs()
-                    ),
-                }
-            }
+        let grace = std::time::Duration::from_secs(self.cfg.watchdog.boot_grace_s);
+        let up = self.running_since.map(|r| r.elapsed()).unwrap_or_default();
+        let h = backstop_decide::health::judge(&backstop_decide::health::HeartbeatSeen {
+            last_age: hb.last.map(|t| t.elapsed()),
+            paused,
+            healthy_within: within,
+            running_for: up,
+            boot_grace: grace,
+        });
+        let why = match h.heartbeat_age {
+            Some(age) => format!(
+                "last heartbeat {} ms ago (healthy within {} s)",
+                age.as_millis(),
+                within.as_secs()
+            ),
+            None => format!(
+                "no heartbeat yet, {} s after start (boot grace {} s)",
+                up.as_secs(),
+                grace.as_secs()
+            ),
+        };
+        GuestHealth {
+            healthy: h.healthy,
+            heartbeat_age_ms: h.heartbeat_age.map(|a| a.as_millis() as u64),
+            heartbeats: hb.count,
+            why,
+            excused_pause_ms: if h.heartbeat_age.is_some() {
+                paused.as_millis() as u64
+            } else {
+                0
+            },
         }
     }
 
@@ -223,24 +235,9 @@ impl VmActor {
         // A VM holding a granted device cannot be snapshotted (see devices.rs): deferred.
         self.defer_snapshot_while_granted(ctx, reason, trigger)?;
         self.refuse_capture_on_layer_drift()?;
-        // A scheduled snapshot of a guest that is not healthy (its agent silent) would be a
-        // rollback target holding the hang: put off, journaled. Others are taken and marked
-        // unhealthy.
-        if trigger == "schedule" {
-            let health = self.guest_health();
-            if !health.healthy {
-                let sid = self.session_id.clone();
-                self.journal(AuditEvent::SnapshotCreateDeferred, json!({
-                    "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "deferred",
-                    "code": ErrorCode::SnapshotDeferred, "reason": reason, "trigger": trigger, "devices": [],
-                    "guest_health": health.as_json(),
-                }))?;
-                return Err(EngineError::Deferred(format!(
-                    "the guest is not healthy: {}",
-                    health.why
-                )));
-            }
-        }
+        // A scheduled snapshot of a guest that is not healthy was put off by the schedule
+        // (policy/schedule.rs) for as long as it may be; any snapshot is marked with the health
+        // its guest had.
         #[cfg(feature = "fault-injection")]
         match self.fault {
             Some(crate::fault::Fault::PanicOnSnapshot(vm))
@@ -626,7 +623,10 @@ impl VmActor {
                     })?;
             }
             let capture_ms = started.elapsed().as_millis() as u64;
-            let health = self.guest_health();
+            // Judged on the heartbeat as it was before backstop's own pause: the guest cannot
+            // beat while it is stopped for the capture, and that silence is not its own.
+            let health =
+                self.guest_health_excusing(std::time::Duration::from_micros(report.pause_us));
             let capture = json!({
                 "guest_health": health.as_json(),
                 "backend": self.backend.kind(), "accel": self.backend.accel(),

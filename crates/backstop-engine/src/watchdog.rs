@@ -256,11 +256,14 @@ impl Drop for CaptureWatch {
 const TRIGGER_ID_MAX: usize = 128;
 
 /// A trigger's identity: the id given (checked), else derived from its kind and action ids
-/// (sorted, so their order does not matter), else none.
+/// (sorted, so their order does not matter), else none. An action id is taken with the time
+/// its action began (`begun`), where the pre-action gate saw it: the identity is that of one
+/// occurrence, so a new action that reuses an ended one's id is a new offence, not a repeat.
 pub(crate) fn trigger_identity(
     trigger: TriggerKind,
     action_ids: &[String],
     given: Option<String>,
+    begun: impl Fn(&str) -> Option<String>,
 ) -> Result<Option<String>, EngineError> {
     if let Some(id) = given {
         let ok = !id.is_empty()
@@ -281,6 +284,13 @@ pub(crate) fn trigger_identity(
     let mut ids = action_ids.to_vec();
     ids.sort();
     ids.dedup();
+    let ids: Vec<String> = ids
+        .into_iter()
+        .map(|id| match begun(&id) {
+            Some(at) => format!("{id}@{at}"),
+            None => id,
+        })
+        .collect();
     Ok(Some(format!("{}:{}", trigger.as_str(), ids.join(","))))
 }
 
@@ -524,7 +534,9 @@ impl VmActor {
         self.preempt
             .store(false, std::sync::atomic::Ordering::SeqCst);
         let sid = self.session_id.clone();
-        let trigger_id = trigger_identity(trigger, action_ids, trigger_id)?;
+        let trigger_id = trigger_identity(trigger, action_ids, trigger_id, |id| {
+            self.policy.actions_begun.get(id).cloned()
+        })?;
         if let Some(first) = trigger_id
             .as_ref()
             .and_then(|id| self.policy.triggers.get(id))
@@ -617,23 +629,53 @@ mod identity_tests {
     fn a_trigger_is_identified_by_its_id_or_kind_and_action_ids() {
         let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let k = TriggerKind::ForceRollback;
-        let a = trigger_identity(k, &ids(&["b", "a", "a"]), None).unwrap();
+        let a = trigger_identity(k, &ids(&["b", "a", "a"]), None, never).unwrap();
         assert_eq!(a.as_deref(), Some("force_rollback:a,b"));
-        assert_eq!(trigger_identity(k, &ids(&["a", "b"]), None).unwrap(), a);
-        assert_ne!(
-            trigger_identity(TriggerKind::Tier0Violation, &ids(&["a", "b"]), None).unwrap(),
+        assert_eq!(
+            trigger_identity(k, &ids(&["a", "b"]), None, never).unwrap(),
             a
         );
-        assert_eq!(trigger_identity(k, &[], None).unwrap(), None);
+        assert_ne!(
+            trigger_identity(TriggerKind::Tier0Violation, &ids(&["a", "b"]), None, never).unwrap(),
+            a
+        );
+        assert_eq!(trigger_identity(k, &[], None, never).unwrap(), None);
         assert_eq!(
-            trigger_identity(k, &[], Some("pe-1".into()))
+            trigger_identity(k, &[], Some("pe-1".into()), never)
                 .unwrap()
                 .as_deref(),
             Some("pe-1")
         );
-        assert!(trigger_identity(k, &[], Some("no spaces".into())).is_err());
-        assert!(trigger_identity(k, &[], Some(String::new())).is_err());
-        assert!(trigger_identity(k, &[], Some("x".repeat(129))).is_err());
+        assert!(trigger_identity(k, &[], Some("no spaces".into()), never).is_err());
+        assert!(trigger_identity(k, &[], Some(String::new()), never).is_err());
+        assert!(trigger_identity(k, &[], Some("x".repeat(129)), never).is_err());
+    }
+
+    fn never(_: &str) -> Option<String> {
+        None
+    }
+
+    /// One occurrence, one identity: an action id is taken with the time its action began, so
+    /// a new action reusing an ended one's id is a new offence.
+    #[test]
+    fn a_reused_action_id_is_a_new_occurrence() {
+        let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let k = TriggerKind::Tier0Violation;
+        let first = |id: &str| (id == "pkg-1").then(|| "2026-01-01T00:00:00Z".to_string());
+        let second = |id: &str| (id == "pkg-1").then(|| "2026-01-01T01:00:00Z".to_string());
+        let a = trigger_identity(k, &ids(&["pkg-1", "x"]), None, first).unwrap();
+        assert_eq!(
+            a.as_deref(),
+            Some("tier0_violation:pkg-1@2026-01-01T00:00:00Z,x")
+        );
+        assert_eq!(
+            trigger_identity(k, &ids(&["x", "pkg-1"]), None, first).unwrap(),
+            a
+        );
+        assert_ne!(
+            trigger_identity(k, &ids(&["pkg-1", "x"]), None, second).unwrap(),
+            a
+        );
     }
 
     #[test]

@@ -47,6 +47,10 @@ pub struct SnapshotsConfig {
     /// Overrides `schedule_minutes` with seconds (tests and demos; at least 5).
     #[serde(default)]
     pub schedule_seconds: Option<u64>,
+    /// How long a scheduled slot of an unhealthy guest may be put off before it is taken
+    /// anyway, marked unhealthy (never more than half the interval; 0: taken at once).
+    #[serde(default = "default_unhealthy_defer_max_s")]
+    pub unhealthy_defer_max_s: u64,
 }
 
 impl Default for SnapshotsConfig {
@@ -54,11 +58,20 @@ impl Default for SnapshotsConfig {
         Self {
             schedule_minutes: default_schedule_minutes(),
             schedule_seconds: None,
+            unhealthy_defer_max_s: default_unhealthy_defer_max_s(),
         }
     }
 }
 
 impl SnapshotsConfig {
+    /// How an unhealthy guest's scheduled slot is put off (see `backstop_decide::schedule`).
+    pub fn health_rule(&self) -> backstop_decide::schedule::HealthRule {
+        backstop_decide::schedule::HealthRule::new(
+            self.interval(),
+            Duration::from_secs(self.unhealthy_defer_max_s),
+        )
+    }
+
     pub fn interval(&self) -> Duration {
         Duration::from_secs(
             self.schedule_seconds
@@ -69,6 +82,10 @@ impl SnapshotsConfig {
 
 fn default_schedule_minutes() -> u64 {
     30
+}
+
+fn default_unhealthy_defer_max_s() -> u64 {
+    120
 }
 
 /// `[retention]`: which snapshots are kept (spec/000 §4.1 "host-defined").
@@ -197,6 +214,12 @@ pub fn validate_config(cfg: &Config) -> Result<(), ConfigError> {
                 "must be between 5 and 86400; scheduled snapshots cannot be turned off".into(),
             );
         }
+    }
+    if s.unhealthy_defer_max_s > 3600 {
+        return bad(
+            "snapshots.unhealthy_defer_max_s",
+            "must be at most 3600; an unhealthy guest's slot is taken anyway after it".into(),
+        );
     }
     let r = &cfg.retention;
     if !(1..=10_000).contains(&r.keep_last) {

@@ -107,9 +107,12 @@ impl VmActor {
                     (None, None) => Some(self.session_target(None)?),
                 },
             };
+        // A person's (or the policy engine's) emergency rollback is never blocked, by reviewer
+        // evidence nor by the temporal bound (spec/README): it goes to the newest verified
+        // snapshot, and a target beyond the bound is journaled with the bound, as an override.
         let gate = RestoreRequest {
             governed: ty == RollbackType::Session,
-            bounded: true,
+            bounded: ty == RollbackType::Session,
             reviewer_token: ask.reviewer_token,
             allow_newer_minor: ask.allow_newer_minor,
             include_forensic: ask.include_forensic,
@@ -553,8 +556,8 @@ impl GateShell<'_, '_> {
         )
     }
 
-    /// A target beyond the temporal bound: only reviewer evidence for it lets the restore
-    /// through, even for an emergency rollback. The refusal names both ways forward.
+    /// A session rollback's target beyond the temporal bound: only reviewer evidence for it lets
+    /// the restore through. The refusal names both ways forward.
     fn beyond_bound_evidence(&self) -> Result<Evidence, String> {
         let id = self.target;
         let what = bound_what(id, self.age_s, self.bound_s);
@@ -564,7 +567,7 @@ impl GateShell<'_, '_> {
                 None => "no reviewer key is configured yet ([restore_gate] reviewer_key)".into(),
             };
             return Err(format!(
-                "{what}: restoring it needs reviewer evidence, even for --emergency: {how}"
+                "{what}: restoring it needs reviewer evidence: {how}; or `--emergency` to the newest verified snapshot"
             ));
         };
         let Some(key_path) = &self.key_path else {

@@ -15,7 +15,8 @@ use tracing::{info, warn};
 use backstop_control::Progress;
 use backstop_store::ListEntry;
 
-use backstop_common::AuditEvent;
+use backstop_common::{AuditEvent, ErrorCode};
+use backstop_decide::schedule::{scheduled_slot, SlotVerdict};
 
 use crate::actor::{Caller, Ctx, VmActor};
 use crate::lifecycle::VmState;
@@ -37,6 +38,16 @@ pub struct Schedule {
     /// Many VMs of one daemon start together; without it their schedules stay in step and
     /// every interval they all queue for the capture slot at once (the phase spreads them).
     phase: Duration,
+    /// A slot put off because the guest was not healthy: looked at again at `retry_at`, and
+    /// taken anyway once the rule's bound has passed (see `backstop_decide::schedule`).
+    deferred: Option<Deferred>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Deferred {
+    since: Instant,
+    retry_at: Instant,
+    slot_at: OffsetDateTime,
 }
 
 /// What [`Schedule::slots`] finds at a given time.
@@ -57,6 +68,7 @@ impl Schedule {
             started: false,
             recheck_at: None,
             phase: Duration::ZERO,
+            deferred: None,
         }
     }
 
@@ -142,6 +154,16 @@ impl VmActor {
             self.schedule_start();
             return;
         }
+        // A slot put off for the guest's health: its retry comes before the grid's next slot
+        // (the deferral is bounded by half an interval), so nothing else is due meanwhile.
+        if let Some(d) = self.policy.schedule.deferred {
+            if Instant::now() >= d.retry_at {
+                let trace = self.new_id();
+                self.scheduled_snapshot(&trace, d.slot_at, Some(d.since));
+                self.schedule_recheck(OffsetDateTime::now_utc());
+            }
+            return;
+        }
         if self
             .policy
             .schedule
@@ -178,10 +200,64 @@ impl VmActor {
             self.schedule_recheck(now);
             return;
         }
+        self.scheduled_snapshot(&trace, due.slot_at, None);
+        self.schedule_recheck(OffsetDateTime::now_utc());
+    }
+
+    /// The snapshot of a slot that came due at `slot_at` (put off since `deferred_since`, if it
+    /// was): taken, or — while the guest is not healthy and for no longer than the rule allows —
+    /// put off again, journaled.
+    fn scheduled_snapshot(
+        &mut self,
+        trace: &str,
+        slot_at: OffsetDateTime,
+        deferred_since: Option<Instant>,
+    ) {
+        self.policy.schedule.deferred = None;
+        if deferred_since.is_some() && self.life.state() != VmState::Running {
+            // Its slot was journaled as missed when it was first put off; a halted or
+            // rolled-back VM's next snapshot comes from the grid.
+            return;
+        }
+        let health = self.guest_health();
+        let rule = self.cfg.snapshots.health_rule();
+        let verdict = scheduled_slot(health.healthy, deferred_since.map(|t| t.elapsed()), &rule);
+        if let SlotVerdict::Defer { retry_in } = verdict {
+            let since = deferred_since.unwrap_or_else(Instant::now);
+            let sid = self.session_id.clone();
+            let left = rule.max_defer.saturating_sub(since.elapsed());
+            let message = format!("the guest is not healthy: {}", health.why);
+            let _ = self.journal(AuditEvent::SnapshotCreateDeferred, json!({
+                "snapshot_id": Value::Null, "session_id": sid, "trace_id": trace, "result": "deferred",
+                "code": ErrorCode::SnapshotDeferred, "reason": "scheduled snapshot", "trigger": "schedule", "devices": [],
+                "guest_health": health.as_json(),
+                "retry_in_ms": retry_in.as_millis() as u64, "taken_anyway_in_ms": left.as_millis() as u64,
+            }));
+            warn!(
+                retry_in_ms = retry_in.as_millis() as u64,
+                "scheduled snapshot put off: {message}"
+            );
+            if deferred_since.is_none() {
+                self.journal_missed(
+                    trace,
+                    1,
+                    "snapshot_deferred",
+                    Some((ErrorCode::SnapshotDeferred.as_str(), message)),
+                    slot_at,
+                );
+                self.policy.schedule.missed_until(slot_at);
+            }
+            self.policy.schedule.deferred = Some(Deferred {
+                since,
+                retry_at: Instant::now() + retry_in,
+                slot_at,
+            });
+            return;
+        }
         let mut sink = |_p: Progress| {};
         let mut ctx = Ctx {
             caller: Caller::daemon(),
-            trace_id: trace.clone(),
+            trace_id: trace.to_string(),
             progress: &mut sink,
         };
         match self.create_snapshot(&mut ctx, "scheduled snapshot", "schedule") {
@@ -203,17 +279,20 @@ impl VmActor {
                     "snapshot_failed"
                 };
                 warn!(code = %e.code(), error = %e, "scheduled snapshot not taken");
+                if deferred_since.is_some() {
+                    // Its slot was journaled as missed when it was first put off.
+                    return;
+                }
                 self.journal_missed(
-                    &trace,
+                    trace,
                     1,
                     why,
                     Some((e.code().as_str(), e.to_string())),
-                    due.slot_at,
+                    slot_at,
                 );
-                self.policy.schedule.missed_until(due.slot_at);
+                self.policy.schedule.missed_until(slot_at);
             }
         }
-        self.schedule_recheck(OffsetDateTime::now_utc());
     }
 
     /// At the first tick after start-up: slots that passed while the daemon was down (or the VM
