@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use backstop_control::{Progress, Request, Response, StatusView};
+use backstop_control::{Progress, Request, Response, RollbackArgs, StatusView};
 
 use backstop_common::{AuditEvent, ErrorCode};
 
@@ -291,13 +291,13 @@ impl VmHandle {
         // work: they preempt a capture in flight and jump the queue.
         let urgent = match &request {
             Request::Trigger { .. } => true,
-            Request::Rollback {
+            Request::Rollback(RollbackArgs {
                 to: None,
                 before: None,
                 emergency,
                 rollback_type,
                 ..
-            } => *emergency || *rollback_type == Some(backstop_common::RollbackType::Emergency),
+            }) => *emergency || *rollback_type == Some(backstop_common::RollbackType::Emergency),
             _ => false,
         };
         let job = Job {
