@@ -1,6 +1,7 @@
 //! Errors of the engine's operations. Every error has a stable code: the spec's where one exists.
 
 use backstop_common::ErrorCode;
+use backstop_control::WireError;
 use backstop_hypervisor::BackendError;
 use backstop_journal::JournalError;
 use backstop_store::StoreError;
@@ -89,6 +90,11 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// The failure as the requester is answered: this error's code and message.
+    pub fn to_wire(&self) -> WireError {
+        WireError::new(self.code(), self.to_string())
+    }
+
     pub fn code(&self) -> ErrorCode {
         match self {
             EngineError::Halted { .. } => ErrorCode::VmHalted,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use backstop_common::{AuditEvent, ErrorCode};
 use backstop_control::{
     AddedFromSnapshot, LeaseView, OffsiteGcReport, OffsitePruned, OffsiteView, PullReport,
-    ReplicationView, Reply, Request, Response, RollbackArgs, StartedHere, VmAddReport,
+    ReplicationView, Reply, Request, Response, RollbackArgs, StartedHere, VmAddReport, WireError,
 };
 use backstop_engine::supervisor::Supervisor;
 use backstop_engine::Caller;
@@ -291,14 +291,14 @@ impl Offsite {
                         message: format!("the start rollback answered {other:?}"),
                     }
                 }
-                Err((code, message)) => {
-                    return Reply::Failed {
-                        code,
-                        message: format!(
-                            "{} was pulled and the lease taken, but the VM could not be started from it: {message}",
-                            report.snapshot_id
+                Err(e) => {
+                    return Reply::from(WireError::new(
+                        e.code,
+                        format!(
+                            "{} was pulled and the lease taken, but the VM could not be started from it: {}",
+                            report.snapshot_id, e.message
                         ),
-                    }
+                    ))
                 }
             }
         }
