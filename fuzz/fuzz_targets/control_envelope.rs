@@ -7,7 +7,9 @@
 //! decodes to the same envelope.
 #![no_main]
 
-use backstop_control::{evidence, Envelope, Request, MAX_LINE_BYTES, PROTOCOL_VERSION};
+use backstop_control::{
+    evidence, Envelope, Request, RollbackArgs, MAX_LINE_BYTES, PROTOCOL_VERSION,
+};
 use backstop_integrity::HostKey;
 use libfuzzer_sys::fuzz_target;
 
@@ -28,11 +30,11 @@ fuzz_target!(|data: &[u8]| {
     let again = Envelope::decode(&encoded).expect("a re-encoded envelope decodes");
     assert_eq!(again, envelope);
 
-    if let Request::Rollback {
+    if let Request::Rollback(RollbackArgs {
         reviewer_token: Some(token),
         to,
         ..
-    } = &envelope.request
+    }) = &envelope.request
     {
         let key = HostKey::from_bytes([7; 32]);
         let snapshot = to.as_deref().unwrap_or("0123456789abcdef0123456789abcdef");

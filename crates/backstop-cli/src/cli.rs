@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use backstop_control::{ActionResult, HostTrigger, Request, RollbackType};
+use backstop_control::{ActionResult, HostTrigger, Request, RollbackArgs, RollbackType};
 use clap::{Parser, Subcommand};
 use serde_json::Value;
 
@@ -575,7 +575,7 @@ impl Command {
                 reviewer_token,
                 compat,
                 include_forensic,
-            } => Request::Rollback {
+            } => Request::Rollback(RollbackArgs {
                 to: to.clone(),
                 reason: reason.clone(),
                 emergency: *emergency,
@@ -584,7 +584,7 @@ impl Command {
                 reviewer_token: reviewer_token.clone(),
                 allow_newer_minor: *compat,
                 include_forensic: *include_forensic,
-            },
+            }),
             Command::Halt(HaltCommand::Clear {
                 reason, to: None, ..
             }) => Request::HaltClear {
@@ -975,7 +975,7 @@ mod tests {
         );
         assert_eq!(
             request(&["rollback", "--reason", "r"]),
-            Request::Rollback {
+            Request::Rollback(RollbackArgs {
                 to: None,
                 reason: "r".into(),
                 emergency: false,
@@ -984,11 +984,11 @@ mod tests {
                 reviewer_token: None,
                 allow_newer_minor: false,
                 include_forensic: false,
-            }
+            })
         );
         assert_eq!(
             request(&["rollback", "--to", "ab", "--reason", "r", "--emergency"]),
-            Request::Rollback {
+            Request::Rollback(RollbackArgs {
                 to: Some("ab".into()),
                 reason: "r".into(),
                 emergency: true,
@@ -997,7 +997,7 @@ mod tests {
                 reviewer_token: None,
                 allow_newer_minor: false,
                 include_forensic: false,
-            }
+            })
         );
         assert_eq!(
             request(&["halt", "clear", "--reason", "ok"]),
@@ -1111,7 +1111,7 @@ mod tests {
                 "--reason",
                 "r",
             ]),
-            Request::Rollback {
+            Request::Rollback(RollbackArgs {
                 to: None,
                 reason: "r".into(),
                 emergency: false,
@@ -1120,7 +1120,7 @@ mod tests {
                 reviewer_token: Some(serde_json::json!({"reviewer": "alice"})),
                 allow_newer_minor: true,
                 include_forensic: false,
-            }
+            })
         );
         let missing = d.path().join("none.json");
         let not_json = d.path().join("bad.json");

@@ -142,7 +142,7 @@ mod tests {
     use std::io;
     use std::path::PathBuf;
 
-    use backstop_control::AuditVerifyReport;
+    use backstop_control::{AuditVerifyReport, RollbackArgs};
 
     use super::*;
 
@@ -161,7 +161,7 @@ mod tests {
             code: "ERR_VM_HALTED".into(),
             message: "VM is halted: restore failed".into(),
         });
-        let req = Request::Rollback {
+        let req = Request::Rollback(RollbackArgs {
             to: None,
             reason: "r".into(),
             emergency: false,
@@ -170,7 +170,7 @@ mod tests {
             reviewer_token: None,
             allow_newer_minor: false,
             include_forensic: false,
-        };
+        });
         let out = outcome(&req, &halted, false);
         assert_eq!(out.exit_code, exit::HALTED);
         assert_eq!(out.stdout, "");

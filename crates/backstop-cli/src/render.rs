@@ -1428,7 +1428,7 @@ fn offsite_gc_text(r: &backstop_control::OffsiteGcReport) -> String {
 
 #[cfg(test)]
 mod tests {
-    use backstop_control::{AuditFault, HaltView, SkippedSnapshot};
+    use backstop_control::{AuditFault, HaltView, RollbackArgs, SkippedSnapshot};
 
     use super::*;
 
@@ -1880,7 +1880,7 @@ mod tests {
             repeat_of: None,
             forensic_snapshot_id: None,
         };
-        let req = Request::Rollback {
+        let req = Request::Rollback(RollbackArgs {
             to: None,
             reason: "r".into(),
             emergency: false,
@@ -1889,7 +1889,7 @@ mod tests {
             reviewer_token: None,
             allow_newer_minor: false,
             include_forensic: false,
-        };
+        });
         assert_eq!(
             human(&req, &Response::RolledBack(report.clone())),
             "rolled back to abc (session, console) in 812 ms, restore 250 ms; epoch 7; \

@@ -13,7 +13,7 @@ use std::thread;
 
 use backstop_control::{
     Accepted, AccessPolicy, AuditFault, AuditVerifyReport, ControlServer, Progress, Reply, Request,
-    Response, RollbackReport, SnapshotSummary, StatusView, VerifyReport,
+    Response, RollbackArgs, RollbackReport, SnapshotSummary, StatusView, VerifyReport,
 };
 
 /// A fake daemon: answers every request with the replies `script` gives for it, and reports
@@ -185,7 +185,7 @@ fn commands_send_the_right_requests() {
                 "bad update",
                 "--emergency",
             ],
-            Request::Rollback {
+            Request::Rollback(RollbackArgs {
                 to: Some("0123".into()),
                 reason: "bad update".into(),
                 emergency: true,
@@ -194,7 +194,7 @@ fn commands_send_the_right_requests() {
                 reviewer_token: None,
                 allow_newer_minor: false,
                 include_forensic: false,
-            },
+            }),
         ),
         (
             &["audit", "tail", "-n", "3"],

@@ -12,12 +12,14 @@
 pub mod client;
 mod envelope;
 pub mod evidence;
+mod failure;
 mod framing;
 pub mod protocol;
 pub mod server;
 
 pub use client::{ClientError, ControlClient};
 pub use envelope::{Envelope, PROTOCOL_VERSION};
+pub use failure::WireError;
 pub use protocol::*;
 pub use server::{
     Accepted, AccessPolicy, Connection, ControlError, ControlServer, PeerCred, ProgressSink, Role,

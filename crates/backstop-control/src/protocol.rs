@@ -62,30 +62,8 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "is_false")]
         dry_run: bool,
     },
-    /// Roll the VM back (spec/000 §5). Without a type: `emergency` (or neither `to` nor
-    /// `before`) is an emergency rollback to the newest verified snapshot; `to` or `before` is a
-    /// session rollback. A session rollback to anything but the newest verified snapshot needs
-    /// `reviewer_token` (spec/001 governance); `allow_newer_minor` is spec/001's explicit
-    /// compatibility mode. Micro rollbacks are `action_end` with result `failed`.
-    Rollback {
-        to: Option<String>,
-        reason: String,
-        #[serde(default)]
-        emergency: bool,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        rollback_type: Option<RollbackType>,
-        /// Session rollback: the newest snapshot created at or before this RFC 3339 time.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        before: Option<String>,
-        /// A reviewer token (see [`crate::evidence`]), as read from its file.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        reviewer_token: Option<Value>,
-        #[serde(default, skip_serializing_if = "is_false")]
-        allow_newer_minor: bool,
-        /// A forensic snapshot holding RAM may be the named target (`--include-forensic`).
-        #[serde(default, skip_serializing_if = "is_false")]
-        include_forensic: bool,
-    },
+    /// Roll the VM back (spec/000 §5): see [`RollbackArgs`].
+    Rollback(RollbackArgs),
     /// A person clears HALTED; the VM is then restored from the newest verified snapshot
     /// (or cold-booted when there is none).
     HaltClear { reason: String },
@@ -263,6 +241,37 @@ pub struct ReplayAsk {
     pub timeout_s: Option<u64>,
 }
 
+/// What `rollback` is asked (spec/000 §5): the one shape the console's flags are read into,
+/// the wire carries and the engine decides on. Without a type: `emergency` (or neither `to` nor
+/// `before`) is an emergency rollback to the newest verified snapshot; `to` or `before` is a
+/// session rollback. A session rollback to anything but the newest verified snapshot needs
+/// `reviewer_token` (spec/001 governance); `allow_newer_minor` is spec/001's explicit
+/// compatibility mode. Micro rollbacks are `action_end` with result `failed`.
+///
+/// Decoded strictly (unknown fields refused) here, as a newtype variant's struct: the enum's
+/// own `deny_unknown_fields` does not reach into it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RollbackArgs {
+    pub to: Option<String>,
+    pub reason: String,
+    #[serde(default)]
+    pub emergency: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollback_type: Option<RollbackType>,
+    /// Session rollback: the newest snapshot created at or before this RFC 3339 time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before: Option<String>,
+    /// A reviewer token (see [`crate::evidence`]), as read from its file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reviewer_token: Option<Value>,
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub allow_newer_minor: bool,
+    /// A forensic snapshot holding RAM may be the named target (`--include-forensic`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub include_forensic: bool,
+}
+
 fn default_replay_mode() -> String {
     "audit".into()
 }
@@ -397,22 +406,7 @@ enum StrictRequest {
         #[serde(default)]
         dry_run: bool,
     },
-    Rollback {
-        to: Option<String>,
-        reason: String,
-        #[serde(default)]
-        emergency: bool,
-        #[serde(default)]
-        rollback_type: Option<RollbackType>,
-        #[serde(default)]
-        before: Option<String>,
-        #[serde(default)]
-        reviewer_token: Option<Value>,
-        #[serde(default)]
-        allow_newer_minor: bool,
-        #[serde(default)]
-        include_forensic: bool,
-    },
+    Rollback(RollbackArgs),
     HaltClear {
         reason: String,
     },
@@ -514,25 +508,7 @@ impl From<StrictRequest> for Request {
                 for_start,
             },
             StrictRequest::OffsiteGc { dry_run } => Request::OffsiteGc { dry_run },
-            StrictRequest::Rollback {
-                to,
-                reason,
-                emergency,
-                rollback_type,
-                before,
-                reviewer_token,
-                allow_newer_minor,
-                include_forensic,
-            } => Request::Rollback {
-                to,
-                reason,
-                emergency,
-                rollback_type,
-                before,
-                reviewer_token,
-                allow_newer_minor,
-                include_forensic,
-            },
+            StrictRequest::Rollback(args) => Request::Rollback(args),
             StrictRequest::HaltClear { reason } => Request::HaltClear { reason },
             StrictRequest::HaltClearTo {
                 reason,
@@ -626,7 +602,7 @@ impl Request {
             Request::SnapshotVerify { .. } => "snapshot verify",
             Request::SnapshotPull { .. } => "snapshot pull",
             Request::OffsiteGc { .. } => "offsite gc",
-            Request::Rollback { .. } => "rollback",
+            Request::Rollback(_) => "rollback",
             Request::HaltClear { .. } | Request::HaltClearTo { .. } => "halt clear",
             Request::Resume { .. } => "resume",
             Request::AuditTail { .. } => "audit tail",
@@ -1449,6 +1425,9 @@ pub struct LinkView {
 }
 
 #[cfg(test)]
+mod rollback_tests;
+
+#[cfg(test)]
 mod device_request_tests {
     use super::*;
 
@@ -1534,7 +1513,7 @@ mod tests {
 
     #[test]
     fn requests_round_trip_through_their_wire_form() {
-        let r = Request::Rollback {
+        let r = Request::Rollback(RollbackArgs {
             to: Some("ab".into()),
             reason: "x".into(),
             emergency: true,
@@ -1543,7 +1522,7 @@ mod tests {
             reviewer_token: None,
             allow_newer_minor: false,
             include_forensic: false,
-        };
+        });
         let line = serde_json::to_string(&r).unwrap();
         assert_eq!(
             line,
@@ -1585,7 +1564,7 @@ mod tests {
             Request::SnapshotList,
             Request::SnapshotShow { id: "a".into() },
             Request::SnapshotVerify { id: "a".into() },
-            Request::Rollback {
+            Request::Rollback(RollbackArgs {
                 to: None,
                 reason: "r".into(),
                 emergency: false,
@@ -1594,7 +1573,7 @@ mod tests {
                 reviewer_token: Some(serde_json::json!({"reviewer": "r"})),
                 allow_newer_minor: true,
                 include_forensic: false,
-            },
+            }),
             Request::HaltClear { reason: "r".into() },
             Request::ActionBegin {
                 descriptor: serde_json::json!({"action_id": "a"}),
@@ -1626,7 +1605,7 @@ mod tests {
         );
         assert_eq!(
             serde_json::from_str::<Request>(r#"{"op":"rollback","reason":"r"}"#).unwrap(),
-            Request::Rollback {
+            Request::Rollback(RollbackArgs {
                 to: None,
                 reason: "r".into(),
                 emergency: false,
@@ -1635,7 +1614,7 @@ mod tests {
                 reviewer_token: None,
                 allow_newer_minor: false,
                 include_forensic: false,
-            }
+            })
         );
     }
 

@@ -1,6 +1,7 @@
 //! Errors of the engine's operations. Every error has a stable code: the spec's where one exists.
 
 use backstop_common::ErrorCode;
+use backstop_control::WireError;
 use backstop_hypervisor::BackendError;
 use backstop_journal::JournalError;
 use backstop_store::StoreError;
@@ -43,8 +44,8 @@ pub enum EngineError {
     /// Drift detection found it failing verification once (see `drift.rs`).
     #[error("snapshot {snapshot_id} is marked unusable by drift detection ({reason}): never a rollback target")]
     SnapshotUnusable { snapshot_id: String, reason: String },
-    #[error("rollback failed at {step}: {detail}; the VM is HALTED")]
-    RollbackHalted { step: &'static str, detail: String },
+    #[error("rollback failed at {0}; the VM is HALTED")]
+    RollbackHalted(crate::rollback::RollbackError),
     #[error("no verified snapshot to roll back to; the VM is HALTED")]
     NoVerifiedSnapshot,
     /// The host is short of descriptors or memory: nothing is concluded from the failure.
@@ -89,6 +90,11 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// The failure as the requester is answered: this error's code and message.
+    pub fn to_wire(&self) -> WireError {
+        WireError::new(self.code(), self.to_string())
+    }
+
     pub fn code(&self) -> ErrorCode {
         match self {
             EngineError::Halted { .. } => ErrorCode::VmHalted,
@@ -109,7 +115,7 @@ impl EngineError {
             EngineError::Verify { source, .. } | EngineError::Store(source) => source.code(),
             EngineError::ShapeMismatch { .. } => ErrorCode::SnapshotCompatibilityBlocked,
             EngineError::SnapshotUnusable { .. } => ErrorCode::SnapshotIntegrityCheckFailed,
-            EngineError::RollbackHalted { .. } => ErrorCode::RollbackFailedHalted,
+            EngineError::RollbackHalted(_) => ErrorCode::RollbackFailedHalted,
             EngineError::NoVerifiedSnapshot => ErrorCode::MissingSnapshot,
             EngineError::ResourceExhausted { .. } => ErrorCode::HostResourceExhausted,
             EngineError::Journal(e) => e.code(),

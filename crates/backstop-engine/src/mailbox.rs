@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use backstop_control::{Progress, Request, Response, StatusView};
+use backstop_control::{Progress, Request, Response, RollbackArgs, StatusView, WireError};
 
 use backstop_common::{AuditEvent, ErrorCode};
 
@@ -22,8 +22,8 @@ use crate::error::EngineError;
 use crate::snapshot::CaptureSlots;
 use crate::Config;
 
-/// The result a job's submitter receives: a response, or a (code, message) failure.
-pub type JobResult = Result<Response, (String, String)>;
+/// The result a job's submitter receives: a response, or a failure with its code.
+pub type JobResult = Result<Response, WireError>;
 
 pub struct Job {
     pub request: Request,
@@ -202,8 +202,8 @@ impl VmHandle {
                             tracing::error!(vm = %cfg.vm.name, error = %e, "the HALTED VM's actor could not restart");
                             refuse_all(
                                 &rx,
-                                (
-                                    ErrorCode::VmHalted.to_string(),
+                                WireError::new(
+                                    ErrorCode::VmHalted,
                                     format!("the VM is HALTED and its actor could not restart: {e}"),
                                 ),
                             );
@@ -291,13 +291,13 @@ impl VmHandle {
         // work: they preempt a capture in flight and jump the queue.
         let urgent = match &request {
             Request::Trigger { .. } => true,
-            Request::Rollback {
+            Request::Rollback(RollbackArgs {
                 to: None,
                 before: None,
                 emergency,
                 rollback_type,
                 ..
-            } => *emergency || *rollback_type == Some(backstop_common::RollbackType::Emergency),
+            }) => *emergency || *rollback_type == Some(backstop_common::RollbackType::Emergency),
             _ => false,
         };
         let job = Job {
@@ -317,14 +317,17 @@ impl VmHandle {
         } else {
             self.submit(job)
         };
-        sent.map_err(|e| (e.code().to_string(), e.to_string()))?;
+        sent.map_err(|e| e.to_wire())?;
         // Waits in turns, so that a caller of an actor the supervisor gave up on is answered
         // instead of waiting for good.
         loop {
             match rx.recv_timeout(Duration::from_millis(500)) {
                 Ok(result) => return result,
                 Err(RecvTimeoutError::Disconnected) => {
-                    return Err(("ERR_SHUTTING_DOWN".into(), "the engine stopped".into()))
+                    return Err(WireError::new(
+                        ErrorCode::ShuttingDown,
+                        "the engine stopped",
+                    ))
                 }
                 Err(RecvTimeoutError::Timeout) if self.is_retired() => {
                     return Err(wedged_refusal(&self.name))
@@ -529,7 +532,7 @@ fn halt_after_panic(cfg: &Config, what: &str) {
 
 /// Answers every request with `refusal` until the handle goes away or says shut down: the
 /// thread of an actor that cannot restart, or of one the supervisor retired.
-fn refuse_all(rx: &mpsc::Receiver<Order>, refusal: (String, String)) {
+fn refuse_all(rx: &mpsc::Receiver<Order>, refusal: WireError) {
     while let Ok(order) = rx.recv() {
         match order {
             Order::Request(job) | Order::Trigger(job) => {
@@ -542,9 +545,9 @@ fn refuse_all(rx: &mpsc::Receiver<Order>, refusal: (String, String)) {
 }
 
 /// The answer to every request for a VM whose wedged actor the supervisor retired.
-fn wedged_refusal(vm: &str) -> (String, String) {
-    (
-        ErrorCode::VmActorWedged.to_string(),
+fn wedged_refusal(vm: &str) -> WireError {
+    WireError::new(
+        ErrorCode::VmActorWedged,
         format!(
             "VM {vm} is HALTED: its actor stopped answering and its guest was ended; restart \
              backstopd (the other VMs resume where they were) and clear the halt then"
@@ -562,12 +565,12 @@ fn serve(engine: &mut VmActor, mut job: Job) {
     let span = tracing::info_span!("request", op = job.request.name(), trace_id = %ctx.trace_id, by = %ctx.caller.label());
     let _g = span.enter();
     let result = engine.handle(job.request, &mut ctx).map_err(|e| {
-        if e.code() == "ERR_VM_HALTED" || e.code().as_str().starts_with("ERR_BAD") {
+        if matches!(e.code(), ErrorCode::VmHalted | ErrorCode::BadRequest) {
             tracing::warn!(code = %e.code(), error = %e, "request refused");
         } else {
             tracing::error!(code = %e.code(), error = %e, "request failed");
         }
-        (e.code().to_string(), e.to_string())
+        e.to_wire()
     });
     engine.publish();
     let _ = job.reply.send(result);

@@ -123,28 +123,7 @@ impl VmActor {
                     disk_layers_checked: v.report.disk_layers_checked,
                 }))
             }
-            Request::Rollback {
-                to,
-                reason,
-                emergency,
-                rollback_type,
-                before,
-                reviewer_token,
-                allow_newer_minor,
-                include_forensic,
-            } => {
-                let ask = crate::policy::restore_gate::RollbackAsk {
-                    to,
-                    reason,
-                    emergency,
-                    rollback_type,
-                    before,
-                    reviewer_token,
-                    allow_newer_minor,
-                    include_forensic,
-                };
-                Ok(Response::RolledBack(self.console_rollback(ctx, ask)?))
-            }
+            Request::Rollback(ask) => Ok(Response::RolledBack(self.console_rollback(ctx, ask)?)),
             Request::HaltClear { reason } => {
                 let reason = non_empty("reason", reason)?;
                 self.clear_halt(ctx, &reason, None)

@@ -26,11 +26,17 @@ use backstop_common::{ErrorCode, RollbackType, TriggerKind};
 use crate::actor::{Ctx, VmActor};
 use crate::error::EngineError;
 use crate::fault::Fault;
-use crate::forensic::{ForensicRam, RamJob};
+use crate::forensic::ForensicRam;
 use crate::lifecycle::Transition;
 use crate::policy::RestoreRequest;
 use crate::records::InflightRecord;
 use crate::restore_feed::{Feed, Sink};
+
+mod end_old_vm;
+mod error;
+
+use end_old_vm::OldVmEnding;
+pub use error::RollbackError;
 
 /// Where a rollback's time goes, phase by phase (journaled with it and shown by the console).
 pub(crate) struct PhaseClock {
@@ -162,11 +168,7 @@ impl VmActor {
             "reviewer_evidence": gate.reviewer_token.is_some(),
         }));
         if let Err(e) = requested {
-            return Err(self.halt_unrecorded(
-                &trace,
-                "journal the rollback request",
-                e.to_string(),
-            ));
+            return Err(self.halt_unrecorded(&trace, RollbackError::JournalRequest(e.to_string())));
         }
 
         // 1. Choose and verify, touching nothing.
@@ -203,11 +205,7 @@ impl VmActor {
             "timestamp": now_rfc3339(), "target_healthy": crate::snapshot::manifest_healthy(&target.manifest),
         }));
         if let Err(e) = initiated {
-            return Err(self.halt_unrecorded(
-                &trace,
-                "journal the rollback's start",
-                e.to_string(),
-            ));
+            return Err(self.halt_unrecorded(&trace, RollbackError::JournalStart(e.to_string())));
         }
         let marker = if self.fault == Some(Fault::FailRollbackMarker) {
             Err(std::io::Error::other(
@@ -223,7 +221,9 @@ impl VmActor {
         if let Err(source) = marker {
             // Without its marker a crash mid-rollback could not be told from a clean state at
             // the next start: the rollback does not run, and neither does the VM.
-            return Err(self.halt_unrecorded(&trace, "write rollback marker", source.to_string()));
+            return Err(
+                self.halt_unrecorded(&trace, RollbackError::WriteMarker(source.to_string()))
+            );
         }
 
         // 2.-5. Any failure from here on halts.
@@ -286,22 +286,22 @@ impl VmActor {
                 self.refresh_standby();
                 Ok(report)
             }
-            Err((step, detail)) => {
+            Err(e) => {
                 let _ = self.journal(AuditEvent::SnapshotRestoreFailed, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "failed",
-                    "code": "ERR_ROLLBACK_FAILED_HALTED", "step": step, "error": detail, "vm_touched": true,
+                    "code": ErrorCode::RollbackFailedHalted, "step": e.step(), "error": e.detail(), "vm_touched": true,
                 }));
                 let _ = self.journal(AuditEvent::RollbackFailed, json!({
                     "snapshot_id": snapshot_id, "session_id": sid, "trace_id": trace, "result": "failed",
                     "rollback_type": rollback_type, "trigger": trigger, "reason": reason, "action_ids": action_ids,
-                    "timestamp": now_rfc3339(), "step": step,
+                    "timestamp": now_rfc3339(), "step": e.step(),
                 }));
                 self.enter_halt(
                     &trace,
                     ErrorCode::RollbackFailedHalted,
-                    &format!("rollback to {snapshot_id} failed at {step}: {detail}"),
+                    &format!("rollback to {snapshot_id} failed at {e}"),
                 );
-                Err(EngineError::RollbackHalted { step, detail })
+                Err(EngineError::RollbackHalted(e))
             }
         }
     }
@@ -444,7 +444,7 @@ impl VmActor {
                 self.journal_verify_passed(ctx, &id, &v.report)?;
                 return Ok(Some(v));
             }
-            Ok(_) => "ERR_SNAPSHOT_COMPATIBILITY_BLOCKED".to_string(),
+            Ok(_) => ErrorCode::SnapshotCompatibilityBlocked.as_str().to_string(),
             Err(code) => code,
         };
         let sid = self.session_id.clone();
@@ -460,14 +460,15 @@ impl VmActor {
 
     /// A rollback that cannot be recorded halts the VM (fail-closed): entering HALTED ends its
     /// QEMU, and the error names the step.
-    fn halt_unrecorded(&mut self, trace: &str, step: &'static str, detail: String) -> EngineError {
+    fn halt_unrecorded(&mut self, trace: &str, e: RollbackError) -> EngineError {
+        let (step, detail) = (e.step(), e.detail());
         tracing::error!(step, detail = %detail, "a rollback could not be recorded: the VM is HALTED");
         self.enter_halt(
             trace,
             ErrorCode::RollbackFailedHalted,
             &format!("the rollback could not {step} ({detail}): halted rather than left running unrecorded"),
         );
-        EngineError::RollbackHalted { step, detail }
+        EngineError::RollbackHalted(e)
     }
 
     /// Verifies `id`; a failure is also passive drift (spec/002: detected on read).
@@ -511,7 +512,7 @@ impl VmActor {
         )
     }
 
-    /// Steps 3-5. Errors are (step, detail); the caller halts.
+    /// Steps 3-5. An error names the step that failed; the caller halts.
     fn replace_vm(
         &mut self,
         ctx: &mut Ctx,
@@ -519,7 +520,7 @@ impl VmActor {
         resume: bool,
         ram_wanted: Result<(), String>,
         clock: &mut PhaseClock,
-    ) -> Result<Replaced, (&'static str, String)> {
+    ) -> Result<Replaced, RollbackError> {
         let bound = Duration::from_millis(self.cfg.rollback.revoke_timeout_ms);
         let mut revoked = Vec::new();
         // The fresh overlays on the target's layers do not depend on the old VM: they are made
@@ -530,14 +531,16 @@ impl VmActor {
         let preload = self.take_preload(target);
         for (id, chain) in manifest_chains(target) {
             let Some(top) = chain.last().cloned() else {
-                return Err(("disk layers", format!("disk {id} has an empty chain")));
+                return Err(RollbackError::DiskLayers(format!(
+                    "disk {id} has an empty chain"
+                )));
             };
             let fmt = self.layer_format(&id, &chain);
             let new_top = match preload.as_ref().and_then(|p| p.tops.get(&id)) {
                 Some(t) => t.clone(),
                 None => self
                     .next_layer(&id)
-                    .map_err(|e| ("disk layers", e.to_string()))?,
+                    .map_err(|e| RollbackError::DiskLayers(e.to_string()))?,
             };
             planned.push((id, chain, top, new_top, fmt));
         }
@@ -575,7 +578,7 @@ impl VmActor {
         // the budget) and ends the abandoned VM, or an ending in flight, whose thread still
         // reaps the process.
         let (ram, ending) = ended?;
-        made.map_err(|e| ("disk overlays", e))?;
+        made.map_err(RollbackError::DiskOverlays)?;
         // The disks the ended VM was writing are kept as they are (forensic capture), with its RAM
         // when a save runs beside the restore: published as a forensic snapshot once the guest runs
         // again (off the rollback's path). A rollback that fails on the way still publishes the
@@ -606,7 +609,7 @@ impl VmActor {
                 // snapshot is still being built (the crash loop's "no half-built snapshot"
                 // check saw one). The guest already runs.
                 self.transition(Transition::RolledBack, &ctx.trace_id.clone())
-                    .map_err(|e| ("record the new state", e.to_string()))?;
+                    .map_err(|e| RollbackError::RecordState(e.to_string()))?;
                 Ok((revoked, restore_ms, forensic))
             }
             (Err(e), Some(ForensicRam::Skipped(why))) => {
@@ -626,13 +629,13 @@ impl VmActor {
         target: &VerifiedSnapshot,
         disks: &[DiskAttachment],
         clock: &mut PhaseClock,
-    ) -> Result<(Instant, crate::restore_feed::Held), (&'static str, String)> {
+    ) -> Result<(Instant, crate::restore_feed::Held), RollbackError> {
         // Opened before the launch, so the first chunks are on their way from the disk while
         // QEMU starts (when they are cached, this only opens their files a little earlier).
         let mut payload = self
             .store
             .open_payload(target, "vmstate")
-            .map_err(|e| ("open state", e.to_string()))?;
+            .map_err(|e| RollbackError::OpenState(e.to_string()))?;
         payload.prefetch();
         ctx.step(
             "restore",
@@ -641,7 +644,7 @@ impl VmActor {
         );
         self.backend
             .launch(disks, BootMode::Incoming)
-            .map_err(|e| ("launch fresh vm", e.to_string()))?;
+            .map_err(|e| RollbackError::LaunchFresh(e.to_string()))?;
         clock.done("launch");
         let load_started = Instant::now();
         // A loader reading a pipe is handed the buffers' pages (`restore_feed.rs`).
@@ -650,7 +653,7 @@ impl VmActor {
             Ok(None) => self.backend.begin_restore().map(Sink::Writer),
             Err(e) => Err(e),
         }
-        .map_err(|e| ("start state load", e.to_string()))?;
+        .map_err(|e| RollbackError::StartLoad(e.to_string()))?;
         if self.fault == Some(Fault::KillDuringRestoreLoad) {
             if let Some(pid) = self.backend.pid() {
                 let _ = nix::sys::signal::kill(
@@ -665,7 +668,7 @@ impl VmActor {
         // cost a page fault per 4 KiB of the stream); a spliced one comes back only once the
         // pipe can no longer hold its pages.
         let mut feed = Feed::new(sink);
-        std::thread::scope(|scope| -> Result<(), (&'static str, String)> {
+        std::thread::scope(|scope| -> Result<(), RollbackError> {
             const BUFFERS: usize = 8;
             let (tx, rx) = std::sync::mpsc::sync_channel::<std::io::Result<Vec<u8>>>(BUFFERS);
             let (give_back, take_back) = std::sync::mpsc::channel::<Vec<u8>>();
@@ -689,12 +692,14 @@ impl VmActor {
             });
             let mut done = 0u64;
             for item in rx {
-                let buf = item.map_err(|e| ("read state", e.to_string()))?;
+                let buf = item.map_err(|e| RollbackError::ReadState(e.to_string()))?;
                 if buf.is_empty() {
                     break;
                 }
                 let len = buf.len() as u64;
-                let free = feed.push(buf).map_err(|e| ("load state", e.to_string()))?;
+                let free = feed
+                    .push(buf)
+                    .map_err(|e| RollbackError::LoadState(e.to_string()))?;
                 done += len;
                 if done % (64 << 20) < len {
                     ctx.step("restore", "loading RAM and device state", Some(done));
@@ -707,7 +712,9 @@ impl VmActor {
         })?;
         let spliced = feed.splices();
         // Pages still in the pipe stay as they are until QEMU has read the whole stream.
-        let held = feed.finish().map_err(|e| ("load state", e.to_string()))?;
+        let held = feed
+            .finish()
+            .map_err(|e| RollbackError::LoadState(e.to_string()))?;
         tracing::debug!(spliced, "state stream handed to the loader");
         Ok((load_started, held))
     }
@@ -728,7 +735,7 @@ impl VmActor {
         ending: Option<OldVmEnding>,
         preloaded: bool,
         clock: &mut PhaseClock,
-    ) -> Result<(Vec<String>, u64), (&'static str, String)> {
+    ) -> Result<(Vec<String>, u64), RollbackError> {
         ctx.step(
             "restore",
             "preparing disk overlays on the snapshot's layers",
@@ -772,7 +779,7 @@ impl VmActor {
         let rr = self
             .backend
             .finish_restore()
-            .map_err(|e| ("check restored vm", e.to_string()))?;
+            .map_err(|e| RollbackError::CheckRestored(e.to_string()))?;
         drop(held);
         clock.done("check");
         let restore_ms = load_started.elapsed().as_millis() as u64;
@@ -788,7 +795,7 @@ impl VmActor {
         vm.position = Some(target.manifest.snapshot_id.clone());
         self.vm = vm;
         self.save_vm()
-            .map_err(|e| ("record new epoch", e.to_string()))?;
+            .map_err(|e| RollbackError::RecordEpoch(e.to_string()))?;
         // A disk snapshots exclude is the same file in both QEMUs, and the abandoned one
         // keeps its lock on it until its save completes (QEMU lets go of its images then) or it
         // ends: the fresh one could not take the disk for writing at `cont`. Such a VM waits
@@ -823,12 +830,12 @@ impl VmActor {
         } else {
             self.backend
                 .resume()
-                .map_err(|e| ("resume", e.to_string()))?;
+                .map_err(|e| RollbackError::Resume(e.to_string()))?;
             self.guest_paused = false;
         }
         self.records
             .clear_inflight()
-            .map_err(|e| ("remove rollback marker", e.to_string()))?;
+            .map_err(|e| RollbackError::RemoveMarker(e.to_string()))?;
         // (The state becomes running in `replace_vm`, once the forensic record is published.)
         self.running_since = Some(Instant::now());
         // A new guest instance: a pause of the one it replaced is over with it.
@@ -855,149 +862,6 @@ impl VmActor {
         }
         tracing::debug!(devices = ?rr.devices, "restored VM devices");
         Ok((revoked, restore_ms.max(rr.load_ms)))
-    }
-}
-
-impl VmActor {
-    /// Steps 3-4: pauses the old VM, revokes its devices (bounded), ends its process and gives
-    /// passthrough devices back to the host. Errors are (step, detail); the caller halts.
-    ///
-    /// With `keep_ram` Ok, the paused and revoked VM is let go of instead of ended when nothing
-    /// it holds needs the end of its process, and its RAM and device state start saving beside
-    /// the restore (see `forensic.rs`); otherwise the reason no RAM is kept.
-    fn end_old_vm(
-        &mut self,
-        ctx: &mut Ctx,
-        was_running: bool,
-        keep_ram: Result<(), String>,
-        bound: Duration,
-        revoked: &mut Vec<String>,
-        clock: &mut PhaseClock,
-    ) -> Result<(ForensicRam, Option<OldVmEnding>), (&'static str, String)> {
-        // Why the process must have ended before the rollback goes on (None: it may be let go
-        // of, paused and revoked, and end beside the restore).
-        let mut must_end: Option<String> =
-            (!was_running).then(|| "no running VM was abandoned".to_string());
-        let mut note = |why: String| {
-            must_end.get_or_insert(why);
-        };
-        if was_running {
-            ctx.step("revoke", "pausing the guest and revoking its devices", None);
-            // A QEMU that no longer answers cannot be paused or asked to release anything:
-            // ending its process below is the revocation that always works.
-            match self.backend.pause() {
-                Ok(()) => revoked.push("guest paused".to_string()),
-                Err(e) => {
-                    note(format!("the guest could not be paused ({e})"));
-                    revoked.push(format!("pause failed ({e}); process ended instead"))
-                }
-            }
-            match self.backend.revoke_devices(bound) {
-                Ok(r) => {
-                    if !r.not_released.is_empty() {
-                        note(format!(
-                            "held until its process ended ({}): the abandoned VM was ended first",
-                            r.not_released.join(", ")
-                        ));
-                    }
-                    revoked.extend(r.revoked);
-                    revoked.extend(
-                        r.not_released
-                            .into_iter()
-                            .map(|d| format!("{d}: not released, ended with the process")),
-                    );
-                }
-                Err(e) => {
-                    note(format!("device revocation failed ({e})"));
-                    revoked.push(format!(
-                        "device revocation failed ({e}); process ended instead"
-                    ))
-                }
-            }
-        }
-        clock.done("revoke");
-        if self.cfg.devices.iter().any(|c| c.vfio().is_some()) {
-            note("VFIO devices go back to the host only once the process ends: the abandoned VM was ended first".into());
-        }
-        if !self.cfg.vm.tap_nics.is_empty() {
-            note(
-                "a tap NIC cannot be opened by a second QEMU: the abandoned VM was ended first"
-                    .into(),
-            );
-        }
-        // Why no RAM is kept: the policy's reason when it has one; else what forced the end.
-        let mut ending = None;
-        let ram = match (keep_ram, must_end) {
-            (Ok(()), Some(why)) | (Err(why), Some(_)) => ForensicRam::Skipped(why),
-            (Ok(()), None) => match self.backend.keep_abandoned() {
-                Err(e) => ForensicRam::Skipped(e.to_string()),
-                Ok(vm) => {
-                    let budget = self.cfg.rollback.forensic_ram_budget();
-                    match RamJob::start(&self.store, vm, budget) {
-                        Ok(job) => ForensicRam::Saving(job),
-                        Err(why) => ForensicRam::Skipped(why),
-                    }
-                }
-            },
-            // No RAM to keep, and nothing that only the end of the process gives back: the
-            // paused, revoked QEMU (its disks flushed by the pause) is let go of and killed on a
-            // thread of its own, so waiting for the kernel to tear down its guest RAM is not on
-            // the rollback's path (30-40 ms at 256 MiB). A backend that cannot keep two instances
-            // ends it below, on the rollback's path.
-            (Err(why), None) => {
-                if let Ok(vm) = self.backend.keep_abandoned() {
-                    ending = OldVmEnding::start(vm);
-                }
-                ForensicRam::Skipped(why)
-            }
-        };
-        if matches!(ram, ForensicRam::Saving(_)) {
-            revoked.push(
-                "hypervisor process kept paused for its forensic save, ended after it".into(),
-            );
-        } else if ending.is_some() {
-            revoked.push(
-                "hypervisor process ended (killed while paused, its disks flushed; reaped beside the restore)"
-                    .into(),
-            );
-        } else {
-            // Whatever the backend still runs (a refused keep leaves it) ends here.
-            self.backend
-                .terminate()
-                .map_err(|e| ("end qemu", e.to_string()))?;
-            revoked.push("hypervisor process ended".into());
-        }
-        // Every grant ended with the process; passthrough devices go back to their host
-        // drivers (reset + rebind). A failure halts: never a VM resumed with one still bound.
-        // (A process ended beside the restore holds none: VFIO forces the end above.)
-        let released = self
-            .release_host_devices(&ctx.trace_id)
-            .map_err(|e| ("release host devices", e))?;
-        revoked.extend(released);
-        clock.done("end");
-        Ok((ram, ending))
-    }
-}
-
-/// An abandoned hypervisor process being ended on a thread of its own (see
-/// [`VmActor::end_old_vm`]); [`OldVmEnding::wait`] returns once it is gone.
-pub(crate) struct OldVmEnding(std::thread::JoinHandle<()>);
-
-impl OldVmEnding {
-    /// Ends `vm` on a new thread; `None` if no thread could be started (`vm` is then dropped
-    /// here, which ends it).
-    fn start(mut vm: Box<dyn backstop_hypervisor::AbandonedVm>) -> Option<OldVmEnding> {
-        std::thread::Builder::new()
-            .name("end-old-vm".into())
-            .spawn(move || vm.end())
-            .map(OldVmEnding)
-            .map_err(|e| tracing::warn!(error = %e, "no thread to end the abandoned VM on"))
-            .ok()
-    }
-
-    /// Waits until the process is gone (SIGKILL was sent; this is the kernel's teardown).
-    pub(crate) fn wait(self) {
-        let _ = self.0.join();
     }
 }
 

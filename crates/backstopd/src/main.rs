@@ -9,7 +9,7 @@ use clap::Parser;
 use nix::sys::signal::{SigSet, Signal};
 
 use backstop_control::{
-    Accepted, AccessPolicy, Connection, ControlServer, Reply, Request, Response,
+    Accepted, AccessPolicy, Connection, ControlServer, Reply, Request, Response, WireError,
 };
 use backstop_engine::supervisor::Supervisor;
 use backstop_engine::systemd::{NotifyState, TimeoutExtender};
@@ -438,10 +438,10 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
         uid: conn.peer().uid,
     };
     if let Err(msg) = permitted(conn.role(), &request) {
-        let _ = conn.send(&Reply::Failed {
-            code: "ERR_CONTROL_PERMISSION_DENIED".into(),
-            message: msg,
-        });
+        let _ = conn.send(&Reply::from(WireError::new(
+            backstop_common::ErrorCode::ControlPermissionDenied,
+            msg,
+        )));
         return;
     }
     // Requests about the set of VMs are the daemon's own.
@@ -583,7 +583,7 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
         });
         match vm.call(request, caller, progress) {
             Ok(r) => Reply::Done(r),
-            Err((code, message)) => Reply::Failed { code, message },
+            Err(e) => Reply::from(e),
         }
     };
     if let (Some(o), Reply::Done(response)) = (offsite, &mut reply) {

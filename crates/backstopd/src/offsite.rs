@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use backstop_common::{AuditEvent, ErrorCode};
 use backstop_control::{
     AddedFromSnapshot, LeaseView, OffsiteGcReport, OffsitePruned, OffsiteView, PullReport,
-    ReplicationView, Reply, Request, Response, StartedHere, VmAddReport,
+    ReplicationView, Reply, Request, Response, RollbackArgs, StartedHere, VmAddReport, WireError,
 };
 use backstop_engine::supervisor::Supervisor;
 use backstop_engine::Caller;
@@ -266,7 +266,7 @@ impl Offsite {
             "snapshot pulled");
         if let Some((lease, taken_over, lease_ms)) = lease {
             // The VM runs from the pulled snapshot: B's newest, so no reviewer token is needed.
-            let request = Request::Rollback {
+            let request = Request::Rollback(RollbackArgs {
                 to: Some(report.snapshot_id.clone()),
                 reason: format!("start from {from}'s snapshot {id} (snapshot pull --for-start)"),
                 emergency: false,
@@ -275,7 +275,7 @@ impl Offsite {
                 reviewer_token: None,
                 allow_newer_minor: false,
                 include_forensic: false,
-            };
+            });
             match handle.call(request, caller, Box::new(|_| {})) {
                 Ok(Response::RolledBack(rollback)) => {
                     report.started = Some(StartedHere {
@@ -291,14 +291,14 @@ impl Offsite {
                         message: format!("the start rollback answered {other:?}"),
                     }
                 }
-                Err((code, message)) => {
-                    return Reply::Failed {
-                        code,
-                        message: format!(
-                            "{} was pulled and the lease taken, but the VM could not be started from it: {message}",
-                            report.snapshot_id
+                Err(e) => {
+                    return Reply::from(WireError::new(
+                        e.code,
+                        format!(
+                            "{} was pulled and the lease taken, but the VM could not be started from it: {}",
+                            report.snapshot_id, e.message
                         ),
-                    }
+                    ))
                 }
             }
         }

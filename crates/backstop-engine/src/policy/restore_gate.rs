@@ -21,7 +21,9 @@ use serde_json::{json, Value};
 use time::OffsetDateTime;
 use tracing::{info, warn};
 
-use backstop_control::{evidence, Response, RollbackReport, RollbackType, RolledBackMark};
+use backstop_control::{
+    evidence, Response, RollbackArgs, RollbackReport, RollbackType, RolledBackMark,
+};
 use backstop_store::{ListEntry, StoreError, VerifiedSnapshot, VerifyOptions};
 
 use backstop_common::{AuditEvent, Role, TriggerKind};
@@ -32,26 +34,13 @@ use crate::orders::summary;
 use crate::policy::{parse_time, rfc3339, Mark, PolicyError, RestoreRequest};
 use crate::rollback::RollbackPlan;
 
-/// A `rollback` request from the control socket, as sent.
-#[derive(Debug, Clone)]
-pub struct RollbackAsk {
-    pub to: Option<String>,
-    pub reason: String,
-    pub emergency: bool,
-    pub rollback_type: Option<RollbackType>,
-    pub before: Option<String>,
-    pub reviewer_token: Option<Value>,
-    pub allow_newer_minor: bool,
-    pub include_forensic: bool,
-}
-
 impl VmActor {
     /// `rollback` from the console or the policy engine: works out the type and the target, then
     /// runs the rollback executor with the gate's inputs set.
     pub(crate) fn console_rollback(
         &mut self,
         ctx: &mut Ctx,
-        ask: RollbackAsk,
+        ask: RollbackArgs,
     ) -> Result<RollbackReport, EngineError> {
         let reason = ask.reason.trim().to_string();
         if reason.is_empty() || reason.len() > 1024 {
