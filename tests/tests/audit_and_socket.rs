@@ -191,6 +191,9 @@ fn a_policy_engine_of_its_own_uid_and_group_gets_the_policy_role_only() {
         let (code, out) = as_it(&["halt", "clear", "--reason", "a policy engine may not"]);
         assert_eq!(code, 3, "{out}");
         assert!(out.contains("ERR_CONTROL_PERMISSION_DENIED"), "{out}");
+        let (code, out) = as_it(&["resume", "--reason", "a policy engine may not"]);
+        assert_eq!(code, 3, "{out}");
+        assert!(out.contains("ERR_CONTROL_PERMISSION_DENIED"), "{out}");
     }
     let (code, out) = cli_as(
         &d.socket(),
@@ -206,6 +209,84 @@ fn a_policy_engine_of_its_own_uid_and_group_gets_the_policy_role_only() {
     // Root is still the console.
     assert_eq!(d.status()["state"], "running");
     d.stop();
+}
+
+/// The console and the policy engine are separate principals: by default root is the console
+/// and nobody is the policy engine; a uid or gid named in both role lists is refused at load, in
+/// one line naming both keys, by `--check-config` and by a start (nothing runs). A person may
+/// still send what a policy engine sends: root's `trigger` runs, journaled as the console's.
+#[test]
+fn console_and_policy_are_separate_principals_and_one_in_both_lists_is_refused_at_load() {
+    use std::process::Command;
+    if skip_unless_ready(
+        "console_and_policy_are_separate_principals_and_one_in_both_lists_is_refused_at_load",
+    ) {
+        return;
+    }
+    let mut d = Daemon::start("principals");
+    d.wait_tick(0, 1, Duration::from_secs(90));
+    let text = std::fs::read_to_string(&d.config_path).unwrap();
+    assert!(
+        !text.contains("policy_"),
+        "the fixture names no policy principal: {text}"
+    );
+    let r = d.ok(&[
+        "trigger",
+        "force_rollback",
+        "--reason",
+        "a person may trigger",
+    ]);
+    assert!(r["epoch"].as_u64().is_some(), "{r}");
+    let triggered = d
+        .journal()
+        .into_iter()
+        .rev()
+        .find(|e| e["event"] == "rollback.triggered")
+        .unwrap_or_else(|| panic!("no rollback.triggered"));
+    assert_eq!(
+        triggered["fields"]["requested_by"], "console:uid=0",
+        "{triggered}"
+    );
+    assert_eq!(d.status()["state"], "running");
+    d.stop();
+
+    let other = tempfile::tempdir().unwrap();
+    let state = d.state_dir().display().to_string();
+    let cases = [
+        (
+            "policy_uids = [0]",
+            "`daemon.policy_uids`: uid 0 in both daemon.console_uids and daemon.policy_uids",
+        ),
+        (
+            "console_gids = [4250]\npolicy_gids = [4251, 4250]",
+            "`daemon.policy_gids`: gid 4250 in both daemon.console_gids and daemon.policy_gids",
+        ),
+    ];
+    for (lines, want) in cases {
+        let bad = text
+            .replace(&state, &other.path().join("state").display().to_string())
+            .replacen("[daemon]\n", &format!("[daemon]\n{lines}\n"), 1);
+        let path = other.path().join("both.toml");
+        std::fs::write(&path, bad).unwrap();
+        for check in [true, false] {
+            let mut cmd = Command::new(backstop_e2e::bin("backstopd"));
+            if check {
+                cmd.arg("--check-config");
+            }
+            let out = cmd.arg("--config").arg(&path).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{lines} (check {check}): {err}");
+            assert!(
+                err.contains("ERR_CONFIG_INVALID") && err.contains(want),
+                "{lines} (check {check}): {err}"
+            );
+            assert_eq!(err.trim().lines().count(), 1, "one-line error: {err}");
+        }
+        assert!(
+            !other.path().join("state").exists(),
+            "a refused config started something"
+        );
+    }
 }
 
 /// systemd sees what it is meant to: `READY=1` once serving, then a `STATUS=` line for

@@ -1,8 +1,8 @@
 //! Drift detection (spec/002 §3) against a real QEMU guest: a snapshot damaged in the store while
 //! the daemon runs is found by the active reconciliation pass, journaled as `DriftDetectedEvent`,
-//! marked unusable (never a rollback target again, even repaired), and a fresh snapshot resolves
-//! it; a device added through QEMU's monitor behind backstop's back is found and taken away by an
-//! emergency rollback.
+//! marked unusable (no rollback target, even repaired, until a full `snapshot verify` passes
+//! again, which clears the mark), and a fresh snapshot resolves it; a device added through QEMU's
+//! monitor behind backstop's back is found and taken away by an emergency rollback.
 #![allow(clippy::unwrap_used)]
 
 use std::io::{BufRead, BufReader, Write};
@@ -167,7 +167,8 @@ fn a_snapshot_damaged_in_the_store_is_found_marked_unusable_and_replaced() {
     assert_eq!(d.status()["drift_open"], 0);
 
     // The chunk was quarantined (a fresh capture must not reuse damaged bytes); put the good
-    // bytes back: the snapshot would verify again, and still is never a target.
+    // bytes back: the snapshot would verify again, and is still no target while it is marked
+    // (a full `snapshot verify` lifts the mark: the next test).
     assert!(
         store.join("quarantine").join(&victim).exists(),
         "damaged chunk not quarantined"
@@ -233,6 +234,140 @@ fn a_snapshot_damaged_in_the_store_is_found_marked_unusable_and_replaced() {
     let audit = d.ok(&["audit", "verify"]);
     assert!(audit["first_bad"].is_null(), "{audit}");
     // Replay reproduces every decision, the unusable mark's exclusions included.
+    let replay = d.ok(&["audit", "replay", "--mode", "production"]);
+    assert_eq!(replay["code"], Value::Null, "{replay}");
+}
+
+/// A snapshot marked unusable whose bytes verify again is usable again: a byte of a chunk only
+/// it holds is flipped, `snapshot verify` fails and marks it (passive drift), a rollback to it
+/// is refused on the mark; with the byte put back, `snapshot verify` passes, clears the mark
+/// (a `DriftResolvedEvent` with `usable_again`), and the rollback to it runs. Replay agrees.
+#[test]
+fn a_marked_snapshot_that_verifies_again_is_a_rollback_target_again() {
+    if skip_unless_ready("a_marked_snapshot_that_verifies_again_is_a_rollback_target_again") {
+        return;
+    }
+    // A reviewer key: the drift's fresh snapshot makes the repaired one older than the newest.
+    let files = tempfile::tempdir().unwrap();
+    let key = review::reviewer_key(files.path());
+    let d = Daemon::start_opts(
+        "drift-again",
+        &Options {
+            extra_toml: &review::restore_gate_toml(&key),
+            ..Options::default()
+        },
+    );
+    d.wait_tick(0, 3, BOOT);
+    let id = d.ok(&["snapshot", "create", "--reason", "to damage and repair"])["summary"]
+        ["snapshot_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let store = d.state_dir().join("store");
+    let older: std::collections::BTreeSet<String> = snapshots(&d)
+        .iter()
+        .map(|s| s["snapshot_id"].as_str().unwrap().to_string())
+        .filter(|s| *s != id)
+        .flat_map(|s| chunks_of(&store, &s))
+        .collect();
+    let victim = chunks_of(&store, &id)
+        .into_iter()
+        .find(|c| !older.contains(c))
+        .expect("the snapshot has no chunk of its own");
+    let victim_path = chunk_path(&store, &victim);
+    let len = std::fs::metadata(&victim_path).unwrap().len();
+    let restore = flip_byte(&victim_path, (len / 2) as i64);
+
+    // Passive drift: the failed verification marks it.
+    let out = d.cli(&["snapshot", "verify", &id]);
+    assert!(!out.status.success(), "a damaged snapshot verified");
+    let err: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        err["error"]["code"], "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED",
+        "{err}"
+    );
+    let detected = d
+        .journal()
+        .into_iter()
+        .find(|e| is_drift(e, "DriftDetectedEvent", "snapshot.verifies", &id))
+        .unwrap_or_else(|| panic!("the failed verification was not journaled as drift"));
+    assert_eq!(
+        detected["fields"]["drift_type"], "passive_read",
+        "{detected}"
+    );
+    let token = review::token(&key, &id);
+    let rollback_to = || {
+        d.cli(&[
+            "rollback",
+            "--to",
+            &id,
+            "--reviewer-token",
+            token.to_str().unwrap(),
+            "--reason",
+            "back to the repaired snapshot",
+        ])
+    };
+    let out = rollback_to();
+    assert!(!out.status.success(), "rollback to a marked snapshot ran");
+    let err: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        err["error"]["code"], "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED",
+        "{err}"
+    );
+    let message = err["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("marked unusable by drift detection")
+            && message.contains(&format!("until `snapshot verify {id}` passes")),
+        "{err}"
+    );
+    assert_eq!(d.status()["epoch"], 0);
+
+    // The good byte back (the chunk was quarantined: written where it was).
+    restore();
+    let verified = d.ok(&["snapshot", "verify", &id]);
+    assert_eq!(verified["snapshot_id"], id.as_str(), "{verified}");
+    let resolved = d
+        .journal()
+        .into_iter()
+        .rev()
+        .find(|e| {
+            is_drift(e, "DriftResolvedEvent", "snapshot.verifies", &id)
+                && e["fields"]["usable_again"] == true
+        })
+        .unwrap_or_else(|| panic!("no DriftResolvedEvent clearing the mark"));
+    assert!(
+        resolved["fields"]["resolution"]
+            .as_str()
+            .unwrap()
+            .contains("unusable mark cleared"),
+        "{resolved}"
+    );
+    let report = d.ok(&["drift"]);
+    assert!(
+        !report["unusable_snapshots"]
+            .as_array()
+            .unwrap()
+            .contains(&json!(id)),
+        "{report}"
+    );
+    let row = snapshots(&d)
+        .into_iter()
+        .find(|s| s["snapshot_id"] == id.as_str())
+        .unwrap();
+    assert!(row["unusable"].is_null(), "{row}");
+
+    // `snapshot verify` passed, so the rollback to it runs.
+    let out = rollback_to();
+    assert!(
+        out.status.success(),
+        "rollback after a passing verify: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["snapshot_id"], id.as_str(), "{r}");
+    assert_eq!(d.status()["epoch"], 1);
+    let audit = d.ok(&["audit", "verify"]);
+    assert!(audit["first_bad"].is_null(), "{audit}");
     let replay = d.ok(&["audit", "replay", "--mode", "production"]);
     assert_eq!(replay["code"], Value::Null, "{replay}");
 }

@@ -85,8 +85,8 @@ fn a_rollback_trusts_only_what_was_checked_and_is_unchanged() {
     );
     assert_eq!(st["state"], "running");
 
-    // Drift detection marks it unusable from now on, even with its bytes put back (the store's
-    // unit tests show a file put back is read, not trusted).
+    // Drift detection marks it unusable until a full `snapshot verify` passes again (the
+    // store's unit tests show a file put back is read, not trusted).
     restore();
 
     // 5. The record is the daemon's memory: a restarted daemon trusts nothing, so the first

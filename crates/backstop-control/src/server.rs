@@ -36,7 +36,7 @@ pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct AccessPolicy {
     /// People at the console (full access).
     pub console_uids: Vec<u32>,
-    /// The host policy engine.
+    /// The host policy engine (none by default: a principal of its own, never root's).
     pub policy_uids: Vec<u32>,
     /// Peers whose gid is one of these are consoles too.
     pub console_gids: Vec<u32>,
@@ -52,7 +52,7 @@ impl Default for AccessPolicy {
     fn default() -> Self {
         AccessPolicy {
             console_uids: vec![0],
-            policy_uids: vec![0],
+            policy_uids: Vec::new(),
             console_gids: Vec::new(),
             policy_gids: Vec::new(),
             socket_gid: None,
@@ -62,7 +62,7 @@ impl Default for AccessPolicy {
 
 impl AccessPolicy {
     /// The role of `uid`, or `None` when it may not use the socket at all.
-    /// A uid in both lists is a console.
+    /// A uid in both lists is a console (the daemon's config refuses such lists at load).
     pub fn role_of(&self, uid: u32) -> Option<Role> {
         self.role_of_peer(uid, None)
     }

@@ -211,6 +211,17 @@ fn a_uid_not_allowed_is_refused_before_its_request_is_read() {
     }
 }
 
+/// By default root is the console and no peer is the policy engine: a policy engine is
+/// configured as a principal of its own.
+#[test]
+fn the_default_has_a_console_and_no_policy_engine() {
+    let access = AccessPolicy::default();
+    assert_eq!(access.console_uids, vec![0]);
+    assert!(access.policy_uids.is_empty() && access.policy_gids.is_empty());
+    assert_eq!(access.role_of_peer(0, Some(0)), Some(Role::Console));
+    assert_eq!(access.role_of_peer(990, Some(990)), None);
+}
+
 #[test]
 fn roles_follow_the_access_policy() {
     let policy = AccessPolicy {

@@ -42,7 +42,7 @@ pub enum EngineError {
     )]
     ShapeMismatch { snapshot_id: String },
     /// Drift detection found it failing verification once (see `drift.rs`).
-    #[error("snapshot {snapshot_id} is marked unusable by drift detection ({reason}): never a rollback target")]
+    #[error("snapshot {snapshot_id} is marked unusable by drift detection ({reason}): not a rollback target until `snapshot verify {snapshot_id}` passes")]
     SnapshotUnusable { snapshot_id: String, reason: String },
     #[error("rollback failed at {0}; the VM is HALTED")]
     RollbackHalted(crate::rollback::RollbackError),

@@ -99,8 +99,9 @@ impl HostConfig {
             d.expand()?;
             d
         };
-        // A bad metrics address is the daemon's, not a VM's: nothing starts.
+        // A bad metrics address or role list is the daemon's, not a VM's: nothing starts.
         daemon.metrics_endpoint()?;
+        daemon.check_roles()?;
         match &daemon.vms_dir {
             Some(dir) => vms.extend(load_vms_dir(dir, &daemon, &daemon_raw)?),
             None if !own_vm => {

@@ -116,6 +116,7 @@ impl VmActor {
                     &VerifyOptions::default(),
                     crate::rollback::Verify::Full,
                 )?;
+                self.drift_snapshot_verified(&id, crate::drift::Strategy::PassiveRead)?;
                 Ok(Response::Verified(VerifyReport {
                     snapshot_id: id,
                     chunks_checked: v.report.chunks_checked,

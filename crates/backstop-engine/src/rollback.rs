@@ -320,8 +320,10 @@ impl VmActor {
         let fingerprint = self.backend.config_fingerprint();
         if let Some(to) = to {
             let id = self.store.resolve(to).map_err(EngineError::Store)?;
-            // Drift detection found it failing once: never a target again, even if its bytes
-            // were put back (nothing says which other bytes changed meanwhile).
+            // Drift detection found it failing: not a target until a full verification
+            // (`snapshot verify`, which reads every byte and clears the mark) says every signed
+            // digest matches again. A rollback's own verification trusts files it checked
+            // before, so it is not the one to lift a mark.
             if let Some(why) = self.drift.unusable_reason(&id) {
                 return Err(EngineError::SnapshotUnusable {
                     snapshot_id: id,

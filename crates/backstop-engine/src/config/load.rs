@@ -490,12 +490,7 @@ impl Config {
                 ),
             });
         }
-        if self.daemon.console_uids.is_empty() {
-            return bad(
-                "daemon.console_uids",
-                "at least one uid must be allowed on the console",
-            );
-        }
+        self.daemon.check_roles()?;
         if !RECONCILE_MINUTES.contains(&self.drift.reconcile_minutes) {
             return Err(ConfigError::Invalid {
                 key: "drift.reconcile_minutes".into(),

@@ -179,9 +179,13 @@ pub struct DaemonConfig {
     pub run_dir: PathBuf,
     /// HMAC key for manifests and the journal; created 0600 on first start; never in the store.
     pub key_path: Option<PathBuf>,
+    /// People at the console: every request, `halt clear` and `resume` included.
     #[serde(default = "root_only")]
     pub console_uids: Vec<u32>,
-    #[serde(default = "root_only")]
+    /// The host policy engine: triggers, snapshots, rollbacks and reads, never what only a
+    /// person may decide. None by default: root is the console, and a policy engine gets a
+    /// user of its own. A uid in both lists is refused at load ([`DaemonConfig::check_roles`]).
+    #[serde(default)]
     pub policy_uids: Vec<u32>,
     /// Peers whose (primary) gid is listed are consoles / policy engines too.
     #[serde(default)]
@@ -308,6 +312,55 @@ impl DaemonConfig {
                 }),
             },
         }
+    }
+
+    /// The console and the policy engine are separate principals: a uid (or gid) in both
+    /// lists would let the policy engine clear HALTED and continue a paused guest, which only
+    /// a person may do, and is refused naming both keys. The console needs at least one uid.
+    pub fn check_roles(&self) -> Result<(), ConfigError> {
+        if self.console_uids.is_empty() {
+            return Err(ConfigError::Invalid {
+                key: "daemon.console_uids".into(),
+                message: "at least one uid must be allowed on the console".into(),
+            });
+        }
+        let both = |console: &[u32], policy: &[u32]| -> Vec<String> {
+            let mut ids: Vec<u32> = console
+                .iter()
+                .filter(|id| policy.contains(id))
+                .copied()
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            ids.iter().map(u32::to_string).collect()
+        };
+        for (what, console_key, policy_key, ids) in [
+            (
+                "uid",
+                "daemon.console_uids",
+                "daemon.policy_uids",
+                both(&self.console_uids, &self.policy_uids),
+            ),
+            (
+                "gid",
+                "daemon.console_gids",
+                "daemon.policy_gids",
+                both(&self.console_gids, &self.policy_gids),
+            ),
+        ] {
+            if !ids.is_empty() {
+                let plural = if ids.len() == 1 { "" } else { "s" };
+                return Err(ConfigError::Invalid {
+                    key: policy_key.into(),
+                    message: format!(
+                        "{what}{plural} {} in both {console_key} and {policy_key}: the policy engine must be a principal of its own (only a person at the console clears HALTED or resumes a guest); remove {} from {policy_key}",
+                        ids.join(", "),
+                        if ids.len() == 1 { "it" } else { "them" },
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The metrics endpoint, if `daemon.metrics` asks for one.

@@ -824,3 +824,68 @@ fn the_shipped_configs_name_chunks_by_blake3() {
     let packaged = include_str!("../../../../vmm-config/backstopd.toml");
     assert!(packaged.contains("\nchunk_hash = \"blake3\""), "{packaged}");
 }
+
+/// Root is the console and nothing else by default: a policy engine is a principal of its own.
+#[test]
+fn no_policy_principal_by_default() {
+    let cfg = Config::parse(DEFAULT_CONFIG).unwrap();
+    assert_eq!(cfg.daemon.console_uids, vec![0]);
+    assert_eq!(cfg.daemon.policy_uids, Vec::<u32>::new());
+    assert_eq!(cfg.daemon.policy_gids, Vec::<u32>::new());
+    let bare = DEFAULT_CONFIG.replace("console_uids = [0]", "");
+    let cfg = Config::parse(&bare).unwrap();
+    assert_eq!(
+        (cfg.daemon.console_uids, cfg.daemon.policy_uids),
+        (vec![0], vec![])
+    );
+}
+
+/// A uid or gid that would be both a console and a policy engine is refused in one line naming
+/// both keys, whether the daemon file holds a VM or only names a VM directory.
+#[test]
+fn a_principal_in_both_roles_is_refused_naming_both_keys() {
+    let with = |lines: &str| {
+        DEFAULT_CONFIG.replace(
+            "console_uids = [0]",
+            &format!("console_uids = [0, 1000]\n{lines}"),
+        )
+    };
+    let err = Config::parse(&with("policy_uids = [990, 1000]")).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "config: `daemon.policy_uids`: uid 1000 in both daemon.console_uids and daemon.policy_uids: the policy engine must be a principal of its own (only a person at the console clears HALTED or resumes a guest); remove it from daemon.policy_uids"
+    );
+    let err = Config::parse(&with("policy_uids = [0, 1000]")).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("uids 0, 1000 in both daemon.console_uids and daemon.policy_uids"),
+        "{err}"
+    );
+    let err = Config::parse(&with("console_gids = [50, 60]\npolicy_gids = [60]")).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "config: `daemon.policy_gids`: gid 60 in both daemon.console_gids and daemon.policy_gids: the policy engine must be a principal of its own (only a person at the console clears HALTED or resumes a guest); remove it from daemon.policy_gids"
+    );
+    assert!(!err.to_string().contains('\n'));
+    // Distinct principals load.
+    let cfg = Config::parse(&with("policy_uids = [990]\npolicy_gids = [990]")).unwrap();
+    assert_eq!(cfg.daemon.policy_uids, vec![990]);
+
+    // A daemon file without a VM of its own is checked the same.
+    let dir = tempfile::tempdir().unwrap();
+    let daemon_only = |extra: &str| {
+        format!(
+            "[daemon]\nstate_dir = \"/var/lib/backstop\"\nrun_dir = \"/run/backstop\"\nvms_dir = \"{}\"\n{extra}\n",
+            dir.path().display()
+        )
+    };
+    let err = crate::host::HostConfig::parse(&daemon_only("policy_uids = [0]")).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("config: `daemon.policy_uids`: uid 0 in both daemon.console_uids and daemon.policy_uids"),
+        "{err}"
+    );
+    let err = crate::host::HostConfig::parse(&daemon_only("console_uids = []")).unwrap_err();
+    assert!(err.to_string().contains("daemon.console_uids"), "{err}");
+    crate::host::HostConfig::parse(&daemon_only("policy_uids = [990]")).unwrap();
+}

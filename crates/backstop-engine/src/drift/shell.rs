@@ -2,7 +2,8 @@
 //! the state filesystem), feeds the pure check in [`crate::drift`], journals
 //! `DriftDetectedEvent` / `DriftResolvedEvent`, and acts — an emergency rollback for a device
 //! the ledger does not allow (HALT if it fails), a snapshot that no longer verifies marked
-//! unusable (persisted) with its damaged chunks quarantined and a fresh snapshot taken.
+//! unusable (persisted) with its damaged chunks quarantined and a fresh snapshot taken, and the
+//! mark cleared when a full verification of that snapshot passes again.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -102,6 +103,26 @@ impl DriftState {
                 reason: reason.to_string(),
             },
         );
+        self.persist_unusable()
+    }
+
+    /// Takes `snapshot_id`'s mark away, durably: `None` when it had none. When the file cannot
+    /// be written the mark stays, in memory as on disk, so a restart cannot bring back a mark
+    /// the running daemon no longer honours (or the reverse).
+    fn clear_unusable(&mut self, snapshot_id: &str) -> std::io::Result<Option<UnusableMark>> {
+        let Some(mark) = self.unusable.remove(snapshot_id) else {
+            return Ok(None);
+        };
+        match self.persist_unusable() {
+            Ok(()) => Ok(Some(mark)),
+            Err(e) => {
+                self.unusable.insert(snapshot_id.to_string(), mark);
+                Err(e)
+            }
+        }
+    }
+
+    fn persist_unusable(&self) -> std::io::Result<()> {
         std::fs::create_dir_all(&self.dir)?;
         let bytes = serde_json::to_vec_pretty(&self.unusable).map_err(std::io::Error::other)?;
         backstop_common::durable::write_atomic(&self.dir.join(UNUSABLE_FILE), &bytes)
@@ -544,6 +565,62 @@ impl VmActor {
         self.drift_apply(report, Strategy::PassiveRead);
     }
 
+    /// A full verification of `snapshot_id` passed (every signed digest: manifest, indexes,
+    /// chunks, disk layers). If drift detection had marked it unusable, its bytes are the ones
+    /// that were signed again (put back, or a quarantined chunk written anew by a later
+    /// capture), so the mark goes: kept, it would make `snapshot verify` and a rollback to the
+    /// snapshot disagree. Journaled as the `DriftResolvedEvent` of the snapshot's drift with
+    /// `usable_again`, which replay follows. An error only when the cleared mark could not be
+    /// persisted (the mark then stays).
+    pub(crate) fn drift_snapshot_verified(
+        &mut self,
+        snapshot_id: &str,
+        strategy: Strategy,
+    ) -> Result<(), EngineError> {
+        let mark = match self.drift.clear_unusable(snapshot_id) {
+            Ok(Some(mark)) => mark,
+            Ok(None) => return Ok(()),
+            Err(source) => {
+                warn!(error = %source, snapshot_id, "drift: the unusable mark could not be cleared");
+                return Err(EngineError::Io {
+                    step: "clearing the snapshot's unusable mark",
+                    source,
+                });
+            }
+        };
+        let inv = InvariantId::SnapshotVerifies;
+        // Still open while its fresh snapshot is due: this verification ends it instead.
+        let drift = match self.drift.book.get(inv, snapshot_id).cloned() {
+            Some(open) => {
+                self.drift
+                    .fresh_due
+                    .retain(|d| !(d.invariant == inv && d.node_id == snapshot_id));
+                open
+            }
+            None => OpenDrift {
+                invariant: inv,
+                node_id: snapshot_id.to_string(),
+                severity: inv.severity(),
+                strategy,
+                details: mark.reason,
+                detected_at: mark.at,
+            },
+        };
+        info!(
+            snapshot_id,
+            "drift: snapshot verifies again; unusable mark cleared"
+        );
+        self.drift_resolve_as(
+            drift,
+            &format!(
+                "verified whole again ({} check passed): unusable mark cleared, a rollback target again",
+                strategy.as_str()
+            ),
+            true,
+        );
+        Ok(())
+    }
+
     /// Journals what the check changed and carries out the actions of new violations.
     fn drift_apply(&mut self, report: super::Report, strategy: Strategy) {
         self.drift_record(report, strategy, true);
@@ -612,15 +689,18 @@ impl VmActor {
 
     fn drift_journal(&mut self, event: AuditEvent, d: &OpenDrift, resolution: Option<&str>) {
         let to_daemon = self.drift_goes_to_daemon_journal(d);
-        self.drift_journal_to(event, d, resolution, to_daemon);
+        self.drift_journal_to(event, d, resolution, to_daemon, false);
     }
 
+    /// `usable_again`: the resolution cleared the snapshot's unusable mark (see
+    /// [`VmActor::drift_snapshot_verified`]).
     fn drift_journal_to(
         &mut self,
         event: AuditEvent,
         d: &OpenDrift,
         resolution: Option<&str>,
         to_daemon: bool,
+        usable_again: bool,
     ) {
         let sid = self.session_id.clone();
         let snapshot_id = match d.invariant {
@@ -636,6 +716,9 @@ impl VmActor {
         });
         if let (Some(r), Some(m)) = (resolution, f.as_object_mut()) {
             m.insert("resolution".into(), r.into());
+            if usable_again {
+                m.insert("usable_again".into(), true.into());
+            }
         }
         let Value::Object(fields) = f else { return };
         debug_assert!(event.fields().iter().all(|k| fields.contains_key(*k)));
@@ -669,6 +752,10 @@ impl VmActor {
     /// then asks `status` must not find the drift still open; that happened when the status was
     /// published only after the whole drift action (CI, QEMU 10, a machine under load).
     fn drift_resolve(&mut self, d: OpenDrift, resolution: &str) {
+        self.drift_resolve_as(d, resolution, false);
+    }
+
+    fn drift_resolve_as(&mut self, d: OpenDrift, resolution: &str, usable_again: bool) {
         // Where the record goes is decided while the drift is still open (a journal-head
         // drift's own resolution still goes to the daemon journal).
         let to_daemon = self.drift_goes_to_daemon_journal(&d);
@@ -677,7 +764,13 @@ impl VmActor {
             .book
             .resolve(d.clone(), resolution, &now_rfc3339());
         self.publish();
-        self.drift_journal_to(AuditEvent::DriftResolved, &d, Some(resolution), to_daemon);
+        self.drift_journal_to(
+            AuditEvent::DriftResolved,
+            &d,
+            Some(resolution),
+            to_daemon,
+            usable_again,
+        );
     }
 
     /// A device the ledger does not allow: an emergency rollback (a fresh hypervisor with the
@@ -816,5 +909,34 @@ impl VmActor {
             last_reconcile_at: self.drift.last_pass_at.clone(),
             unusable_snapshots: self.drift.unusable.keys().cloned().collect(),
         }))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// A mark and its clearing are both durable: a restarted daemon sees what the running one
+    /// honoured.
+    #[test]
+    fn an_unusable_mark_is_cleared_durably() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut state = DriftState::load(dir.path());
+        state
+            .mark_unusable("s1", "chunk x: checksum mismatch")
+            .unwrap();
+        state
+            .mark_unusable("s2", "chunk y: checksum mismatch")
+            .unwrap();
+        assert!(DriftState::load(dir.path()).is_unusable("s1"));
+
+        let mark = state.clear_unusable("s1").unwrap().unwrap();
+        assert_eq!(mark.reason, "chunk x: checksum mismatch");
+        assert!(!state.is_unusable("s1"));
+        assert_eq!(state.clear_unusable("s1").unwrap(), None);
+        let again = DriftState::load(dir.path());
+        assert!(!again.is_unusable("s1"));
+        assert!(again.is_unusable("s2"));
     }
 }

@@ -800,10 +800,19 @@ impl<'a> Replayer<'a> {
                     self.epoch = Some(ep);
                 }
             }
-            // Drift detection marks a snapshot that no longer verifies unusable for good.
+            // Drift detection marks a snapshot that no longer verifies unusable, until a full
+            // verification passes again (`usable_again`).
             "DriftDetectedEvent" if s(f, "invariant_id") == Some("snapshot.verifies") => {
                 if let Some(id) = s(f, "node_id") {
                     self.unusable.insert(id.to_string());
+                }
+            }
+            "DriftResolvedEvent"
+                if s(f, "invariant_id") == Some("snapshot.verifies")
+                    && f.get("usable_again").and_then(Value::as_bool) == Some(true) =>
+            {
+                if let Some(id) = s(f, "node_id") {
+                    self.unusable.remove(id);
                 }
             }
             "vm.halted" => self.halted = true,
@@ -1164,6 +1173,54 @@ mod tests {
 
     fn set(entries: &mut [ReplayEntry], seq: u64, key: &str, v: Value) {
         entries[(seq - 1) as usize].fields.insert(key.into(), v);
+    }
+
+    /// Drift detection's records of snapshot c, folded in one by one: whether c is a candidate
+    /// after each.
+    fn c_unusable_after(records: &[(&str, Value)]) -> Vec<bool> {
+        let mut view = store(&["c"]);
+        let mut approve = |_: &str| Err(String::new());
+        let mut r = Replayer::new(ReplayMode::Production, 1, &mut view, &mut approve);
+        let looks = HashMap::new();
+        records
+            .iter()
+            .enumerate()
+            .map(|(k, (event, f))| {
+                let mut fields = f.as_object().cloned().unwrap_or_default();
+                fields.insert("invariant_id".into(), json!("snapshot.verifies"));
+                fields.insert("node_id".into(), json!("c"));
+                let e = ReplayEntry {
+                    seq: k as u64 + 1,
+                    event: event.to_string(),
+                    fields,
+                };
+                assert!(r.entry(&e, &looks).is_ok());
+                r.candidate("c").unusable
+            })
+            .collect()
+    }
+
+    /// A snapshot drift detection marked unusable stays so through a resolution by a fresh
+    /// snapshot, and is a candidate again once a verification that passed cleared the mark
+    /// (`usable_again`), as in the engine.
+    #[test]
+    fn the_unusable_mark_lasts_until_a_resolution_clears_it() {
+        let detected = (
+            "DriftDetectedEvent",
+            json!({"drift_type": "passive_read", "snapshot_id": "c"}),
+        );
+        let fresh = (
+            "DriftResolvedEvent",
+            json!({"snapshot_id": "c", "resolution": "marked unusable (never a rollback target); fresh snapshot d taken"}),
+        );
+        let cleared = (
+            "DriftResolvedEvent",
+            json!({"snapshot_id": "c", "resolution": "verified whole again", "usable_again": true}),
+        );
+        assert_eq!(
+            c_unusable_after(&[detected.clone(), fresh, cleared, detected]),
+            [true, true, false, true]
+        );
     }
 
     #[test]
