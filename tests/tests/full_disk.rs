@@ -1,6 +1,7 @@
 //! A VM whose state directory is on a small filesystem (a 32 MiB tmpfs, below the daemon's
-//! `min_free_mib`) refuses snapshots with `ERR_SNAPSHOT_NO_SPACE` and keeps running; a VM of the
-//! same daemon on a roomy filesystem snapshots as usual. A guest flooding its console cannot
+//! `min_free_mib`) is not started, since its baseline snapshot has no room (`ERR_SNAPSHOT_NO_SPACE`),
+//! and starts by itself once there is room; a VM of the same daemon on a roomy filesystem
+//! snapshots as usual. A guest flooding its console cannot
 //! grow its serial log past `serial_log_max_kib` (twice that with the rotated file). The disk
 //! layers rollbacks and crashes abandon are collected by `snapshot prune`, and only those.
 #![allow(clippy::unwrap_used)]
@@ -53,7 +54,25 @@ fn a_full_state_dir_refuses_that_vms_snapshots_and_nothing_else() {
         return;
     };
     d.launch();
-    wait_ticks(&d, "small", 2);
+    // No room for its baseline: the VM is not started (it would run with nothing to roll back
+    // to), and says why.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let st = loop {
+        let st = d.ok_vm("small", &["status"]);
+        if !st["waiting_for_baseline"].is_null() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "small never said it waits: {st}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(st["state"], "stopped", "{st}");
+    assert_eq!(
+        st["waiting_for_baseline"]["code"], "ERR_SNAPSHOT_NO_SPACE",
+        "{st}"
+    );
+    assert!(d.vm_journal("small").iter().any(
+        |e| e["event"] == "vm.start_deferred" && e["fields"]["code"] == "ERR_SNAPSHOT_NO_SPACE"
+    ));
 
     let out = d.cli_vm("small", &["snapshot", "create", "--reason", "no room"]);
     assert_eq!(out.status.code(), Some(1));
@@ -66,17 +85,30 @@ fn a_full_state_dir_refuses_that_vms_snapshots_and_nothing_else() {
             .contains("min_free_mib = 48"),
         "{err}"
     );
-    // The refusal changed nothing: the VM runs on, its store holds no snapshot.
+    // The refusal changed nothing: the VM is still not started, its store holds no snapshot,
+    // and no guest code ran.
     let st = d.ok_vm("small", &["status"]);
-    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(st["state"], "stopped", "{st}");
     assert_eq!(st["snapshots"], 0, "{st}");
-    let n = parse_ticks(&d.vm_serial("small")).len();
-    wait_ticks(&d, "small", n + 1);
+    assert_eq!(parse_ticks(&d.vm_serial("small")).len(), 0);
     assert!(d
         .vm_journal("small")
         .iter()
         .any(|e| e["event"] == "snapshot.create.failed"
             && e["fields"]["code"] == "ERR_SNAPSHOT_NO_SPACE"));
+
+    // Room is made: the VM starts by itself, with its baseline taken first.
+    let grown = Command::new("mount")
+        .args(["-o", "remount,size=512m"])
+        .arg(&small)
+        .status()
+        .unwrap();
+    assert!(grown.success());
+    wait_ticks(&d, "small", 2);
+    let st = d.ok_vm("small", &["status"]);
+    assert_eq!(st["state"], "running", "{st}");
+    assert!(st["snapshots"].as_u64().unwrap() >= 1, "{st}");
+    assert!(st["waiting_for_baseline"].is_null(), "{st}");
 
     // The other VM is not affected.
     wait_ticks(&d, "roomy", 2);

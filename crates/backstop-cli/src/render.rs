@@ -457,6 +457,17 @@ fn status_text(s: &StatusView) -> String {
             "paused (halt clear --paused): `backstop resume --reason R` continues it".into(),
         ));
     }
+    if let Some(w) = &s.waiting_for_baseline {
+        rows.push((
+            "start",
+            format!(
+                "not started since {} ({}): {}",
+                clean(&w.since),
+                clean(&w.code),
+                clean(&w.reason)
+            ),
+        ));
+    }
     if let Some(why) = &s.guest_paused_outside {
         rows.push((
             "guest",

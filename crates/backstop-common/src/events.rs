@@ -131,6 +131,7 @@ audit_events! {
     DiskChainFlattened = "disk.chain_flattened" ["disk", "depth_before", "depth_after"];
     /// A VM was started.
     VmStarted = "vm.started" [];
+    VmStartDeferred = "vm.start_deferred" ["code", "reason"];
     /// A VM that already ran (a libvirt domain) was taken over without a restart.
     VmAdopted = "vm.adopted" ["uri", "domain", "uuid", "pid", "libvirt_version", "qemu_version", "capture_mode", "capture_mode_reason"];
     /// Files in the VM's layers directory that its record does not name were found and left

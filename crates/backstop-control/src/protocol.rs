@@ -955,6 +955,11 @@ pub struct StatusView {
     /// `running`, but no guest code runs until `backstop resume`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub guest_paused: bool,
+    /// The VM is not started because its baseline snapshot cannot be taken (no room for it
+    /// yet): it never runs without a rollback target, and it starts by itself as soon as the
+    /// baseline can be taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_for_baseline: Option<HaltView>,
     /// The guest is paused by someone other than backstop (an operator's `virsh suspend`), and
     /// why: the heartbeat watchdog does not judge it until it runs again.
     #[serde(default, skip_serializing_if = "Option::is_none")]

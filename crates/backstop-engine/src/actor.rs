@@ -98,6 +98,9 @@ pub struct VmActor {
     pub(crate) paused_outside: Option<(std::time::Instant, String)>,
     /// Set by `halt clear --paused` for the one restore it runs: skip the `cont`.
     pub(crate) restore_paused: bool,
+    /// The VM is not started (state stopped) because its baseline snapshot has no room: it is
+    /// tried again every [`ROOM_RECHECK`] and the VM boots as soon as it fits.
+    pub(crate) waiting_for_baseline: Option<(backstop_control::HaltView, std::time::Instant)>,
     /// Recent unattended emergency rollbacks, for the storm guard.
     pub(crate) emergencies: std::collections::VecDeque<i64>,
     /// Where [`VmActor::publish`] puts the status for readers on other threads.
@@ -212,6 +215,7 @@ impl VmActor {
             guest_paused: false,
             paused_outside: None,
             restore_paused: false,
+            waiting_for_baseline: None,
             emergencies: Default::default(),
             devices: Default::default(),
             adoption,
@@ -762,6 +766,11 @@ impl VmActor {
         if self.adoption.is_some() {
             return self.adopted_boot(ctx);
         }
+        // No room for the baseline: the guest is not started at all, so it never runs without
+        // a rollback target (it starts by itself once the baseline fits).
+        if let Some(why) = self.no_room_for_baseline() {
+            return self.wait_for_room(ctx, why);
+        }
         for d in self.cfg.vm.disks.clone() {
             if d.snapshot == DiskSnapshotMode::Capture && !self.vm.chains.contains_key(&d.id) {
                 let top = self.next_layer(&d.id)?;
@@ -852,11 +861,19 @@ impl VmActor {
             };
             match r {
                 Ok(()) => return,
-                // Refused for want of space (`min_free_mib`): nothing was tried, nothing is
-                // wrong with the VM. It runs on, as it always did on a full disk, and the next
-                // scheduled slot tries again (journaled; `status` shows no snapshot).
+                // Refused for want of space (`min_free_mib`; the room was there when the guest
+                // was started, and is gone): nothing is wrong with the VM, but it must not run
+                // without a rollback target. A guest just booted loses nothing by being ended:
+                // it starts again as soon as its baseline fits. An adopted domain is the
+                // operator's and ran before backstop came: it is never ended for this, runs
+                // on, and the schedule tries again (docs/known-limits.md).
+                Err(e @ EngineError::NoSpace { .. }) if self.adoption.is_some() => {
+                    warn!(error = %e, "baseline snapshot of the adopted domain refused for want of space; it runs on");
+                    return;
+                }
                 Err(e @ EngineError::NoSpace { .. }) => {
-                    warn!(error = %e, "baseline snapshot refused for want of space; the VM runs on");
+                    warn!(error = %e, "baseline snapshot refused for want of space");
+                    self.stop_for_room(ctx, e.to_string());
                     return;
                 }
                 Err(e) => {
@@ -1024,6 +1041,7 @@ impl VmActor {
             links: self.link_views(),
             granted_devices: self.devices.grants.keys().cloned().collect(),
             guest_paused: self.guest_paused,
+            waiting_for_baseline: self.waiting_for_baseline.as_ref().map(|(v, _)| v.clone()),
             guest_paused_outside: self.paused_outside.as_ref().map(|(_, why)| why.clone()),
             offsite: None,
         }
@@ -1069,6 +1087,10 @@ impl VmActor {
     pub fn tick(&mut self) {
         self.expire_device_leases();
         crate::systemd::beat();
+        if self.waiting_for_baseline.is_some() {
+            self.start_when_room();
+            return;
+        }
         self.policy_tick();
         if self.life.state() != VmState::Running {
             // (An expiry found during a capture of an instance that is gone is moot.)
@@ -1185,4 +1207,125 @@ fn process_start(pid: u32) -> Option<u64> {
     // The command name (field 2) is in parentheses and may hold spaces: count after its end.
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// How often a VM waiting for room for its baseline looks again.
+pub(crate) const ROOM_RECHECK: std::time::Duration = std::time::Duration::from_secs(5);
+
+impl VmActor {
+    /// Why the baseline snapshot would be refused for want of space now (`min_free_mib`).
+    pub(crate) fn no_room_for_baseline(&self) -> Option<String> {
+        let floor = self.cfg.daemon.min_free_mib;
+        crate::snapshot::free_mib(&self.cfg.daemon.state_dir)
+            .filter(|f| *f < floor)
+            .map(|free| {
+                format!(
+                    "only {free} MiB free in the VM's state directory (min_free_mib = {floor}): \
+                     not started until its baseline snapshot has room"
+                )
+            })
+    }
+
+    /// Leaves the VM not started (state stopped), journaled `vm.start_deferred`, until its
+    /// baseline fits ([`Self::start_when_room`]).
+    fn wait_for_room(&mut self, ctx: &mut Ctx, why: String) -> Result<(), EngineError> {
+        if self.life.state() != VmState::Stopped {
+            self.transition(Transition::Stop, &ctx.trace_id.clone())?;
+        }
+        let code = ErrorCode::SnapshotNoSpace;
+        let first = self.waiting_for_baseline.is_none();
+        self.waiting_for_baseline = Some((
+            backstop_control::HaltView {
+                reason: why.clone(),
+                code: code.as_str().into(),
+                since: self
+                    .waiting_for_baseline
+                    .as_ref()
+                    .map(|(v, _)| v.since.clone())
+                    .unwrap_or_else(backstop_common::time::now_rfc3339),
+            },
+            std::time::Instant::now() + ROOM_RECHECK,
+        ));
+        if first {
+            warn!(code = %code, "{why}");
+            let sid = self.session_id.clone();
+            self.journal(AuditEvent::VmStartDeferred, json!({
+                "session_id": sid, "trace_id": ctx.trace_id, "snapshot_id": Value::Null, "result": "deferred",
+                "code": code, "reason": why,
+            }))?;
+        }
+        self.publish_state();
+        Ok(())
+    }
+
+    /// The baseline was refused for want of space after the guest started: the guest is ended
+    /// (it just booted) and the VM waits for room, as if there had been none at the start.
+    fn stop_for_room(&mut self, ctx: &mut Ctx, why: String) {
+        if let Err(e) = self.backend.terminate() {
+            tracing::error!(error = %e, "could not end the guest that has no baseline");
+        }
+        self.running_since = None;
+        if let Err(e) = self.wait_for_room(ctx, why) {
+            tracing::error!(error = %e, "could not record the wait for room");
+        }
+    }
+
+    /// From `tick` while waiting for room: boots the VM (and takes its baseline) once it fits.
+    fn start_when_room(&mut self) {
+        let Some((view, next)) = self.waiting_for_baseline.clone() else {
+            return;
+        };
+        if std::time::Instant::now() < next {
+            return;
+        }
+        let mut sink = |_p: Progress| {};
+        let mut ctx = Ctx {
+            caller: Caller::daemon(),
+            trace_id: self.new_id(),
+            progress: &mut sink,
+        };
+        if let Some(why) = self.no_room_for_baseline() {
+            self.waiting_for_baseline = Some((
+                backstop_control::HaltView {
+                    reason: why,
+                    ..view
+                },
+                std::time::Instant::now() + ROOM_RECHECK,
+            ));
+            return;
+        }
+        info!("room for the baseline snapshot: starting the VM");
+        self.waiting_for_baseline = None;
+        let booted = self
+            .transition(Transition::Boot, &ctx.trace_id.clone())
+            .and_then(|_| self.cold_boot(&mut ctx));
+        if let Err(e) = booted {
+            if self.life.state() != VmState::Halted {
+                let trace = ctx.trace_id.clone();
+                self.enter_halt(
+                    &trace,
+                    e.code(),
+                    &format!("the VM could not start once its baseline had room: {e}"),
+                );
+            }
+        }
+        self.publish();
+    }
+
+    /// A snapshot asked for while the VM waits for room: refused with why, journaled.
+    pub(crate) fn refuse_while_waiting(&mut self, ctx: &Ctx) -> Result<(), EngineError> {
+        let Some((view, _)) = &self.waiting_for_baseline else {
+            return Ok(());
+        };
+        let message = view.reason.clone();
+        let sid = self.session_id.clone();
+        self.journal(AuditEvent::SnapshotCreateFailed, json!({
+            "snapshot_id": Value::Null, "session_id": sid, "trace_id": ctx.trace_id, "result": "failed",
+            "code": ErrorCode::SnapshotNoSpace, "error": message,
+        }))?;
+        Err(EngineError::Refused {
+            code: ErrorCode::SnapshotNoSpace,
+            message,
+        })
+    }
 }

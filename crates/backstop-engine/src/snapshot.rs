@@ -123,7 +123,7 @@ impl Drop for CaptureSlot<'_> {
 }
 
 /// Free space of the filesystem holding `dir`, in MiB.
-fn free_mib(dir: &std::path::Path) -> Option<u64> {
+pub(crate) fn free_mib(dir: &std::path::Path) -> Option<u64> {
     let st = nix::sys::statvfs::statvfs(dir).ok()?;
     Some(st.blocks_available() as u64 * st.fragment_size() as u64 / (1 << 20))
 }
@@ -226,6 +226,7 @@ impl VmActor {
         // A guest left stopped by `halt clear --paused` stays stopped: a capture would resume it
         // (QEMU 7.2 restarts a background snapshot's guest). The final snapshot of a stop is
         // taken all the same (the VM is ending).
+        self.refuse_while_waiting(ctx)?;
         if self.guest_paused && trigger != "shutdown" {
             return Err(EngineError::Refused {
                 code: ErrorCode::VmBusy,
