@@ -99,6 +99,8 @@ error_codes! {
         "the hypervisor could not capture the VM's state";
     SnapshotAbandoned = "ERR_SNAPSHOT_ABANDONED", Failed,
         "a snapshot in flight was abandoned because a rollback overrides it (host trigger, emergency, watchdog)";
+    VerifyPreempted = "ERR_VERIFY_PREEMPTED", Failed,
+        "a verification (`snapshot verify`, drift detection) stopped because a rollback was waiting: ask again";
     SnapshotStalled = "ERR_SNAPSHOT_STALLED", Failed,
         "the store was too slow: the capture was abandoned so the guest would not stay stalled";
     BaselineSnapshotFailed = "ERR_BASELINE_SNAPSHOT_FAILED", Halted,

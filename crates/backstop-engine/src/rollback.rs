@@ -481,7 +481,13 @@ impl VmActor {
         how: Verify,
     ) -> Result<VerifiedSnapshot, EngineError> {
         let result = match how {
-            Verify::Full => self.store.verify(id, opts),
+            // A person's `snapshot verify` reads every byte, and stops for a rollback that
+            // arrives meanwhile (a trigger, an emergency): it is asked again, the rollback is not
+            // held up.
+            Verify::Full => {
+                let stop = std::sync::Arc::clone(&self.preempt);
+                self.store.verify_stoppable(id, opts, &stop)
+            }
             Verify::ForRollback => self.store.verify_trusting_checked(id, opts),
         };
         result.map_err(|source| {
@@ -870,7 +876,8 @@ impl VmActor {
 /// How much of a snapshot a verification reads again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verify {
-    /// Every byte (`snapshot verify`): never trusts what was checked before.
+    /// Every byte (`snapshot verify`): never trusts what was checked before; stops when a
+    /// rollback is waiting.
     Full,
     /// Choosing a rollback target: files checked before and unchanged since are trusted, as
     /// the chunks are re-checked while they stream into QEMU (the store's `checked.rs`).

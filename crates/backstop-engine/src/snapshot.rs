@@ -331,10 +331,13 @@ impl VmActor {
         }
     }
 
-    /// Ends the watch kept during a capture. `true` when it found the heartbeat expired (and
-    /// preempted the capture): the rollback is then due right after the job, and the flag it
-    /// set must not outlive this capture (a trigger's own job clears it as it starts).
-    fn note_watchdog_preemption(&mut self, watch: Option<crate::watchdog::CaptureWatch>) -> bool {
+    /// Ends the watch kept during a capture (or a drift pass). `true` when it found the
+    /// heartbeat expired (and preempted the job): the rollback is then due right after it, and
+    /// the flag it set must not outlive the job (a trigger's own job clears it as it starts).
+    pub(crate) fn note_watchdog_preemption(
+        &mut self,
+        watch: Option<crate::watchdog::CaptureWatch>,
+    ) -> bool {
         let Some(reason) = watch.and_then(crate::watchdog::CaptureWatch::finish) else {
             return false;
         };

@@ -16,9 +16,11 @@
 //! a builder recording a disk chain whose lower layers it has seen before (every snapshot's
 //! chain repeats the previous one's layers, base image included).
 //! Chunks are still re-checked (crc32) as they stream into QEMU, so a chunk that changed on
-//! the media without the kernel knowing aborts the load before the guest resumes. A full
-//! [`crate::Store::verify`] (`snapshot verify`, drift detection, retention) never trusts the
-//! record: it hashes everything and refreshes the record.
+//! the media without the kernel knowing aborts the load before the guest resumes. Drift
+//! detection's routine pass ([`crate::Store::verify_routine`]) trusts a record only while it is
+//! younger than the re-verification period, so every file is hashed again once per period. A
+//! full [`crate::Store::verify`] (`snapshot verify`, retention) never trusts the record: it
+//! hashes everything and refreshes the record.
 
 use std::collections::HashMap;
 use std::fs::Metadata;
@@ -56,6 +58,8 @@ struct Entry {
     identity: Identity,
     digest: String,
     crc32: String,
+    /// When its bytes were last hashed (or written from bytes hashed in memory).
+    at: std::time::Instant,
 }
 
 /// Files whose bytes were checked against digests, by path.
@@ -77,6 +81,7 @@ impl CheckedFiles {
                 identity: Identity::of(meta),
                 digest: digest.to_string(),
                 crc32: crc32.to_string(),
+                at: std::time::Instant::now(),
             },
         );
     }
@@ -98,6 +103,7 @@ impl CheckedFiles {
 
     /// Whether `path`, as `meta` describes it now, is unchanged since it was checked against
     /// exactly these digests.
+    #[cfg(test)]
     pub(crate) fn unchanged(
         &self,
         path: &Path,
@@ -105,9 +111,24 @@ impl CheckedFiles {
         digest: &str,
         crc32: &str,
     ) -> bool {
+        self.unchanged_within(path, meta, digest, crc32, None)
+    }
+
+    /// [`Self::unchanged`], and hashed no longer than `within` ago (`None`: whenever).
+    pub(crate) fn unchanged_within(
+        &self,
+        path: &Path,
+        meta: &Metadata,
+        digest: &str,
+        crc32: &str,
+        within: Option<std::time::Duration>,
+    ) -> bool {
         let files = self.files.lock().unwrap_or_else(|p| p.into_inner());
         files.get(path).is_some_and(|e| {
-            e.identity == Identity::of(meta) && e.digest == digest && e.crc32 == crc32
+            e.identity == Identity::of(meta)
+                && e.digest == digest
+                && e.crc32 == crc32
+                && within.is_none_or(|w| e.at.elapsed() <= w)
         })
     }
 

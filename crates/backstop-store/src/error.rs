@@ -134,6 +134,8 @@ pub enum StoreError {
     /// `chunk` is the chunk's name (its digest, sha256 or BLAKE3 as its index says).
     #[error("snapshot {id}: chunk {chunk} is missing")]
     ChunkMissing { id: String, chunk: String },
+    #[error("verification stopped: a rollback is waiting (ask again once it is done)")]
+    Preempted { id: String },
     #[error("snapshot {id}: chunk {chunk} has {found} bytes, expected {expected}")]
     ChunkSizeMismatch {
         id: String,
@@ -213,6 +215,7 @@ impl StoreError {
                 codes::MANIFEST_INVALID
             }
             CompatibilityBlocked { .. } => codes::COMPATIBILITY_BLOCKED,
+            Preempted { .. } => ErrorCode::VerifyPreempted,
         }
     }
 }

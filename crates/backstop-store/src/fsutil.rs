@@ -150,6 +150,21 @@ pub(crate) fn digests_of(bytes: &[u8]) -> Digests {
 /// Streams `reader` to EOF computing its digests.
 /// `keepalive` is called after every MiB read: hashing a disk layer of tens of GiB is long work
 /// whose caller must still look alive (see [`crate::Keepalive`]).
+/// A reader that fails (`Interrupted` is not used: it would be retried) once `stopped` says so.
+pub(crate) struct Stoppable<'a, R: Read> {
+    pub inner: R,
+    pub stopped: &'a dyn Fn() -> bool,
+}
+
+impl<R: Read> Read for Stoppable<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if (self.stopped)() {
+            return Err(io::Error::other("stopped: a rollback is waiting"));
+        }
+        self.inner.read(buf)
+    }
+}
+
 pub(crate) fn digests_of_reader(
     reader: &mut dyn Read,
     keepalive: &dyn Fn(),

@@ -77,6 +77,20 @@ enum Trust {
     Nothing,
     /// Skip files unchanged since they were checked against the same digests.
     Checked,
+    /// Skip files unchanged since they were checked against the same digests no longer than
+    /// this ago (routine re-verification: each file is hashed again once per period).
+    CheckedWithin(std::time::Duration),
+}
+
+impl Trust {
+    /// How recent a record must be to be trusted (`None`: any; not consulted for `Nothing`).
+    fn within(self) -> Option<Option<std::time::Duration>> {
+        match self {
+            Trust::Nothing => None,
+            Trust::Checked => Some(None),
+            Trust::CheckedWithin(d) => Some(Some(d)),
+        }
+    }
 }
 
 /// How one file's check went.
@@ -359,7 +373,7 @@ impl Store {
     /// consistency → every index file's sha256 and crc32 → every chunk (presence, length,
     /// digest under the index's hash, crc32) → every disk layer (size, sha256, crc32).
     pub fn verify(&self, id: &str, opts: &VerifyOptions) -> Result<VerifiedSnapshot, StoreError> {
-        self.verify_with(id, opts, Trust::Nothing)
+        self.verify_with(id, opts, Trust::Nothing, None)
     }
 
     /// [`Store::verify`] for choosing a rollback target: the manifest's signature and every
@@ -373,7 +387,32 @@ impl Store {
         id: &str,
         opts: &VerifyOptions,
     ) -> Result<VerifiedSnapshot, StoreError> {
-        self.verify_with(id, opts, Trust::Checked)
+        self.verify_with(id, opts, Trust::Checked, None)
+    }
+
+    /// [`Store::verify`] that stops with [`StoreError::Preempted`] as soon as `stop` is set.
+    pub fn verify_stoppable(
+        &self,
+        id: &str,
+        opts: &VerifyOptions,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<VerifiedSnapshot, StoreError> {
+        self.verify_with(id, opts, Trust::Nothing, Some(stop))
+    }
+
+    /// Routine re-verification (drift detection): as [`Store::verify`], except that a file this
+    /// process hashed against the same digests less than `recheck_after` ago and unchanged
+    /// since is not hashed again (an unchanged base image is not re-read every pass, only once
+    /// per period), and the work stops with [`StoreError::Preempted`] as soon as `stop` is set
+    /// (a rollback is waiting: it must not queue behind routine work).
+    pub fn verify_routine(
+        &self,
+        id: &str,
+        opts: &VerifyOptions,
+        recheck_after: std::time::Duration,
+        stop: &std::sync::atomic::AtomicBool,
+    ) -> Result<VerifiedSnapshot, StoreError> {
+        self.verify_with(id, opts, Trust::CheckedWithin(recheck_after), Some(stop))
     }
 
     fn verify_with(
@@ -381,7 +420,10 @@ impl Store {
         id: &str,
         opts: &VerifyOptions,
         trust: Trust,
+        stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<VerifiedSnapshot, StoreError> {
+        let stopped = || stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst));
+        let preempted = || StoreError::Preempted { id: id.into() };
         let manifest = self.load_manifest(id, opts)?;
         let mut report = VerifyReport::default();
         let mut indexes = BTreeMap::new();
@@ -404,7 +446,7 @@ impl Store {
                 .iter()
                 .filter(|c| seen_chunks.insert(c.digest.clone()))
                 .collect();
-            let trusted = self.verify_chunks(id, &unique, trust)?;
+            let trusted = self.verify_chunks(id, &unique, trust, stop)?;
             report.chunks_checked += unique.len() as u64;
             report.bytes_checked += unique.iter().map(|c| c.len).sum::<u64>() - trusted;
             report.bytes_trusted += trusted;
@@ -412,8 +454,11 @@ impl Store {
         }
         for payload in &manifest.payload_refs {
             for layer in &payload.layers {
+                if stopped() {
+                    return Err(preempted());
+                }
                 report.disk_layers_checked += 1;
-                match self.verify_layer(id, layer, trust)? {
+                match self.verify_layer(id, layer, trust, stop)? {
                     Checked::Read => report.bytes_checked += layer.bytes,
                     Checked::Trusted => report.bytes_trusted += layer.bytes,
                 }
@@ -624,6 +669,7 @@ impl Store {
         id: &str,
         chunks: &[&ChunkRef],
         trust: Trust,
+        stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<u64, StoreError> {
         use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
         let trusted = AtomicU64::new(0);
@@ -642,6 +688,9 @@ impl Store {
         };
         (0..reader::AHEAD_FILES).for_each(hint);
         let one = |i: usize| -> Result<(), StoreError> {
+            if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
+                return Err(StoreError::Preempted { id: id.into() });
+            }
             hint(i + reader::AHEAD_FILES);
             let c = chunks[i];
             if self.verify_chunk(id, c, trust)? == Checked::Trusted {
@@ -696,11 +745,15 @@ impl Store {
         // A chunk checked before and unchanged since costs one stat (not an open, a stat and a
         // close: a rollback's target has thousands of chunks). The file's own identity, not a
         // symlink's target: anything but the file that was checked is read again below.
-        if trust == Trust::Checked {
+        if let Some(within) = trust.within() {
             let unchanged = fs::symlink_metadata(&path).is_ok_and(|meta| {
-                self.paths
-                    .checked
-                    .unchanged(&path, &meta, &chunk.digest, &chunk.crc32)
+                self.paths.checked.unchanged_within(
+                    &path,
+                    &meta,
+                    &chunk.digest,
+                    &chunk.crc32,
+                    within,
+                )
             });
             if unchanged {
                 return Ok(Checked::Trusted);
@@ -758,17 +811,19 @@ impl Store {
         id: &str,
         layer: &DiskLayer,
         trust: Trust,
+        stop: Option<&std::sync::atomic::AtomicBool>,
     ) -> Result<Checked, StoreError> {
         let checked = &self.paths.checked;
-        if trust == Trust::Checked {
-            let unchanged = fs::metadata(&layer.path)
-                .is_ok_and(|m| checked.unchanged(&layer.path, &m, &layer.sha256, &layer.crc32));
+        if let Some(within) = trust.within() {
+            let unchanged = fs::metadata(&layer.path).is_ok_and(|m| {
+                checked.unchanged_within(&layer.path, &m, &layer.sha256, &layer.crc32, within)
+            });
             if unchanged {
                 return Ok(Checked::Trusted);
             }
         }
         checked.forget(&layer.path);
-        let meta = verify_layer(id, layer, &*self.keepalive)?;
+        let meta = verify_layer(id, layer, &*self.keepalive, stop)?;
         checked.record(&layer.path, &meta, &layer.sha256, &layer.crc32);
         Ok(Checked::Read)
     }
@@ -899,6 +954,7 @@ fn verify_layer(
     id: &str,
     layer: &DiskLayer,
     keepalive: &dyn Fn(),
+    stop: Option<&std::sync::atomic::AtomicBool>,
 ) -> Result<fs::Metadata, StoreError> {
     let path = &layer.path;
     let mut file = match File::open(path) {
@@ -931,11 +987,22 @@ fn verify_layer(
     if len != layer.bytes {
         return Err(size_err(len));
     }
-    let digests =
-        digests_of_reader(&mut file, keepalive).map_err(|source| StoreError::ReadLayer {
-            path: path.clone(),
-            source,
-        })?;
+    // A layer is one file of up to the disk's size: the stop is looked at every MiB read.
+    let stopped = || stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst));
+    let mut reader = fsutil::Stoppable {
+        inner: &mut file,
+        stopped: &stopped,
+    };
+    let digests = digests_of_reader(&mut reader, keepalive).map_err(|source| {
+        if stopped() {
+            StoreError::Preempted { id: id.into() }
+        } else {
+            StoreError::ReadLayer {
+                path: path.clone(),
+                source,
+            }
+        }
+    })?;
     if digests.len != layer.bytes {
         return Err(size_err(digests.len));
     }

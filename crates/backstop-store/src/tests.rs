@@ -1870,3 +1870,96 @@ fn a_fifo_in_a_chunks_place_fails_verify_and_read_back_instead_of_hanging() {
     let err = read.unwrap_err();
     assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
 }
+
+// ---------------------------------------------------------------- routine verification
+
+#[test]
+fn a_routine_verification_rehashes_only_what_is_older_than_its_period() {
+    use std::time::Duration;
+    let fx = Fixture::new();
+    let m = fx.small_snapshot();
+    let id = &m.snapshot_id;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let total: u64 = m.payload_refs.iter().map(|p| p.total_bytes).sum();
+    // Just written (hashed in memory): nothing is read again within the period.
+    let v = fx
+        .store
+        .verify_routine(
+            id,
+            &VerifyOptions::default(),
+            Duration::from_secs(3600),
+            &stop,
+        )
+        .unwrap();
+    assert_eq!(v.report.bytes_checked, 0, "{:?}", v.report);
+    assert_eq!(v.report.bytes_trusted, total, "{:?}", v.report);
+    // Past the period every byte is hashed again (and the record refreshed)...
+    std::thread::sleep(Duration::from_millis(30));
+    let v = fx
+        .store
+        .verify_routine(
+            id,
+            &VerifyOptions::default(),
+            Duration::from_millis(10),
+            &stop,
+        )
+        .unwrap();
+    assert_eq!(v.report.bytes_checked, total, "{:?}", v.report);
+    assert_eq!(v.report.bytes_trusted, 0);
+    // ...and a file changed behind the store's back is read and fails whatever the period.
+    let chunk = fx.first_chunk(id);
+    std::thread::sleep(Duration::from_millis(20)); // a later clock tick (checked.rs)
+    flip_byte(&fx.chunk_file(&chunk.digest), 7);
+    let err = fx
+        .store
+        .verify_routine(
+            id,
+            &VerifyOptions::default(),
+            Duration::from_secs(3600),
+            &stop,
+        )
+        .unwrap_err();
+    assert_code(&err, INTEGRITY);
+}
+
+#[test]
+fn a_routine_verification_stops_when_a_rollback_is_waiting() {
+    let fx = Fixture::new();
+    let m = fx.small_snapshot();
+    let stop = std::sync::atomic::AtomicBool::new(true);
+    let err = fx
+        .store
+        .verify_routine(
+            &m.snapshot_id,
+            &VerifyOptions::default(),
+            std::time::Duration::ZERO,
+            &stop,
+        )
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Preempted { .. }), "{err}");
+    assert_code(&err, "ERR_VERIFY_PREEMPTED");
+    // A person's full verification stops the same way, and reads every byte when not told to.
+    let err = fx
+        .store
+        .verify_stoppable(&m.snapshot_id, &VerifyOptions::default(), &stop)
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Preempted { .. }), "{err}");
+    let go = std::sync::atomic::AtomicBool::new(false);
+    let v = fx
+        .store
+        .verify_stoppable(&m.snapshot_id, &VerifyOptions::default(), &go)
+        .unwrap();
+    let total: u64 = m.payload_refs.iter().map(|p| p.total_bytes).sum();
+    assert_eq!(v.report.bytes_checked, total);
+    // A layer being hashed stops within a read of the flag: a reader told to stop fails.
+    let flag = std::cell::Cell::new(false);
+    let stopped = || flag.get();
+    let mut r = crate::fsutil::Stoppable {
+        inner: std::io::Cursor::new(vec![0u8; 4 << 20]),
+        stopped: &stopped,
+    };
+    let mut buf = [0u8; 1024];
+    assert!(std::io::Read::read(&mut r, &mut buf).is_ok());
+    flag.set(true);
+    assert!(std::io::Read::read(&mut r, &mut buf).is_err());
+}

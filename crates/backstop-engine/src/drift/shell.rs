@@ -428,12 +428,27 @@ impl VmActor {
     /// idle IO priority.
     pub(crate) fn drift_reconcile(&mut self) {
         let started = Instant::now();
+        let previous = (self.drift.last_pass, self.drift.last_pass_at.clone());
         self.drift.last_pass = started;
         self.drift.last_pass_at = Some(now_rfc3339());
         let mut o = self.drift_observe();
+        // Routine work: a host trigger or an emergency rollback waiting (the mailbox raises
+        // `preempt`), or the heartbeat watchdog expiring meanwhile (watched as during a
+        // capture), stops it; nothing of a stopped pass is applied, and it runs again at the
+        // next tick after the rollback.
+        let watch = self.watch_during_capture();
         let snapshots = {
             let _idle = IdleIo::enter();
             self.drift_observe_snapshots()
+        };
+        let watchdog = self.note_watchdog_preemption(watch);
+        let Some(snapshots) = snapshots else {
+            info!(
+                ms = started.elapsed().as_millis() as u64,
+                watchdog, "drift: reconciliation pass stopped, a rollback is waiting"
+            );
+            (self.drift.last_pass, self.drift.last_pass_at) = previous;
+            return;
         };
         o.snapshots = Some(snapshots);
         let report = check(&self.drift_expected(), &o);
@@ -447,12 +462,13 @@ impl VmActor {
         self.drift.last_pass = Instant::now();
     }
 
-    fn drift_observe_snapshots(&mut self) -> Vec<SnapshotSeen> {
+    /// What the pass finds of the snapshots; `None` when it was stopped for a rollback.
+    fn drift_observe_snapshots(&mut self) -> Option<Vec<SnapshotSeen>> {
         let entries = match self.store.list() {
             Ok(e) => e,
             Err(e) => {
                 warn!(error = %e, "drift: store not listed this time");
-                return Vec::new();
+                return Some(Vec::new());
             }
         };
         let mut seen = Vec::new();
@@ -474,11 +490,21 @@ impl VmActor {
                 ListEntry::Corrupt { .. } => {}
             }
         }
-        // The newest usable snapshot is the next rollback's target: verified whole each pass.
+        // The newest usable snapshot is the next rollback's target: verified whole each pass,
+        // except files hashed within the re-verification period and unchanged since (an
+        // unchanged base image is re-read once per period, not every pass; a file written to
+        // since is read again at once).
         let Some(newest) = usable.pop() else {
-            return seen;
+            return Some(seen);
         };
-        match self.store.verify(&newest, &VerifyOptions::default()) {
+        let recheck_after =
+            std::time::Duration::from_secs(self.cfg.drift.reverify_days.saturating_mul(24 * 3600));
+        let stop = std::sync::Arc::clone(&self.preempt);
+        match self
+            .store
+            .verify_routine(&newest, &VerifyOptions::default(), recheck_after, &stop)
+        {
+            Err(StoreError::Preempted { .. }) => return None,
             Ok(_) => seen.push(SnapshotSeen {
                 snapshot_id: newest.clone(),
                 failure: None,
@@ -519,6 +545,9 @@ impl VmActor {
         self.drift.cursor = next;
         let mut failed: BTreeSet<String> = BTreeSet::new();
         for i in window {
+            if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                return None;
+            }
             let Some((chunk, ids)) = all.get(i as usize) else {
                 continue;
             };
@@ -537,7 +566,7 @@ impl VmActor {
                 }
             }
         }
-        seen
+        Some(seen)
     }
 
     /// The passive strategy: a snapshot read (list, show, verify, a rollback's candidate) found
