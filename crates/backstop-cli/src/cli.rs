@@ -485,9 +485,14 @@ impl ReplayModeArg {
     }
 }
 
-/// `--timeout`: a [`seconds`] duration, at least one second.
+/// `--timeout`: a [`seconds`] duration, at least one second and at most ten minutes (the
+/// daemon's bound: a replay holds the VM's other work while it runs).
 fn duration_s(s: &str) -> Result<u64, String> {
-    Ok(seconds(s)?.max(1))
+    let t = seconds(s)?.max(1);
+    if t > 600 {
+        return Err(format!("{s}: at most 10m"));
+    }
+    Ok(t)
 }
 
 impl Command {
@@ -1405,6 +1410,8 @@ mod tests {
         assert_eq!(duration_s("500ms"), Ok(1));
         assert_eq!(duration_s("2m"), Ok(120));
         assert!(duration_s("soon").is_err());
+        assert_eq!(duration_s("10m"), Ok(600));
+        assert!(duration_s("601").is_err());
     }
 
     /// What `snapshot list` shows reads back through `--before` as the same second, leap days

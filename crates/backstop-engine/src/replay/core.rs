@@ -148,6 +148,10 @@ impl Outcome {
     }
 }
 
+/// The longest `--timeout` a replay may be given: it runs on the VM's actor thread, so a host
+/// trigger that arrives meanwhile waits for it at most this long.
+pub const MAX_REPLAY_TIME: Duration = Duration::from_secs(600);
+
 /// Limits (spec/003 §12).
 #[derive(Debug, Clone, Copy)]
 pub struct Caps {

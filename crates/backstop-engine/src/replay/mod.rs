@@ -133,6 +133,15 @@ impl VmActor {
                 "--snapshot names the snapshot of a sandbox run: it needs --mode reexecute".into(),
             ));
         }
+        if let Some(t) = ask
+            .timeout_s
+            .filter(|t| *t > self::core::MAX_REPLAY_TIME.as_secs())
+        {
+            return Err(EngineError::BadRequest(format!(
+                "--timeout {t}s: at most {} s (a replay holds the VM's other work, host triggers included, for as long as it runs)",
+                self::core::MAX_REPLAY_TIME.as_secs()
+            )));
+        }
         let caps = Caps {
             max_steps: ask.max_steps.unwrap_or(Caps::default().max_steps).max(1),
             max_time: ask
