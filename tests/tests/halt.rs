@@ -47,11 +47,12 @@ fn a_rollback_that_fails_after_touching_the_vm_halts_it_durably() {
     let len = d.serial_len();
     std::thread::sleep(Duration::from_secs(2));
     assert_eq!(d.serial_len(), len, "guest output while HALTED");
-    // Everything but status and halt clear is refused, exit code 4.
+    // What would change the VM is refused, exit code 4; reading the snapshots works.
+    let listed = d.ok(&["snapshot", "list"]);
+    assert!(listed.is_array() || listed.is_object(), "{listed}");
     for args in [
         &["snapshot", "create", "--reason", "x"][..],
         &["rollback", "--reason", "x"],
-        &["snapshot", "list"],
     ] {
         let out = d.cli(args);
         assert_eq!(out.status.code(), Some(4), "{args:?}");

@@ -1,13 +1,11 @@
 //! A HALTED VM can be inspected. The person deciding whether to clear a HALT reads the snapshots
-//! (`snapshot show`, `snapshot verify`, `snapshot tree`) and the journal; none of it starts QEMU or
-//! changes a snapshot. `snapshot list` stays refused with exit 4 (scripts rely on it, `halt.rs`),
-//! and its refusal names the views that work.
+//! (`snapshot list`, `snapshot show`, `snapshot verify`, `snapshot tree`) and the journal; none of
+//! it starts QEMU or changes a snapshot. What would change the VM is refused with exit 4.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
 use backstop_e2e::{skip_unless_ready, Daemon};
-use serde_json::Value;
 
 #[test]
 fn a_halted_vm_shows_and_verifies_its_snapshots_and_stays_halted() {
@@ -44,16 +42,9 @@ fn a_halted_vm_shows_and_verifies_its_snapshots_and_stays_halted() {
     let tree = d.ok(&["snapshot", "tree"]);
     assert!(!tree["nodes"].as_array().unwrap().is_empty(), "{tree}");
 
-    // snapshot list: refused while HALTED (exit 4), naming what works instead.
-    let out = d.cli(&["snapshot", "list"]);
-    assert_eq!(out.status.code(), Some(4));
-    let err: Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(err["error"]["code"], "ERR_VM_HALTED");
-    let msg = err["error"]["message"].as_str().unwrap();
-    assert!(
-        msg.contains("snapshot show") && msg.contains("snapshot verify"),
-        "{msg}"
-    );
+    // snapshot list: a read like the others, it works while HALTED and lists the snapshot.
+    let listed = d.ok(&["snapshot", "list"]);
+    assert!(listed.to_string().contains(id.as_str()), "{listed}");
     // What changes something is still refused.
     let out = d.cli(&["snapshot", "create", "--reason", "x"]);
     assert_eq!(out.status.code(), Some(4));

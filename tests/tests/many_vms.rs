@@ -216,9 +216,10 @@ fn three_vms_snapshot_and_roll_back_independently_and_fail_alone() {
     wait_vm_tick(&d, "b", b_last + 2);
     assert_eq!(d.vm_serial("c").len(), c_len, "c's guest still runs");
     assert_eq!(
-        code_of(&d.cli_vm("c", &["snapshot", "list"])),
+        code_of(&d.cli_vm("c", &["snapshot", "create", "--reason", "x"])),
         "ERR_VM_HALTED"
     );
+    assert!(d.cli_vm("c", &["snapshot", "list"]).status.success());
 
     // A clean stop and start: a and b resume, c stays HALTED.
     d.stop();
@@ -253,7 +254,15 @@ fn three_vms_snapshot_and_roll_back_independently_and_fail_alone() {
     .unwrap();
     std::fs::remove_file(vms_dir.join("b.toml")).unwrap();
     let a_epoch = d.ok_vm("a", &["status"])["epoch"].clone();
-    let r = d.ok(&["reload"]);
+    // The two bad files are refused again: the reload exits 1 and says what it did all the same.
+    let reload = || {
+        let out = d.cli(&["reload"]);
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["refused"].as_array().map(Vec::len), Some(2), "{r}");
+        r
+    };
+    let r = reload();
     assert_eq!(r["added"], serde_json::json!(["d"]), "{r}");
     assert_eq!(r["removed"], serde_json::json!(["b"]), "{r}");
     let names: Vec<String> = d.ok(&["vms"])["vms"]
@@ -283,7 +292,7 @@ fn three_vms_snapshot_and_roll_back_independently_and_fail_alone() {
         "a was disturbed"
     );
     // A second reload with nothing changed changes nothing.
-    let again = d.ok(&["reload"]);
+    let again = reload();
     assert_eq!(again["added"], serde_json::json!([]), "{again}");
     assert_eq!(again["removed"], serde_json::json!([]), "{again}");
 }

@@ -36,6 +36,8 @@ pub fn for_response(response: &Response) -> u8 {
         Response::Replayed(report) => report.code.as_deref().map_or(OK, for_code),
         // Something to fix before the VM can be guarded: the check did its job, the VM did not pass.
         Response::VmChecked(report) if !report.problems.is_empty() => FAILED,
+        // A reload that refused a file did not do what was asked of it, whatever else it did.
+        Response::Reloaded(report) if !report.refused.is_empty() => FAILED,
         _ => OK,
     }
 }
@@ -54,6 +56,21 @@ mod tests {
             code: code.into(),
             message: "m".into(),
         }
+    }
+
+    #[test]
+    fn a_reload_that_refused_a_file_fails() {
+        let mut r = backstop_control::ReloadReport {
+            added: vec!["a".into()],
+            removed: Vec::new(),
+            changed_not_applied: Vec::new(),
+            not_applied_why: Vec::new(),
+            applied: Vec::new(),
+            refused: Vec::new(),
+        };
+        assert_eq!(for_response(&Response::Reloaded(r.clone())), OK);
+        r.refused.push(("b".into(), "config: bad".into()));
+        assert_eq!(for_response(&Response::Reloaded(r)), FAILED);
     }
 
     #[test]

@@ -30,11 +30,10 @@ impl VmActor {
         v
     }
 
-    /// Runs one request. HALTED refuses everything but `status`, `halt clear` and what a
-    /// person deciding whether to clear a HALT needs to read: the audit journal (`audit tail`,
-    /// `audit verify`, `audit replay`) and the snapshots (`snapshot tree`, `show`, `verify`),
-    /// none of which touches the VM. (`snapshot list` stays refused, exit 4, as it always was:
-    /// scripts rely on it; the refusal names the views that work.)
+    /// Runs one request. HALTED refuses everything that would change the VM (exit 4); what a
+    /// person deciding whether to clear a HALT needs to read works, none of it touching the VM:
+    /// `status`, the audit journal (`audit tail`, `audit verify`, `audit replay`), the snapshots
+    /// (`snapshot list`, `tree`, `show`, `verify`) and the drift book (`drift`).
     pub fn handle(&mut self, req: Request, ctx: &mut Ctx) -> Result<Response, EngineError> {
         if self.life.state() == VmState::Halted
             && !matches!(
@@ -45,21 +44,18 @@ impl VmActor {
                     | Request::AuditTail { .. }
                     | Request::AuditVerify
                     | Request::AuditReplay(_)
+                    | Request::SnapshotList
                     | Request::SnapshotTree
                     | Request::SnapshotShow { .. }
                     | Request::SnapshotVerify { .. }
+                    | Request::DriftList
             )
         {
-            let mut reason = self
+            let reason = self
                 .life
                 .halt()
                 .map(|h| h.reason.clone())
                 .unwrap_or_default();
-            if matches!(req, Request::SnapshotList) {
-                reason.push_str(
-                    "; while HALTED, read the snapshots with `snapshot tree`, `snapshot show ID` and `snapshot verify ID`",
-                );
-            }
             return Err(EngineError::Halted { reason });
         }
         match req {
