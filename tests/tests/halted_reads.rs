@@ -42,6 +42,13 @@ fn a_halted_vm_shows_and_verifies_its_snapshots_and_stays_halted() {
     let tree = d.ok(&["snapshot", "tree"]);
     assert!(!tree["nodes"].as_array().unwrap().is_empty(), "{tree}");
 
+    // snapshot current: the one the VM stood on, while HALTED too.
+    let current = d.ok(&["snapshot", "current"]);
+    assert!(current["summary"]["snapshot_id"].is_string(), "{current}");
+    assert!(
+        d.ok(&["snapshot", "tree"])["current"] == current["summary"]["snapshot_id"],
+        "{current}"
+    );
     // snapshot list: a read like the others, it works while HALTED and lists the snapshot.
     let listed = d.ok(&["snapshot", "list"]);
     assert!(listed.to_string().contains(id.as_str()), "{listed}");

@@ -282,6 +282,13 @@ pub enum SnapshotCommand {
     /// Show the snapshots' lineage as a tree, with the VM's current position (works while
     /// HALTED).
     Tree,
+    /// Show the snapshot the VM stands on now (the one it was last snapshotted or restored at):
+    /// its summary, as `snapshot show` (works while HALTED).
+    Current {
+        /// And its whole manifest (`--json` always has it).
+        #[arg(long)]
+        full: bool,
+    },
     /// Show one snapshot's summary (`--full`: and its whole manifest; `--json` always has it).
     Show {
         /// Snapshot id, name or unique prefix.
@@ -499,9 +506,10 @@ impl Command {
     /// How much of the answer a person sees (`snapshot show --full`).
     pub fn detail(&self) -> crate::render::Detail {
         match self {
-            Command::Snapshot(SnapshotCommand::Show { full: false, .. }) => {
-                crate::render::Detail::Summary
-            }
+            Command::Snapshot(
+                SnapshotCommand::Show { full: false, .. }
+                | SnapshotCommand::Current { full: false },
+            ) => crate::render::Detail::Summary,
             _ => crate::render::Detail::Full,
         }
     }
@@ -552,6 +560,7 @@ impl Command {
             },
             Command::Snapshot(SnapshotCommand::List) => Request::SnapshotList,
             Command::Snapshot(SnapshotCommand::Tree) => Request::SnapshotTree,
+            Command::Snapshot(SnapshotCommand::Current { .. }) => Request::SnapshotCurrent,
             Command::Snapshot(SnapshotCommand::Show { id, .. }) => {
                 Request::SnapshotShow { id: id.clone() }
             }

@@ -43,9 +43,11 @@ pub enum Detail {
 /// [`human`], with `snapshot show` cut to its summary unless `detail` is [`Detail::Full`].
 pub fn human_at(request: &Request, response: &Response, detail: Detail) -> String {
     match (request, response, detail) {
-        (Request::SnapshotShow { .. }, Response::Snapshot(view), Detail::Summary) => {
-            snapshot_summary_text(view)
-        }
+        (
+            Request::SnapshotShow { .. } | Request::SnapshotCurrent,
+            Response::Snapshot(view),
+            Detail::Summary,
+        ) => snapshot_summary_text(view),
         _ => human(request, response),
     }
 }

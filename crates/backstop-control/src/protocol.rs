@@ -40,6 +40,9 @@ pub enum Request {
     SnapshotTree,
     /// One snapshot's manifest and capture figures. `id` may be a unique prefix.
     SnapshotShow { id: String },
+    /// [`Request::SnapshotShow`] of the snapshot the VM stands on now (the one it was last
+    /// snapshotted or restored at). Read-only: answered while HALTED.
+    SnapshotCurrent,
     /// Full verification (signature, fields, versions, every checksum) without touching the VM.
     SnapshotVerify { id: String },
     /// Off-host replication: fetch snapshot `id` that host `from` replicated, check its ed25519
@@ -390,6 +393,7 @@ enum StrictRequest {
     },
     SnapshotList {},
     SnapshotTree {},
+    SnapshotCurrent {},
     SnapshotShow {
         id: String,
     },
@@ -496,6 +500,7 @@ impl From<StrictRequest> for Request {
             StrictRequest::SnapshotDelete { id, reason } => Request::SnapshotDelete { id, reason },
             StrictRequest::SnapshotList {} => Request::SnapshotList,
             StrictRequest::SnapshotTree {} => Request::SnapshotTree,
+            StrictRequest::SnapshotCurrent {} => Request::SnapshotCurrent,
             StrictRequest::SnapshotShow { id } => Request::SnapshotShow { id },
             StrictRequest::SnapshotVerify { id } => Request::SnapshotVerify { id },
             StrictRequest::SnapshotPull {
@@ -598,6 +603,7 @@ impl Request {
             Request::SnapshotDelete { .. } => "snapshot delete",
             Request::SnapshotList => "snapshot list",
             Request::SnapshotTree => "snapshot tree",
+            Request::SnapshotCurrent => "snapshot current",
             Request::SnapshotShow { .. } => "snapshot show",
             Request::SnapshotVerify { .. } => "snapshot verify",
             Request::SnapshotPull { .. } => "snapshot pull",

@@ -46,6 +46,7 @@ impl VmActor {
                     | Request::AuditReplay(_)
                     | Request::SnapshotList
                     | Request::SnapshotTree
+                    | Request::SnapshotCurrent
                     | Request::SnapshotShow { .. }
                     | Request::SnapshotVerify { .. }
                     | Request::DriftList
@@ -75,6 +76,17 @@ impl VmActor {
             Request::SnapshotList => self.snapshot_list(),
             Request::SnapshotTree => self.snapshot_tree(),
             Request::DriftList => self.drift_list(),
+            Request::SnapshotCurrent => {
+                let Some(id) = self.vm.position.clone() else {
+                    return Err(EngineError::Store(
+                        backstop_store::StoreError::MissingSnapshot {
+                            given: "the current snapshot (the VM has run since a cold boot without one yet)"
+                                .into(),
+                        },
+                    ));
+                };
+                self.handle(Request::SnapshotShow { id }, ctx)
+            }
             Request::SnapshotShow { id } => {
                 let id = self.store.resolve(&id).map_err(EngineError::Store)?;
                 let entry = self
