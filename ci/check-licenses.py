@@ -265,12 +265,16 @@ def load_config():
     return allowed, exceptions, clarify, registries
 
 
+def declared(pkg, clarify):
+    """The crate's licence expression: deny.toml's clarification ("NAME" for any version, or
+    "NAME@VERSION"), else its Cargo.toml's `license`."""
+    text = clarify.get(f"{pkg['name']}@{pkg['version']}", clarify.get(pkg["name"]))
+    return pkg.get("license") if text is None else text
+
+
 def expression(pkg, clarify):
     """(parsed expression, None) or (None, why not)."""
-    # A clarification names the crate as "NAME" (any version) or "NAME@VERSION".
-    text = clarify.get(f"{pkg['name']}@{pkg['version']}", clarify.get(pkg["name"]))
-    if text is None:
-        text = pkg.get("license")
+    text = declared(pkg, clarify)
     if text is None:
         if pkg.get("license_file"):
             return None, (f"has no SPDX `license`, only license-file {pkg['license_file']}: "
@@ -303,7 +307,7 @@ def check():
         crate_allowed = allowed | exceptions.get(pkg["name"], set())
         got = reduce(node, crate_allowed)
         if got is None:
-            failures.append(f"{name}: license {pkg.get('license') or clarify.get(pkg['name'])!r} "
+            failures.append(f"{name}: license {declared(pkg, clarify)!r} "
                             "is not satisfied by deny.toml's allow list")
             continue
         checked.append((pkg["name"], node))
@@ -366,9 +370,8 @@ def crate_paragraphs(meta, package):
         para = [f"Files: vendor/{pkg['name']}-{pkg['version']}/*",
                 "Copyright: " + "\n ".join(holders),
                 f"License: {debian_expr(got)}"]
-        declared = pkg.get("license") or clarify.get(pkg["name"])
         if debian_expr(node) != debian_expr(got):  # an alternative dropped, not only spelling
-            para.append(f"Comment: Cargo.toml says license = {declared!r}.")
+            para.append(f"Comment: declared as {declared(pkg, clarify)!r}.")
         out.append("\n".join(para) + "\n")
     return out, used
 
