@@ -90,6 +90,23 @@ for d in libc6 qemu-system-x86 qemu-utils; do
 done
 ok "files, modes (binaries 0755), root ownership, conffiles, Depends: $depends"
 
+# --- the copyright file -----------------------------------------------------------------------
+# scripts/package.sh writes it from Cargo.lock (ci/check-licenses.py): the crates the binaries
+# link, and a License: paragraph for every licence they carry.
+copyright=$root/usr/share/doc/backstop/copyright
+licenses=$(python3 ci/check-licenses.py --licenses backstop) || fail "ci/check-licenses.py --licenses backstop"
+[[ -n $licenses ]] || fail "ci/check-licenses.py --licenses backstop named no licence"
+for lic in $licenses; do
+	awk -v want="License: $lic" -v RS= 'index($0 "\n", want "\n") == 1 { found = 1 } END { exit !found }' \
+		"$copyright" || fail "the copyright file has no 'License: $lic' paragraph"
+done
+crates=$(grep -c '^Files: vendor/' "$copyright" || true)
+[[ $crates -gt 0 ]] || fail "the copyright file lists no bundled crate"
+for crate in serde clap; do
+	grep -q "^Files: vendor/$crate-[0-9]" "$copyright" || fail "the copyright file does not list $crate"
+done
+ok "copyright: $crates bundled crates, a License: paragraph for each of $(tr '\n' ' ' <<<"$licenses")"
+
 # --- the installed binaries -------------------------------------------------------------------
 got=$("$root/usr/bin/backstopd" --version)
 [[ $got == "backstopd $version" ]] || fail "backstopd --version says '$got'"

@@ -22,7 +22,8 @@
 # The package: /usr/sbin/backstop-agent (debug info stripped, symbols kept); the unit
 # dist/backstop-agent/backstop-agent.service in /lib/systemd/system and the udev rule
 # 60-backstop-agent.rules in /lib/udev/rules.d (the unit starts when the port appears); README
-# and copyright in /usr/share/doc/backstop-agent; the maintainer scripts of dist/backstop-agent/
+# and copyright in /usr/share/doc/backstop-agent (dist/backstop-agent/copyright, then every crate
+# the binary links with its licence: ci/check-licenses.py); the maintainer scripts of dist/backstop-agent/
 # (enable on first install, restart on upgrade, stop on removal). Depends on nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -86,7 +87,8 @@ chmod 0755 "$root/usr/sbin/backstop-agent"
 install -D -m 0644 "$dist/backstop-agent.service" "$root/lib/systemd/system/backstop-agent.service"
 install -D -m 0644 "$dist/60-backstop-agent.rules" "$root/lib/udev/rules.d/60-backstop-agent.rules"
 install -D -m 0644 "$dist/README" "$root/usr/share/doc/backstop-agent/README"
-install -m 0644 "$dist/copyright" "$root/usr/share/doc/backstop-agent/copyright"
+python3 ci/check-licenses.py --copyright backstop-agent "$root/usr/share/doc/backstop-agent/copyright"
+chmod 0644 "$root/usr/share/doc/backstop-agent/copyright"
 
 installed_kib=$(du -sk "$root" | cut -f1)
 install -d -m 0755 "$root/DEBIAN"

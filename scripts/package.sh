@@ -14,7 +14,8 @@
 # vmm-config/backstopd.service, /etc/backstop/backstopd.toml (vmm-config/backstopd.toml) and
 # /etc/backstop/vms.d/ (its README and *.toml.sample, which the daemon does not read), all of
 # /etc as conffiles; man pages and bash/zsh/fish completions rendered by backstop-dist; README and
-# copyright in /usr/share/doc/backstop. Depends: the shared libraries the binaries link
+# copyright in /usr/share/doc/backstop (dist/debian/copyright, then every crate the binaries link
+# with its licence: ci/check-licenses.py, which refuses a licence deny.toml does not allow). Depends: the shared libraries the binaries link
 # (dpkg-shlibdeps), qemu-system-x86 and qemu-utils. The maintainer scripts (dist/debian/) only
 # make systemd re-read its units; nothing is enabled or started. ci/package-check.sh installs
 # the result into a scratch root and checks it.
@@ -105,7 +106,9 @@ done
 
 # Documentation.
 install -D -m 0644 README.md "$root/usr/share/doc/backstop/README.md"
-install -m 0644 dist/debian/copyright "$root/usr/share/doc/backstop/copyright"
+# Written from Cargo.lock at each build, so it names the crates this build links.
+python3 ci/check-licenses.py --copyright backstop "$root/usr/share/doc/backstop/copyright"
+chmod 0644 "$root/usr/share/doc/backstop/copyright"
 
 # Control area. dpkg-shlibdeps reads the libraries' symbol files for the lowest versions the
 # binaries need; it wants a debian/control beside the package root and DEBIAN/ in it.
