@@ -85,8 +85,8 @@ pub enum Command {
         #[arg(long)]
         follow: bool,
     },
-    /// Drift detection (spec/002): the open and recently resolved drift of the VM (--vm NAME),
-    /// and which invariants its backend checks (docs/drift.md).
+    /// Drift: what changed behind backstop's back — the open and recently resolved drift of the
+    /// VM (--vm NAME), and which invariants its backend checks (docs/drift.md).
     Drift,
     /// Create, list, show and verify snapshots.
     #[command(subcommand)]
@@ -94,12 +94,11 @@ pub enum Command {
     /// The off-host bucket (`[offsite]`).
     #[command(subcommand)]
     Offsite(OffsiteCommand),
-    /// Roll the VM back to a verified snapshot (spec/000 §5). Emergency (the default without
-    /// --to/--before): the newest verified snapshot, never blocked. Session: --to ID, the newest
-    /// snapshot at or before --before TIME, or where this daemon session started; anything but
-    /// the newest verified snapshot needs --reviewer-token. Any target older than
-    /// [restore_gate] max_target_age_hours (7 days) needs --reviewer-token, even an emergency.
-    /// (Micro: `action end ID --result failed`.)
+    /// Roll the VM back to a verified snapshot. Emergency (the default without --to/--before):
+    /// the newest verified snapshot, never blocked. Session: --to ID, the newest snapshot at or
+    /// before --before TIME, or where this daemon session started; anything but the newest
+    /// verified snapshot, or a target older than [restore_gate] max_target_age_hours (7 days),
+    /// needs --reviewer-token. (Undoing one action: `action end ID --result failed`.)
     Rollback {
         /// Snapshot id, name or unique prefix of a session rollback.
         #[arg(long, value_name = "ID", value_parser = non_empty)]
@@ -120,7 +119,7 @@ pub enum Command {
         /// Reviewer evidence: a token file made with `backstop review sign`.
         #[arg(long = "reviewer-token", value_name = "FILE", value_parser = json_file)]
         reviewer_token: Option<Value>,
-        /// Accept a snapshot of a newer minor schema/index version (spec/001 compatibility mode).
+        /// Accept a snapshot written by a newer minor version of backstop's snapshot format.
         #[arg(long)]
         compat: bool,
         /// Allow --to to name a forensic snapshot that kept RAM: the guest continues from
@@ -140,7 +139,7 @@ pub enum Command {
     /// Read and verify the audit journal.
     #[command(subcommand)]
     Audit(AuditCommand),
-    /// Send a host trigger (spec/000 §6), as the host policy engine does: force_rollback,
+    /// Send a host trigger, as the host policy engine does: force_rollback,
     /// post_promotion_validation_failed, tier0_violation, sandbox_contradiction,
     /// undefined_behaviour. It overrides whatever is in flight.
     Trigger {
@@ -171,8 +170,9 @@ pub enum Command {
 
 #[derive(Debug, Subcommand)]
 pub enum ActionCommand {
-    /// Submit an Action Descriptor (JSON file). A snapshot is taken first when spec/000 §4.2
-    /// requires one; the action is blocked if it fails or if the action declares no rollback.
+    /// Submit an Action Descriptor (JSON file). A snapshot is taken first when the action's tier
+    /// or risk asks for one; the action is blocked if it fails or if the action declares no
+    /// rollback.
     Begin {
         /// The descriptor: {action_id, tier, kind, risk_level, declared_effects, rollback}.
         #[arg(value_name = "FILE", value_parser = json_file)]
@@ -373,7 +373,7 @@ pub enum AuditCommand {
         #[arg(long)]
         daemon: bool,
     },
-    /// Replay the VM's journal (spec/003): verify every signature, then recompute every
+    /// Replay the VM's journal: verify every signature, then recompute every
     /// recorded decision (rollback target, restore gate, epoch, soft-rollback marks, storm
     /// guard, state transitions, id provenance) from the recorded inputs and compare. Exit 0
     /// when all reproduce; the report's code (INTEGRITY_FAILURE, MISSING_SNAPSHOT,
