@@ -98,8 +98,12 @@ fn three_vms_snapshot_and_roll_back_independently_and_fail_alone() {
     assert_eq!(code_of(&out), "ERR_VM_NOT_NAMED");
     assert!(String::from_utf8_lossy(&out.stdout).contains("a, b, broken, c, named"));
     assert_eq!(code_of(&d.cli_vm("zz", &["status"])), "ERR_VM_NOT_FOUND");
+    // A refused VM's status says what it is and why; what needs it running is refused.
+    let st = d.ok_vm("broken", &["status"]);
+    assert_eq!(st["state"], "config_invalid", "{st}");
+    assert!(st["not_running"]["code"].is_string(), "{st}");
     assert_eq!(
-        code_of(&d.cli_vm("broken", &["status"])),
+        code_of(&d.cli_vm("broken", &["snapshot", "list"])),
         "ERR_VM_NOT_RUNNING"
     );
 

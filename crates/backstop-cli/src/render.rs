@@ -459,6 +459,12 @@ fn status_text(s: &StatusView) -> String {
             "paused (halt clear --paused): `backstop resume --reason R` continues it".into(),
         ));
     }
+    if let Some(n) = &s.not_running {
+        rows.push((
+            "not running",
+            format!("{}: {}", clean(&n.code), clean(&n.reason)),
+        ));
+    }
     if let Some(w) = &s.waiting_for_baseline {
         rows.push((
             "start",

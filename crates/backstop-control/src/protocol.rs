@@ -966,6 +966,10 @@ pub struct StatusView {
     /// baseline can be taken.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting_for_baseline: Option<HaltView>,
+    /// Why a VM this daemon guards does not run at all (`state` `config_invalid` or
+    /// `start_failed`): its code and reason (`since`: when the daemon found it so).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_running: Option<HaltView>,
     /// The guest is paused by someone other than backstop (an operator's `virsh suspend`), and
     /// why: the heartbeat watchdog does not judge it until it runs again.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1042,6 +1042,7 @@ impl VmActor {
             granted_devices: self.devices.grants.keys().cloned().collect(),
             guest_paused: self.guest_paused,
             waiting_for_baseline: self.waiting_for_baseline.as_ref().map(|(v, _)| v.clone()),
+            not_running: None,
             guest_paused_outside: self.paused_outside.as_ref().map(|(_, why)| why.clone()),
             offsite: None,
         }

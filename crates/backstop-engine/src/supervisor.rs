@@ -870,6 +870,37 @@ impl Supervisor {
             .collect()
     }
 
+    /// `status` of a VM that does not run (its file refused, or its start failed): its name,
+    /// state and why, as `vms` shows it, instead of a refusal. `None` for a running VM, an
+    /// unknown name, or no name where several VMs are guarded (routing answers those).
+    pub fn status_of_down(&self, vm: Option<&str>) -> Option<backstop_control::StatusView> {
+        let members = self.members();
+        let (name, member) = match vm {
+            Some(n) => members.get_key_value(n)?,
+            None if members.len() == 1 => members.iter().next()?,
+            None => return None,
+        };
+        match member {
+            Member::Running(..) => None,
+            Member::Down {
+                state,
+                code,
+                reason,
+                backend,
+            } => Some(backstop_control::StatusView {
+                vm: name.clone(),
+                state: (*state).into(),
+                backend: backend.clone(),
+                not_running: Some(backstop_control::HaltView {
+                    reason: reason.clone(),
+                    code: code.as_str().into(),
+                    since: String::new(),
+                }),
+                ..Default::default()
+            }),
+        }
+    }
+
     /// Every VM's published status, without waiting on any actor (for the metrics endpoint): a
     /// VM that does not run shows its name and state (`config_invalid`, `start_failed`) alone.
     pub fn statuses(&self) -> Vec<backstop_control::StatusView> {

@@ -564,6 +564,13 @@ fn serve(mut conn: Connection, engine: &Supervisor, offsite: Option<&offsite::Of
         }
         _ => {}
     }
+    // `status` of a VM that does not run shows it stopped, and why, as `vms` does.
+    if let Request::Status = request {
+        if let Some(view) = engine.status_of_down(envelope.vm.as_deref()) {
+            let _ = conn.send(&Reply::Done(Response::Status(view)));
+            return;
+        }
+    }
     let vm = match engine.route(envelope.vm.as_deref()) {
         Ok(vm) => vm,
         Err((code, message)) => {
