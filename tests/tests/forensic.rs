@@ -15,7 +15,7 @@ fn a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot() {
     if skip_unless_ready("a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot") {
         return;
     }
-    // Kept three days here (the default, 0, keeps them until the next retention pass).
+    // Kept three days (the default, spelled out: the prune below relies on it).
     let d = Daemon::start_opts(
         "forensic",
         &Options {

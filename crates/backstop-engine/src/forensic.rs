@@ -24,7 +24,7 @@
 //! A forensic snapshot with RAM is a rollback target only when asked for by name with
 //! `--include-forensic` (the guest then continues from where it was before that rollback); one
 //! without RAM never is. Retention keeps forensic snapshots `[retention] keep_forensic_hours`
-//! (default 72), apart from the other rules.
+//! (default 72: three days), apart from the other rules.
 
 use std::path::PathBuf;
 use std::thread::JoinHandle;
