@@ -1,6 +1,8 @@
 //! Forensic capture: a rollback keeps the disks it abandons as a `forensic` snapshot (frozen, not
 //! copied) that its record names, whose disk layer holds the guest's last pre-rollback write, which
-//! is never a rollback target, and which replay accounts for.
+//! is never a rollback target by itself, and which replay accounts for. With the default config a
+//! host trigger's emergency rollback keeps the abandoned RAM too, and retention keeps the snapshot
+//! past the next prune; `keep_forensic_hours = 0` lets that prune collect it.
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
@@ -15,7 +17,7 @@ fn a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot() {
     if skip_unless_ready("a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot") {
         return;
     }
-    // Kept three days here (the default, 0, keeps them until the next retention pass).
+    // Kept three days (the default, spelled out: the prune below relies on it).
     let d = Daemon::start_opts(
         "forensic",
         &Options {
@@ -52,14 +54,12 @@ fn a_rollback_keeps_the_abandoned_disks_as_a_forensic_snapshot() {
         .unwrap();
     assert_eq!(done["fields"]["forensic_snapshot_id"], forensic.as_str());
 
-    // The forensic snapshot: trigger forensic, no RAM, the data disk's abandoned chain.
+    // The forensic snapshot: trigger forensic, RAM (an emergency's too, by default), the data
+    // disk's abandoned chain.
     let m = d.ok(&["snapshot", "show", &forensic])["manifest"].clone();
     assert_eq!(m["trigger"], "forensic");
     let payloads = m["payload_refs"].as_array().unwrap();
-    assert!(
-        payloads.iter().all(|p| p["kind"] == "disk-layer-chain"),
-        "{m}"
-    );
+    assert!(payloads.iter().any(|p| p["name"] == "vmstate"), "{m}");
     let data = payloads.iter().find(|p| p["name"] == "disk:data").unwrap();
     let top = data["layers"].as_array().unwrap().last().unwrap()["path"]
         .as_str()
@@ -181,4 +181,124 @@ fn a_rollback_that_fails_after_ending_the_old_vm_still_keeps_its_disks() {
         std::fs::metadata(&top).unwrap().permissions().readonly(),
         "{top} is writable"
     );
+}
+
+/// The forensic snapshot of `r` (a rollback's reply): it exists, holds the abandoned RAM, and the
+/// journal's record of it says so.
+fn forensic_with_ram(d: &Daemon, r: &Value) -> String {
+    let forensic = r["forensic_snapshot_id"]
+        .as_str()
+        .expect("the rollback names its forensic snapshot")
+        .to_string();
+    let m = d.ok(&["snapshot", "show", &forensic])["manifest"].clone();
+    assert_eq!(m["trigger"], "forensic", "{m}");
+    assert_eq!(m["capture"]["forensic"]["ram"], true, "{m}");
+    let payloads = m["payload_refs"].as_array().unwrap();
+    assert!(payloads.iter().any(|p| p["name"] == "vmstate"), "{m}");
+    assert!(payloads.iter().any(|p| p["name"] == "disk:data"), "{m}");
+    let created = d
+        .journal()
+        .into_iter()
+        .rev()
+        .find(|e| {
+            e["event"] == "snapshot.create.completed" && e["fields"]["snapshot_id"] == forensic
+        })
+        .unwrap();
+    assert_eq!(created["fields"]["ram"], true, "{created}");
+    forensic
+}
+
+/// Whether the store still holds snapshot `id` (forensic ones are not listed).
+fn stored(d: &Daemon, id: &str) -> bool {
+    d.state_dir().join("store/snapshots").join(id).is_dir()
+}
+
+#[test]
+fn a_host_trigger_keeps_ram_and_the_forensic_snapshot_outlives_the_next_prune() {
+    if skip_unless_ready(
+        "a_host_trigger_keeps_ram_and_the_forensic_snapshot_outlives_the_next_prune",
+    ) {
+        return;
+    }
+    // The default config: nothing about forensic snapshots or their RAM is set.
+    let d = Daemon::start("forensicdefault");
+    d.wait_tick(0, 3, BOOT);
+    let s1 = d.ok(&["snapshot", "create", "--reason", "before the violation"])["summary"]
+        ["snapshot_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = d.ok(&[
+        "trigger",
+        "tier0_violation",
+        "--reason",
+        "e2e: a tier 0 law broken",
+    ]);
+    assert_eq!(r["rollback_type"], "emergency", "{r}");
+    assert_eq!(r["snapshot_id"], s1.as_str(), "{r}");
+    let forensic = forensic_with_ram(&d, &r);
+
+    // The next prune keeps it, by its own rule, and it still verifies.
+    let out = d.cli(&["snapshot", "prune"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let pruned: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        !pruned["removed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["snapshot_id"] == forensic.as_str()),
+        "{pruned}"
+    );
+    let kept = pruned["kept"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["snapshot_id"] == forensic.as_str())
+        .unwrap_or_else(|| panic!("{forensic} is not among the kept: {pruned}"));
+    assert!(
+        kept["reasons"][0].as_str().unwrap().starts_with("forensic"),
+        "{kept}"
+    );
+    assert!(stored(&d, &forensic));
+    assert_eq!(
+        d.ok(&["snapshot", "verify", &forensic])["snapshot_id"],
+        forensic.as_str()
+    );
+    drop(d);
+
+    // Kept only until the next pass: that prune collects it.
+    let d = Daemon::start_opts(
+        "forensicnow",
+        &Options {
+            extra_toml: "[retention]\nkeep_forensic_hours = 0\n",
+            ..Options::default()
+        },
+    );
+    d.wait_tick(0, 3, BOOT);
+    d.ok(&["snapshot", "create", "--reason", "before the violation"]);
+    let r = d.ok(&[
+        "trigger",
+        "tier0_violation",
+        "--reason",
+        "e2e: a tier 0 law broken",
+    ]);
+    let forensic = forensic_with_ram(&d, &r);
+    let pruned = d.ok(&["snapshot", "prune"]);
+    let removed = pruned["removed"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["snapshot_id"] == forensic.as_str())
+        .unwrap_or_else(|| panic!("{forensic} was not removed: {pruned}"));
+    assert!(
+        removed["reason"].as_str().unwrap().starts_with("forensic"),
+        "{removed}"
+    );
+    assert!(!stored(&d, &forensic));
 }

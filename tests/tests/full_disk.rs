@@ -193,7 +193,15 @@ fn prune_collects_the_layers_rollbacks_and_crashes_abandon_and_nothing_needed() 
     ) {
         return;
     }
-    let mut d = Daemon::start("orphans");
+    // Forensic snapshots kept only until this prune, so that it collects the overlays the
+    // rollbacks abandoned (kept three days by default, they would still be needed).
+    let mut d = Daemon::start_opts(
+        "orphans",
+        &Options {
+            extra_toml: "[retention]\nkeep_forensic_hours = 0\n",
+            ..Options::default()
+        },
+    );
     d.wait_tick(0, 2, Duration::from_secs(120));
     let a = d.ok(&["snapshot", "create", "--reason", "point a"])["summary"]["snapshot_id"]
         .as_str()

@@ -176,8 +176,10 @@ fn pre_action_gate_rollback_types_restore_gate_and_excluded_state() {
     }
     let files = tempfile::tempdir().unwrap();
     let key = review::reviewer_key(files.path());
+    // Rolled-back and forensic snapshots kept only until the next prune, so that it can remove
+    // them and their layers below.
     let toml = format!(
-        "{}\n[retention]\nkeep_rolled_back_hours = 0\n",
+        "{}\n[retention]\nkeep_rolled_back_hours = 0\nkeep_forensic_hours = 0\n",
         review::restore_gate_toml(&key)
     );
     let d = Daemon::start_opts(

@@ -13,11 +13,11 @@ use serde_json::Value;
 
 const BOOT: Duration = Duration::from_secs(120);
 
-/// Retention that keeps only what it must (so `snapshot delete` meets the other rules), and a
-/// reviewer key (a rollback to an older snapshot needs a token).
+/// Retention that keeps only what it must (so `snapshot delete` meets the other rules; forensic
+/// snapshots included), and a reviewer key (a rollback to an older snapshot needs a token).
 fn config(key: &std::path::Path) -> String {
     format!(
-        "{}\n[retention]\nkeep_last = 1\nhourly = 0\ndaily = 0\nkeep_rolled_back_hours = 0\n",
+        "{}\n[retention]\nkeep_last = 1\nhourly = 0\ndaily = 0\nkeep_rolled_back_hours = 0\nkeep_forensic_hours = 0\n",
         review::restore_gate_toml(key)
     )
 }

@@ -6,9 +6,12 @@
 //! rebuilt.
 //!
 //! Within `[rollback] forensic_ram_budget` (default 5 s), and for the rollbacks
-//! `[rollback] forensic_ram_for` names (default `console` and `policy`: not the watchdog's, not
-//! emergencies), the abandoned VM's RAM and device state are kept too. The old QEMU is not ended
-//! but let go of paused and revoked ([`backstop_hypervisor::VmBackend::keep_abandoned`]); a plain
+//! `[rollback] forensic_ram_for` names (default every kind: console, policy, emergency and
+//! watchdog), the abandoned VM's RAM and device state are kept too. A hung guest's RAM is worth
+//! most and is still there while its QEMU answers (a watchdog's pause included); a QEMU that
+//! cannot be paused has none to give, and its snapshot keeps the disks with that reason. The
+//! old QEMU is not ended but let go of paused and revoked
+//! ([`backstop_hypervisor::VmBackend::keep_abandoned`]); a plain
 //! stop-and-copy save of it streams into the store (the capture's builder: same chunks, crc,
 //! signed manifest) on its own thread *while* the fresh VM launches, loads and resumes, so the
 //! rollback's restore does not wait for it. The old QEMU ends when the save is done or the
@@ -24,7 +27,7 @@
 //! A forensic snapshot with RAM is a rollback target only when asked for by name with
 //! `--include-forensic` (the guest then continues from where it was before that rollback); one
 //! without RAM never is. Retention keeps forensic snapshots `[retention] keep_forensic_hours`
-//! (default 72), apart from the other rules.
+//! (default 72: three days), apart from the other rules.
 
 use std::path::PathBuf;
 use std::thread::JoinHandle;
@@ -510,9 +513,28 @@ mod tests {
 
     #[test]
     fn which_rollbacks_keep_ram() {
-        let defaults = vec!["console".to_string(), "policy".to_string()];
         use RollbackType::*;
         use TriggerKind as T;
+        // By default, every kind.
+        let defaults = crate::config::RollbackConfig::default().forensic_ram_for;
+        for (trigger, ty) in [
+            (T::Console, Session),
+            (T::Policy, Session),
+            (T::ActionFailed, Micro),
+            (T::Console, Emergency),
+            (T::ForceRollback, Emergency),
+            (T::Tier0Violation, Emergency),
+            (T::VmCrash, Emergency),
+            (T::WatchdogTimeout, Emergency),
+            (T::WatchdogDevice, Emergency),
+        ] {
+            assert!(
+                ram_wanted(&defaults, trigger, ty).is_ok(),
+                "{trigger:?} {ty:?}"
+            );
+        }
+        // Naming some kinds leaves the others out, with the reason.
+        let people_and_policy = vec!["console".to_string(), "policy".to_string()];
         for (trigger, ty, kept) in [
             (T::Console, Session, true),
             (T::Policy, Session, true),
@@ -524,12 +546,12 @@ mod tests {
             (T::WatchdogDevice, Emergency, false),
         ] {
             assert_eq!(
-                ram_wanted(&defaults, trigger, ty).is_ok(),
+                ram_wanted(&people_and_policy, trigger, ty).is_ok(),
                 kept,
                 "{trigger:?} {ty:?}"
             );
         }
-        let why = ram_wanted(&defaults, T::WatchdogTimeout, Emergency).unwrap_err();
+        let why = ram_wanted(&people_and_policy, T::WatchdogTimeout, Emergency).unwrap_err();
         assert!(
             why.contains("watchdog") && why.contains("forensic_ram_for"),
             "{why}"

@@ -693,7 +693,8 @@ pub struct RollbackConfig {
     /// Which rollbacks keep that RAM: any of `console` (a person's non-emergency rollback),
     /// `policy` (the policy engine's and host triggers' non-emergency ones), `emergency` (every
     /// emergency rollback but the watchdog's) and `watchdog` (heartbeat or device watchdog
-    /// expiry). `[]` keeps none.
+    /// expiry). Default: all four, each bounded by `forensic_ram_budget`; a VM whose QEMU no
+    /// longer answers has no RAM to save, and its forensic snapshot says why. `[]` keeps none.
     #[serde(default = "default_forensic_ram_for")]
     pub forensic_ram_for: Vec<String>,
     /// Keep a standby QEMU for this VM (`docs/standby.md`): started after each boot and
@@ -734,8 +735,13 @@ fn default_forensic_ram_budget() -> String {
     "5s".into()
 }
 
+/// Every kind: the abandoned RAM is the evidence of what the guest was doing (spec/004), most of
+/// all when something went wrong enough for an emergency or the watchdog; the budget bounds
+/// what it costs, and it is saved beside the restore, not before it.
 fn default_forensic_ram_for() -> Vec<String> {
-    vec!["console".into(), "policy".into()]
+    ["console", "policy", "emergency", "watchdog"]
+        .map(String::from)
+        .to_vec()
 }
 
 fn default_revoke_ms() -> u64 {

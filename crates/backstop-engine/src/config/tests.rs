@@ -684,7 +684,11 @@ fn the_forensic_ram_keys_default_and_refuse_bad_values_by_name() {
         cfg.rollback.forensic_ram_budget(),
         std::time::Duration::from_secs(5)
     );
-    assert_eq!(cfg.rollback.forensic_ram_for, vec!["console", "policy"]);
+    assert_eq!(
+        cfg.rollback.forensic_ram_for,
+        vec!["console", "policy", "emergency", "watchdog"]
+    );
+    assert_eq!(cfg.retention.keep_forensic_hours, 72);
     let with = |keys: &str| DEFAULT_CONFIG.replace("[rollback]", &format!("[rollback]\n{keys}"));
     let cfg = Config::parse(&with(
         "forensic_ram_budget = \"750ms\"\nforensic_ram_for = []",

@@ -104,16 +104,17 @@ pub struct RetentionConfig {
     /// Snapshots a rollback left behind stay listed (marked) this long, then are deleted.
     #[serde(default = "default_rolled_back_hours")]
     pub keep_rolled_back_hours: u64,
-    /// Forensic snapshots (the disks a rollback abandoned) are kept this long, by this rule
-    /// alone (default 0: until the next retention pass).
+    /// Forensic snapshots (the state a rollback abandoned) are kept this long, by this rule
+    /// alone (default 72: three days).
     #[serde(default = "default_forensic_hours")]
     pub keep_forensic_hours: u64,
 }
 
-/// 0: until the next retention pass (then their layers are collected, as every abandoned
-/// overlay's are); an operator who wants them kept longer says how long.
+/// Three days: the evidence of what a rollback undid (spec/004: the state before a rollback can
+/// be rebuilt from its record) must outlive the next retention pass, long enough for a person
+/// to examine it after a weekend. 0 keeps them only until the next retention pass.
 fn default_forensic_hours() -> u64 {
-    0
+    72
 }
 
 impl Default for RetentionConfig {
