@@ -387,7 +387,9 @@ impl VmActor {
             ActionResult::Ok => None,
             ActionResult::Failed => {
                 let Some(target) = action.snapshot_id.clone() else {
-                    return Err(EngineError::NoVerifiedSnapshot);
+                    return Err(EngineError::NoVerifiedSnapshot {
+                        refused: "the action recorded no snapshot to roll back to",
+                    });
                 };
                 ctx.step(
                     "rollback",
