@@ -15,8 +15,9 @@ Exit status:
   1  the operation failed (any error not listed below)
   2  usage error
   3  cannot reach backstopd, or permission denied
-  4  the VM is halted (ERR_VM_HALTED, or ERR_ROLLBACK_FAILED_HALTED: the rollback
-     failed and halted it); a person clears it with `backstop halt clear`
+  4  the VM is halted (ERR_VM_HALTED; ERR_ROLLBACK_FAILED_HALTED: the rollback
+     failed and halted it; ERR_NO_VERIFIED_SNAPSHOT_HALTED: the rollback found no
+     snapshot that verifies and halted it); a person clears it with `backstop halt clear`
   5  integrity or verification failure (ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED,
      ERR_SNAPSHOT_MANIFEST_INVALID, ERR_SNAPSHOT_COMPATIBILITY_BLOCKED,
      MISSING_SNAPSHOT, or `audit verify` finding a bad entry)

@@ -94,6 +94,11 @@ mod tests {
         );
         assert_eq!(for_error(&failed("ERR_VM_HALTED")), HALTED);
         assert_eq!(for_error(&failed("ERR_ROLLBACK_FAILED_HALTED")), HALTED);
+        assert_eq!(
+            for_error(&failed("ERR_NO_VERIFIED_SNAPSHOT_HALTED")),
+            HALTED
+        );
+        assert_eq!(for_error(&failed("ERR_NO_VERIFIED_SNAPSHOT")), FAILED);
         for code in [
             "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED",
             "ERR_SNAPSHOT_MANIFEST_INVALID",

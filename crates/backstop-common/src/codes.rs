@@ -79,7 +79,7 @@ error_codes! {
         "the restore gate refused the rollback (reviewer evidence missing or not valid)";
     // spec/003 (Replay Constraints).
     MissingSnapshot = "MISSING_SNAPSHOT", Integrity,
-        "the snapshot asked for does not exist, or no snapshot verifies";
+        "the snapshot asked for does not exist (no snapshot has that id, name or prefix, or a prefix fits several)";
     IntegrityFailure = "INTEGRITY_FAILURE", Integrity,
         "replay: a signature over recorded data does not match";
     MissingPersistedAgentOutput = "MISSING_PERSISTED_AGENT_OUTPUT", Failed,
@@ -122,6 +122,10 @@ error_codes! {
         "the VM is HALTED: only `status`, `audit` and `halt clear` are accepted";
     VmBusy = "ERR_VM_BUSY", Failed,
         "the VM is in a state where this cannot be done now";
+    NoVerifiedSnapshot = "ERR_NO_VERIFIED_SNAPSHOT", Failed,
+        "no snapshot of the current line verifies, so the request was refused; nothing was changed and the VM runs on";
+    NoVerifiedSnapshotHalted = "ERR_NO_VERIFIED_SNAPSHOT_HALTED", Halted,
+        "a rollback found no snapshot that verifies to go to, so the VM is HALTED";
     RollbackFailedHalted = "ERR_ROLLBACK_FAILED_HALTED", Halted,
         "a rollback failed after the VM was touched, so the VM is HALTED";
     RollbackInterrupted = "ERR_ROLLBACK_INTERRUPTED", Halted,
@@ -371,6 +375,15 @@ mod tests {
             ExitStatus::Halted
         );
         assert_eq!(exit_status_of("MISSING_SNAPSHOT"), ExitStatus::Integrity);
+        // No verified snapshot: a halt when a rollback found none, a plain refusal otherwise.
+        assert_eq!(
+            exit_status_of("ERR_NO_VERIFIED_SNAPSHOT_HALTED"),
+            ExitStatus::Halted
+        );
+        assert_eq!(
+            exit_status_of("ERR_NO_VERIFIED_SNAPSHOT"),
+            ExitStatus::Failed
+        );
         assert_eq!(
             exit_status_of("ERR_CONTROL_UNAVAILABLE"),
             ExitStatus::Unreachable

@@ -46,8 +46,15 @@ pub enum EngineError {
     SnapshotUnusable { snapshot_id: String, reason: String },
     #[error("rollback failed at {0}; the VM is HALTED")]
     RollbackHalted(crate::rollback::RollbackError),
+    /// No snapshot of the current line verifies, found by a request that is then refused
+    /// (retention, `snapshot delete`): nothing changed, the VM runs on.
+    #[error(
+        "no snapshot of the current line verifies: {refused}; nothing was changed, the VM runs on"
+    )]
+    NoVerifiedSnapshot { refused: &'static str },
+    /// A rollback found no verified snapshot to go to, so it halted the VM (spec/000 §12).
     #[error("no verified snapshot to roll back to; the VM is HALTED")]
-    NoVerifiedSnapshot,
+    NoVerifiedSnapshotHalted,
     /// The host is short of descriptors or memory: nothing is concluded from the failure.
     #[error("{step}: the host is out of resources ({detail}); nothing was changed, retry")]
     ResourceExhausted { step: &'static str, detail: String },
@@ -116,7 +123,8 @@ impl EngineError {
             EngineError::ShapeMismatch { .. } => ErrorCode::SnapshotCompatibilityBlocked,
             EngineError::SnapshotUnusable { .. } => ErrorCode::SnapshotIntegrityCheckFailed,
             EngineError::RollbackHalted(_) => ErrorCode::RollbackFailedHalted,
-            EngineError::NoVerifiedSnapshot => ErrorCode::MissingSnapshot,
+            EngineError::NoVerifiedSnapshot { .. } => ErrorCode::NoVerifiedSnapshot,
+            EngineError::NoVerifiedSnapshotHalted => ErrorCode::NoVerifiedSnapshotHalted,
             EngineError::ResourceExhausted { .. } => ErrorCode::HostResourceExhausted,
             EngineError::Journal(e) => e.code(),
             EngineError::Io { .. } => ErrorCode::Io,

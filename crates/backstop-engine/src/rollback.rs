@@ -175,13 +175,18 @@ impl VmActor {
         let (target, skipped) = match self.choose_target(ctx, to, &gate, before.as_deref()) {
             Ok(t) => t,
             Err(e) => {
-                let halting = matches!(e, EngineError::NoVerifiedSnapshot);
+                // Spec/000 §12: a rollback that cannot be initiated for want of a target halts
+                // the VM; any other refusal leaves it as it was.
+                let e = match e {
+                    EngineError::NoVerifiedSnapshot { .. } => EngineError::NoVerifiedSnapshotHalted,
+                    e => e,
+                };
+                let halting = matches!(e, EngineError::NoVerifiedSnapshotHalted);
                 self.journal(AuditEvent::SnapshotRestoreFailed, json!({
                     "snapshot_id": to, "session_id": sid, "trace_id": trace, "result": "refused",
                     "code": e.code(), "error": e.to_string(), "vm_halted": halting,
                 }))?;
                 if halting {
-                    // Spec/000 §12: a rollback that cannot be initiated halts the VM.
                     self.enter_halt(
                         &trace,
                         e.code(),
@@ -369,7 +374,9 @@ impl VmActor {
                 }
                 Ok((v, skipped))
             }
-            _ => Err(EngineError::NoVerifiedSnapshot),
+            _ => Err(EngineError::NoVerifiedSnapshot {
+                refused: "the rollback has no target",
+            }),
         }
     }
 

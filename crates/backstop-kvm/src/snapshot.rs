@@ -133,6 +133,9 @@ impl CaptureError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
+    /// The snapshot directory itself is not there.
+    #[error("no snapshot at {dir}")]
+    Absent { dir: PathBuf },
     #[error("{path}: {source}")]
     StateFile {
         path: PathBuf,
@@ -158,9 +161,9 @@ impl RestoreError {
     pub fn code(&self) -> ErrorCode {
         match self {
             RestoreError::StateFile { source, .. } => source.code(),
-            RestoreError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
-                ErrorCode::MissingSnapshot
-            }
+            // MISSING_SNAPSHOT is for a snapshot that is absent; a file missing from one that
+            // is present (`Io` with NotFound) means it is not whole, so it cannot be trusted.
+            RestoreError::Absent { .. } => ErrorCode::MissingSnapshot,
             RestoreError::Io { .. } | RestoreError::MemoryFile { .. } => {
                 ErrorCode::SnapshotIntegrityCheckFailed
             }
@@ -783,6 +786,20 @@ pub fn read_state_file(
     dir: &Path,
     key: &HostKey,
 ) -> Result<(VerifiedStateFile, SnapshotMeta), RestoreError> {
+    match fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(RestoreError::Absent {
+                dir: dir.to_path_buf(),
+            })
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(RestoreError::Absent {
+                dir: dir.to_path_buf(),
+            })
+        }
+        Err(e) => return Err(rio_err("stat", dir)(e)),
+    }
     let path = dir.join(STATE_FILE);
     let file = File::open(&path).map_err(rio_err("open", &path))?;
     let mut bytes = Vec::new();
@@ -1194,7 +1211,9 @@ mod tests {
             path: "x".into(),
             source: std::io::Error::from(std::io::ErrorKind::NotFound),
         };
-        assert_eq!(missing.code(), "MISSING_SNAPSHOT");
+        assert_eq!(missing.code(), "ERR_SNAPSHOT_INTEGRITY_CHECK_FAILED");
+        let absent = RestoreError::Absent { dir: "x".into() };
+        assert_eq!(absent.code(), "MISSING_SNAPSHOT");
         let changed = RestoreError::MemoryFile {
             path: "x".into(),
             detail: "d".into(),

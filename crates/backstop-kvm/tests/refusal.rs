@@ -139,9 +139,14 @@ fn bad_snapshots_are_refused_with_their_code_and_start_no_vm() {
             .unwrap();
     });
     assert_eq!(refused(&[d], &key()), integrity);
-    // ... or is gone.
+    // ... or is gone: a file missing from a snapshot that is there is an integrity failure.
     let d = case(&|d| std::fs::remove_file(d.join("memory.img")).unwrap());
-    assert_eq!(refused(&[d], &key()), "MISSING_SNAPSHOT");
+    assert_eq!(refused(&[d], &key()), integrity);
+    // MISSING_SNAPSHOT is for the snapshot itself being absent.
+    assert_eq!(
+        refused(&[tmp.path().join("never-captured")], &key()),
+        "MISSING_SNAPSHOT"
+    );
 
     // A chain that does not start with a full snapshot, or a diff after the wrong parent.
     assert_eq!(

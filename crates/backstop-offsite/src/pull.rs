@@ -136,9 +136,18 @@ pub fn fetch(
     let sig = client
         .get(&format!("{prefix}/{SIGNATURE_OBJECT}"), 256)
         .map_err(missing)?;
+    // The signature is there, so the snapshot is: its manifest gone means it is not whole.
     let manifest_bytes = client
         .get(&format!("{prefix}/{MANIFEST_FILE}"), MANIFEST_MAX_BYTES)
-        .map_err(missing)?;
+        .map_err(|e| {
+            if e.is_not_found() {
+                integrity(format!(
+                    "{from}'s replicated snapshot {id} has a signature but no {MANIFEST_FILE} in the bucket"
+                ))
+            } else {
+                s3(e)
+            }
+        })?;
     // Before a byte of it is decoded.
     trust
         .verify(from, &manifest_bytes, &sig)

@@ -13,6 +13,9 @@
 //! change, or `risk_level` HIGH or CRITICAL — and if it fails the action is blocked. Open actions
 //! are durable (`<state_dir>/policy/actions.json`). `action end ID --result failed` rolls the VM
 //! back to the action's snapshot (a micro rollback, spec/000 §5.1); `ok` closes the action.
+//! The system chose that target, so if it cannot be used (spec/000 §12) the rollback falls back
+//! to the newest verified snapshot taken before the action began, and with none the VM is
+//! HALTED; the action is closed either way, and its `action.ended` entry says what happened.
 //! An action §4.2 does not require a snapshot for is bounded by the newest snapshot at the time
 //! it began, and that is where its micro rollback goes.
 
@@ -20,11 +23,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tracing::{info, warn};
 
-use backstop_control::{ActionResult, ActionView, Response, RollbackReport};
+use backstop_control::{ActionResult, ActionView, Response, RollbackReport, SkippedSnapshot};
 use backstop_store::ListEntry;
 
 use backstop_common::time::now_rfc3339;
-use backstop_common::{AuditEvent, Role, RollbackType, TriggerKind};
+use backstop_common::{AuditEvent, ErrorCode, Role, RollbackType, TriggerKind};
 
 use crate::actor::{Ctx, VmActor};
 use crate::error::EngineError;
@@ -354,7 +357,8 @@ impl VmActor {
         Ok(Response::Action(action.view("open", None)))
     }
 
-    /// `action end`: `ok` closes; `failed` is a micro rollback to the action's snapshot.
+    /// `action end`: `ok` closes; `failed` is a micro rollback to the action's snapshot (or its
+    /// fallback, see [`VmActor::micro_rollback`]).
     pub(crate) fn action_end(
         &mut self,
         ctx: &mut Ctx,
@@ -383,44 +387,143 @@ impl VmActor {
             ));
         }
         let sid = self.session_id.clone();
-        let report = match result {
-            ActionResult::Ok => None,
+        let (undone, fallback) = match result {
+            ActionResult::Ok => (None, None),
             ActionResult::Failed => {
-                let Some(target) = action.snapshot_id.clone() else {
-                    return Err(EngineError::NoVerifiedSnapshot);
-                };
-                ctx.step(
-                    "rollback",
-                    format!("micro rollback of action {action_id} to {target}"),
-                    None,
-                );
-                let plan = RollbackPlan {
-                    to: Some(target),
-                    reason: reason.clone(),
-                    trigger: TriggerKind::ActionFailed,
-                    rollback_type: RollbackType::Micro,
-                    action_ids: vec![action_id.clone()],
-                    gate: Default::default(),
-                    resume: false,
-                    before: None,
-                };
-                let r = self.rollback(ctx, plan);
-                Some(r?)
+                let (undone, fallback) = self.micro_rollback(ctx, &action, &reason);
+                (Some(undone), fallback)
             }
         };
+        // A rollback that halted the VM ends the action too: what it changed is gone with the
+        // VM, and a person decides what runs next. Any other failure changed nothing (a busy
+        // VM, a host out of resources): the action stays open for the broker to retry.
+        let (report, halted) = match undone {
+            None => (None, None),
+            Some(Ok(report)) => (Some(report), None),
+            Some(Err(error))
+                if matches!(
+                    error,
+                    EngineError::NoVerifiedSnapshotHalted | EngineError::RollbackHalted(_)
+                ) =>
+            {
+                (None, Some(error))
+            }
+            Some(Err(error)) => return Err(error),
+        };
         self.policy.actions.remove(&action_id);
-        self.policy.save_actions()?;
-        let state = if report.is_some() {
-            "rolled_back"
-        } else {
-            "closed"
+        match (self.policy.save_actions(), &halted) {
+            (Ok(()), _) => {}
+            (Err(e), None) => return Err(e.into()),
+            // The halt is the answer; the record of open actions is read again at `halt clear`.
+            (Err(e), Some(_)) => {
+                warn!(action_id = %action_id, error = %e, "could not record the action as ended")
+            }
+        }
+        let state = match (&report, &halted) {
+            (_, Some(_)) => "halted",
+            (Some(_), None) => "rolled_back",
+            (None, None) => "closed",
+        };
+        let (refused_id, refused_code, refused_error) = match &fallback {
+            Some(f) => (f.snapshot_id.clone(), f.code, Some(f.error.clone())),
+            None => (None, None, None),
         };
         self.journal(AuditEvent::ActionEnded, json!({
             "snapshot_id": action.snapshot_id, "session_id": sid, "trace_id": ctx.trace_id, "result": result.as_str(),
             "action_id": action_id, "state": state, "reason": reason, "ended_by": ctx.caller.label(),
             "rolled_back_to": report.as_ref().map(|r| r.snapshot_id.clone()),
+            "fallback": fallback.is_some(), "refused_snapshot_id": refused_id,
+            "refused_code": refused_code, "refused_error": refused_error,
+            "code": halted.as_ref().map(EngineError::code),
+            "error": halted.as_ref().map(ToString::to_string),
         }))?;
+        if let Some(e) = halted {
+            return Err(e);
+        }
         Ok(Response::Action(action.view(state, report)))
+    }
+
+    /// The micro rollback of a failed action (spec/000 §5.1): to the action's own snapshot. The
+    /// system chose that target, so when it cannot be used (absent, failing verification,
+    /// marked unusable, of another shape) the rollback still happens (spec/000 §12): to the
+    /// newest verified snapshot of the current line taken before the action began, or, with
+    /// none, the VM is HALTED. Nothing was touched when the first target was refused. Returns
+    /// the outcome, and why the action's own snapshot was refused when it went to the fallback.
+    fn micro_rollback(
+        &mut self,
+        ctx: &mut Ctx,
+        action: &OpenAction,
+        reason: &str,
+    ) -> (Result<RollbackReport, EngineError>, Option<Refusal>) {
+        let action_id = &action.action_id;
+        let plan = |to: Option<String>, reason: String, before: Option<String>| RollbackPlan {
+            to,
+            reason,
+            trigger: TriggerKind::ActionFailed,
+            rollback_type: RollbackType::Micro,
+            action_ids: vec![action_id.clone()],
+            gate: Default::default(),
+            resume: false,
+            before,
+        };
+        let refused = match action.snapshot_id.clone() {
+            Some(target) => {
+                ctx.step(
+                    "rollback",
+                    format!("micro rollback of action {action_id} to {target}"),
+                    None,
+                );
+                match self.rollback(ctx, plan(Some(target.clone()), reason.to_string(), None)) {
+                    Ok(report) => return (Ok(report), None),
+                    Err(e) if target_refused(&e) => Refusal {
+                        snapshot_id: Some(target),
+                        code: Some(e.code()),
+                        error: e.to_string(),
+                    },
+                    Err(error) => return (Err(error), None),
+                }
+            }
+            // Bounded by no snapshot when it began (none was required, none existed).
+            None => Refusal {
+                snapshot_id: None,
+                code: None,
+                error: format!("action {action_id} recorded no snapshot to roll back to"),
+            },
+        };
+        let first = refused.snapshot_id.as_deref().unwrap_or("none recorded");
+        let code = refused.code.map_or("none", ErrorCode::as_str);
+        warn!(action_id = %action_id, refused = first, code,
+            "the action's snapshot cannot be used: falling back to the newest verified snapshot before it began");
+        ctx.step(
+            "rollback",
+            format!(
+                "micro rollback of action {action_id}: its snapshot ({first}) was refused ({code}); falling back to the newest verified snapshot taken before it began"
+            ),
+            None,
+        );
+        let why = format!(
+            "{reason} (fallback: the action's snapshot {first} was refused with {code}: {})",
+            refused.error
+        );
+        // The pre-action snapshot is taken before the action's begin time, so it is itself a
+        // candidate by time: drift detection marked it unusable when it failed, which keeps
+        // it out, and one that was only absent is not listed.
+        let result = match self.rollback(ctx, plan(None, why, Some(action.opened_at.clone()))) {
+            Ok(mut report) => {
+                if let (Some(id), Some(code)) = (&refused.snapshot_id, refused.code) {
+                    report.skipped.insert(
+                        0,
+                        SkippedSnapshot {
+                            snapshot_id: id.clone(),
+                            code: code.as_str().to_string(),
+                        },
+                    );
+                }
+                Ok(report)
+            }
+            Err(error) => Err(error),
+        };
+        (result, Some(refused))
     }
 
     /// `action list`.
@@ -433,6 +536,25 @@ impl VmActor {
                 .map(|a| a.view("open", None))
                 .collect(),
         })
+    }
+}
+
+/// Why the action's own snapshot was not the target: refused with a code, or none recorded.
+struct Refusal {
+    snapshot_id: Option<String>,
+    code: Option<ErrorCode>,
+    error: String,
+}
+
+/// Whether a rollback to a named target was refused because of the target itself (absent,
+/// failing verification, marked unusable, of another shape), before the VM was touched.
+fn target_refused(e: &EngineError) -> bool {
+    match e {
+        EngineError::Verify { .. }
+        | EngineError::SnapshotUnusable { .. }
+        | EngineError::ShapeMismatch { .. } => true,
+        EngineError::Store(s) => s.code() == ErrorCode::MissingSnapshot,
+        _ => false,
     }
 }
 
@@ -481,6 +603,41 @@ mod tests {
             assert_eq!(err.code(), "ERR_ACTION_DESCRIPTOR_INVALID", "{what}: {err}");
         }
         assert!(ActionDescriptor::parse(&json!("pkg-42")).is_err());
+    }
+
+    /// Only a refusal of the target itself, before the VM was touched, sends a failed action's
+    /// rollback to the fallback; a busy VM or a host out of resources is answered as it is.
+    #[test]
+    fn the_fallback_is_for_a_target_that_cannot_be_used() {
+        use backstop_store::StoreError;
+        let id = || "0123456789abcdef0123456789abcdef".to_string();
+        let falls_back = [
+            EngineError::Verify {
+                snapshot_id: id(),
+                source: StoreError::SignatureMismatch { id: id() },
+            },
+            EngineError::SnapshotUnusable {
+                snapshot_id: id(),
+                reason: "drift".into(),
+            },
+            EngineError::ShapeMismatch { snapshot_id: id() },
+            EngineError::Store(StoreError::MissingSnapshot { given: id() }),
+        ];
+        for e in &falls_back {
+            assert!(target_refused(e), "{e}");
+        }
+        let answered = [
+            EngineError::ResourceExhausted {
+                step: "verify",
+                detail: "EMFILE".into(),
+            },
+            EngineError::NoVerifiedSnapshotHalted,
+            EngineError::ShuttingDown,
+            EngineError::Store(StoreError::Random("no entropy".into())),
+        ];
+        for e in &answered {
+            assert!(!target_refused(e), "{e}");
+        }
     }
 
     #[test]

@@ -194,7 +194,7 @@ impl VmActor {
         // as prune); without one that verifies nothing is judged safe to remove.
         let plan = match self.retention_plan(ctx) {
             Ok(plan) => plan,
-            Err(EngineError::NoVerifiedSnapshot) => {
+            Err(EngineError::NoVerifiedSnapshot { .. }) => {
                 return Err(refuse(
                     "no snapshot of the current line verifies: nothing is deleted while the VM may have no other rollback target"
                         .into(),

@@ -149,7 +149,8 @@ impl VmActor {
     /// What `[retention]` keeps and removes now, with every reason: the newest verified
     /// snapshot of the current line and each open action's pre-action snapshot are protected,
     /// forensic snapshots follow `keep_forensic_hours` alone. Without a verified snapshot
-    /// nothing can be judged safe to remove (`NoVerifiedSnapshot`). Used by prune and by
+    /// nothing can be judged safe to remove (`NoVerifiedSnapshot`, a refusal: the VM runs on,
+    /// nothing is removed). Used by prune and by
     /// `snapshot delete` (which refuses what the plan keeps).
     pub(crate) fn retention_plan(&mut self, ctx: &mut Ctx) -> Result<RetentionPlan, EngineError> {
         self.policy.check_records()?;
@@ -157,7 +158,9 @@ impl VmActor {
         let newest = self.newest_verified_live(ctx)?;
         let Some(newest) = newest else {
             // Without a verified snapshot nobody can say what is safe to delete.
-            return Err(EngineError::NoVerifiedSnapshot);
+            return Err(EngineError::NoVerifiedSnapshot {
+                refused: "nothing can be judged safe to remove, so nothing was pruned",
+            });
         };
         let mut protected: BTreeMap<String, String> = BTreeMap::new();
         protected.insert(newest.clone(), "the newest verified snapshot".into());
