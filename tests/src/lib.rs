@@ -838,6 +838,20 @@ pub fn disk_sector0(image: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// The disk layer a snapshot made immutable: the top of its first disk chain, from its manifest.
+pub fn top_disk_layer(manifest: &Value) -> PathBuf {
+    manifest["payload_refs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["kind"] == "disk-layer-chain")
+        .and_then(|p| p["layers"].as_array().unwrap().last().cloned())
+        .unwrap()["path"]
+        .as_str()
+        .unwrap()
+        .into()
+}
+
 /// Flips one byte of `path` at `offset` (from the end when negative); returns a restorer.
 pub fn flip_byte(path: &Path, offset: i64) -> impl FnOnce() {
     use std::os::unix::fs::PermissionsExt;

@@ -35,6 +35,21 @@ fn snapshots(d: &Daemon) -> Vec<Value> {
 }
 
 /// The chunk files named by `snapshot`'s indexes.
+/// A chunk snapshot `id` holds and no other snapshot does: damaging it leaves the others good.
+fn own_chunk(d: &Daemon, store: &Path, id: &str) -> String {
+    let older: std::collections::BTreeSet<String> = snapshots(d)
+        .iter()
+        .map(|s| s["snapshot_id"].as_str().unwrap().to_string())
+        .filter(|s| s != id)
+        .flat_map(|s| chunks_of(store, &s))
+        .collect();
+    assert!(!older.is_empty(), "no older snapshot to fall back to");
+    chunks_of(store, id)
+        .into_iter()
+        .find(|c| !older.contains(c))
+        .expect("the snapshot has no chunk of its own")
+}
+
 fn chunks_of(store: &Path, snapshot: &str) -> Vec<String> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(store.join("snapshots").join(snapshot)).unwrap() {
@@ -79,17 +94,7 @@ fn a_snapshot_damaged_in_the_store_is_found_marked_unusable_and_replaced() {
     let store = d.state_dir().join("store");
     // A chunk only the newest snapshot holds (the guest's counter moved since the baseline),
     // so the older snapshots stay good.
-    let older: std::collections::BTreeSet<String> = snapshots(&d)
-        .iter()
-        .map(|s| s["snapshot_id"].as_str().unwrap().to_string())
-        .filter(|id| *id != newest)
-        .flat_map(|id| chunks_of(&store, &id))
-        .collect();
-    assert!(!older.is_empty(), "no older snapshot to fall back to");
-    let victim = chunks_of(&store, &newest)
-        .into_iter()
-        .find(|c| !older.contains(c))
-        .expect("the newest snapshot has no chunk of its own");
+    let victim = own_chunk(&d, &store, &newest);
     let victim_path = chunk_path(&store, &victim);
     let original = std::fs::read(&victim_path).unwrap();
     let damaged_at = Instant::now();
@@ -264,16 +269,7 @@ fn a_marked_snapshot_that_verifies_again_is_a_rollback_target_again() {
         .unwrap()
         .to_string();
     let store = d.state_dir().join("store");
-    let older: std::collections::BTreeSet<String> = snapshots(&d)
-        .iter()
-        .map(|s| s["snapshot_id"].as_str().unwrap().to_string())
-        .filter(|s| *s != id)
-        .flat_map(|s| chunks_of(&store, &s))
-        .collect();
-    let victim = chunks_of(&store, &id)
-        .into_iter()
-        .find(|c| !older.contains(c))
-        .expect("the snapshot has no chunk of its own");
+    let victim = own_chunk(&d, &store, &id);
     let victim_path = chunk_path(&store, &victim);
     let len = std::fs::metadata(&victim_path).unwrap().len();
     let restore = flip_byte(&victim_path, (len / 2) as i64);

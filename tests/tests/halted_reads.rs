@@ -55,6 +55,8 @@ fn a_halted_vm_shows_and_verifies_its_snapshots_and_stays_halted() {
     // What changes something is still refused.
     let out = d.cli(&["snapshot", "create", "--reason", "x"]);
     assert_eq!(out.status.code(), Some(4));
+    let err: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(err["error"]["code"], "ERR_VM_HALTED");
 
     // Nothing ran, nothing changed: still HALTED with no QEMU, same snapshots.
     let st = d.status();

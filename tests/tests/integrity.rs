@@ -40,16 +40,7 @@ fn ram_chunk(d: &Daemon, snap_dir: &Path, _: &Value) -> (PathBuf, String) {
 
 /// The disk layer this snapshot made immutable (the top of its chain).
 fn disk_layer(_: &Daemon, _: &Path, manifest: &Value) -> (PathBuf, String) {
-    let path: PathBuf = manifest["payload_refs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["kind"] == "disk-layer-chain")
-        .and_then(|p| p["layers"].as_array().unwrap().last().cloned())
-        .unwrap()["path"]
-        .as_str()
-        .unwrap()
-        .into();
+    let path = backstop_e2e::top_disk_layer(manifest);
     let said = format!("checksum mismatch in disk layer {}", path.display());
     (path, said)
 }

@@ -47,16 +47,7 @@ fn corrupt_layer(d: &Daemon, id: &str) -> impl FnOnce() {
         .unwrap(),
     )
     .unwrap();
-    let top: PathBuf = manifest["payload_refs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["kind"] == "disk-layer-chain")
-        .and_then(|p| p["layers"].as_array().unwrap().last().cloned())
-        .unwrap()["path"]
-        .as_str()
-        .unwrap()
-        .into();
+    let top = backstop_e2e::top_disk_layer(&manifest);
     flip_byte(&top, -100)
 }
 

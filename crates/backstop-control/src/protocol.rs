@@ -967,7 +967,8 @@ pub struct StatusView {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting_for_baseline: Option<HaltView>,
     /// Why a VM this daemon guards does not run at all (`state` `config_invalid` or
-    /// `start_failed`): its code and reason (`since`: when the daemon found it so).
+    /// `start_failed`): its code and reason, as `vms` shows them (`since` is empty: the daemon
+    /// keeps no time for it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_running: Option<HaltView>,
     /// The guest is paused by someone other than backstop (an operator's `virsh suspend`), and

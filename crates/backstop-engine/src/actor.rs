@@ -1216,15 +1216,16 @@ pub(crate) const ROOM_RECHECK: std::time::Duration = std::time::Duration::from_s
 impl VmActor {
     /// Why the baseline snapshot would be refused for want of space now (`min_free_mib`).
     pub(crate) fn no_room_for_baseline(&self) -> Option<String> {
-        let floor = self.cfg.daemon.min_free_mib;
-        crate::snapshot::free_mib(&self.cfg.daemon.state_dir)
-            .filter(|f| *f < floor)
-            .map(|free| {
-                format!(
-                    "only {free} MiB free in the VM's state directory (min_free_mib = {floor}): \
-                     not started until its baseline snapshot has room"
-                )
-            })
+        match self.short_of_space()? {
+            EngineError::NoSpace {
+                free_mib,
+                min_free_mib,
+            } => Some(format!(
+                "only {free_mib} MiB free in the VM's state directory (min_free_mib = {min_free_mib}): \
+                 not started until its baseline snapshot has room"
+            )),
+            other => Some(other.to_string()),
+        }
     }
 
     /// Leaves the VM not started (state stopped), journaled `vm.start_deferred`, until its

@@ -123,7 +123,7 @@ impl Drop for CaptureSlot<'_> {
 }
 
 /// Free space of the filesystem holding `dir`, in MiB.
-pub(crate) fn free_mib(dir: &std::path::Path) -> Option<u64> {
+fn free_mib(dir: &std::path::Path) -> Option<u64> {
     let st = nix::sys::statvfs::statvfs(dir).ok()?;
     Some(st.blocks_available() as u64 * st.fragment_size() as u64 / (1 << 20))
 }
@@ -162,6 +162,17 @@ pub(crate) fn manifest_healthy(m: &Manifest) -> bool {
 impl VmActor {
     /// Healthy: the last heartbeat is at most `watchdog.healthy_within_s` old, or none came yet
     /// and the instance is still within its boot grace.
+    /// [`EngineError::NoSpace`] while the state directory has less than `min_free_mib` free.
+    pub(crate) fn short_of_space(&self) -> Option<EngineError> {
+        let floor = self.cfg.daemon.min_free_mib;
+        free_mib(&self.cfg.daemon.state_dir)
+            .filter(|f| *f < floor)
+            .map(|free| EngineError::NoSpace {
+                free_mib: free,
+                min_free_mib: floor,
+            })
+    }
+
     pub(crate) fn guest_health(&self) -> GuestHealth {
         self.guest_health_excusing(std::time::Duration::ZERO)
     }
@@ -431,12 +442,8 @@ impl VmActor {
         name: Option<&str>,
     ) -> Result<Manifest, EngineError> {
         // Below the floor a snapshot is refused (its action is blocked); the VM runs on.
-        let floor = self.cfg.daemon.min_free_mib;
-        if let Some(free) = free_mib(&self.cfg.daemon.state_dir).filter(|f| *f < floor) {
-            return Err(EngineError::NoSpace {
-                free_mib: free,
-                min_free_mib: floor,
-            });
+        if let Some(short) = self.short_of_space() {
+            return Err(short);
         }
         let started = Instant::now();
         let mut builder = self

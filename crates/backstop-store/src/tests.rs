@@ -1880,45 +1880,25 @@ fn a_routine_verification_rehashes_only_what_is_older_than_its_period() {
     let m = fx.small_snapshot();
     let id = &m.snapshot_id;
     let stop = std::sync::atomic::AtomicBool::new(false);
+    let routine = |period: Duration| {
+        fx.store
+            .verify_routine(id, &VerifyOptions::default(), period, &stop)
+    };
     let total: u64 = m.payload_refs.iter().map(|p| p.total_bytes).sum();
     // Just written (hashed in memory): nothing is read again within the period.
-    let v = fx
-        .store
-        .verify_routine(
-            id,
-            &VerifyOptions::default(),
-            Duration::from_secs(3600),
-            &stop,
-        )
-        .unwrap();
+    let v = routine(Duration::from_secs(3600)).unwrap();
     assert_eq!(v.report.bytes_checked, 0, "{:?}", v.report);
     assert_eq!(v.report.bytes_trusted, total, "{:?}", v.report);
     // Past the period every byte is hashed again (and the record refreshed)...
     std::thread::sleep(Duration::from_millis(30));
-    let v = fx
-        .store
-        .verify_routine(
-            id,
-            &VerifyOptions::default(),
-            Duration::from_millis(10),
-            &stop,
-        )
-        .unwrap();
+    let v = routine(Duration::from_millis(10)).unwrap();
     assert_eq!(v.report.bytes_checked, total, "{:?}", v.report);
     assert_eq!(v.report.bytes_trusted, 0);
     // ...and a file changed behind the store's back is read and fails whatever the period.
     let chunk = fx.first_chunk(id);
     std::thread::sleep(Duration::from_millis(20)); // a later clock tick (checked.rs)
     flip_byte(&fx.chunk_file(&chunk.digest), 7);
-    let err = fx
-        .store
-        .verify_routine(
-            id,
-            &VerifyOptions::default(),
-            Duration::from_secs(3600),
-            &stop,
-        )
-        .unwrap_err();
+    let err = routine(Duration::from_secs(3600)).unwrap_err();
     assert_code(&err, INTEGRITY);
 }
 
